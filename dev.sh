@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The project's one entry point. Each command sets up everything it needs on a fresh machine:
+#   ./dev.sh demo    the main job on its embedded default (see README)
+#   ./dev.sh test    the test suite (what CI runs)
+# Set-up: a virtual environment in .venv (TIERED_VENV overrides), torch (the CPU build unless a
+# torch is already importable there; TIERED_TORCH_SPEC overrides, e.g. for a CUDA build), then
+# this project with its test extras, editable. Re-running is cheap: set-up is skipped when done.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+VENV=${TIERED_VENV:-.venv}
+PY="$VENV/bin/python"
+
+setup() {
+  [ -x "$PY" ] || python3 -m venv "$VENV"
+  local stamp="$VENV/.tiered-setup"
+  if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then return; fi
+  "$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  if ! "$PY" -c "import torch" 2>/dev/null; then
+    # The CPU build keeps CI fast; a GPU machine sets TIERED_TORCH_SPEC to its CUDA build.
+    "$PY" -m pip install -q ${TIERED_TORCH_SPEC:-torch==2.13.0}
+  fi
+  "$PY" -m pip install -q -e ".[test]"
+  touch "$stamp"
+}
+
+cmd=${1:-help}
+shift || true
+case "$cmd" in
+  demo)
+    setup
+    exec "$PY" -m tiered.cli.main demo "$@"
+    ;;
+  test)
+    setup
+    # Build the native kernels once (cached under .cache/); tests then load the cached build.
+    export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
+    "$PY" -m tiered_ext.build --quiet || true  # a failed build is reported; tests cover the fallback
+    # Default run: everything except tests marked slow; cuda tests skip (with a reason) off-GPU.
+    exec "$PY" -m pytest -m "not slow" "$@"
+    ;;
+  *)
+    echo "usage: ./dev.sh demo | test [pytest args]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,148 @@
+"""The resolved configuration every component reads: frozen dataclasses, one per component.
+
+`tiered.config.load_config` builds a `TieredConfig` from tiered's own JSON or an unchanged
+DeepSpeed JSON; nothing else in the engine parses raw dicts. Sizes counted in elements (as
+DeepSpeed counts them) end in `_numel`; sizes in bytes end in `_bytes`. Defaults are DeepSpeed's
+code defaults (see shared reference, section 1.6), except where a comment says why not.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+@dataclass(frozen=True)
+class ParamOffloadConfig:
+    """`zero_optimization.offload_param`: where the 16-bit parameter partitions live."""
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = True
+    buffer_count: int = 5
+    buffer_size_numel: int = 100_000_000
+    max_in_cpu_numel: int = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class OptimizerOffloadConfig:
+    """`zero_optimization.offload_optimizer`: where fp32 master, exp_avg, exp_avg_sq live."""
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = True
+    buffer_count: int = 4
+    ratio: float = 1.0
+    """Fraction of sub-groups whose Adam runs on the CPU (the rest stay on the GPU)."""
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """The `aio` section, with DeepSpeed's meanings, applied to the nvme backend."""
+
+    block_size_bytes: int = 1_048_576
+    queue_depth: int = 8
+    thread_count: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """`zero_optimization`. Stages 1 and 2 run on the stage-3 machinery (see loader)."""
+
+    stage: int = 3
+    offload_param: ParamOffloadConfig = field(default_factory=ParamOffloadConfig)
+    offload_optimizer: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
+    prefetch_bucket_size_numel: int = 50_000_000
+    param_persistence_threshold_numel: int = 100_000
+    model_persistence_threshold_numel: int = sys.maxsize
+    max_live_parameters_numel: int = 1_000_000_000
+    max_reuse_distance_numel: int = 1_000_000_000
+    gather_16bit_weights_on_model_save: bool = False
+    sub_group_size_numel: int = 1_000_000_000
+    reduce_bucket_size_numel: int = 500_000_000
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    overlap_step_with_backward: bool = False
+    """tiered's own: start a sub-group's step during backward (off by default)."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """`optimizer`: Adam or AdamW (`adamw_mode` False means L2 weight decay, as torch Adam)."""
+
+    type: str = "AdamW"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    adamw_mode: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """`scheduler`: WarmupLR, WarmupDecayLR or WarmupCosineLR with DeepSpeed's params."""
+
+    type: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """`bf16` / `fp16`: the dtype of parameters and gradients during compute."""
+
+    dtype: torch.dtype = torch.float32
+    loss_scale: float = 0.0
+    """0 means dynamic loss scaling (fp16 only)."""
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One tier under `"tiered": {"tiers": {...}}`: a backend spec and a hard byte budget."""
+
+    backend: dict[str, Any]
+    budget_bytes: int | None = None
+    """None means: as much as the backend reports free."""
+
+
+@dataclass(frozen=True)
+class TieredSection:
+    """The engine's own keys, under `"tiered"`."""
+
+    tiers: dict[str, TierSpec] = field(default_factory=dict)
+    """Keyed by tier name: "gpu", "cpu", "nvme" (and any custom tier)."""
+    trace_path: str | None = None
+    """Write a Chrome-trace JSON of every move here on close."""
+    timeout_s: float = 600.0
+    """Longest any wait on the tier manager may take before TierTimeoutError."""
+    io_threads: int = 8
+
+
+@dataclass(frozen=True)
+class TieredConfig:
+    """Everything, resolved: no "auto" left, every size a number."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig | None = None
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
+    tiered: TieredSection = field(default_factory=TieredSection)
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False

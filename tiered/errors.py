@@ -1,0 +1,58 @@
+"""Every error tiered raises, in one place.
+
+Each subclasses the builtin a user already catches, under one `TieredError` base, so that
+``except MemoryError`` and ``except tiered.TieredError`` both work. Messages name the thing at
+fault (partition, parameter, key, file, config key) and say what to do.
+"""
+
+from __future__ import annotations
+
+
+class TieredError(Exception):
+    """Base of every error tiered raises on purpose."""
+
+
+class ConfigError(TieredError, ValueError):
+    """A configuration value or key is wrong; the message names the key and the fix."""
+
+
+class UnsupportedConfigError(ConfigError):
+    """A recognised (DeepSpeed) key whose feature tiered does not support."""
+
+
+class BackendNotFoundError(TieredError, KeyError):
+    """No storage backend is registered under the requested name."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the message as written
+        return str(self.args[0]) if self.args else ""
+
+
+class BackendImportError(TieredError, ImportError):
+    """A registered backend failed to import (a missing optional dependency, usually)."""
+
+
+class StorageKeyError(TieredError, KeyError):
+    """A key is missing from a backend, or is not a valid key (``/``, ``..``)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class StorageIOError(TieredError, OSError):
+    """A backend failed while reading or writing; the message names the key and file."""
+
+
+class CapacityError(TieredError, MemoryError):
+    """A request can never fit its tier's budget (backpressure cannot help)."""
+
+
+class TierTimeoutError(TieredError, TimeoutError):
+    """A wait on the tier manager outlived its timeout."""
+
+
+class ShapeMutationError(TieredError, RuntimeError):
+    """A module replaced or reshaped a parameter that tiered manages."""
+
+
+class KernelBuildWarning(UserWarning):
+    """The native extension could not be built; the pure-torch reference runs instead."""

@@ -1,0 +1,139 @@
+"""The storage backend contract: the one way bytes reach a tier.
+
+[Note: backend contract]
+A backend stores the raw bytes of contiguous tensors under string keys. The abstract core is
+small and async: ``write``, ``read`` (into a caller-given tensor: no hidden copy), ``delete``,
+``exists``, ``capacity``, ``close`` plus a ``capabilities`` record. Everything else (batched
+helpers, key checks) is derived once here, so a third-party backend implements six methods.
+
+Memory-like backends (``capabilities.memory_like``: GPU memory, pinned host memory) also hand out
+the resident tensor itself through ``allocate`` and ``view``, so the tier manager can read a file
+straight into the buffer the compute will use, and the compute can use it with no copy. Backends
+that are not memory-like raise NotImplementedError there.
+
+Writes are atomic per key: a reader never sees a half-written object, and a failed or cancelled
+write leaves the previous good copy (if any) in place.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from tiered.errors import StorageKeyError
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend is, so the tier manager can plan moves without isinstance checks."""
+
+    persistent: bool
+    """Bytes survive the process (files, object stores)."""
+    memory_like: bool
+    """Resident bytes are addressable as a tensor: ``allocate`` / ``view`` work."""
+    alignment_bytes: int = 1
+    """Buffers handed to read/write perform best (or must be) aligned to this many bytes."""
+    direct_gpu: bool = False
+    """``read``/``write`` accept CUDA tensors directly (GPU memory, GPUDirect Storage)."""
+    device: str = "cpu"
+    """Where a memory-like backend's resident tensors live ("cpu", "cuda:0")."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Bytes a backend can hold; None where it cannot tell (an object store)."""
+
+    total_bytes: int | None
+    free_bytes: int | None
+
+
+def check_key(key: str) -> str:
+    """Keys are flat names: letters, digits, '_', '-', '.'; never '/', '..' or empty.
+
+    Raises StorageKeyError naming the key, so a key can never escape a backend's directory.
+    """
+    if not isinstance(key, str) or not key or key in (".", "..") or ".." in key or not _KEY_RE.match(key):
+        raise StorageKeyError(
+            f"invalid storage key {key!r}: use letters, digits, '_', '-' and '.' only "
+            "(no '/', no '..', not empty)"
+        )
+    return key
+
+
+def tensor_bytes(t: torch.Tensor, *, what: str) -> torch.Tensor:
+    """A contiguous tensor viewed as flat uint8, or a ValueError naming `what`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: tensor must be contiguous (call .contiguous() first)")
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+
+
+class StorageBackend(abc.ABC):
+    """Abstract core of a storage backend. See [Note: backend contract]."""
+
+    name: ClassVar[str] = "abstract"
+    """Registry name, e.g. "nvme"."""
+    install_hint: ClassVar[str] = ""
+    """What to install if this backend's import fails, shown in BackendImportError."""
+
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @abc.abstractmethod
+    async def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Store the bytes of contiguous `tensor` under `key`, atomically replacing any old copy."""
+
+    @abc.abstractmethod
+    async def read(self, key: str, out: torch.Tensor) -> None:
+        """Fill contiguous `out` with the bytes stored under `key`.
+
+        Raises StorageKeyError if the key is missing and ValueError if ``out.nbytes`` differs
+        from the stored size.
+        """
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove `key`; StorageKeyError if it does not exist."""
+
+    @abc.abstractmethod
+    async def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def capacity(self) -> Capacity: ...
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, most backends have nothing to free
+        """Release files, threads and memory. Idempotent."""
+
+    # ---- memory-like backends only (see the Note) ------------------------------------------
+    def allocate(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Reserve a resident tensor for `key` (contents undefined) and return it."""
+        raise NotImplementedError(f"backend {self.name!r} is not memory-like: it has no resident tensors")
+
+    def view(self, key: str) -> torch.Tensor:
+        """The resident tensor stored under `key` (no copy)."""
+        raise NotImplementedError(f"backend {self.name!r} is not memory-like: it has no resident tensors")
+
+    # ---- derived helpers -------------------------------------------------------------------
+    def spec(self) -> dict[str, Any]:
+        """A JSON-able spec that `tiered.open_backend` turns back into an equivalent backend."""
+        return {"type": self.name}
+
+    async def __aenter__(self) -> StorageBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec()})"
