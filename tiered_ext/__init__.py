@@ -1,0 +1,1 @@
+"""tiered_ext: native kernels (being written)."""
