@@ -1,1 +1,36 @@
+"""Configuration: `load_config` (tiered or DeepSpeed JSON -> resolved `TieredConfig`) and
+`dump_config` (the reverse). See keys.py for how every key is treated."""
 
+from __future__ import annotations
+
+from tiered.config.dump import dump_config
+from tiered.config.keys import ignored_keys_table
+from tiered.config.loader import load_config
+from tiered.config.schema import (
+    AioConfig,
+    OptimizerConfig,
+    OptimizerOffloadConfig,
+    ParamOffloadConfig,
+    PrecisionConfig,
+    SchedulerConfig,
+    TieredConfig,
+    TieredSection,
+    TierSpec,
+    ZeroConfig,
+)
+
+__all__ = [
+    "AioConfig",
+    "OptimizerConfig",
+    "OptimizerOffloadConfig",
+    "ParamOffloadConfig",
+    "PrecisionConfig",
+    "SchedulerConfig",
+    "TierSpec",
+    "TieredConfig",
+    "TieredSection",
+    "ZeroConfig",
+    "dump_config",
+    "ignored_keys_table",
+    "load_config",
+]

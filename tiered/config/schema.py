@@ -41,6 +41,8 @@ class OptimizerOffloadConfig:
     """Fraction of sub-groups whose Adam runs on the CPU (the rest stay on the GPU)."""
     pipeline_read: bool = False
     pipeline_write: bool = False
+    fast_init: bool = False
+    """Initialise NVMe optimizer state from the swapped 16-bit params (an init-speed choice)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class AioConfig:
     thread_count: int = 1
     single_submit: bool = False
     overlap_events: bool = True
+    use_gds: bool = False
+    """GPUDirect Storage (cuFile); only valid where CUDA is available (checked by the loader)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,8 @@ class OptimizerConfig:
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    weight_decay: float = 0.01
+    weight_decay: float = 0.0
+    """DeepSpeed's FusedAdam and DeepSpeedCPUAdam default to 0, so a config without it means 0."""
     adamw_mode: bool = True
 
 
@@ -106,6 +111,9 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    consecutive_hysteresis: bool = False
+    auto_cast: bool = False
+    """fp16 only: cast floating-point inputs of the model's forward to fp16 (DeepSpeed's auto_cast)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,10 @@ class TieredSection:
     timeout_s: float = 600.0
     """Longest any wait on the tier manager may take before TierTimeoutError."""
     io_threads: int = 8
+    param_tier: str | None = None
+    """Tier holding offloaded 16-bit parameters ("cpu", "nvme", or a custom tier); None: no offload."""
+    optimizer_tier: str | None = None
+    """Tier holding offloaded optimizer state ("cpu", "nvme", "nvme_optimizer", custom); None: none."""
 
 
 @dataclass(frozen=True)
@@ -146,3 +158,5 @@ class TieredConfig:
     train_micro_batch_size_per_gpu: int | None = None
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
+    communication_data_type: str | None = None
+    """dtype of gradient reduction across ranks ("fp32", "fp16", "bf16"); None: the compute dtype."""

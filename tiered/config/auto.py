@@ -1,0 +1,54 @@
+"""Resolving "auto" values that depend on the model, as Hugging Face's DeepSpeed integration does.
+
+[Note: auto from the model]
+transformers' `HfTrainerDeepSpeedConfig.trainer_config_finalize` fills three ZeRO sizes from the
+model's hidden size H: reduce_bucket_size = H*H, stage3_prefetch_bucket_size = int(0.9*H*H),
+stage3_param_persistence_threshold = 10*H. tiered uses the same formulas so an HF config gives the
+same numbers under both. H comes from `model.config` (hidden_size, then max(hidden_sizes), n_embd,
+d_model); a model without such a config (a plain nn.Module) uses the largest `in_features` of
+its nn.Linear layers, which is H for any transformer block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiered.errors import ConfigError
+
+HIDDEN_SIZE_KEYS = {
+    "zero_optimization.reduce_bucket_size": lambda h: h * h,
+    "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "zero_optimization.prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
+    "zero_optimization.param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+def hidden_size_of(model: torch.nn.Module) -> int | None:
+    """The model's hidden size (see [Note: auto from the model]), or None if it has none."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        for attr in ("hidden_size", "hidden_sizes", "n_embd", "d_model"):
+            value = getattr(config, attr, None)
+            if isinstance(value, (list, tuple)) and value:
+                value = max(value)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    widths = [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return max(widths) if widths else None
+
+
+def resolve_from_model(path: str, model: torch.nn.Module | None) -> int:
+    """The value of the model-dependent "auto" key `path`."""
+    if model is None:
+        raise ConfigError(
+            f"{path} is \"auto\", which is computed from the model's hidden size: pass model= to "
+            "load_config (tiered.initialize does), or write a number"
+        )
+    hidden = hidden_size_of(model)
+    if hidden is None:
+        raise ConfigError(
+            f"{path} is \"auto\" but the hidden size of {type(model).__name__} cannot be found "
+            "(no config.hidden_size / n_embd / d_model and no nn.Linear layer); write a number"
+        )
+    return HIDDEN_SIZE_KEYS[path](hidden)

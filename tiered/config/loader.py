@@ -1,0 +1,198 @@
+"""`load_config`: a tiered or DeepSpeed JSON (dict, JSON text file) -> resolved `TieredConfig`.
+
+The one place raw configuration is parsed. Every key is classified ([Note: key classification]
+in keys.py); every "auto" is resolved (from the model: [Note: auto from the model]; otherwise
+DeepSpeed's default, or Hugging Face's where the key is an HF one — see `_AUTO_DEFAULTS`);
+consistency is checked the way DeepSpeed checks it, with errors that name the keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from tiered.config.keys import check_section
+from tiered.config.scheduler import normalize_scheduler, scheduler_type
+from tiered.config.schema import SchedulerConfig, TieredConfig
+from tiered.config.sections import parse_aio, parse_optimizer, parse_precision, parse_zero
+from tiered.config.tiers import parse_tiered
+from tiered.config.values import as_bool, as_choice, as_count, as_float, as_section, is_auto
+from tiered.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# "auto" for keys that do not depend on the model: what Hugging Face's Trainer fills in by default.
+_AUTO_DEFAULTS = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 10,
+}
+_COMM_DTYPES = ("fp32", "fp16", "bf16")
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a JSON config file; a syntax error names the file, line and column."""
+    name = os.fspath(path)
+    try:
+        with open(name, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {name!r} does not exist; pass a JSON file path or a dict") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {name!r} cannot be read: {exc.strerror or exc}") from None
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        # json.loads keeps the last of two equal keys; a silently dropped setting is worse than an error.
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(f"config file {name!r}: key {key!r} appears twice in one object; keep one")
+            out[key] = value
+        return out
+
+    try:
+        data = json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"config file {name!r} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {name!r}: the top level must be a JSON object {{...}}")
+    return data
+
+
+def load_config(
+    source: dict[str, Any] | str | os.PathLike[str],
+    *,
+    model: torch.nn.Module | None = None,
+    world_size: int = 1,
+) -> TieredConfig:
+    """Resolve a tiered or DeepSpeed config (a dict, or the path of a JSON file).
+
+    `model` resolves the model-dependent "auto" sizes; `world_size` (data-parallel ranks) enters
+    the batch-size identity train_batch_size = micro * gradient_accumulation_steps * world_size.
+    Raises ConfigError (UnsupportedConfigError for recognised-but-unsupported features) naming
+    the key path and what to do.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        config = read_config_file(source)
+    elif isinstance(source, dict):
+        config = source
+    else:
+        raise ConfigError(f"load_config: expected a dict or a JSON file path, got {type(source).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"load_config: world_size must be a positive int, got {world_size!r}")
+
+    check_section(config, "")
+    zero = parse_zero(config.get("zero_optimization"), model)
+    aio = parse_aio(config.get("aio"))
+    optimizer = parse_optimizer(config.get("optimizer"))
+    precision = parse_precision(config)
+    tiered, overlap_step = parse_tiered(config.get("tiered"), zero, aio)
+    zero = dataclasses.replace(zero, overlap_step_with_backward=overlap_step)
+    for name in ("checkpoint", "data_types"):
+        if config.get(name) is not None:
+            check_section(as_section(config[name], name), name)
+
+    scheduler = None
+    if config.get("scheduler") is not None:
+        raw = as_section(config["scheduler"], "scheduler")
+        check_section(raw, "scheduler")
+        if "type" not in raw:
+            raise ConfigError("scheduler.type is missing; use WarmupLR, WarmupDecayLR or WarmupCosineLR")
+        params = normalize_scheduler(raw["type"], raw.get("params"), base_lr=optimizer.lr)
+        scheduler = SchedulerConfig(type=scheduler_type(raw["type"]), params=params)
+
+    train_batch, micro, gas = _batch_sizes(config, world_size)
+    return TieredConfig(
+        zero=zero,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        precision=precision,
+        aio=aio,
+        tiered=tiered,
+        gradient_accumulation_steps=gas,
+        gradient_clipping=_float_key(config, "gradient_clipping", 0.0),
+        train_batch_size=train_batch,
+        train_micro_batch_size_per_gpu=micro,
+        steps_per_print=_count_key(config, "steps_per_print", 10, minimum=1),
+        wall_clock_breakdown=(
+            False if config.get("wall_clock_breakdown") is None
+            else as_bool(config["wall_clock_breakdown"], "wall_clock_breakdown")),
+        communication_data_type=(
+            None if config.get("communication_data_type") is None
+            else as_choice(config["communication_data_type"], "communication_data_type", _COMM_DTYPES)),
+    )
+
+
+def _count_key(config: dict[str, Any], key: str, default: int | None, *, minimum: int = 1) -> int | None:
+    value = config.get(key)
+    if value is None:
+        return default
+    if is_auto(value):
+        return _AUTO_DEFAULTS[key]
+    return as_count(value, key, minimum=minimum)
+
+
+def _float_key(config: dict[str, Any], key: str, default: float) -> float:
+    value = config.get(key)
+    if value is None:
+        return default
+    if is_auto(value):
+        return float(_AUTO_DEFAULTS[key])
+    return as_float(value, key, minimum=0.0)
+
+
+def _batch_sizes(config: dict[str, Any], world_size: int) -> tuple[int | None, int | None, int]:
+    """DeepSpeed's batch rules (runtime/config.py `_set_batch_related_parameters`), with "auto".
+
+    Given two of (train_batch_size, micro, gas) the third is derived; given all three they must
+    satisfy train = micro * gas * world_size. Unlike DeepSpeed, giving none is allowed: tiered's
+    engine does not need batch sizes (you feed it micro-batches), so they stay None and gas is 1.
+    """
+    micro = _count_key(config, "train_micro_batch_size_per_gpu", None)
+    gas = _count_key(config, "gradient_accumulation_steps", None)
+    train_raw = config.get("train_batch_size")
+    if train_raw is not None and is_auto(train_raw):
+        micro = 1 if micro is None else micro
+        gas = 1 if gas is None else gas
+        return micro * gas * world_size, micro, gas
+    train = None if train_raw is None else as_count(train_raw, "train_batch_size", minimum=1)
+    ws = f"world_size ({world_size})"
+    if train is not None and micro is not None and gas is not None:
+        if train != micro * gas * world_size:
+            raise ConfigError(
+                f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu ({micro}) * "
+                f"gradient_accumulation_steps ({gas}) * {ws} = {micro * gas * world_size}; "
+                "fix one of them or drop train_batch_size to have it derived"
+            )
+    elif train is not None and micro is not None:
+        gas, rem = divmod(train, micro * world_size)
+        if rem or gas < 1:
+            raise ConfigError(
+                f"train_batch_size ({train}) is not a multiple of train_micro_batch_size_per_gpu ({micro}) * {ws}; "
+                "gradient_accumulation_steps cannot be derived: fix the sizes or give it explicitly"
+            )
+    elif train is not None and gas is not None:
+        micro, rem = divmod(train, gas * world_size)
+        if rem or micro < 1:
+            raise ConfigError(
+                f"train_batch_size ({train}) is not a multiple of gradient_accumulation_steps ({gas}) * {ws}; "
+                "train_micro_batch_size_per_gpu cannot be derived: fix the sizes or give it explicitly"
+            )
+    elif train is not None:
+        gas = 1
+        micro, rem = divmod(train, world_size)
+        if rem or micro < 1:
+            raise ConfigError(
+                f"train_batch_size ({train}) is not a multiple of {ws}; set train_micro_batch_size_per_gpu"
+            )
+    elif micro is not None:
+        gas = 1 if gas is None else gas
+        train = micro * gas * world_size
+    return train, micro, (1 if gas is None else gas)

@@ -1,0 +1,146 @@
+"""The `"tiered"` section: tiers (a backend spec and a byte budget each), and where offload goes.
+
+[Note: default tiers]
+Whatever the user writes, the resolved config has a "gpu" tier ({"type": "gpu"}) and a "cpu" tier
+({"type": "cpu"}, pinned host memory), each with budget None (= what the backend reports free).
+An "nvme" tier is derived when an offload device is "nvme":
+``{"type": "nvme", "path": <nvme_path>, "block_size": aio.block_size, "queue_depth":
+aio.queue_depth, "thread_count": aio.thread_count}`` (plus ``"use_gds": true`` when set).
+When offload_param and offload_optimizer both use NVMe with *different* nvme_path values (DeepSpeed
+allows one drive for each), parameters go to tier "nvme" and optimizer state to a second tier
+"nvme_optimizer" with the optimizer's path, so the two streams keep their own drives.
+`TieredSection.param_tier` / `optimizer_tier` record which tier holds offloaded parameters /
+optimizer state ("cpu", "nvme", "nvme_optimizer"; None when that offload is off). A user may point
+them at a custom tier (e.g. a tensorstore backend) with ``"tiered": {"optimizer_tier": "remote"}``.
+A tier the user lists without a "backend" gets the derived one; a user "nvme" backend whose
+"path" contradicts the offload nvme_path is an error, not a silent choice between the two.
+Backend specs stay plain JSON dicts: the registry opens them (and the backend validates its own
+keys then); config never imports plugins.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tiered.config.keys import check_section, unknown_key_error
+from tiered.config.schema import AioConfig, TieredSection, TierSpec, ZeroConfig
+from tiered.config.values import as_bool, as_count, as_float, as_section, as_str, is_auto
+from tiered.errors import ConfigError
+from tiered.units import parse_bytes
+
+_TIER_KEYS = ("backend", "budget")
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
+
+
+def _derived_tiers(zero: ZeroConfig, aio: AioConfig) -> tuple[dict[str, dict[str, Any]], str | None, str | None]:
+    """Default backend specs, and the default param / optimizer tier names."""
+    backends: dict[str, dict[str, Any]] = {"gpu": {"type": "gpu"}, "cpu": {"type": "cpu"}}
+
+    def nvme_backend(path: str) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "type": "nvme",
+            "path": path,
+            "block_size": aio.block_size_bytes,
+            "queue_depth": aio.queue_depth,
+            "thread_count": aio.thread_count,
+        }
+        if aio.use_gds:
+            spec["use_gds"] = True
+        return spec
+
+    param, opt = zero.offload_param, zero.offload_optimizer
+    param_path = param.nvme_path if param.device == "nvme" else None
+    opt_path = opt.nvme_path if opt.device == "nvme" else None
+    split = param_path is not None and opt_path is not None and not _same_path(param_path, opt_path)
+    if param_path is not None or opt_path is not None:
+        backends["nvme"] = nvme_backend(param_path if param_path is not None else opt_path)  # type: ignore[arg-type]
+    if split:
+        backends["nvme_optimizer"] = nvme_backend(opt_path)  # type: ignore[arg-type]
+    param_tier = {"none": None, "cpu": "cpu", "nvme": "nvme"}[param.device]
+    opt_tier = {"none": None, "cpu": "cpu", "nvme": "nvme_optimizer" if split else "nvme"}[opt.device]
+    return backends, param_tier, opt_tier
+
+
+def _backend(raw: Any, path: str, derived: dict[str, Any] | None) -> dict[str, Any]:
+    spec = dict(as_section(raw, path))
+    if "type" not in spec:
+        raise ConfigError(f"{path}.type is missing; name a registered backend, e.g. \"cpu\", \"nvme\"")
+    spec["type"] = as_str(spec["type"], f"{path}.type")
+    if derived is not None and derived.get("type") == "nvme" and spec["type"] == "nvme":
+        user_path = spec.get("path")
+        if user_path is not None and not _same_path(str(user_path), derived["path"]):
+            raise ConfigError(
+                f"{path}.path = {user_path!r} contradicts the offload nvme_path {derived['path']!r}; "
+                "make them equal or drop one"
+            )
+    return spec
+
+
+def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSection, bool]:
+    """The resolved section, and tiered.overlap_step_with_backward (which lives in ZeroConfig)."""
+    section = as_section(raw if raw is not None else {}, "tiered")
+    check_section(section, "tiered")
+    derived, param_tier, opt_tier = _derived_tiers(zero, aio)
+
+    tiers: dict[str, TierSpec] = {}
+    user_tiers = as_section(section.get("tiers") or {}, "tiered.tiers")
+    for name, tier_raw in user_tiers.items():
+        path = f"tiered.tiers.{name}"
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"tiered.tiers: tier names must be non-empty strings, got {name!r}")
+        tier = as_section(tier_raw, path)
+        for key in tier:
+            if key not in _TIER_KEYS:
+                raise unknown_key_error(path, key, _TIER_KEYS)
+        if "backend" in tier:
+            backend = _backend(tier["backend"], f"{path}.backend", derived.get(name))
+        elif name in derived:
+            backend = dict(derived[name])
+        else:
+            raise ConfigError(
+                f"{path}.backend is missing; a custom tier needs a backend spec such as "
+                "{\"type\": \"tensorstore\", ...} (see `tiered backends`)"
+            )
+        budget = tier.get("budget")
+        budget_bytes = None if budget is None or is_auto(budget) else parse_bytes(budget, what=f"{path}.budget")
+        tiers[name] = TierSpec(backend=backend, budget_bytes=budget_bytes)
+    for name, backend in derived.items():
+        tiers.setdefault(name, TierSpec(backend=dict(backend)))
+
+    for key, device, what in (
+        ("param_tier", zero.offload_param.device, "offload_param"),
+        ("optimizer_tier", zero.offload_optimizer.device, "offload_optimizer"),
+    ):
+        if section.get(key) is None:
+            continue
+        name = as_str(section[key], f"tiered.{key}")
+        if device == "none":
+            raise ConfigError(
+                f"tiered.{key} = {name!r} but zero_optimization.{what}.device is \"none\"; "
+                f"set the offload device or remove tiered.{key}"
+            )
+        if name not in tiers:
+            raise ConfigError(f"tiered.{key} = {name!r} names no tier; defined tiers: {', '.join(sorted(tiers))}")
+        if key == "param_tier":
+            param_tier = name
+        else:
+            opt_tier = name
+
+    trace_path = section.get("trace_path")
+    timeout = section.get("timeout_s")
+    threads = section.get("io_threads")
+    overlap = section.get("overlap_step_with_backward")
+    defaults = TieredSection()
+    return TieredSection(
+        tiers=tiers,
+        trace_path=None if trace_path is None else as_str(trace_path, "tiered.trace_path"),
+        timeout_s=defaults.timeout_s if timeout is None else as_float(
+            timeout, "tiered.timeout_s", minimum=0.0, min_exclusive=True),
+        io_threads=defaults.io_threads if threads is None else as_count(threads, "tiered.io_threads", minimum=1),
+        param_tier=param_tier,
+        optimizer_tier=opt_tier,
+    ), (False if overlap is None else as_bool(overlap, "tiered.overlap_step_with_backward"))
