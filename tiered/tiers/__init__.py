@@ -1,1 +1,28 @@
+"""The tier layer: partitions moved between GPU, pinned CPU and NVMe tiers under hard budgets.
 
+``TierManager`` owns one asyncio loop in one daemon thread; training code gets ``TierFuture``s.
+See the Notes in `loop`, `core` and `partition` for the design.
+"""
+
+from __future__ import annotations
+
+from tiered.tiers.future import TierFuture
+from tiered.tiers.loop import EventLoopThread, ManagerClosedError
+from tiered.tiers.manager import TierManager
+from tiered.tiers.partition import CopyState, Partition, PinnedError
+from tiered.tiers.policy import CleanFirstLRUPolicy, EvictionPolicy, LRUPolicy
+from tiered.tiers.tier import Tier
+
+__all__ = [
+    "CleanFirstLRUPolicy",
+    "CopyState",
+    "EventLoopThread",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "ManagerClosedError",
+    "Partition",
+    "PinnedError",
+    "Tier",
+    "TierFuture",
+    "TierManager",
+]

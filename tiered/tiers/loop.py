@@ -1,0 +1,164 @@
+"""One asyncio loop in one daemon thread, and the one bridge from it into a bounded thread pool.
+
+[Note: one loop, one bridge]
+All tier-manager state is mutated on a single event loop that runs in a single daemon thread,
+so the state needs no locks: a transition is a few synchronous statements between two awaits.
+The training thread never awaits; it submits coroutines (`submit`) or small synchronous
+functions (`call`) and gets `concurrent.futures.Future`s back. Blocking work (tensor copies,
+checksums, a backend's own blocking I/O) goes through `run_blocking`, the only bridge into the
+bounded `ThreadPoolExecutor`, so the loop itself never blocks and the number of OS threads doing
+I/O is bounded by ``io_threads``.
+
+The thread starts lazily on first use, so creating a manager is free and a process that never
+moves a byte never starts a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from tiered.errors import TieredError, TierTimeoutError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ManagerClosedError(TieredError, RuntimeError):
+    """The tier manager (its loop) was closed while, or before, an operation ran."""
+
+
+class EventLoopThread:
+    """A lazily started daemon thread running one asyncio loop. See [Note: one loop, one bridge]."""
+
+    def __init__(self, *, io_threads: int = 8, name: str = "tiered-tiers") -> None:
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self._io_threads = io_threads
+        self._name = name
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._loop is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, starting the thread on first use."""
+        loop = self._loop
+        if loop is not None and not self._closed:
+            return loop
+        with self._lock:
+            if self._closed:
+                raise ManagerClosedError(f"{self._name}: the event loop is closed; create a new manager")
+            if self._loop is None:
+                ready = threading.Event()
+                loop = asyncio.new_event_loop()
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self._io_threads, thread_name_prefix=f"{self._name}-io"
+                )
+
+                def _run() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+
+                self._thread = threading.Thread(target=_run, name=f"{self._name}-loop", daemon=True)
+                self._thread.start()
+                if not ready.wait(timeout=30.0):
+                    raise TierTimeoutError(f"{self._name}: the event loop thread did not start within 30 s")
+                self._loop = loop
+            return self._loop
+
+    def in_loop_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def close(self, timeout_s: float = 30.0,
+              final: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
+        """Cancel every task still running, run `final()` (if given), stop the loop, join the
+        thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread, pool = self._loop, self._thread, self._pool
+        if loop is None or thread is None:
+            return
+        if self.in_loop_thread():
+            raise RuntimeError(f"{self._name}: close() called from the loop thread itself")
+
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout_s)
+            if final is not None:
+                await asyncio.wait_for(final(), timeout_s)
+
+        try:
+            asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(timeout=timeout_s)
+        except Exception as exc:  # a stuck task must not keep close() from stopping the loop
+            log.warning("%s: closing did not finish cleanly within %.1f s: %r", self._name, timeout_s, exc)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=timeout_s)
+        if thread.is_alive():
+            log.warning("%s: loop thread did not stop within %.1f s", self._name, timeout_s)
+        else:
+            loop.close()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- entry points from other threads ---------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule `coro` on the loop; the returned future completes with its result."""
+        try:
+            loop = self.loop()
+        except BaseException:
+            coro.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def call(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None) -> T:
+        """Run the synchronous `fn(*args)` on the loop thread and return its result (or raise)."""
+        if self.in_loop_thread():
+            return fn(*args)
+        loop = self.loop()
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def _do() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # re-raised in the caller
+                fut.set_exception(exc)
+
+        loop.call_soon_threadsafe(_do)
+        try:
+            return fut.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TierTimeoutError(
+                f"{self._name}: {getattr(fn, '__name__', fn)} did not run on the loop within {timeout_s} s "
+                "(the loop is blocked or closed)"
+            ) from None
+
+    # ---- inside coroutines -----------------------------------------------------------------
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking `fn(*args)` in the bounded pool: the only bridge out of the loop."""
+        if self._pool is None:
+            raise ManagerClosedError(f"{self._name}: the thread pool is closed")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
