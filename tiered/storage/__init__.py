@@ -1,1 +1,37 @@
+"""Storage layer: the backend contract, the registry of backends, shared helpers."""
 
+from __future__ import annotations
+
+from tiered.storage.base import (
+    Capabilities,
+    Capacity,
+    StorageBackend,
+    check_key,
+    check_out_size,
+    tensor_bytes,
+)
+from tiered.storage.registry import (
+    ENTRY_POINT_GROUP,
+    BackendInfo,
+    get_backend_class,
+    known_backends,
+    open_backend,
+    register_backend,
+    unregister_backend,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "BackendInfo",
+    "Capabilities",
+    "Capacity",
+    "StorageBackend",
+    "check_key",
+    "check_out_size",
+    "get_backend_class",
+    "known_backends",
+    "open_backend",
+    "register_backend",
+    "tensor_bytes",
+    "unregister_backend",
+]

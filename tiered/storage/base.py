@@ -78,6 +78,16 @@ def tensor_bytes(t: torch.Tensor, *, what: str) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
 
 
+def check_out_size(key: str, stored_nbytes: int, out_nbytes: int, *, where: str = "") -> None:
+    """ValueError naming the key and both sizes when a read target has the wrong size."""
+    if stored_nbytes != out_nbytes:
+        at = f" ({where})" if where else ""
+        raise ValueError(
+            f"read of key {key!r}{at}: stored object has {stored_nbytes} bytes but the output tensor "
+            f"has {out_nbytes} bytes; pass a tensor of exactly {stored_nbytes} bytes"
+        )
+
+
 class StorageBackend(abc.ABC):
     """Abstract core of a storage backend. See [Note: backend contract]."""
 
@@ -85,6 +95,8 @@ class StorageBackend(abc.ABC):
     """Registry name, e.g. "nvme"."""
     install_hint: ClassVar[str] = ""
     """What to install if this backend's import fails, shown in BackendImportError."""
+    static_capabilities: ClassVar[Capabilities | None] = None
+    """Capabilities known without constructing the backend (shown by ``tiered backends``)."""
 
     @property
     @abc.abstractmethod

@@ -1,0 +1,392 @@
+"""NVMeBackend: one file per key, O_DIRECT in aligned chunks through a bounded thread pool.
+
+[Note: nvme I/O path]
+The peer baselines on this machine kind show that a pool of threads issuing blocking
+``os.pwritev``/``os.preadv`` calls (which release the GIL) on 8 MiB chunks with O_DIRECT beats
+libaio (DeepSpeed's aio handle) and single-job fio. So a request is cut into chunks, each chunk is
+one vectored syscall run by a pool worker, and all chunks of all requests share one bounded pool.
+O_DIRECT needs the buffer address, file offset and length aligned to the logical block size
+(`ALIGN` = 4 KiB covers 512 B and 4 KiB devices):
+
+* caller tensor page-aligned (tiered's pinned buffers are): chunks go straight to/from its memory,
+  no copy; only a final partial block travels through a small bounce buffer;
+* caller tensor not aligned: every chunk is staged through a page-aligned bounce buffer taken from a
+  fixed set of ``workers`` buffers (one per worker thread, so taking one never blocks);
+* CUDA tensors are staged through pinned host buffers (no GPUDirect Storage here).
+
+[Note: nvme on-disk size]
+Files hold exactly the payload: the last block is written padded to `ALIGN` (O_DIRECT cannot write
+less) and the file is then ``ftruncate``d to the true size before the atomic rename. So
+``st_size`` *is* the size record — no header or sidecar to keep consistent, files are plain
+``.tobytes()`` dumps readable by any tool. A read asks for the padded length; at end of file the
+kernel returns the short remainder, which is exactly the payload.
+
+[Note: DeepSpeed aio knobs]
+``block_size`` (DeepSpeed: bytes per iocb) is the size of one iovec segment; ``queue_depth``
+(DeepSpeed: iocbs per io_submit) is the number of segments one syscall carries, so one chunk is
+``block_size * queue_depth`` bytes (1 MiB x 8 = 8 MiB by default, the measured sweet spot) unless
+``chunk_bytes`` sets it directly. ``thread_count`` / ``intra_op_parallelism`` (DeepSpeed: worker
+threads per handle, each taking an equal slice of a request) is a lower bound on the pool size:
+the pool has ``max(io_threads, thread_count)`` workers, and any request's chunks spread over all of
+them. ``single_submit`` / ``overlap_events`` have no equivalent (there is no submission queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import logging
+import os
+import queue
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiered.device import default_device
+from tiered.errors import ConfigError, StorageIOError, StorageKeyError
+from tiered.storage.base import (
+    Capabilities,
+    Capacity,
+    StorageBackend,
+    check_key,
+    check_out_size,
+    tensor_bytes,
+)
+from tiered.storage.files import (
+    check_directory,
+    fsync_directory,
+    remove_quietly,
+    temp_path,
+    unwritable_error,
+)
+from tiered.storage.pool import BufferPool
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_CLEANUP_TIMEOUT_S = 120.0
+
+
+def _align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _positive(name: str, value: Any, *, multiple_of: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % multiple_of:
+        extra = f" and a multiple of {multiple_of}" if multiple_of > 1 else ""
+        raise ConfigError(f"nvme backend: {name} must be a positive integer{extra}, got {value!r}")
+    return value
+
+
+class NVMeBackend(StorageBackend):
+    """Files under `path`, one per key, written and read with O_DIRECT by a thread pool.
+
+    See [Note: nvme I/O path], [Note: nvme on-disk size], [Note: DeepSpeed aio knobs] and
+    [Note: atomic file writes]. Falls back to buffered I/O, with one logged warning, on
+    filesystems that refuse O_DIRECT (tmpfs).
+    """
+
+    name = "nvme"
+    static_capabilities = Capabilities(persistent=True, memory_like=False, alignment_bytes=ALIGN)
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        block_size: int = 1 << 20,
+        queue_depth: int = 8,
+        thread_count: int = 1,
+        io_threads: int = 8,
+        chunk_bytes: int | None = None,
+        intra_op_parallelism: int | None = None,
+        direct: bool = True,
+        fsync: bool = True,
+        create: bool = False,
+    ) -> None:
+        self.block_size = _positive("block_size", block_size, multiple_of=ALIGN)
+        self.queue_depth = _positive("queue_depth", queue_depth)
+        self.thread_count = _positive("thread_count", thread_count)
+        if intra_op_parallelism is not None:  # DeepSpeed's newer name for thread_count
+            self.thread_count = _positive("intra_op_parallelism", intra_op_parallelism)
+        self.io_threads = _positive("io_threads", io_threads)
+        self._chunk_arg = chunk_bytes
+        self.chunk_bytes = _positive(
+            "chunk_bytes",
+            chunk_bytes if chunk_bytes is not None else block_size * queue_depth,
+            multiple_of=ALIGN,
+        )
+        self.workers = max(self.io_threads, self.thread_count)
+        self.fsync = bool(fsync)
+        self._path_arg = os.fspath(path)
+        self.directory: Path = check_directory(path, backend="nvme", create=create)
+        self.direct = bool(direct) and _O_DIRECT != 0 and self._probe_direct()
+        self._requested_direct = bool(direct)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._bounce: queue.SimpleQueue[torch.Tensor] | None = None
+        self._device = default_device()
+        self._staging = BufferPool(lambda n: self._device.alloc_host(n, pin=True), name="nvme staging")
+        self._closed = False
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def _probe_direct(self) -> bool:
+        """Check writability and O_DIRECT support with one aligned probe write."""
+        probe = temp_path(self.directory, "tiered-probe")
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise unwritable_error(self.directory, "nvme", exc) from exc
+            try:  # writable, but the filesystem refuses O_DIRECT: check plain writability
+                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            except OSError as exc2:
+                raise unwritable_error(self.directory, "nvme", exc2) from exc2
+            finally:
+                remove_quietly(probe)
+            self._warn_buffered(exc)
+            return False
+        try:
+            buf = default_device().alloc_host(ALIGN, pin=False)
+            buf.zero_()
+            os.pwrite(fd, memoryview(buf.numpy()), 0)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise unwritable_error(self.directory, "nvme", exc) from exc
+            self._warn_buffered(exc)
+            return False
+        finally:
+            os.close(fd)
+            remove_quietly(probe)
+
+    def _warn_buffered(self, exc: OSError) -> None:
+        log.warning(
+            "nvme backend: the filesystem of %s refuses O_DIRECT (%s); using buffered I/O instead "
+            "(slower, and it goes through the page cache)",
+            self.directory,
+            exc.strerror or exc,
+        )
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._closed:
+            raise StorageIOError(f"nvme backend at {str(self.directory)!r} is closed; open a new one")
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self.workers, thread_name_prefix="tiered-nvme"
+            )
+            self._bounce = queue.SimpleQueue()
+            for _ in range(self.workers):
+                self._bounce.put(default_device().alloc_host(self.chunk_bytes, pin=True))
+        return self._executor
+
+    # ---- the chunk machinery -----------------------------------------------------------------
+    def _plan(self, buf: torch.Tensor) -> list[tuple[int, int, bool]]:
+        """(offset, length, via_bounce) per syscall-sized piece of `buf`."""
+        n = buf.numel()
+        if not self.direct:
+            return [(o, min(self.chunk_bytes, n - o), False) for o in range(0, n, self.chunk_bytes)]
+        if buf.data_ptr() % ALIGN:
+            return [(o, min(self.chunk_bytes, n - o), True) for o in range(0, n, self.chunk_bytes)]
+        body = n // ALIGN * ALIGN
+        plan = [(o, min(self.chunk_bytes, body - o), False) for o in range(0, body, self.chunk_bytes)]
+        if n > body:
+            plan.append((body, n - body, True))
+        return plan
+
+    def _segments(self, mv: memoryview) -> list[memoryview]:
+        seg = max(self.block_size, -(-len(mv) // _IOV_MAX))
+        return [mv[i : i + seg] for i in range(0, len(mv), seg)]
+
+    def _pwrite_all(self, fd: int, mv: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(mv):
+            n = os.pwritev(fd, self._segments(mv[done:]), offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"pwritev wrote {n} bytes at offset {offset + done}")
+            done += n
+
+    def _pread_all(self, fd: int, mv: memoryview, offset: int) -> int:
+        done = 0
+        while done < len(mv):
+            n = os.preadv(fd, self._segments(mv[done:]), offset + done)
+            if n == 0:
+                break  # end of file: the padded tail of [Note: nvme on-disk size]
+            done += n
+        return done
+
+    def _write_piece(self, fd: int, src: torch.Tensor, offset: int, length: int, bounce: bool) -> None:
+        if not bounce:
+            self._pwrite_all(fd, memoryview(src[offset : offset + length].numpy()), offset)
+            return
+        assert self._bounce is not None
+        buf = self._bounce.get()
+        try:
+            padded = _align_up(length)
+            buf[:length].copy_(src[offset : offset + length])
+            buf[length:padded].zero_()
+            self._pwrite_all(fd, memoryview(buf[:padded].numpy()), offset)
+        finally:
+            self._bounce.put(buf)
+
+    def _read_piece(self, fd: int, dst: torch.Tensor, offset: int, length: int, bounce: bool) -> None:
+        if not bounce:
+            got = self._pread_all(fd, memoryview(dst[offset : offset + length].numpy()), offset)
+        else:
+            assert self._bounce is not None
+            buf = self._bounce.get()
+            try:
+                got = self._pread_all(fd, memoryview(buf[: _align_up(length)].numpy()), offset)
+                dst[offset : offset + min(got, length)].copy_(buf[: min(got, length)])
+            finally:
+                self._bounce.put(buf)
+        if got < length:
+            raise OSError(errno.EIO, f"file ended early: got {got} of {length} bytes at offset {offset}")
+
+    async def _run(self, calls: list[tuple[Any, ...]]) -> None:
+        """Run blocking calls on the pool; on failure or cancel, return only when none still runs.
+
+        A running syscall cannot be interrupted, and its fd and buffer must stay valid until it
+        returns, so cleanup waits for it (bounded by _CLEANUP_TIMEOUT_S).
+        """
+        pool = self._pool()
+        futures = [pool.submit(*call) for call in calls]
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            _, pending = concurrent.futures.wait(futures, timeout=_CLEANUP_TIMEOUT_S)
+            if pending:
+                log.error(
+                    "nvme backend: %d I/O calls still running after %.0f s", len(pending), _CLEANUP_TIMEOUT_S
+                )
+            raise
+
+    # ---- contract ----------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        assert self.static_capabilities is not None
+        return self.static_capabilities
+
+    def _file(self, key: str) -> Path:
+        return self.directory / check_key(key)
+
+    async def write(self, key: str, tensor: torch.Tensor) -> None:
+        final = self._file(key)
+        src = tensor_bytes(tensor, what=f"nvme write of key {key!r}").detach()
+        staged = None
+        tmp = temp_path(self.directory, key)
+        fd = -1
+        try:
+            self._pool()
+            if src.device.type != "cpu":
+                staged = self._staging.acquire(src.numel(), what=f"staging of key {key!r}")
+                host = staged[: src.numel()]
+                await self._device.wait(self._device.copy_async(host, src), what=f"write of key {key!r}")
+                src = host
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (_O_DIRECT if self.direct else 0)
+            fd = os.open(tmp, flags, 0o644)
+            n = src.numel()
+            await self._run([(self._write_piece, fd, src, o, ln, b) for o, ln, b in self._plan(src)])
+            await self._run([(self._finish_file, fd, n)])
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, final)
+        except BaseException as exc:
+            if fd >= 0:
+                os.close(fd)
+            remove_quietly(tmp)
+            if isinstance(exc, OSError) and not isinstance(exc, StorageIOError):
+                raise StorageIOError(
+                    f"nvme backend: write of key {key!r} to {str(tmp)!r} (for {str(final)!r}) failed: "
+                    f"{exc.strerror or exc}; the previous copy, if any, is intact"
+                ) from exc
+            raise
+        finally:
+            if staged is not None:
+                self._staging.release(staged)
+        if self.fsync:  # make the rename durable; off the loop, it is a disk flush
+            await self._run([(fsync_directory, self.directory)])
+
+    def _finish_file(self, fd: int, nbytes: int) -> None:
+        if self.direct and nbytes % ALIGN:
+            os.ftruncate(fd, nbytes)  # drop the padding: [Note: nvme on-disk size]
+        if self.fsync:
+            os.fsync(fd)
+
+    async def read(self, key: str, out: torch.Tensor) -> None:
+        path = self._file(key)
+        dst = tensor_bytes(out, what=f"nvme read of key {key!r}").detach()
+        self._pool()
+        try:
+            fd = os.open(path, os.O_RDONLY | (_O_DIRECT if self.direct else 0))
+        except FileNotFoundError:
+            raise StorageKeyError(f"key {key!r} not found in nvme backend (no file {str(path)!r})") from None
+        except OSError as exc:
+            raise StorageIOError(
+                f"nvme backend: cannot open {str(path)!r} for key {key!r}: {exc.strerror or exc}"
+            ) from exc
+        staged = None
+        try:
+            check_out_size(key, os.fstat(fd).st_size, dst.numel(), where=f"file {str(path)!r}")
+            target = dst
+            if dst.device.type != "cpu":
+                staged = self._staging.acquire(dst.numel(), what=f"staging of key {key!r}")
+                target = staged[: dst.numel()]
+            await self._run([(self._read_piece, fd, target, o, ln, b) for o, ln, b in self._plan(target)])
+            if staged is not None:
+                await self._device.wait(self._device.copy_async(dst, target), what=f"read of key {key!r}")
+        except OSError as exc:
+            if isinstance(exc, StorageIOError):
+                raise
+            raise StorageIOError(
+                f"nvme backend: read of key {key!r} from {str(path)!r} failed: {exc.strerror or exc}"
+            ) from exc
+        finally:
+            os.close(fd)
+            if staged is not None:
+                self._staging.release(staged)
+
+    async def delete(self, key: str) -> None:
+        path = self._file(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            raise StorageKeyError(f"key {key!r} not found in nvme backend (no file {str(path)!r})") from None
+        except OSError as exc:
+            raise StorageIOError(
+                f"nvme backend: cannot delete {str(path)!r} (key {key!r}): {exc.strerror or exc}"
+            ) from exc
+
+    async def exists(self, key: str) -> bool:
+        return self._file(key).is_file()
+
+    def capacity(self) -> Capacity:
+        st = os.statvfs(self.directory)
+        return Capacity(total_bytes=st.f_blocks * st.f_frsize, free_bytes=st.f_bavail * st.f_frsize)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._bounce = None
+        self._staging.clear()
+
+    def spec(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.name, "path": self._path_arg}
+        defaults = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "io_threads": 8}
+        for k, d in defaults.items():
+            if getattr(self, k) != d:
+                out[k] = getattr(self, k)
+        if self._chunk_arg is not None:
+            out["chunk_bytes"] = self._chunk_arg
+        if not self._requested_direct:
+            out["direct"] = False
+        if not self.fsync:
+            out["fsync"] = False
+        return out

@@ -1,0 +1,354 @@
+"""The backend conformance suite: subclass `BackendConformance`, give it a backend, run pytest.
+
+Example — a third-party backend in five lines::
+
+    from tiered.testing import BackendConformance
+    from my_pkg import RamDiskBackend
+
+    class TestRamDisk(BackendConformance):
+        def make_backend(self, tmp_path):          # may also be `async def`
+            return RamDiskBackend(root=tmp_path)
+
+[Note: conformance without an event-loop plugin]
+Every test is a plain synchronous pytest function that runs its scenario with ``asyncio.run``: the
+backend is made, used and closed inside that one loop. So the suite runs under any pytest
+configuration (with or without pytest-asyncio), and a backend that binds loop-affine resources at
+construction still works. Each scenario is bounded by `timeout_s`, so a hanging backend fails
+instead of stalling the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import math
+import warnings
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import torch
+
+from tiered.errors import StorageKeyError
+from tiered.storage.base import Capabilities, Capacity, StorageBackend
+
+T = TypeVar("T")
+
+INVALID_KEYS = ["", "a/b", "/abs", "..", "../escape", "a..b", ".", "sp ace", "nul\x00", "back\\slash", "ünï"]
+UNALIGNED_SIZES = [1, 3, 4095, 4096, 4097, (1 << 20) + 1, (3 << 20) + 5]
+
+
+def _all_cpu_dtypes() -> list[torch.dtype]:
+    """Every dtype torch can allocate on the CPU and view as bytes (float8 variants included)."""
+    found: dict[str, torch.dtype] = {}
+    for name in sorted(dir(torch)):
+        dt = getattr(torch, name, None)
+        if not isinstance(dt, torch.dtype) or str(dt) in found or "q" in str(dt).split(".")[-1][:2]:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
+                torch.empty(4, dtype=dt).view(torch.uint8)
+        except (RuntimeError, TypeError, NotImplementedError):
+            continue  # bit/packed types (bits8, uint1...) have no byte view on the CPU
+        found[str(dt)] = dt
+    return [found[k] for k in sorted(found)]
+
+
+ALL_DTYPES = _all_cpu_dtypes()
+
+
+def random_bytes(nbytes: int, seed: int) -> torch.Tensor:
+    """`nbytes` reproducible random bytes (fast: generated as int64 words)."""
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(
+        -(2**63), 2**63 - 1, (max(1, math.ceil(nbytes / 8)),), dtype=torch.int64, generator=g
+    )
+    return words.view(torch.uint8)[:nbytes].clone()
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    numel = math.prod(shape)
+    if dtype == torch.bool:
+        return (random_bytes(numel, seed) % 2).bool().view(shape)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return random_bytes(numel * itemsize, seed).view(dtype).view(shape)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def unaligned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor whose first byte is deliberately not 8-byte (nor page) aligned."""
+    return torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
+
+
+class BackendConformance:
+    """Behaviour every StorageBackend must show. Subclass and define `make_backend`.
+
+    See the module docstring for an example and [Note: conformance without an event-loop plugin].
+    Class attributes tune the suite for a backend: `timeout_s` bounds each scenario,
+    `check_spec_roundtrip` reopens ``backend.spec()`` through `tiered.open_backend` (needs the
+    backend registered).
+    """
+
+    timeout_s: float = 120.0
+    check_spec_roundtrip: bool = True
+
+    def make_backend(self, tmp_path: Path) -> StorageBackend | Awaitable[StorageBackend]:
+        raise NotImplementedError("subclasses of BackendConformance define make_backend(self, tmp_path)")
+
+    # ---- harness ----------------------------------------------------------------------------
+    def run(self, tmp_path: Path, scenario: Callable[[StorageBackend], Awaitable[T]]) -> T:
+        async def main() -> T:
+            made = self.make_backend(tmp_path)
+            backend = await made if inspect.isawaitable(made) else made
+            assert isinstance(backend, StorageBackend), f"make_backend returned {backend!r}"
+            try:
+                return await asyncio.wait_for(scenario(backend), timeout=self.timeout_s)
+            finally:
+                await backend.close()
+
+        return asyncio.run(main())
+
+    @staticmethod
+    async def roundtrip(
+        backend: StorageBackend, key: str, t: torch.Tensor, out: torch.Tensor | None = None
+    ) -> None:
+        await backend.write(key, t)
+        if out is None:
+            out = torch.empty_like(t)
+        await backend.read(key, out)
+        assert torch.equal(as_bytes(out), as_bytes(t)), f"key {key!r}: bytes differ after round trip"
+
+    # ---- round trips ------------------------------------------------------------------------
+    @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+    def test_roundtrip_every_dtype(self, tmp_path: Path, dtype: torch.dtype) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            for i, shape in enumerate([(1,), (3, 5, 7), (1237,)]):
+                await self.roundtrip(b, f"t{i}", random_tensor(shape, dtype, seed=i))
+
+        self.run(tmp_path, scenario)
+
+    @pytest.mark.parametrize("nbytes", UNALIGNED_SIZES)
+    def test_roundtrip_sizes(self, tmp_path: Path, nbytes: int) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            t = random_bytes(nbytes, seed=nbytes)
+            await self.roundtrip(b, "sized", t)
+            out = unaligned_empty(nbytes)  # a caller buffer with no alignment at all
+            await b.read("sized", out)
+            assert torch.equal(out, t), f"{nbytes} bytes: unaligned read differs"
+            await self.roundtrip(b, "sized.unaligned-src", out)  # and an unaligned source
+
+        self.run(tmp_path, scenario)
+
+    def test_roundtrip_empty_tensor(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            await self.roundtrip(b, "empty", torch.empty(0, dtype=torch.float32))
+            assert await b.exists("empty")
+
+        self.run(tmp_path, scenario)
+
+    def test_roundtrip_64mib(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            t = random_bytes(64 << 20, seed=64).view(torch.float32)
+            await self.roundtrip(b, "big", t)
+
+        self.run(tmp_path, scenario)
+
+    def test_64_concurrent_operations(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            data = {f"c{i:02d}": random_bytes(1000 + 4099 * i, seed=100 + i) for i in range(64)}
+            await asyncio.gather(*(b.write(k, v) for k, v in data.items()))
+            outs = {k: torch.empty_like(v) for k, v in data.items()}
+            await asyncio.gather(*(b.read(k, outs[k]) for k in data))
+            for k, v in data.items():
+                assert torch.equal(outs[k], v), f"key {k!r} differs after concurrent round trip"
+            mixed = [
+                b.write(k, torch.flip(v, [0])) if i % 2 else b.read(k, outs[k])
+                for i, (k, v) in enumerate(data.items())
+            ]
+            await asyncio.gather(*mixed)
+            for i, (k, v) in enumerate(data.items()):
+                out = torch.empty_like(v)
+                await b.read(k, out)
+                assert torch.equal(out, torch.flip(v, [0]) if i % 2 else v), (
+                    f"key {k!r} wrong after mixed ops"
+                )
+
+        self.run(tmp_path, scenario)
+
+    # ---- overwrite / delete / missing -------------------------------------------------------
+    def test_overwrite_with_different_size(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            await self.roundtrip(b, "ow", random_bytes(5000, seed=1))
+            bigger = random_bytes(70_001, seed=2)
+            await self.roundtrip(b, "ow", bigger)
+            smaller = random_bytes(17, seed=3).view(torch.uint8)
+            await self.roundtrip(b, "ow", smaller)
+            with pytest.raises(ValueError):
+                await b.read("ow", torch.empty(70_001, dtype=torch.uint8))
+
+        self.run(tmp_path, scenario)
+
+    def test_delete(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            await b.write("gone", random_bytes(10_000, seed=4))
+            await b.write("kept", random_bytes(100, seed=5))
+            assert await b.exists("gone")
+            await b.delete("gone")
+            assert not await b.exists("gone")
+            assert await b.exists("kept"), "deleting one key removed another"
+            with pytest.raises(StorageKeyError, match="gone"):
+                await b.read("gone", torch.empty(10_000, dtype=torch.uint8))
+            with pytest.raises(StorageKeyError, match="gone"):
+                await b.delete("gone")
+            await self.roundtrip(b, "gone", random_bytes(3, seed=6))  # the key is reusable
+
+        self.run(tmp_path, scenario)
+
+    def test_missing_key(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            assert not await b.exists("never-written")
+            with pytest.raises(KeyError, match="never-written") as info:
+                await b.read("never-written", torch.empty(8, dtype=torch.uint8))
+            assert isinstance(info.value, StorageKeyError)
+
+        self.run(tmp_path, scenario)
+
+    @pytest.mark.parametrize("key", INVALID_KEYS, ids=repr)
+    def test_invalid_keys_rejected(self, tmp_path: Path, key: str) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            t = torch.zeros(4, dtype=torch.uint8)
+            for op in (
+                lambda: b.write(key, t),
+                lambda: b.read(key, t),
+                lambda: b.delete(key),
+                lambda: b.exists(key),
+            ):
+                with pytest.raises(StorageKeyError, match="invalid storage key"):
+                    await op()
+
+        self.run(tmp_path, scenario)
+        assert not any(p.name.endswith("escape") for p in tmp_path.parent.iterdir()), (
+            "a key escaped its directory"
+        )
+
+    def test_read_into_wrong_size_is_value_error(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            await b.write("sz", torch.arange(10, dtype=torch.float32))
+            for wrong in (torch.empty(9, dtype=torch.float32), torch.empty(41, dtype=torch.uint8)):
+                with pytest.raises(ValueError, match=r"sz.*40.*" + str(wrong.nbytes)):
+                    await b.read("sz", wrong)
+
+        self.run(tmp_path, scenario)
+
+    def test_non_contiguous_input_rejected(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            with pytest.raises(ValueError, match="contiguous"):
+                await b.write("nc", torch.arange(12.0).view(3, 4).t())
+
+        self.run(tmp_path, scenario)
+
+    # ---- cancellation -----------------------------------------------------------------------
+    @pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.02])
+    def test_cancelled_write_leaves_no_partial_object(self, tmp_path: Path, delay_s: float) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            old = random_bytes(8 << 20, seed=7)
+            new = random_bytes(8 << 20, seed=8)
+            await b.write("victim", old)
+            for key in ("victim", "fresh"):
+                task = asyncio.ensure_future(b.write(key, new))
+                await asyncio.sleep(delay_s)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                if key == "fresh" and not await b.exists(key):
+                    continue
+                out = torch.empty_like(new)
+                await b.read(key, out)
+                is_old, is_new = torch.equal(out, old), torch.equal(out, new)
+                assert is_new or (is_old and key == "victim"), f"key {key!r}: a partial object is visible"
+            await self.roundtrip(b, "victim", random_bytes(100, seed=9))  # still usable afterwards
+
+        self.run(tmp_path, scenario)
+
+    # ---- description ------------------------------------------------------------------------
+    def test_capacity_is_sane(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            cap = b.capacity()
+            assert isinstance(cap, Capacity)
+            for v in (cap.total_bytes, cap.free_bytes):
+                assert v is None or (isinstance(v, int) and v >= 0)
+            if cap.total_bytes is not None and cap.free_bytes is not None:
+                assert cap.free_bytes <= cap.total_bytes
+
+        self.run(tmp_path, scenario)
+
+    def test_capabilities_and_spec(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            caps = b.capabilities
+            assert isinstance(caps, Capabilities)
+            spec = b.spec()
+            assert json.loads(json.dumps(spec)) == spec, "spec() must be JSON-able"
+            assert spec["type"] == b.name
+            if not self.check_spec_roundtrip:
+                return
+            from tiered.storage.registry import open_backend
+
+            data = random_bytes(5000, seed=10)
+            await b.write("persisted", data)
+            async with open_backend(spec) as again:
+                assert type(again) is type(b) and again.spec() == spec
+                if caps.persistent:  # the reopened backend sees the same objects
+                    out = torch.empty_like(data)
+                    await again.read("persisted", out)
+                    assert torch.equal(out, data)
+
+        self.run(tmp_path, scenario)
+
+    def test_close_is_idempotent(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            await b.write("x", torch.ones(3))
+            await b.close()
+            await b.close()
+
+        self.run(tmp_path, scenario)
+
+    # ---- memory-like backends ---------------------------------------------------------------
+    def test_memory_like_allocate_and_view(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            if not b.capabilities.memory_like:
+                with pytest.raises(NotImplementedError):
+                    b.view("x")
+                return
+            t = b.allocate("res", 1000, torch.float32)
+            assert t.shape == (1000,) and t.dtype == torch.float32
+            t.copy_(torch.arange(1000, dtype=torch.float32))
+            v = b.view("res")
+            assert v.data_ptr() == t.data_ptr(), "view() must return the resident tensor, not a copy"
+            out = torch.empty(1000, dtype=torch.float32)
+            await b.read("res", out)
+            assert torch.equal(out, torch.arange(1000, dtype=torch.float32))
+            src = random_tensor((4, 6), torch.bfloat16, seed=11)
+            await b.write("w", src)
+            w = b.view("w")
+            assert w.dtype == torch.bfloat16 and w.shape == (4, 6) and torch.equal(as_bytes(w), as_bytes(src))
+            with pytest.raises(StorageKeyError):
+                b.view("absent")
+
+        self.run(tmp_path, scenario)
+
+
+__all__ = [
+    "ALL_DTYPES",
+    "INVALID_KEYS",
+    "UNALIGNED_SIZES",
+    "BackendConformance",
+    "as_bytes",
+    "random_bytes",
+    "random_tensor",
+    "unaligned_empty",
+]
