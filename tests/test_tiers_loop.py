@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.tiers_support import MemBackend
+from tiers_support import MemBackend
 from tiered.tiers import EventLoopThread, ManagerClosedError, Tier, TierManager
 
 

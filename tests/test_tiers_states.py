@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from tests.tiers_support import backend, three_tier_manager
+from tiers_support import backend, three_tier_manager
 from tiered.tiers import CleanFirstLRUPolicy, CopyState
 
 

@@ -50,6 +50,14 @@ class TierTimeoutError(TieredError, TimeoutError):
     """A wait on the tier manager outlived its timeout."""
 
 
+class PinnedError(TieredError, RuntimeError):
+    """An operation needs a copy that a fetch or allocate pinned and has not yet released."""
+
+
+class ManagerClosedError(TieredError, RuntimeError):
+    """The tier manager (its loop) was closed while, or before, an operation ran."""
+
+
 class ShapeMutationError(TieredError, RuntimeError):
     """A module replaced or reshaped a parameter that tiered manages."""
 

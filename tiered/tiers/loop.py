@@ -22,15 +22,11 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from tiered.errors import TieredError, TierTimeoutError
+from tiered.errors import ManagerClosedError, TierTimeoutError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class ManagerClosedError(TieredError, RuntimeError):
-    """The tier manager (its loop) was closed while, or before, an operation ran."""
 
 
 class EventLoopThread:

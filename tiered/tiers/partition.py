@@ -22,11 +22,7 @@ from types import MappingProxyType
 
 import torch
 
-from tiered.errors import TieredError
-
-
-class PinnedError(TieredError, RuntimeError):
-    """An operation needs a copy that a fetch or allocate pinned and has not yet released."""
+from tiered.errors import PinnedError  # noqa: F401 - re-exported for tiered.tiers
 
 
 class CopyState(enum.Enum):
