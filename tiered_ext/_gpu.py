@@ -1,0 +1,89 @@
+"""gpu_adam_step: the multi-tensor Adam step for partitions in GPU memory.
+
+One kernel launch per group of tensors sharing (grad, state, out) dtypes. Lists of CPU tensors
+(the "gpu" tier of a CPU-only machine) run the native CPU kernel per tensor; CUDA tensors without
+a built CUDA kernel run the pure-torch reference (with a KernelBuildWarning, see _loader).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import _loader
+from ._reference import adam_step_reference
+from ._validate import check_scalars, check_tensors
+
+
+def gpu_adam_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    grad_scale: float = 1.0,
+    out_lowp: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Adam/AdamW step over lists of flat partitions on one device (same semantics as adam_step)."""
+    n = len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    if out_lowp is not None:
+        lists["out_lowp"] = out_lowp
+    for name, seq in lists.items():
+        if len(seq) != n:
+            raise ValueError(f"{name} has {len(seq)} tensors but params has {n}: the lists must align")
+    check_scalars(
+        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale
+    )
+    if n == 0:
+        return
+    device = params[0].device
+    outs = list(out_lowp) if out_lowp is not None else [None] * n
+    for i in range(n):
+        check_tensors(
+            params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i], device_type=None, where=f"[{i}]"
+        )
+        if params[i].device != device:
+            raise ValueError(
+                f"params[{i}] is on {params[i].device} but params[0] is on {device}: one device per call"
+            )
+    scalars = dict(
+        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+        grad_scale=grad_scale,
+    )  # fmt: skip
+    if device.type != "cuda":
+        from . import adam_step  # the CPU kernel; imported here to keep the package import acyclic
+
+        if device.type != "cpu":
+            for i in range(n):
+                adam_step_reference(
+                    params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out_lowp=outs[i], **scalars
+                )
+            return
+        for i in range(n):
+            adam_step(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out_lowp=outs[i], **scalars)
+        return
+    mod = _loader.gpu_module()
+    if mod is None:
+        for i in range(n):
+            adam_step_reference(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out_lowp=outs[i], **scalars)
+        return
+    groups: dict[tuple[torch.dtype, torch.dtype, torch.dtype | None], list[int]] = {}
+    for i in range(n):
+        key = (grads[i].dtype, exp_avgs[i].dtype, outs[i].dtype if outs[i] is not None else None)
+        groups.setdefault(key, []).append(i)
+    for (_, _, out_dtype), idx in groups.items():
+        mod.gpu_adam_step(
+            [params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx], [outs[i] for i in idx] if out_dtype is not None else None,
+            int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode),
+            float(grad_scale),
+        )  # fmt: skip

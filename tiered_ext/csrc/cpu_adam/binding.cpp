@@ -1,0 +1,162 @@
+// Python binding of the fused CPU Adam: argument checks (again, after the Python layer's), the
+// OpenMP split over blocks, and the GIL released for the whole call. The kernels themselves live in
+// cpu_adam_{scalar,avx2,avx512}.cpp and know nothing of torch.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cpu_adam.h"
+
+namespace ca = tiered::cpu_adam;
+
+namespace {
+
+std::atomic<int> g_isa{static_cast<int>(ca::best_isa())};
+
+// [Note: block split]
+// Threads get contiguous runs of 64 Ki-element blocks (at::parallel_for: one static chunk per
+// thread), so each thread streams its own region of all five buffers; partitions below one block
+// run on the calling thread (no fork/join cost for small tensors).
+constexpr int64_t kBlock = int64_t{1} << 16;
+
+ca::DType dtype_of(const at::Tensor& t, const char* name, bool allow_f32, bool allow_lowp) {
+  const auto st = t.scalar_type();
+  if (allow_f32 && st == at::kFloat) return ca::DType::kF32;
+  if (allow_lowp && st == at::kBFloat16) return ca::DType::kBF16;
+  if (allow_lowp && st == at::kHalf) return ca::DType::kF16;
+  TORCH_CHECK_VALUE(false, "tiered_ext.adam_step: ", name, " has unsupported dtype ", st);
+}
+
+void check_buffer(const at::Tensor& t, const char* name, int64_t n, bool flat) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "tiered_ext.adam_step: ", name, " must be a CPU tensor, got ",
+                    t.device());
+  TORCH_CHECK_VALUE((t.dim() == 1 || !flat) && t.is_contiguous(), "tiered_ext.adam_step: ", name,
+                    flat ? " must be 1-D and contiguous" : " must be contiguous");
+  TORCH_CHECK_VALUE(t.numel() == n, "tiered_ext.adam_step: ", name, " has ", t.numel(),
+                    " elements, param has ", n);
+}
+
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  const auto* a0 = static_cast<const char*>(a.data_ptr());
+  const auto* b0 = static_cast<const char*>(b.data_ptr());
+  const auto* a1 = a0 + a.numel() * a.element_size();
+  const auto* b1 = b0 + b.numel() * b.element_size();
+  return a.numel() > 0 && b.numel() > 0 && a0 < b1 && b0 < a1;
+}
+
+bool adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq, int64_t step,
+               double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
+               double grad_scale, c10::optional<at::Tensor> out_lowp, bool check_finite, bool flat) {
+  // flat=false (tiered.optim.CPUAdam) accepts contiguous tensors of any shape with equal numel:
+  // a step over a parameter's storage, saving four .view(-1) calls per parameter.
+  const int64_t n = param.numel();
+  check_buffer(param, "param", n, flat);
+  check_buffer(grad, "grad", n, flat);
+  check_buffer(exp_avg, "exp_avg", n, flat);
+  check_buffer(exp_avg_sq, "exp_avg_sq", n, flat);
+  dtype_of(param, "param", true, false);
+  const ca::DType gt = dtype_of(grad, "grad", true, true);
+  const ca::DType st = dtype_of(exp_avg, "exp_avg", true, true);
+  TORCH_CHECK_VALUE(st != ca::DType::kF16, "tiered_ext.adam_step: exp_avg must be float32 or bfloat16");
+  TORCH_CHECK_VALUE(exp_avg_sq.scalar_type() == exp_avg.scalar_type(),
+                    "tiered_ext.adam_step: exp_avg_sq dtype must equal exp_avg dtype");
+  ca::DType ot = ca::DType::kNone;
+  void* out = nullptr;
+  std::vector<std::pair<const at::Tensor*, const char*>> bufs = {
+      {&param, "param"}, {&grad, "grad"}, {&exp_avg, "exp_avg"}, {&exp_avg_sq, "exp_avg_sq"}};
+  if (out_lowp.has_value()) {
+    check_buffer(*out_lowp, "out_lowp", n, flat);
+    ot = dtype_of(*out_lowp, "out_lowp", false, true);
+    out = out_lowp->data_ptr();
+    bufs.emplace_back(&*out_lowp, "out_lowp");
+  }
+  for (size_t i = 0; i < bufs.size(); ++i)
+    for (size_t j = i + 1; j < bufs.size(); ++j)
+      TORCH_CHECK_VALUE(!overlaps(*bufs[i].first, *bufs[j].first), "tiered_ext.adam_step: ",
+                        bufs[i].second, " and ", bufs[j].second, " share memory");
+  TORCH_CHECK_VALUE(step >= 1, "tiered_ext.adam_step: step must be >= 1 (1-based), got ", step);
+  TORCH_CHECK_VALUE(std::isfinite(lr) && lr >= 0.0, "tiered_ext.adam_step: lr must be >= 0, got ", lr);
+  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, "tiered_ext.adam_step: beta1 must be in [0, 1)");
+  TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, "tiered_ext.adam_step: beta2 must be in [0, 1)");
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0.0, "tiered_ext.adam_step: eps must be > 0");
+  TORCH_CHECK_VALUE(std::isfinite(weight_decay) && weight_decay >= 0.0,
+                    "tiered_ext.adam_step: weight_decay must be >= 0");
+  TORCH_CHECK_VALUE(std::isfinite(grad_scale), "tiered_ext.adam_step: grad_scale must be finite");
+
+  // Scalars as torch.optim.AdamW computes them (Python floats, i.e. double), rounded once.
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  ca::Hyper h{};
+  h.grad_scale = static_cast<float>(grad_scale);
+  h.beta1 = static_cast<float>(beta1);
+  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.eps = static_cast<float>(eps);
+  h.neg_step_size = static_cast<float>(-(lr / bc1));
+  h.inv_bc2_sqrt = static_cast<float>(1.0 / std::pow(bc2, 0.5));
+  h.decay = static_cast<float>(1.0 - lr * weight_decay);
+  h.l2 = static_cast<float>(weight_decay);
+  h.adamw = adamw_mode;
+
+  ca::Buffers b{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                out, gt, st, ot};
+  const auto isa = static_cast<ca::Isa>(g_isa.load());
+  const ca::StepFn step_fn = ca::step_fn(isa);
+  const ca::FiniteFn finite_fn = ca::finite_fn(isa);
+  const int64_t nblocks = (n + kBlock - 1) / kBlock;
+
+  if (check_finite) {
+    // A separate read-only pass: "nothing modified" on overflow needs the verdict before any write.
+    std::atomic<bool> bad{false};
+    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+      if (!finite_fn(b.grad, gt, h.grad_scale, b0 * kBlock, std::min(n, b1 * kBlock))) bad.store(true);
+    });
+    if (bad.load()) return true;
+  }
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    step_fn(b, h, b0 * kBlock, std::min(n, b1 * kBlock));
+  });
+  return false;
+}
+
+ca::Isa isa_from_name(const std::string& name) {
+  for (auto isa : {ca::Isa::kScalar, ca::Isa::kAvx2, ca::Isa::kAvx512})
+    if (name == ca::isa_name(isa)) return isa;
+  TORCH_CHECK_VALUE(false, "unknown ISA '", name, "': expected scalar, avx2 or avx512");
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> out;
+  for (auto isa : {ca::Isa::kScalar, ca::Isa::kAvx2, ca::Isa::kAvx512})
+    if (ca::cpu_supports(isa)) out.emplace_back(ca::isa_name(isa));
+  return out;
+}
+
+void set_isa(const std::string& name) {
+  const auto isa = isa_from_name(name);
+  TORCH_CHECK_VALUE(ca::cpu_supports(isa), "this CPU cannot run the ", name, " path");
+  g_isa.store(static_cast<int>(isa));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "tiered fused CPU Adam (see tiered_ext/__init__.py for the documented API)";
+  m.def("adam_step", &adam_step, py::call_guard<py::gil_scoped_release>(), py::arg("param"),
+        py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("step"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"),
+        py::arg("grad_scale"), py::arg("out_lowp"), py::arg("check_finite"), py::arg("flat") = true);
+  m.def("supported_isas", &supported_isas);
+  m.def("get_isa", [] { return std::string(ca::isa_name(static_cast<ca::Isa>(g_isa.load()))); });
+  m.def("set_isa", &set_isa);
+  m.def("self_test", [](const std::string& name) { return ca::self_test(isa_from_name(name)); },
+        py::call_guard<py::gil_scoped_release>());
+  m.def("num_threads", [] { return at::get_num_threads(); });
+}

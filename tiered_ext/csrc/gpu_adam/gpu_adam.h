@@ -1,0 +1,53 @@
+// Multi-tensor fused Adam/AdamW on the GPU: the interface between the torch binding (binding.cpp)
+// and the kernel (gpu_adam.cu). Free of torch headers, so nvcc alone compiles the kernel.
+#pragma once
+
+#include <cstdint>
+
+namespace tiered {
+namespace gpu_adam {
+
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
+
+// Same fields and meaning as tiered::cpu_adam::Hyper (csrc/cpu_adam/cpu_adam.h).
+struct Hyper {
+  float grad_scale;
+  float beta1;
+  float one_minus_beta1;
+  float beta2;
+  float one_minus_beta2;
+  float eps;
+  float neg_step_size;
+  float inv_bc2_sqrt;
+  float decay;
+  float l2;
+  int adamw;
+};
+
+struct TensorDesc {
+  float* param;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;
+  void* out;  // nullptr when the group has no low-precision output
+  int64_t n;
+};
+
+// One thread block per chunk of kChunk elements of one tensor.
+struct ChunkDesc {
+  int64_t tensor;
+  int64_t start;
+};
+
+constexpr int64_t kChunk = 16384;
+constexpr int kThreads = 256;
+
+// Launches one kernel for the whole group. `tensors` and `chunks` point to device memory; all
+// tensors share grad_t / state_t / out_t. Returns 0 or a cudaError_t value.
+int launch(const TensorDesc* tensors, const ChunkDesc* chunks, int64_t n_chunks, int grad_t, int state_t,
+           int out_t, const Hyper& h, void* stream);
+
+const char* error_string(int err);
+
+}  // namespace gpu_adam
+}  // namespace tiered
