@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 from tiered.errors import ConfigError
@@ -36,7 +37,12 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
     """
     if isinstance(value, bool):
         raise ConfigError(f"{what}: expected a byte size such as 2GiB, 80GB or 1e9, got {value!r}")
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Integral):
+        # Exact: a float would round byte counts above 2**53.
+        if value < 0:
+            raise ConfigError(f"{what}: {value!r} is not a non-negative finite size")
+        return int(value)
+    if isinstance(value, numbers.Real):
         number, unit = float(value), ""
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
@@ -45,6 +51,8 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
                 f"{what}: cannot read {value!r} as a byte size; write e.g. 2GiB, 80GB, 512MiB or 1e9"
             )
         number, unit = float(match.group(1)), match.group(2).lower()
+        if match.group(1).isdigit() and unit in _UNITS:
+            return int(match.group(1)) * _UNITS[unit]  # exact for any length of digits
         if unit not in _UNITS:
             raise ConfigError(
                 f"{what}: unknown unit {match.group(2)!r} in {value!r}; use B, KB, MB, GB, TB "

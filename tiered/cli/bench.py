@@ -1,0 +1,102 @@
+"""`tiered bench`: GB/s of the storage backends against an O_DIRECT ceiling, fio and DeepSpeed.
+
+The measuring code is `tiered.planning.bandwidth_run` ([Note: round-robin measurement]);
+benchmarks/bandwidth.py calls the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, TextIO
+
+from tiered.units import parse_bytes
+
+DESCRIPTION = """\
+Measure write and cold-read bandwidth of tiered's file backends (nvme, aiofiles, tensorstore)
+on the drive holding --dir, side by side with a plain O_DIRECT copy (8 threads x 8 MiB
+pwritev/preadv: the ceiling every ratio is relative to), fio (if installed) and DeepSpeed's aio
+handle (if deepspeed is installed and its async_io op is built). Each round runs every method
+once in a rotated order; the table shows medians. Reads are cold (page cache dropped first),
+writes include fsync, and every read is checked byte for byte.
+"""
+
+EPILOG = """\
+examples:
+  tiered bench --quick                       # 64 MiB, 2 rounds, in a temp dir: a smoke test
+  tiered bench --dir /mnt/nvme0 --size 4GiB  # the drive you will offload to
+  tiered bench --dir . --json bench.json --backends nvme aiofiles
+
+needs about 2 x --size of free space in --dir (a subfolder is created and removed).
+"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench",
+        help="measure offload bandwidth of the storage backends",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_bench_arguments(p)
+    return p
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """Shared with benchmarks/bandwidth.py."""
+    p.add_argument("--dir", metavar="DIR", default=None,
+                   help="directory on the drive to measure (default: the system temp directory)")
+    p.add_argument("--size", metavar="SIZE", default=None, help="bytes per transfer, e.g. 1GiB (default 1GiB)")
+    p.add_argument("--rounds", type=int, default=None, help="measured rounds (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up rounds (default 1)")
+    p.add_argument("--backends", nargs="+", default=None, metavar="NAME",
+                   help="tiered backends to measure (default: nvme aiofiles tensorstore)")
+    p.add_argument("--no-fio", action="store_true", help="skip fio even if installed")
+    p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's aio handle")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: 64MiB, 2 rounds, no warm-up, no DeepSpeed (override with --size/--rounds)")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the full result as JSON to FILE")
+    p.add_argument("--quiet", "-q", action="store_true", help="no per-round progress on stderr")
+
+
+def options_from_args(args: argparse.Namespace) -> Any:
+    from tiered.planning.bandwidth_run import DEFAULT_BACKENDS, BenchOptions
+
+    quick = bool(args.quick)
+    size = parse_bytes(args.size, what="--size") if args.size is not None else (64 << 20 if quick else 1 << 30)
+    rounds = args.rounds if args.rounds is not None else (2 if quick else 5)
+    return BenchOptions(
+        directory=Path(args.dir) if args.dir is not None else Path(tempfile.gettempdir()),
+        size_bytes=size,
+        rounds=rounds,
+        warmup_rounds=0 if quick else args.warmup,
+        backends=tuple(args.backends) if args.backends else DEFAULT_BACKENDS,
+        fio=not args.no_fio,
+        deepspeed=not (args.no_deepspeed or quick),
+    )
+
+
+def measure(args: argparse.Namespace) -> Any:
+    """Run the benchmark the arguments describe; returns a BenchResult."""
+    from tiered.planning.bandwidth_run import run_bandwidth
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"  {msg}", file=sys.stderr, flush=True)
+
+    return run_bandwidth(options_from_args(args), progress=progress)
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    result = measure(args)
+    out.write(result.to_markdown())
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        out.write(f"\nJSON written to {args.json}\n")
+    # The run itself failed if even the ceiling could not be measured.
+    return 0 if result.methods and result.methods[0].status == "ok" else 1

@@ -1,0 +1,167 @@
+"""`tiered plan`: will it fit? Bytes per rank on GPU / CPU / NVMe for every ZeRO strategy.
+
+The model is in `tiered.planning.memory` ([Note: plan accounting]); this module parses options
+and prints the answer as tables or JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, TextIO
+
+from tiered.planning.memory import TIERS, Memories, Plan, PlanOptions, PrecisionBytes, gb, make_plan
+from tiered.units import parse_bytes
+
+DESCRIPTION = """\
+Estimate, before launching, the memory each rank needs for plain data parallel, ZeRO-1/2/3 and
+ZeRO-3 with the optimizer (and parameters) offloaded to CPU memory or NVMe; whether each fits the
+memories you give; the communication per step; and a ready-to-use config (DeepSpeed format plus a
+"tiered" section) for the cheapest ZeRO-3 placement that fits.
+
+Bytes per parameter: bf16/fp16 = 2 param + 2 grad + 12 Adam state (fp32 master, m, v); fp32 =
+4 + 4 + 8 (m, v; the fp32 parameter is the master). Offloaded: 12 B optimizer state on its tier
+and 4 B fp32 gradients in CPU memory per parameter of the rank's shard. All memory figures are
+per rank (divide a host's RAM or NVMe by the ranks sharing it). GB = 1e9 bytes.
+"""
+
+EPILOG = """\
+examples:
+  tiered plan --params 40B --gpu-mem 80GB --cpu-mem 512GB --nvme-mem 4TB
+  tiered plan --params 7.5e9 --world-size 64 --gpu-mem 32GB
+  tiered plan --model ./Llama-2-7b-hf --gpu-mem 24GiB --cpu-mem 64GiB --json
+  tiered plan --params 70B --largest-layer 1.05B --activation-mem 6GB --gpu-mem 80GB --cpu-mem 1TB
+
+sizes: 80GB (1e9), 80GiB (2^30), 1e9 or plain bytes.  counts: 40B, 7.5e9, 350M, 1.5T.
+exit status: 0 a placement fits (or no memory was given), 1 nothing fits, 2 bad input.
+"""
+
+
+def _label(tier: str) -> str:
+    return {"gpu": "GPU", "cpu": "CPU", "nvme": "NVMe"}.get(tier, tier)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan",
+        help="will it fit? memory per rank for DP and ZeRO-1/2/3 with offload",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", metavar="COUNT", help="number of parameters, e.g. 40B or 7.5e9")
+    what.add_argument("--model", metavar="PATH", help="local Hugging Face model folder or config.json "
+                      "(counted exactly on the meta device, nothing is allocated)")
+    p.add_argument("--largest-layer", metavar="COUNT",
+                   help="parameters of the largest single module (default with --params: 2%% of them)")
+    p.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory per rank, e.g. 80GB")
+    p.add_argument("--cpu-mem", metavar="SIZE", help="host memory per rank, e.g. 512GB")
+    p.add_argument("--nvme-mem", metavar="SIZE", help="NVMe space per rank, e.g. 4TB")
+    p.add_argument("--world-size", "-N", type=int, default=1, metavar="N", help="data-parallel ranks (default 1)")
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16", help="default bf16")
+    p.add_argument("--prefetch-layers", type=int, default=1, metavar="L",
+                   help="layers gathered ahead of the one computing (default 1)")
+    p.add_argument("--sub-group-size", default="1e8", metavar="COUNT",
+                   help="optimizer pipeline tile in elements (default 1e8)")
+    p.add_argument("--activation-mem", default="0", metavar="SIZE",
+                   help="activation memory per rank to add to the GPU working set (default 0: not counted)")
+    p.add_argument("--nvme-path", default="./tiered_offload", help="nvme_path written into the recommended config")
+    p.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
+    return p
+
+
+def _size(value: str | None, option: str) -> int | None:
+    return None if value is None else parse_bytes(value, what=option)
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    from tiered.planning.model_shape import parse_count, shape_from_model, shape_from_params
+
+    opts = PlanOptions(
+        world_size=args.world_size,
+        precision=args.precision,
+        prefetch_layers=args.prefetch_layers,
+        sub_group_size=parse_count(args.sub_group_size, what="--sub-group-size"),
+        activation_bytes=parse_bytes(args.activation_mem, what="--activation-mem"),
+        nvme_path=args.nvme_path,
+    )
+    memories = Memories(
+        gpu_bytes=_size(args.gpu_mem, "--gpu-mem"),
+        cpu_bytes=_size(args.cpu_mem, "--cpu-mem"),
+        nvme_bytes=_size(args.nvme_mem, "--nvme-mem"),
+    )
+    if args.model is not None:
+        shape = shape_from_model(args.model, persistence_threshold=opts.persistence_threshold)
+        if args.largest_layer is not None:
+            from dataclasses import replace
+
+            shape = replace(shape, largest_layer_params=parse_count(args.largest_layer, what="--largest-layer"))
+    else:
+        shape = shape_from_params(args.params, largest_layer=args.largest_layer)
+    return make_plan(shape, memories, opts)
+
+
+def _fmt(n: int | None) -> str:
+    return "-" if n is None else f"{gb(n):.1f}"
+
+
+def _fits(s: Any) -> str:
+    if s.shortfall_bytes:
+        return "no (" + ", ".join(f"{_label(t)} +{gb(b):.1f}" for t, b in s.shortfall_bytes.items()) + ")"
+    return "yes" if all(v is True for v in s.fits.values()) else "yes?"
+
+
+def render(plan: Plan, out: TextIO) -> None:
+    """The human form: header, strategy table, working set, recommendation and config."""
+    sh, o, m = plan.shape, plan.options, plan.memories
+    b = PrecisionBytes.of(o.precision)
+    w = out.write
+    w(f"model: {sh.total_params:,} parameters from {sh.source}; largest layer {sh.largest_layer_params:,}; "
+      f"persistent {sh.persistent_params:,}\n")
+    for a in sh.assumptions:
+        w(f"  assumed: {a}\n")
+    w(f"precision {o.precision}: {b.param} B param + {b.grad} B grad + K={b.optimizer} B optimizer per parameter; "
+      f"world size N={o.world_size}\n")
+    w("memory per rank: " + ", ".join(f"{_label(t)} {_fmt(m.of(t))} GB" if m.of(t) is not None
+                                      else f"{_label(t)} not given" for t in TIERS) + "\n\n")
+    head = f"{'strategy (GB per rank, GB = 1e9 B)':<38} {'GPU state':>9} {'GPU work':>8} {'GPU':>8} " \
+           f"{'CPU':>8} {'NVMe':>8} {'comm/step':>9}  fits"
+    w(head + "\n" + "-" * len(head) + "\n")
+    for s in plan.strategies:
+        w(f"{s.name:<38} {_fmt(s.bytes_on('gpu', working=False)):>9} {_fmt(s.bytes_on('gpu', working=True)):>8} "
+          f"{_fmt(s.bytes_on('gpu')):>8} {_fmt(s.bytes_on('cpu')):>8} {_fmt(s.bytes_on('nvme')):>8} "
+          f"{_fmt(s.comm_bytes_per_step):>9}  {_fits(s)}\n")
+    w("\ncomm/step: DP/ZeRO-1/2 all-reduce 2*Psi elements, ZeRO-3 3*Psi (1.5x DP), 0 when N=1. "
+      "'yes?' = fits the tiers you gave, others not checked.\n")
+    w("GPU working set of ZeRO-3 (counted above under 'GPU work'):\n")
+    z3 = plan.strategy("zero3")
+    for t in z3.terms:
+        if t.what.startswith("working:"):
+            w(f"  {gb(t.bytes):>8.1f} GB  {t.what.removeprefix('working: ')}\n")
+    if not o.activation_bytes:
+        w("  activations: NOT counted (depend on batch, sequence length, checkpointing); add --activation-mem\n")
+    w("per-step traffic of the offloaded placements (per rank):\n")
+    for s in plan.strategies:
+        if s.offload_optimizer != "none":
+            w(f"  {s.name:<38} host link {gb(s.host_link_bytes_per_step):.1f} GB, "
+              f"NVMe {gb(s.nvme_io_bytes_per_step):.1f} GB\n")
+    w("\n" + plan.message + "\n")
+    if plan.recommended:
+        s = plan.strategy(plan.recommended)
+        for t in s.terms:
+            if t.tier != "gpu" or not t.what.startswith("working:"):
+                w(f"  {_label(t.tier):<4} {gb(t.bytes):>8.1f} GB  {t.what}\n")
+        w("\nrecommended config (DeepSpeed format + \"tiered\" tier budgets):\n")
+        w(json.dumps(plan.config, indent=2) + "\n")
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    plan = plan_from_args(args)
+    if args.json:
+        out.write(json.dumps(plan.to_json(), indent=2) + "\n")
+    else:
+        render(plan, out)
+    return 0 if plan.recommended is not None else 1

@@ -1,0 +1,369 @@
+"""The ways `tiered bench` moves one buffer to a file and back: backends, a ceiling and peers.
+
+[Note: bandwidth methods]
+Every method writes the same page-aligned source buffer to its own file(s) and reads it back
+into the same page-aligned destination buffer, so they differ only in how they move the bytes:
+
+* the ceiling: a plain O_DIRECT copy, `threads` threads issuing os.pwritev / os.preadv on
+  `chunk_bytes` pieces (8 x 8 MiB by default; on this machine kind it beats fio and DeepSpeed's
+  aio, see the shared peer baselines), then fsync;
+* tiered's storage backends, opened *only* through `tiered.open_backend` (the same door a user
+  has): nvme, aiofiles, tensorstore;
+* peers when present: fio (libaio, O_DIRECT, bs 8 MiB, iodepth 8, --end_fsync=1; fio's own
+  bandwidth figure, which excludes its process start-up) and DeepSpeed's aio handle (sync_pwrite
+  / sync_pread, block 1 MiB, queue depth 32).
+
+`write`/`read` return elapsed seconds: the runner times everything else (cache dropping, checks)
+outside those calls. A method whose write is not durable by itself is made durable by the
+runner's fsync of its files inside the write timing (`self_timed` methods excepted), so every
+write figure means "on the device".
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import importlib.util
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiered.errors import StorageIOError, TierTimeoutError
+
+MIB = 1 << 20
+ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def aligned_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """A page-aligned anonymous mapping and a uint8 tensor over it (no copy). Keep both alive."""
+    mm = mmap.mmap(-1, max(nbytes, ALIGN))
+    return mm, torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+
+
+def files_under(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.exists() else []
+
+
+def sync_files(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def drop_cache(paths: list[Path]) -> None:
+    """Cold read: flush, then posix_fadvise(DONTNEED) each file (dirty pages cannot be dropped)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class Method(abc.ABC):
+    """One way of moving the buffer. See [Note: bandwidth methods]."""
+
+    name: str = "?"
+    kind: str = "backend"
+    """"ceiling", "backend" or "peer"."""
+    self_timed: bool = False
+
+    def __init__(self) -> None:
+        self.workdir: Path | None = None
+        self.timeout_s = 600.0
+
+    def setup(self, workdir: Path, timeout_s: float) -> None:
+        self.workdir = workdir
+        self.timeout_s = timeout_s
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    @abc.abstractmethod
+    def write(self, src: torch.Tensor, mv: memoryview) -> float: ...
+
+    @abc.abstractmethod
+    def read(self, dst: torch.Tensor, mv: memoryview) -> float: ...
+
+    def files(self) -> list[Path]:
+        assert self.workdir is not None
+        return files_under(self.workdir)
+
+    def cleanup(self) -> None:
+        """Remove this round's file(s) so the next round writes afresh."""
+        for p in self.files():
+            p.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class ODirectMethod(Method):
+    """The ceiling: an O_DIRECT pwritev/preadv thread pool."""
+
+    kind = "ceiling"
+
+    def __init__(self, threads: int = 8, chunk_bytes: int = 8 * MIB) -> None:
+        super().__init__()
+        self.threads, self.chunk = threads, chunk_bytes
+        self.name = f"O_DIRECT pwritev/preadv {threads} threads x {chunk_bytes // MIB} MiB"
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="bench-odirect")
+        self.direct = _O_DIRECT != 0
+
+    @property
+    def path(self) -> Path:
+        assert self.workdir is not None
+        return self.workdir / "odirect.bin"
+
+    def _open(self, flags: int) -> int:
+        if self.direct:
+            try:
+                return os.open(self.path, flags | _O_DIRECT, 0o644)
+            except OSError:  # tmpfs and some FUSE file systems refuse O_DIRECT
+                self.direct = False
+                self.name += " (O_DIRECT refused: buffered)"
+        return os.open(self.path, flags, 0o644)
+
+    def _run(self, fd: int, mv: memoryview, op: Any) -> None:
+        n = len(mv)
+        futures = [self.pool.submit(op, fd, mv, off, min(self.chunk, n - off)) for off in range(0, n, self.chunk)]
+        deadline = time.monotonic() + self.timeout_s
+        for f in futures:
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError as exc:
+                raise TierTimeoutError(f"bench {self.name}: I/O on {self.path} took over {self.timeout_s:.0f} s") from exc
+
+    @staticmethod
+    def _pwrite(fd: int, mv: memoryview, off: int, n: int) -> None:
+        done = 0
+        while done < n:
+            done += os.pwritev(fd, [mv[off + done: off + n]], off + done)
+
+    @staticmethod
+    def _pread(fd: int, mv: memoryview, off: int, n: int) -> None:
+        done = 0
+        while done < n:
+            got = os.preadv(fd, [mv[off + done: off + n]], off + done)
+            if got == 0:
+                raise StorageIOError(f"short read at offset {off + done}: file ended early")
+            done += got
+
+    def write(self, src: torch.Tensor, mv: memoryview) -> float:
+        t0 = time.perf_counter()
+        fd = self._open(os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            self._run(fd, mv, self._pwrite)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return time.perf_counter() - t0
+
+    def read(self, dst: torch.Tensor, mv: memoryview) -> float:
+        t0 = time.perf_counter()
+        fd = self._open(os.O_RDONLY)
+        try:
+            self._run(fd, mv, self._pread)
+        finally:
+            os.close(fd)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        super().close()
+
+
+def backend_spec(backend_type: str, directory: Path) -> dict[str, Any]:
+    """The open_backend spec that puts `backend_type`'s files in `directory`.
+
+    tensorstore takes a kvstore spec (its "file" driver here); every file backend takes "path".
+    """
+    if backend_type == "tensorstore":
+        return {"type": "tensorstore", "kvstore": {"driver": "file", "path": f"{directory}/"}}
+    return {"type": backend_type, "path": str(directory)}
+
+
+class BackendMethod(Method):
+    """A tiered storage backend, opened by spec through tiered.open_backend."""
+
+    KEY = "bench.payload"
+
+    def __init__(self, backend_type: str, **options: Any) -> None:
+        super().__init__()
+        self.backend_type, self.options = backend_type, options
+        self.name = f"tiered backend: {backend_type}"
+        self.backend: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def setup(self, workdir: Path, timeout_s: float) -> None:
+        super().setup(workdir, timeout_s)
+        from tiered.storage.registry import open_backend
+
+        self.backend = open_backend({**backend_spec(self.backend_type, workdir), **self.options})
+        self.loop = asyncio.new_event_loop()
+
+    def _await(self, coro: Any, what: str) -> None:
+        assert self.loop is not None
+        try:
+            self.loop.run_until_complete(asyncio.wait_for(coro, self.timeout_s))
+        except asyncio.TimeoutError as exc:
+            raise TierTimeoutError(
+                f"bench: backend {self.backend_type!r} {what} of {self.KEY!r} took over {self.timeout_s:.0f} s"
+            ) from exc
+
+    def write(self, src: torch.Tensor, mv: memoryview) -> float:
+        t0 = time.perf_counter()
+        self._await(self.backend.write(self.KEY, src), "write")
+        return time.perf_counter() - t0
+
+    def read(self, dst: torch.Tensor, mv: memoryview) -> float:
+        t0 = time.perf_counter()
+        self._await(self.backend.read(self.KEY, dst), "read")
+        return time.perf_counter() - t0
+
+    def cleanup(self) -> None:
+        self._await(self.backend.delete(self.KEY), "delete")
+
+    def close(self) -> None:
+        if self.backend is not None and self.loop is not None:
+            try:
+                self._await(self.backend.close(), "close")
+            finally:
+                self.loop.close()
+        super().close()
+
+
+class FioMethod(Method):
+    """fio, sequential O_DIRECT, bandwidth as fio reports it."""
+
+    kind = "peer"
+    self_timed = True
+
+    def __init__(self, binary: str, ioengine: str = "libaio", bs: str = "8M", iodepth: int = 8) -> None:
+        super().__init__()
+        self.binary, self.ioengine, self.bs, self.iodepth = binary, ioengine, bs, iodepth
+        self.name = f"fio {ioengine} bs={bs} iodepth={iodepth} direct=1 (fio-reported)"
+
+    def _fio(self, rw: str, size: int) -> float:
+        assert self.workdir is not None
+        cmd = [
+            self.binary, "--name=seq", f"--filename={self.workdir / 'fio.dat'}", f"--size={size}",
+            f"--rw={rw}", f"--bs={self.bs}", "--direct=1", f"--ioengine={self.ioengine}",
+            f"--iodepth={self.iodepth}", "--numjobs=1", "--output-format=json",
+        ] + (["--end_fsync=1"] if rw == "write" else [])
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise TierTimeoutError(f"bench: fio {rw} took over {self.timeout_s:.0f} s") from exc
+        if proc.returncode != 0:
+            raise StorageIOError(f"fio {rw} failed (exit {proc.returncode}): {proc.stderr.strip()[:300]}")
+        # fio may print warnings before the JSON document.
+        report = json.loads(proc.stdout[proc.stdout.index("{"):])
+        bw = report["jobs"][0][rw]["bw_bytes"]
+        if not bw:
+            raise StorageIOError(f"fio {rw} reported 0 bytes/s: {proc.stdout[:300]}")
+        return size / bw
+
+    def write(self, src: torch.Tensor, mv: memoryview) -> float:
+        return self._fio("write", len(mv))
+
+    def read(self, dst: torch.Tensor, mv: memoryview) -> float:
+        return self._fio("read", len(mv))
+
+
+class DeepSpeedAioMethod(Method):
+    """DeepSpeed's aio_handle (libaio), the I/O under ZeRO-Infinity."""
+
+    kind = "peer"
+
+    def __init__(self, handle: Any, block_size: int = MIB, queue_depth: int = 32) -> None:
+        super().__init__()
+        self.handle = handle
+        self.name = f"DeepSpeed aio_handle block={block_size // MIB} MiB qd={queue_depth}"
+
+    @property
+    def path(self) -> str:
+        assert self.workdir is not None
+        return str(self.workdir / "deepspeed.bin")
+
+    def write(self, src: torch.Tensor, mv: memoryview) -> float:
+        t0 = time.perf_counter()
+        if self.handle.sync_pwrite(src, self.path) < 0:
+            raise StorageIOError(f"DeepSpeed aio sync_pwrite to {self.path} failed")
+        return time.perf_counter() - t0
+
+    def read(self, dst: torch.Tensor, mv: memoryview) -> float:
+        t0 = time.perf_counter()
+        if self.handle.sync_pread(dst, self.path) < 0:
+            raise StorageIOError(f"DeepSpeed aio sync_pread from {self.path} failed")
+        return time.perf_counter() - t0
+
+
+def find_fio() -> tuple[FioMethod | None, str]:
+    binary = shutil.which("fio")
+    if binary is None:
+        return None, "absent (no `fio` on PATH)"
+    return FioMethod(binary), "present"
+
+
+def find_deepspeed_aio(block_size: int = MIB, queue_depth: int = 32) -> tuple[DeepSpeedAioMethod | None, str]:
+    """DeepSpeed's aio handle if deepspeed imports and its async_io op builds; else why not."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return None, "absent (deepspeed not installed)"
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        builder = AsyncIOBuilder()
+        if not builder.is_compatible(verbose=False):
+            return None, "absent (deepspeed's async_io op is not compatible here: libaio missing?)"
+        not_ready = _deepspeed_aio_not_ready()
+        if not_ready:
+            return None, f"absent ({not_ready})"
+        lib = builder.load(verbose=False)
+        # block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism
+        handle = lib.aio_handle(block_size, queue_depth, False, True, 1)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not available", reported as such
+        return None, f"absent ({type(exc).__name__}: {str(exc)[:200]})"
+    return DeepSpeedAioMethod(handle, block_size, queue_depth), "present"
+
+
+_DS_BUILD_HINT = (
+    "build it once with: python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()'"
+)
+
+
+def _deepspeed_aio_not_ready() -> str:
+    """Why loading DeepSpeed's async_io now could block, or "" when it loads at once.
+
+    A just-in-time build takes minutes and waits forever on a lock a killed build left behind;
+    the benchmark only uses an op that is pre-installed or already built (nothing hangs).
+    """
+    try:
+        from deepspeed.git_version_info import installed_ops
+
+        if installed_ops.get("async_io"):
+            return ""
+    except ImportError:
+        pass
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory("async_io", verbose=False))
+    if (build_dir / "lock").exists():
+        return f"a build lock exists at {build_dir / 'lock'}: a build is running, or a killed one left it (remove it then)"
+    if not (build_dir / "async_io.so").exists():
+        return f"DeepSpeed's async_io op is not built yet; {_DS_BUILD_HINT}"
+    return ""

@@ -1,0 +1,310 @@
+"""Run the bandwidth methods round-robin and report GB/s and ratios to the O_DIRECT ceiling.
+
+[Note: round-robin measurement]
+Disks (and the VMs in front of them) drift by tens of percent within minutes, so methods timed
+one after another are not comparable. Each round runs every method once, write then cold read,
+in an order rotated by one each round; the figure is the median over the measured rounds, after
+`warmup_rounds` unrecorded ones. Between a method's write and its read the file is flushed and
+dropped from the page cache (posix_fadvise DONTNEED), so reads come from the device. Every read
+is checked byte for byte against the source (outside the timing): a method that returns wrong
+bytes is reported as an error, never as a speed. A method that fails is reported with its error
+and leaves the remaining rounds; the others go on.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiered.errors import ConfigError, StorageIOError, TieredError
+from tiered.planning.bandwidth import (
+    ALIGN,
+    MIB,
+    BackendMethod,
+    Method,
+    ODirectMethod,
+    aligned_buffer,
+    drop_cache,
+    find_deepspeed_aio,
+    find_fio,
+    sync_files,
+)
+from tiered.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BACKENDS = ("nvme", "aiofiles", "tensorstore")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to measure; sizes in bytes."""
+
+    directory: Path
+    size_bytes: int = 1 << 30
+    rounds: int = 5
+    warmup_rounds: int = 1
+    threads: int = 8
+    chunk_bytes: int = 8 * MIB
+    backends: tuple[str, ...] = DEFAULT_BACKENDS
+    fio: bool = True
+    deepspeed: bool = True
+    timeout_s: float | None = None
+    """Per operation; None = generous for the size (at least 60 s, 20 MB/s worst case)."""
+
+    def __post_init__(self) -> None:
+        if self.size_bytes < ALIGN:
+            raise ConfigError(f"--size: {self.size_bytes} B is below the {ALIGN} B minimum")
+        if self.rounds < 1 or self.warmup_rounds < 0:
+            raise ConfigError(f"--rounds must be >= 1 (got {self.rounds}) and warm-up >= 0 (got {self.warmup_rounds})")
+        if self.threads < 1 or self.chunk_bytes < ALIGN or self.chunk_bytes % ALIGN:
+            raise ConfigError(f"threads must be >= 1 and chunk a multiple of {ALIGN} B")
+
+    @property
+    def aligned_size(self) -> int:
+        """O_DIRECT moves whole blocks: the size is rounded up to 4 KiB."""
+        return -(-self.size_bytes // ALIGN) * ALIGN
+
+    @property
+    def op_timeout_s(self) -> float:
+        return self.timeout_s if self.timeout_s is not None else max(60.0, self.aligned_size / 20e6)
+
+
+@dataclass(frozen=True)
+class MethodResult:
+    name: str
+    kind: str
+    status: str
+    """"ok", "absent" or "error"."""
+    detail: str = ""
+    write_s: tuple[float, ...] = ()
+    read_s: tuple[float, ...] = ()
+    write_gbps: float | None = None
+    read_gbps: float | None = None
+    write_vs_ceiling: float | None = None
+    read_vs_ceiling: float | None = None
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    size_bytes: int
+    directory: str
+    filesystem: str
+    rounds: int
+    warmup_rounds: int
+    date: str
+    machine: dict[str, Any]
+    methods: tuple[MethodResult, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["methods"] = [asdict(m) for m in self.methods]
+        return out
+
+    def to_markdown(self) -> str:
+        lines = [
+            f"{format_bytes(self.size_bytes, binary=True)} per transfer, directory {self.directory} "
+            f"({self.filesystem}); {self.rounds} round-robin rounds after {self.warmup_rounds} warm-up, median; "
+            "reads cold (fadvise DONTNEED); writes include fsync",
+            "",
+            "| method | kind | write GB/s | read GB/s | write / O_DIRECT | read / O_DIRECT | status |",
+            "|---|---|---|---|---|---|---|",
+        ]
+
+        def f(x: float | None, digits: int = 2) -> str:
+            return "-" if x is None else f"{x:.{digits}f}"
+
+        for m in self.methods:
+            status = m.status if not m.detail else f"{m.status}: {m.detail}"
+            lines.append(
+                f"| {m.name} | {m.kind} | {f(m.write_gbps)} | {f(m.read_gbps)} | "
+                f"{f(m.write_vs_ceiling)} | {f(m.read_vs_ceiling)} | {status} |"
+            )
+        return "\n".join(lines) + "\n"
+
+
+def _filesystem(path: Path) -> str:
+    """Type and device of the mount holding `path`, from /proc/mounts (Linux); "unknown" elsewhere."""
+    try:
+        best = ("", "unknown", "")
+        target = str(path.resolve())
+        with open("/proc/mounts") as fh:
+            for line in fh:
+                dev, mnt, fstype, *_ = line.split()
+                if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+                    best = (mnt, fstype, dev)
+        return f"{best[1]} on {best[2]}" if best[0] else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def build_methods(opts: BenchOptions) -> tuple[list[Method], list[MethodResult]]:
+    """Available methods (ceiling first) and results for the ones that are absent."""
+    methods: list[Method] = [ODirectMethod(opts.threads, opts.chunk_bytes)]
+    absent: list[MethodResult] = []
+    for name in opts.backends:
+        methods.append(BackendMethod(name))
+    if opts.fio:
+        fio, why = find_fio()
+        if fio is None:
+            absent.append(MethodResult("fio", "peer", "absent", why))
+        else:
+            methods.append(fio)
+    else:
+        absent.append(MethodResult("fio", "peer", "absent", "not requested"))
+    if opts.deepspeed:
+        ds, why = find_deepspeed_aio()
+        if ds is None:
+            absent.append(MethodResult("DeepSpeed aio_handle", "peer", "absent", why))
+        else:
+            methods.append(ds)
+    else:
+        absent.append(MethodResult("DeepSpeed aio_handle", "peer", "absent", "not requested (--quick or --no-deepspeed)"))
+    return methods, absent
+
+
+def _one_round(m: Method, src: torch.Tensor, dst: torch.Tensor, src_mv: memoryview, dst_mv: memoryview) -> tuple[float, float]:
+    write_s = m.write(src, src_mv)
+    if not m.self_timed:
+        # [Note: bandwidth methods]: a write counts once it is on the device.
+        t0 = time.perf_counter()
+        sync_files(m.files())
+        write_s += time.perf_counter() - t0
+    drop_cache(m.files())
+    dst.zero_()
+    read_s = m.read(dst, dst_mv)
+    if not m.self_timed and not torch.equal(dst, src):
+        bad = int((dst != src).nonzero()[0]) if dst.numel() else 0
+        raise StorageIOError(f"read back wrong bytes (first difference at byte {bad})")
+    m.cleanup()
+    return write_s, read_s
+
+
+def run_bandwidth(opts: BenchOptions, progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Measure every method round-robin. See [Note: round-robin measurement]."""
+    say = progress or (lambda _msg: None)
+    base = Path(opts.directory)
+    if not base.is_dir():
+        raise ConfigError(f"--dir {base}: not an existing directory; create it or pick the drive to measure")
+    size = opts.aligned_size
+    if _free_bytes(base) < 2 * size:
+        raise ConfigError(
+            f"--dir {base}: {format_bytes(_free_bytes(base))} free, the benchmark needs about "
+            f"{format_bytes(2 * size)}; pass a smaller --size"
+        )
+    workroot = Path(tempfile.mkdtemp(prefix="tiered-bench-", dir=base))
+    methods, absent = build_methods(opts)
+    src_mm, src = aligned_buffer(size)
+    dst_mm, dst = aligned_buffer(size)
+    gen = torch.Generator().manual_seed(1234)
+    src.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
+    src_mv, dst_mv = memoryview(src_mm)[:size], memoryview(dst_mm)[:size]
+    errors: dict[str, str] = {}
+    samples: dict[str, tuple[list[float], list[float]]] = {}
+    live: list[Method] = []
+    try:
+        for i, m in enumerate(methods):
+            try:
+                m.setup(workroot / f"m{i}", opts.op_timeout_s)
+                live.append(m)
+                samples[m.name] = ([], [])
+            except (TieredError, OSError) as exc:
+                errors[m.name] = f"{type(exc).__name__}: {exc}"
+                log.warning("bench: %s unavailable: %s", m.name, exc)
+        total = opts.warmup_rounds + opts.rounds
+        for r in range(total):
+            k = r % max(1, len(live))
+            for m in live[k:] + live[:k]:
+                if m.name in errors:
+                    continue
+                try:
+                    w, rd = _one_round(m, src, dst, src_mv, dst_mv)
+                except (TieredError, OSError, RuntimeError, ValueError) as exc:
+                    errors[m.name] = f"{type(exc).__name__}: {exc}"
+                    log.warning("bench: %s failed in round %d: %s", m.name, r, exc)
+                    continue
+                if r >= opts.warmup_rounds:
+                    samples[m.name][0].append(w)
+                    samples[m.name][1].append(rd)
+                say(f"round {r + 1}/{total} {'(warm-up) ' if r < opts.warmup_rounds else ''}{m.name}: "
+                    f"write {size / w / 1e9:.2f} GB/s, read {size / rd / 1e9:.2f} GB/s")
+    finally:
+        for m in methods:
+            try:
+                m.close()
+            except Exception as exc:  # noqa: BLE001 - closing must not hide the measurement
+                log.warning("bench: closing %s: %s", m.name, exc)
+        shutil.rmtree(workroot, ignore_errors=True)
+    results = _summarise(methods, samples, errors, size) + absent
+    return BenchResult(
+        size_bytes=size,
+        directory=str(base),
+        filesystem=_filesystem(base),
+        rounds=opts.rounds,
+        warmup_rounds=opts.warmup_rounds,
+        date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        machine=machine_info(),
+        methods=tuple(results),
+    )
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _summarise(methods: list[Method], samples: dict[str, tuple[list[float], list[float]]],
+               errors: dict[str, str], size: int) -> list[MethodResult]:
+    def gbps(ts: list[float]) -> float | None:
+        return size / statistics.median(ts) / 1e9 if ts else None
+
+    ceiling = methods[0]
+    cw = gbps(samples.get(ceiling.name, ([], []))[0]) if ceiling.name not in errors else None
+    cr = gbps(samples.get(ceiling.name, ([], []))[1]) if ceiling.name not in errors else None
+    out = []
+    for m in methods:
+        if m.name in errors:
+            out.append(MethodResult(m.name, m.kind, "error", errors[m.name]))
+            continue
+        ws, rs = samples[m.name]
+        w, r = gbps(ws), gbps(rs)
+        out.append(MethodResult(
+            m.name, m.kind, "ok", "",
+            tuple(round(x, 6) for x in ws), tuple(round(x, 6) for x in rs), w, r,
+            w / cw if (w is not None and cw) else None,
+            r / cr if (r is not None and cr) else None,
+        ))
+    return out

@@ -1,0 +1,144 @@
+"""Where the plan's model numbers come from: a parameter count, or a Hugging Face config.
+
+[Note: counting a model on the meta device]
+`--model PATH` builds the model from its config inside ``torch.device("meta")``: every
+parameter has a shape and no storage, so a 70B model is "built" in a second and nothing is
+allocated. From it we read the exact total (tied weights counted once, as
+``Module.parameters()`` does), the largest number of parameters one module owns directly (what
+one ZeRO-3 fetch gathers) and the parameters at or under the persistence threshold (kept whole
+on every rank).
+
+[Note: assumed layer sizes]
+With only `--params`, the largest layer is assumed to be 2 % of Ψ: the embedding or one MLP
+matrix of a typical dense transformer (Llama-2-7B: 1.9 %, Llama-2-70B: 0.4 %; big-vocabulary
+models such as Llama-3-8B reach 6.5 %: pass --largest-layer or --model for the real value).
+Persistent parameters (norm weights, biases) are assumed to be 0.1 % of Ψ (GPT-2: 0.08 %,
+Llama: < 0.01 %).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from pathlib import Path
+
+from tiered.errors import ConfigError, TieredError
+from tiered.planning.memory import ModelShape
+
+log = logging.getLogger(__name__)
+
+LARGEST_LAYER_FRACTION = 0.02
+PERSISTENT_FRACTION = 0.001
+_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]?)\s*$")
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(value: int | float | str, *, what: str = "--params") -> int:
+    """A parameter count: 40000000000, 40e9, "40e9", "40B", "7.5B", "350M", "1.5T" (B = billion).
+
+    Raises ConfigError naming `what` and the offending text otherwise.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a parameter count such as 40B or 7.5e9, got {value!r}")
+    if isinstance(value, int):
+        number: float = value
+        unit = ""
+    elif isinstance(value, float):
+        number, unit = value, ""
+    elif isinstance(value, str):
+        match = _COUNT_RE.match(value)
+        if not match or match.group(2).lower() not in _COUNT_UNITS:
+            raise ConfigError(
+                f"{what}: cannot read {value!r} as a parameter count; write e.g. 40B, 7.5e9, 350M or 1.5T "
+                "(K, M, B/G, T = thousand, million, billion, trillion)"
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+    else:
+        raise ConfigError(f"{what}: expected a parameter count such as 40B or 7.5e9, got {value!r}")
+    if math.isnan(number) or math.isinf(number) or number <= 0:
+        raise ConfigError(f"{what}: {value!r} is not a positive parameter count")
+    count = int(round(number * _COUNT_UNITS[unit]))
+    if count < 1:
+        raise ConfigError(f"{what}: {value!r} rounds to zero parameters")
+    return count
+
+
+def shape_from_params(params: int | float | str, *, largest_layer: int | float | str | None = None) -> ModelShape:
+    """A ModelShape from a bare count, with the assumptions of [Note: assumed layer sizes]."""
+    total = parse_count(params, what="--params")
+    assumptions: list[str] = []
+    if largest_layer is None:
+        big = max(1, int(total * LARGEST_LAYER_FRACTION))
+        assumptions.append(
+            f"largest layer assumed {LARGEST_LAYER_FRACTION:.0%} of the parameters ({big:,}); "
+            "pass --largest-layer or --model for the real value"
+        )
+    else:
+        big = parse_count(largest_layer, what="--largest-layer")
+        if big > total:
+            raise ConfigError(f"--largest-layer ({big:,}) cannot exceed --params ({total:,})")
+    persistent = int(total * PERSISTENT_FRACTION)
+    assumptions.append(f"persistent small parameters (norms, biases) assumed {PERSISTENT_FRACTION:.1%} ({persistent:,})")
+    return ModelShape(total, big, persistent, f"--params {params}", tuple(assumptions))
+
+
+def _load_config(path: Path):  # -> transformers.PretrainedConfig
+    try:
+        from transformers import AutoConfig
+    except ImportError as exc:  # transformers is the optional "hf" extra
+        raise TieredError(
+            f"--model {path}: counting a model needs transformers; install it with "
+            "pip install 'tiered[hf]' (or pass --params instead)"
+        ) from exc
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--model {path}: folder has no config.json; pass a Hugging Face model folder")
+        try:
+            return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except (ValueError, KeyError, OSError) as exc:
+            raise ConfigError(f"--model {path}/config.json: transformers cannot read it: {exc}") from exc
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--model {path}: not a readable JSON config ({exc})") from exc
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ConfigError(f"--model {path}: config has no \"model_type\" key; is it a Hugging Face config.json?")
+    model_type = data.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"--model {path}: unknown or invalid model_type {model_type!r}: {exc}") from exc
+
+
+def shape_from_model(path: str | Path, *, persistence_threshold: int = 100_000) -> ModelShape:
+    """Count a local HF model (folder or config.json) on the meta device.
+
+    See [Note: counting a model on the meta device].
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(
+            f"--model {path}: no such file or folder; pass a local Hugging Face model folder "
+            "(with config.json) or a config.json file"
+        )
+    config = _load_config(p)
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            try:
+                model = AutoModelForCausalLM.from_config(config)
+            except ValueError:
+                # Not a causal LM (an encoder, say): the base model's parameters are what trains.
+                model = AutoModel.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - any failure to build is the config's fault here
+        raise ConfigError(f"--model {path}: transformers could not build the model from its config: {exc}") from exc
+    total = sum(param.numel() for param in model.parameters())
+    largest = max((sum(q.numel() for q in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    persistent = sum(q.numel() for q in model.parameters() if q.numel() <= persistence_threshold)
+    name = type(model).__name__
+    log.debug("counted %s from %s: %d params, largest layer %d", name, path, total, largest)
+    return ModelShape(total, largest, persistent, f"model {path} ({name})", ())
