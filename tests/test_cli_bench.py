@@ -151,12 +151,30 @@ def test_cli_bench_bad_input(argv: list[str], needle: str, tmp_path: Path, capsy
     assert err.startswith("tiered bench: error:") and needle in err and len(err.splitlines()) == 1
 
 
-def test_demo_runs_plan_then_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--quick", "--dir", str(tmp_path), "--bench-size", "256KiB"]) == 0
+def test_demo_plan_only_prints_the_40b_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--plan-only"]) == 0
     out = capsys.readouterr().out
-    assert "== 1. tiered plan --params 40B" in out
+    assert "== tiered plan --params 40B" in out
     assert "recommended: ZeRO-3 + optimizer + params on NVMe" in out
-    assert "== 2. tiered bench --quick" in out
+
+
+def test_demo_runs_finetune_then_bench(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fine-tuning part itself is tested in test_finetune.py; here: demo.py's dispatch and the bench.
+    import tiered.cli.demo_finetune as demo_finetune
+
+    calls: list[tuple[bool, Path | None]] = []
+
+    def fake_run_demo(quick: bool, workdir: Path | None, out=None) -> int:
+        calls.append((quick, workdir))
+        return 0
+
+    monkeypatch.setattr(demo_finetune, "run_demo", fake_run_demo)
+    assert main(["demo", "--quick", "--bench", "--dir", str(tmp_path), "--bench-size", "256KiB"]) == 0
+    assert calls == [(True, tmp_path)]
+    out = capsys.readouterr().out
+    assert "== 3. tiered bench --quick" in out
     assert "| tiered backend: nvme | backend |" in out
     assert list(tmp_path.iterdir()) == []
 

@@ -1,0 +1,237 @@
+"""The fine-tuning loop through the engine, its config overrides, and the plain-PyTorch reference.
+
+[Note: what a step is]
+`steps` counts optimizer steps. With gradient_accumulation_steps = G one step is G micro-batches,
+each fed as engine(**batch); engine.backward(loss); engine.step() (the engine only steps at the
+boundary). The loss logged for a step is the mean of its G micro-batch losses; tokens counted are
+G * batch_size * seq_len per step. The reference (`reference_train`) runs the same micro-batches
+through torch.optim.AdamW (Adam with L2 when the config says adam_w_mode false), with the same
+clipping and lr schedule: on fp32 the two must agree to rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tiered.config.schema import TieredConfig
+from tiered.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """How long and how to report; see [Note: what a step is]."""
+
+    steps: int
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
+        if self.log_every < 1:
+            raise ConfigError(f"--log-every must be >= 1, got {self.log_every}")
+
+
+@dataclass(frozen=True)
+class StepLog:
+    step: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    losses: tuple[float, ...]
+    steps_done: int
+    tokens: int
+    init_s: float
+    train_s: float
+    interrupted: bool
+    stats: dict[str, Any]
+    state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.train_s if self.train_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "steps_done": self.steps_done,
+            "losses": list(self.losses),
+            "final_loss": self.losses[-1] if self.losses else None,
+            "tokens": self.tokens,
+            "init_s": self.init_s,
+            "train_s": self.train_s,
+            "tokens_per_s": self.tokens_per_s,
+            "interrupted": self.interrupted,
+            "engine": self.stats,
+        }
+
+
+def apply_overrides(
+    config: dict[str, Any],
+    *,
+    lr: float | None = None,
+    batch_size: int | None = None,
+    nvme_path: str | None = None,
+) -> dict[str, Any]:
+    """A copy of a (DeepSpeed or tiered) config dict with the command line's overrides applied."""
+    cfg = copy.deepcopy(config)
+    if lr is not None:
+        if not lr > 0:
+            raise ConfigError(f"--lr must be > 0, got {lr}")
+        opt = cfg.setdefault("optimizer", {"type": "AdamW"})
+        if not isinstance(opt, dict):
+            raise ConfigError("optimizer must be a JSON object with \"type\" and \"params\"")
+        params = opt.setdefault("params", {})
+        if not isinstance(params, dict):
+            raise ConfigError("optimizer.params must be a JSON object")
+        params["lr"] = lr
+    if batch_size is not None:
+        if batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+        cfg["train_micro_batch_size_per_gpu"] = batch_size
+        # Keep DeepSpeed's identity train = micro * gas * world true: rederive it from gas.
+        if "train_batch_size" in cfg:
+            gas = cfg.get("gradient_accumulation_steps")
+            if isinstance(gas, int) and not isinstance(gas, bool):
+                cfg["train_batch_size"] = batch_size * gas
+            else:
+                del cfg["train_batch_size"]
+    if nvme_path is not None:
+        zero = cfg.get("zero_optimization")
+        for key in ("offload_param", "offload_optimizer"):
+            sec = zero.get(key) if isinstance(zero, dict) else None
+            if isinstance(sec, dict) and sec.get("device") == "nvme":
+                sec["nvme_path"] = nvme_path
+    return cfg
+
+
+def micro_batch_size(cfg: TieredConfig, override: int | None) -> int:
+    if override is not None:
+        return override
+    return cfg.train_micro_batch_size_per_gpu or 1
+
+
+def train(
+    model: torch.nn.Module,
+    config: TieredConfig | dict[str, Any],
+    stream: Iterator[Batch],
+    opts: TrainOptions,
+    *,
+    on_log: Callable[[StepLog], None] | None = None,
+    keep_state: bool = False,
+) -> TrainResult:
+    """Fine-tune `model` for opts.steps optimizer steps through tiered's engine.
+
+    A KeyboardInterrupt (Ctrl-C) between or inside steps ends the loop cleanly: the engine is
+    closed (its writes finished, its loop thread stopped) and the result says `interrupted`,
+    with the steps done so far. `keep_state` gathers the consolidated fp32 parameters."""
+    import tiered
+
+    t0 = time.perf_counter()
+    engine = tiered.initialize(model, config)
+    init_s = time.perf_counter() - t0
+    gas = engine.gas
+    losses: list[float] = []
+    tokens = 0
+    interrupted = False
+    state = None
+    t_start = time.perf_counter()
+    train_s = 0.0
+    with engine:
+        try:
+            for step in range(1, opts.steps + 1):
+                lr = engine.get_lr()[0]
+                micro: list[float] = []
+                for _ in range(gas):
+                    batch = next(stream)
+                    out = engine(**batch)
+                    engine.backward(out.loss)
+                    engine.step()
+                    micro.append(float(out.loss.detach().float()))
+                    tokens += int(batch["input_ids"].numel())
+                loss = sum(micro) / len(micro)
+                if not math.isfinite(loss):
+                    log.warning("step %d: loss is %s", step, loss)
+                losses.append(loss)
+                train_s = time.perf_counter() - t_start
+                if on_log is not None and (step % opts.log_every == 0 or step == opts.steps):
+                    on_log(StepLog(step, loss, lr, tokens / train_s if train_s > 0 else 0.0, train_s))
+        except KeyboardInterrupt:
+            interrupted = True
+            log.warning("interrupted after %d steps; closing the engine", len(losses))
+        train_s = time.perf_counter() - t_start
+        stats = engine.stats()
+        if keep_state and not interrupted:
+            state = {k: v.detach().float().clone() for k, v in engine.state_dict_fp32().items()}
+    return TrainResult(tuple(losses), len(losses), tokens, init_s, train_s, interrupted, stats, state)
+
+
+def reference_train(
+    model: torch.nn.Module,
+    cfg: TieredConfig,
+    stream: Iterator[Batch],
+    steps: int,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same run in plain PyTorch ([Note: what a step is]); fp32 configs only."""
+    from tiered.optim.schedulers import build_scheduler
+
+    if cfg.precision.dtype != torch.float32:
+        raise ConfigError(
+            "the plain-PyTorch comparison runs fp32 only; drop bf16/fp16 from the config to compare"
+        )
+    o = cfg.optimizer
+    params = list(model.parameters())
+    opt_cls = torch.optim.AdamW if o.adamw_mode else torch.optim.Adam
+    opt = opt_cls(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    schedule = build_scheduler(cfg.scheduler, base_lr=o.lr) if cfg.scheduler is not None else None
+    gas = int(cfg.gradient_accumulation_steps)
+    model.train()
+    losses: list[float] = []
+    for step in range(steps):
+        micro = []
+        for _ in range(gas):
+            out = model(**next(stream))
+            micro.append(float(out.loss.detach()))
+            (out.loss / gas).backward()
+        for p in params:
+            if p.grad is None:  # as the engine: a parameter without a gradient steps with zero
+                p.grad = torch.zeros_like(p)
+        if cfg.gradient_clipping > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.gradient_clipping)
+        if schedule is not None:
+            for grp in opt.param_groups:
+                grp["lr"] = schedule.lr_at(step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(sum(micro) / gas)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The worst ||a - b|| / ||b|| over parameters (norm-relative: see the equivalence tests'
+    [Note: equivalence metric]) and its parameter name."""
+    worst, name = 0.0, ""
+    for n, b in want.items():
+        if n not in got:
+            raise KeyError(f"parameter {n} is missing from the engine's consolidated state")
+        a = got[n].detach().double().reshape(-1)
+        bb = b.detach().double().reshape(-1)
+        d = float((a - bb).norm()) / (float(bb.norm()) or 1.0)
+        if d > worst:
+            worst, name = d, n
+    return worst, name

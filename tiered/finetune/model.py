@@ -1,0 +1,136 @@
+"""Build a causal LM from a local Hugging Face folder or config.json: nothing is downloaded.
+
+[Note: local models only]
+`--model` is a folder with config.json (and optionally *.safetensors weights and tokenizer
+files) or a bare config.json. The model is built with AutoModelForCausalLM.from_config in fp32
+(the engine keeps fp32 masters and casts to the config's compute dtype itself), then, when the
+folder has safetensors files, their tensors are loaded by name. A key the model does not have, or
+a parameter the files do not cover (tied weights excepted), is an error naming the file: a
+half-loaded model would train, but not the model the user meant.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiered.errors import ConfigError, TieredError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: its config file, its folder (None for a bare config.json) and
+    the safetensors files found there."""
+
+    config_path: Path
+    folder: Path | None
+    weight_files: tuple[Path, ...]
+
+
+def resolve_model(path: str | Path) -> ModelSource:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(
+            f"--model {path}: no such file or folder; pass a local Hugging Face model folder "
+            "(with config.json) or a config.json file"
+        )
+    if p.is_dir():
+        cfg = p / "config.json"
+        if not cfg.is_file():
+            raise ConfigError(f"--model {path}: folder has no config.json; pass a Hugging Face model folder")
+        return ModelSource(cfg, p, tuple(sorted(p.glob("*.safetensors"))))
+    return ModelSource(p, None, ())
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    """The transformers config (PretrainedConfig) of `source`."""
+    try:
+        from transformers import AutoConfig
+    except ImportError as exc:
+        raise TieredError("tiered finetune needs transformers; install it with pip install 'tiered[hf]'") from exc
+    try:
+        data = json.loads(source.config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--model {source.config_path}: not a readable JSON config ({exc})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ConfigError(
+            f"--model {source.config_path}: config has no \"model_type\" key; is it a Hugging Face config.json?"
+        )
+    model_type = data.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"--model {source.config_path}: unknown or invalid model_type {model_type!r}: {exc}"
+        ) from None
+
+
+def _load_weights(model: torch.nn.Module, files: tuple[Path, ...]) -> None:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:  # noqa: BLE001 - a corrupt file is the user's to fix
+            raise ConfigError(f"--model {f}: cannot read safetensors weights: {exc}") from None
+    names = {f.name for f in files}
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(dict(model.named_buffers()))
+    unexpected = sorted(k for k in state if k not in own)
+    if unexpected:
+        raise ConfigError(
+            f"--model {', '.join(sorted(names))}: {len(unexpected)} tensors the model does not have, "
+            f"e.g. {unexpected[:3]}; do the weights belong to this config.json?"
+        )
+    for k, t in state.items():
+        if tuple(t.shape) != tuple(own[k].shape):
+            raise ConfigError(
+                f"--model {', '.join(sorted(names))}: tensor {k} has shape {tuple(t.shape)}, the model "
+                f"expects {tuple(own[k].shape)}; do the weights belong to this config.json?"
+            )
+    loaded_ptrs = {own[k].data_ptr() for k in state}
+    missing = sorted(
+        n for n, prm in model.named_parameters(remove_duplicate=False)
+        if n not in state and prm.data_ptr() not in loaded_ptrs
+    )
+    if missing:
+        raise ConfigError(
+            f"--model {', '.join(sorted(names))}: no weights for {len(missing)} parameters, e.g. "
+            f"{missing[:3]}; the files do not cover this model"
+        )
+    with torch.no_grad():
+        for k, t in state.items():
+            own[k].copy_(t.to(own[k].dtype))
+    log.info("loaded %d tensors from %s", len(state), ", ".join(sorted(names)))
+
+
+def build_model(source: ModelSource, *, seed: int = 0, attn_implementation: str = "eager") -> torch.nn.Module:
+    """An fp32 AutoModelForCausalLM from `source` ([Note: local models only]); weights are
+    initialised from torch.manual_seed(seed) unless the folder has safetensors files.
+
+    Eager attention by default: the same math on every machine, so a run can be compared with
+    plain PyTorch to the last digits."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_hf_config(source)
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, dtype=torch.float32
+        )
+    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is the user's to fix
+        raise ConfigError(
+            f"--model {source.config_path}: transformers cannot build a causal LM from it: {exc}"
+        ) from None
+    model = model.float()
+    if source.weight_files:
+        _load_weights(model, source.weight_files)
+    return model.train()

@@ -1,0 +1,44 @@
+"""Human-readable tables of an engine's stats (engine.stats()): per tier and per link."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiered.units import format_bytes
+
+
+def _b(n: Any) -> str:
+    return "-" if n is None else format_bytes(int(n), binary=True)
+
+
+def tier_table(stats: dict[str, Any]) -> str:
+    """Peak and current resident bytes, reads, writes and stall seconds per tier; then bytes
+    moved, GB/s and operations per link (source->destination); then totals."""
+    tiers = stats.get("tiers", {})
+    lines = [f"{'tier':<16} {'budget':>11} {'peak resident':>14} {'resident':>11} {'reads':>7} "
+             f"{'writes':>7} {'stall s':>8}"]
+    for name, t in tiers.get("tiers", {}).items():
+        lines.append(
+            f"{name:<16} {_b(t.get('budget_bytes')):>11} {_b(t.get('peak_bytes')):>14} "
+            f"{_b(t.get('resident_bytes')):>11} {t.get('reads', 0):>7} {t.get('writes', 0):>7} "
+            f"{t.get('stall_s', 0.0):>8.3f}"
+        )
+    lines.append("")
+    lines.append(f"{'link':<16} {'bytes moved':>11} {'GB/s':>8} {'ops':>7} {'busy s':>8}")
+    links = tiers.get("links", {})
+    for name, lk in links.items():
+        lines.append(
+            f"{name:<16} {_b(lk.get('bytes')):>11} {lk.get('gbps', 0.0):>8.3f} {lk.get('ops', 0):>7} "
+            f"{lk.get('seconds', 0.0):>8.3f}"
+        )
+    if not links:
+        lines.append("(no moves between tiers: everything stayed in its home tier)")
+    total = sum(int(lk.get("bytes", 0)) for lk in links.values())
+    lines.append(
+        f"total moved {_b(total)}; stall {tiers.get('stall_s', 0.0):.3f} s (time the training thread "
+        f"waited for data); evictions {tiers.get('evictions', 0)}, write-backs {tiers.get('writebacks', 0)}"
+    )
+    timing = stats.get("timing", {}).get("total")
+    if timing:
+        lines.append("engine time: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in timing.items()))
+    return "\n".join(lines)
