@@ -1,0 +1,92 @@
+"""Flat shard groups: the unit ZeRO-3 partitions, gathers, reduces and steps.
+
+The interface between the ZeRO-3 scheduler (tiered.zero) and the offloaded optimizer
+(tiered.optim). `tiered.zero.ZeroParameters` (tiered/zero/params.py) builds the groups, owns
+their partitions and installs the module hooks:
+
+    zp = ZeroParameters(model, tm, cfg, *, param_tier, grad_tier, compute_dtype, process_group=None)
+    zp.groups                          # list[ShardGroup], execution order at init
+    zp.initial_fp32_shard(group)       # fp32 master values of this rank's shard, once per group
+    zp.finish_backward(summarize=True) # -> GradSummary(found_inf, sq_norm_local) after loss.backward()
+    zp.zero_grads()                    # after a step or a skipped step
+    zp.params_updated()                # after the optimizer wrote new parameters (prefetches the next pass)
+    zp.on_group_grads_complete(cb)     # cb(group) once a group's gradients of this backward are flushed
+    zp.read_grad_shard(group)          # CPU copy of the accumulated fp32 gradient shard
+    zp.gather_full_state_dict(dtype=None), zp.stats(), zp.remove_hooks()
+
+The forward needs no begin/end calls: the root module's hooks delimit a pass.
+
+[Note: flat shard groups]
+Parameters are grouped into flat buffers in module execution order (module registration order
+at init; the recorded trace later gives the real order for prefetching). A group is one module's
+direct parameters merged with its neighbours' up to ``sub_group_size`` elements, never split
+inside a parameter, so one group is also one optimizer sub-group. The full (unsharded) buffer is
+padded to a multiple of ``world_size * alignment`` elements so every rank's shard has the same
+size and starts aligned; rank r owns elements [r * shard_numel, (r + 1) * shard_numel). A tied
+(shared) parameter belongs to the group of the first module that owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tiered.tiers import Partition
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """Where one parameter lives inside its group's FULL (unsharded) flat buffer."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """One partition = one optimizer sub-group. See [Note: flat shard groups]."""
+
+    index: int
+    """Position in (initial) execution order."""
+    name: str
+    """e.g. "g0003": the prefix of this group's partition names in the TierManager."""
+    entries: tuple[ParamEntry, ...]
+    full_numel: int
+    """Padded to a multiple of world_size * alignment."""
+    shard_numel: int
+    """full_numel // world_size."""
+    shard_offset: int
+    """rank * shard_numel."""
+    param: Partition
+    """This rank's shard of the compute-dtype parameters; home = the parameter tier."""
+    grad: Partition
+    """This rank's shard of the fp32 gradient; home = the gradient tier."""
+    persistent: bool = False
+    """Small parameters kept resident in "gpu" for the whole run (stage3 persistence)."""
+
+    @property
+    def numel(self) -> int:
+        """Real (unpadded) parameter elements in the group."""
+        return sum(e.numel for e in self.entries)
+
+    def shard_slice(self, entry: ParamEntry) -> tuple[int, int, int] | None:
+        """The part of `entry` that lies in this rank's shard, as (start_in_shard,
+        start_in_param, length), or None if the shard holds none of it."""
+        lo = max(entry.offset, self.shard_offset)
+        hi = min(entry.offset + entry.numel, self.shard_offset + self.shard_numel)
+        if hi <= lo:
+            return None
+        return lo - self.shard_offset, lo - entry.offset, hi - lo
+
+
+def padded_numel(numel: int, world_size: int, alignment: int) -> int:
+    """Round `numel` up so it splits into `world_size` equal shards of `alignment` multiples."""
+    unit = world_size * alignment
+    return max(unit, -(-numel // unit) * unit)
+
+
+def group_name(index: int) -> str:
+    return f"g{index:04d}"

@@ -1,0 +1,178 @@
+"""Module hooks, autograd boundary functions and the forward-time modes. They only dispatch.
+
+[Note: hooks that only dispatch]
+Every hook here forwards to one `ZeroParameters` method; all state lives there. Per module:
+a forward pre-hook gathers the module's groups; a forward post-hook (``always_call``) releases
+them and wraps the grad-requiring tensors of its output in `_PreBackward`, whose backward runs
+before the module's backward: the moment to gather them again (DeepSpeed's
+PreBackwardFunction pattern). In backward a group is released when all its gradients have
+arrived (see [Note: gradient flush]); frozen groups after a short delay. Inputs are NOT wrapped
+in a post-backward function as DeepSpeed does: an extra autograd node per module input changes
+the order in which the engine sums gradients of a tensor with several consumers (q, k and v
+projections of one hidden state), which made Llama gradients differ from plain PyTorch in the
+last bit; without it they are bitwise equal. Gathering is never left to luck: a gradient
+pre-hook on each parameter and the saved-tensor hooks below re-gather on demand whatever
+backward touches while released.
+
+[Note: saved tensors and external parameters]
+Autograd saves tensors for backward that are *views* of a gathered buffer (``weight.t()`` inside
+``F.linear``), not the parameter itself; a view keeps the old storage and would survive the
+release, unaccounted and possibly reused. During the engine's forward a
+``saved_tensors_hooks`` pair replaces any saved tensor whose bytes lie in a gathered buffer by
+a reference (group, offset, shape, stride); unpacking re-gathers the group if needed and
+rebuilds the view. So backward is correct even where no `_PreBackward` fired (a module whose
+output we could not traverse), and released memory is really released.
+A `TorchFunctionMode`, also active only during the engine's forward, sees a managed parameter
+that is not gathered being used by an op (``F.linear(x, self.other.weight)``, a tied weight used
+outside its module): it gathers it on demand and records it under the running module, so the
+next forward gathers (and prefetches) it with that module. Nothing is patched onto torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from tiered.zero.params import ZeroParameters
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, cb: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.cb = cb
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.cb()
+        return (None, *grads)
+
+
+
+class UntraversableOutputError(TypeError):
+    pass
+
+
+def map_tensors(obj: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]], module_name: str) -> Any:
+    """Apply `fn` to every grad-requiring tensor found in `obj` (tuples, lists, dicts, HF
+    ModelOutput, dataclasses, namedtuples), all at once, and rebuild `obj` around the results."""
+    found: list[torch.Tensor] = []
+
+    def collect(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            if o.requires_grad:
+                found.append(o)
+        elif isinstance(o, (list, tuple)):
+            for x in o:
+                collect(x)
+        elif isinstance(o, dict):
+            for x in o.values():
+                collect(x)
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                collect(getattr(o, f.name))
+
+    collect(obj)
+    if not found:
+        return obj
+    out = iter(fn(found))
+
+    def rebuild(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return next(out) if o.requires_grad else o
+        if isinstance(o, tuple) and hasattr(o, "_fields"):  # namedtuple
+            return type(o)(*(rebuild(x) for x in o))
+        if isinstance(o, (list, tuple)):
+            return type(o)(rebuild(x) for x in o)
+        if isinstance(o, dict):
+            if type(o) is dict:
+                return {k: rebuild(v) for k, v in o.items()}
+            # OrderedDict / HF ModelOutput: assign in place so attribute views stay in sync
+            for k in list(o.keys()):
+                o[k] = rebuild(o[k])
+            return o
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                v = getattr(o, f.name)
+                nv = rebuild(v)
+                if nv is not v:
+                    object.__setattr__(o, f.name, nv)
+            return o
+        return o
+
+    return rebuild(obj)
+
+
+class ExternalParamMode(TorchFunctionMode):
+    """Gathers managed parameters used by an op while not gathered. See [Note: saved tensors and
+    external parameters]."""
+
+    def __init__(self, zp: ZeroParameters) -> None:
+        super().__init__()
+        self._zp = zp
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        zp = self._zp
+        if not zp._busy:
+            managed = zp._managed
+            for a in args:
+                if type(a) is nn.Parameter and id(a) in managed and a.numel() == 0:
+                    zp._gather_external(a)
+                elif isinstance(a, (list, tuple)):
+                    for b in a:
+                        if type(b) is nn.Parameter and id(b) in managed and b.numel() == 0:
+                            zp._gather_external(b)
+            if kwargs:
+                for a in kwargs.values():
+                    if type(a) is nn.Parameter and id(a) in managed and a.numel() == 0:
+                        zp._gather_external(a)
+        return func(*args, **(kwargs or {}))
+
+
+class HookSet:
+    """The handles of every hook installed on a model; `remove()` takes them all off."""
+
+    def __init__(self, zp: ZeroParameters, model: nn.Module, params: list[nn.Parameter]) -> None:
+        self._handles: list[Any] = []
+        for name, module in model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._make_pre(zp, module, name), with_kwargs=True))
+            self._handles.append(
+                module.register_forward_hook(self._make_post(zp, module, name), with_kwargs=True, always_call=True)
+            )
+        for p in params:
+            if p.requires_grad:
+                # AccumulateGrad lays the gradient out like the parameter's current data, so the
+                # parameter must be gathered when its gradient arrives (a tied or external weight
+                # whose last use was in another module): gather on demand before, flush after.
+                self._handles.append(p.register_hook(zp._grad_arriving(p)))
+                self._handles.append(p.register_post_accumulate_grad_hook(zp._on_grad_ready))
+
+    @staticmethod
+    def _make_pre(zp: ZeroParameters, module: nn.Module, name: str) -> Callable[..., Any]:
+        def pre(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
+            zp._forward_enter(module)
+            return None
+
+        return pre
+
+    @staticmethod
+    def _make_post(zp: ZeroParameters, module: nn.Module, name: str) -> Callable[..., Any]:
+        def post(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            zp._forward_exit(module)
+            if not torch.is_grad_enabled():
+                return None
+            cb = zp._backward_enter_cb(module)
+            return map_tensors(output, lambda ts: list(_PreBackward.apply(cb, *ts)), name)
+
+        return post
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

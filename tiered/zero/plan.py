@@ -1,0 +1,100 @@
+"""Which parameters go in which flat group, decided once from the module tree.
+
+[Note: group planning]
+Modules are walked in registration order (`named_modules`), which for Hugging Face models and
+ordinary `nn.Sequential`-style code matches execution order; the trace recorded on the first
+step gives the real order for prefetching, so a wrong guess costs only the first step's
+prefetch, never correctness. Each module's direct parameters form one group, split (between
+parameters, never inside one) when they exceed ``sub_group_size``. Neighbouring modules are NOT
+merged up to ``sub_group_size``: that cap is DeepSpeed's optimizer granularity (1e9 elements
+by default) and merging up to it would make the gather unit the whole model, defeating
+per-layer fetching. Small parameters (``numel <= stage3_param_persistence_threshold``, up to
+``stage3_model_persistence_threshold`` in total) go into separate *persistent* groups, merged
+across modules up to ``sub_group_size``: they stay resident in the "gpu" tier, so that norms and
+biases never cost a fetch. A shared (tied) parameter belongs to the group of the first module
+that owns it; later owners gather that group too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class PlannedGroup:
+    """A group before its partitions exist: (qualified name, parameter) pairs in order."""
+
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    persistent: bool = False
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for _, p in self.params)
+
+
+def plan_groups(
+    model: nn.Module,
+    *,
+    sub_group_size_numel: int,
+    param_persistence_threshold_numel: int,
+    model_persistence_threshold_numel: int,
+) -> list[PlannedGroup]:
+    """Split `model`'s parameters into groups. See [Note: group planning]."""
+    if sub_group_size_numel <= 0:
+        raise ValueError(f"sub_group_size must be positive, got {sub_group_size_numel}")
+    seen: set[int] = set()
+    groups: list[PlannedGroup] = []
+    persistent: PlannedGroup | None = None
+    persistent_total = 0
+    for mname, module in model.named_modules():
+        current = PlannedGroup()
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen or p.numel() == 0:
+                continue
+            seen.add(id(p))
+            qual = f"{mname}.{pname}" if mname else pname
+            n = p.numel()
+            if n <= param_persistence_threshold_numel and persistent_total + n <= model_persistence_threshold_numel:
+                persistent_total += n
+                if persistent is None or persistent.numel + n > sub_group_size_numel:
+                    persistent = PlannedGroup(persistent=True)
+                    groups.append(persistent)
+                persistent.params.append((qual, p))
+                continue
+            if current.params and current.numel + n > sub_group_size_numel:
+                groups.append(current)
+                current = PlannedGroup()
+            current.params.append((qual, p))
+        if current.params:
+            groups.append(current)
+    return groups
+
+
+def module_param_ids(module: nn.Module) -> list[int]:
+    """ids of a module's direct, non-empty parameters (what its hook must gather)."""
+    return [id(p) for p in module.parameters(recurse=False) if p.numel() > 0]
+
+
+def check_no_meta_mix(model: nn.Module) -> bool:
+    """True if the model's parameters are on the meta device (all of them); error on a mix."""
+    devices = {p.device.type for p in model.parameters()}
+    if "meta" in devices and len(devices) > 1:
+        raise ValueError(
+            "model has parameters both on the meta device and materialised "
+            f"({sorted(devices)}): build it entirely on meta (with torch.device('meta')) or not at all"
+        )
+    return devices == {"meta"}
+
+
+def flat_fp32(params: list[tuple[str, nn.Parameter]], full_numel: int) -> torch.Tensor:
+    """The group's full flat buffer in fp32 (padding zero), from the parameters' current data."""
+    out = torch.zeros(full_numel, dtype=torch.float32)
+    off = 0
+    for _, p in params:
+        n = p.numel()
+        out[off : off + n].copy_(p.detach().reshape(-1))
+        off += n
+    return out
