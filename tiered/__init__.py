@@ -13,18 +13,25 @@ from tiered.errors import (
     TierTimeoutError,
     UnsupportedConfigError,
 )
+from tiered.storage.registry import open_backend, register_backend
 
 __version__ = "0.1.0"
+
+from tiered.engine import Engine, initialize  # noqa: E402 - after __version__: engine modules may read it
 
 __all__ = [
     "BackendImportError",
     "BackendNotFoundError",
     "CapacityError",
     "ConfigError",
+    "Engine",
     "StorageIOError",
     "StorageKeyError",
     "TieredError",
     "TierTimeoutError",
     "UnsupportedConfigError",
+    "initialize",
+    "open_backend",
+    "register_backend",
     "__version__",
 ]

@@ -1,0 +1,261 @@
+"""ZeRO-3 training step: plain PyTorch vs tiered (params + optimizer on NVMe) vs DeepSpeed ZeRO-3.
+
+The model is the peer baseline's 35.7M-parameter Hugging Face Llama (hidden 512, 8 layers, 8 heads,
+intermediate 2048, vocab 2048, untied), batch 4 x 128, fp32, AdamW lr 1e-3 wd 0.01, the same data
+for every runner. Each runner does --steps steps (first --warmup not timed) and reports the median
+step time, per-step bytes per link and stall time (tiered), overlap efficiency
+= step time / max(compute time, busiest link time), where compute time is the plain PyTorch step
+(the same math on the same cores) and a link's time is its measured busy seconds per step, and the
+max relative loss difference vs plain PyTorch.
+
+    python benchmarks/step.py [--steps 6] [--nvme-dir DIR] [--no-deepspeed] [--json out.json]
+
+DeepSpeed runs in a subprocess (DS_ACCELERATOR=cpu, gloo, one rank) with the same JSON; its aio op
+JIT-builds (~2 min) the first time. Absent if not importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def build_model(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=2048, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=8, max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def make_data(steps: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, 2048, (4, 128), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def ds_json(nvme_dir: str, pipeline_read: bool = False) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                  "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True,
+                                  "pipeline_read": pipeline_read, "pipeline_write": pipeline_read},
+            "stage3_param_persistence_threshold": 0,
+            "sub_group_size": 10_000_000,
+        },
+        "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                "overlap_events": True},
+    }
+
+
+def run_plain(data: list[dict[str, torch.Tensor]], warmup: int) -> dict[str, Any]:
+    model = build_model().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    times, losses = [], []
+    for b in data:
+        t0 = time.perf_counter()
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return {"step_s": statistics.median(times[warmup:]), "times": times, "losses": losses,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def _link_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, dict[str, float]]:
+    out = {}
+    for link, v in b.get("links", {}).items():
+        u = a.get("links", {}).get(link, {})
+        out[link] = {"bytes": v.get("bytes", 0) - u.get("bytes", 0), "seconds": v.get("seconds", 0.0) - u.get("seconds", 0.0)}
+    return out
+
+
+def run_tiered(data: list[dict[str, torch.Tensor]], warmup: int, nvme_dir: str,
+               pipeline_read: bool = False) -> dict[str, Any]:
+    import tiered
+
+    cfg = ds_json(nvme_dir, pipeline_read)
+    model = build_model()
+    times, losses, per_step = [], [], []
+    with tiered.initialize(model, cfg) as engine:
+        for b in data:
+            s0 = engine.stats()
+            t0 = time.perf_counter()
+            loss = engine(**b).loss
+            engine.backward(loss)
+            engine.step()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+            s1 = engine.stats()
+            opt = s1["optimizer"]["last_step"]
+            per_step.append({
+                "links": _link_delta(s0["tiers"], s1["tiers"]),
+                "stall_s": s1["tiers"].get("stall_s", 0.0) - s0["tiers"].get("stall_s", 0.0),
+                "optimizer": opt,
+                "timing": s1["timing"]["last_step"],
+            })
+        final = engine.stats()
+    timed = per_step[warmup:]
+    links: dict[str, dict[str, float]] = {}
+    for st in timed:
+        for link, v in st["links"].items():
+            d = links.setdefault(link, {"bytes": 0.0, "seconds": 0.0})
+            d["bytes"] += v["bytes"] / len(timed)
+            d["seconds"] += v["seconds"] / len(timed)
+    return {
+        "step_s": statistics.median(times[warmup:]), "times": times, "losses": losses,
+        "links_per_step": links,
+        "stall_s_per_step": statistics.median([s["stall_s"] for s in timed]),
+        "optimizer_per_step": {k: statistics.median([s["optimizer"].get(k, 0.0) for s in timed])
+                               for k in ("read_wait_s", "compute_s", "write_wait_s")},
+        "phases_per_step": {k: statistics.median([s["timing"].get(k, 0.0) for s in timed])
+                            for k in ("forward_s", "backward_s", "step_s")},
+        "zero": final["zero"],
+        "gpu_peak_bytes": final["tiers"]["tiers"]["gpu"]["peak_bytes"],
+        "cpu_peak_bytes": final["tiers"]["tiers"]["cpu"]["peak_bytes"],
+    }
+
+
+_DS_CHILD = r"""
+import json, os, sys, time, statistics
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29531")
+os.environ.setdefault("RANK", "0"); os.environ.setdefault("WORLD_SIZE", "1"); os.environ.setdefault("LOCAL_RANK", "0")
+sys.path.insert(0, sys.argv[1])
+import torch, deepspeed
+from step import build_model, make_data, ds_json
+steps, warmup, nvme, pr = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"
+deepspeed.init_distributed(dist_backend="gloo")
+model = build_model()
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_json(nvme, pr))
+times, losses = [], []
+for b in make_data(steps):
+    t0 = time.perf_counter()
+    loss = engine(**b).loss
+    engine.backward(loss)
+    engine.step()
+    times.append(time.perf_counter() - t0)
+    losses.append(float(loss.detach()))
+print("RESULT " + json.dumps({"step_s": statistics.median(times[warmup:]), "times": times, "losses": losses}))
+"""
+
+
+def run_deepspeed(steps: int, warmup: int, nvme_dir: str, timeout_s: float, pipeline_read: bool) -> dict[str, Any]:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return {"absent": f"not importable: {type(e).__name__}: {e}"}
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    try:
+        p = subprocess.run([sys.executable, "-c", _DS_CHILD, str(HERE), str(steps), str(warmup), nvme_dir,
+                            "1" if pipeline_read else "0"],
+                           capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"absent": f"timed out after {timeout_s:.0f} s"}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+    return {"absent": "failed: " + " | ".join(tail)}
+
+
+def max_rel_loss_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed first steps (the trace is recorded there)")
+    ap.add_argument("--nvme-dir", default=None, help="directory for the NVMe files (default: a temp dir)")
+    ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--pipeline-read", action="store_true",
+                    help="set offload_optimizer.pipeline_read/pipeline_write in the JSON (both runners)")
+    ap.add_argument("--deepspeed-timeout", type=float, default=900.0)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    base = Path(args.nvme_dir or tempfile.mkdtemp(prefix="tiered_step_"))
+    data = make_data(args.steps)
+    res: dict[str, Any] = {"pipeline_read": args.pipeline_read, "steps": args.steps, "warmup": args.warmup, "threads": torch.get_num_threads()}
+    res["plain"] = run_plain(data, args.warmup)
+    tdir = base / "tiered"
+    tdir.mkdir(parents=True, exist_ok=True)
+    res["tiered"] = run_tiered(data, args.warmup, str(tdir), args.pipeline_read)
+    if not args.no_deepspeed:
+        ddir = base / "deepspeed"
+        ddir.mkdir(parents=True, exist_ok=True)
+        res["deepspeed"] = run_deepspeed(args.steps, args.warmup, str(ddir), args.deepspeed_timeout, args.pipeline_read)
+    else:
+        res["deepspeed"] = {"absent": "skipped (--no-deepspeed)"}
+    if args.nvme_dir is None:
+        shutil.rmtree(base, ignore_errors=True)
+
+    plain, t = res["plain"], res["tiered"]
+    compute = plain["step_s"]
+    busiest = max(t["links_per_step"].items(), key=lambda kv: kv[1]["seconds"], default=("-", {"seconds": 0.0}))
+    t["overlap_efficiency"] = t["step_s"] / max(compute, busiest[1]["seconds"])
+    t["busiest_link"] = busiest[0]
+    t["max_rel_loss_diff"] = max_rel_loss_diff(t["losses"], plain["losses"])
+    rows = [("plain PyTorch (AdamW, all in memory)", plain["step_s"], 1.0, "-", "-")]
+    rows.append(("tiered ZeRO-3, params+optimizer on NVMe", t["step_s"], t["step_s"] / compute,
+                 f"{t['max_rel_loss_diff']:.1e}", f"{t['overlap_efficiency']:.2f}"))
+    ds = res["deepspeed"]
+    if "absent" in ds:
+        rows.append((f"DeepSpeed ZeRO-3 NVMe: absent ({ds['absent'][:80]})", float("nan"), float("nan"), "-", "-"))
+    else:
+        ds["max_rel_loss_diff"] = max_rel_loss_diff(ds["losses"], plain["losses"])
+        rows.append(("DeepSpeed ZeRO-3 (CPU accel, gloo), params+optimizer on NVMe", ds["step_s"],
+                     ds["step_s"] / compute, f"{ds['max_rel_loss_diff']:.1e}", "-"))
+    print(f"\n{plain['params'] / 1e6:.1f}M-param Llama, batch 4x128, fp32, {args.steps} steps "
+          f"(median of the last {args.steps - args.warmup}), {res['threads']} threads, "
+          f"pipeline_read={args.pipeline_read}\n")
+    print("| runner | s/step | x plain | max rel loss diff | overlap eff. |")
+    print("|---|---|---|---|---|")
+    for name, s, r, d, e in rows:
+        print(f"| {name} | {s:.3f} | {r:.2f} | {d} | {e} |")
+    print("\ntiered per step:")
+    print("| link | MB/step | busy s/step |")
+    print("|---|---|---|")
+    for link, v in sorted(t["links_per_step"].items()):
+        print(f"| {link} | {v['bytes'] / 1e6:.1f} | {v['seconds']:.3f} |")
+    o, ph = t["optimizer_per_step"], t["phases_per_step"]
+    print(f"\ncompute (plain step) {compute:.3f} s; tiered forward {ph['forward_s']:.3f} s, backward "
+          f"{ph['backward_s']:.3f} s, step {ph['step_s']:.3f} s (optimizer read wait {o['read_wait_s']:.3f}, "
+          f"adam {o['compute_s']:.3f}, write wait {o['write_wait_s']:.3f}); tier stall {t['stall_s_per_step']:.3f} s; "
+          f"busiest link {t['busiest_link']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""`tiered.initialize(model, config) -> Engine`: config, tiers, ZeRO-3 partitions, offloaded Adam."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiered.config.schema import TieredConfig
+from tiered.engine.build import (
+    Placement,
+    build_tier_manager,
+    capacity_needs,
+    check_capacity,
+    choose_placement,
+)
+from tiered.engine.engine import Engine
+from tiered.errors import UnsupportedConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "Placement", "initialize"]
+
+
+def _check_engine_options(cfg: TieredConfig) -> None:
+    """Options the config loader accepts but that cannot be combined in this engine."""
+    if cfg.zero.overlap_step_with_backward:
+        raise UnsupportedConfigError(
+            "zero_optimization.overlap_step_with_backward is not implemented by this engine yet; "
+            "set it to false (the step then starts after backward, with optimizer states prefetched)"
+        )
+
+
+def initialize(
+    model: torch.nn.Module,
+    config: dict[str, Any] | str | os.PathLike[str] | TieredConfig,
+    *,
+    process_group: Any = None,
+) -> Engine:
+    """Partition `model` into shard groups over the configured tiers and return the Engine.
+
+    `config` is tiered's JSON or an unchanged DeepSpeed JSON (dict or path), or a resolved
+    TieredConfig. Under torch.distributed (torchrun) the data-parallel group is the default
+    group unless `process_group` is given. Every budget is checked before training starts
+    (see [Note: capacity check before training]).
+    """
+    from tiered.config import load_config
+    from tiered.optim.offload import OffloadedAdam, pipeline_bytes, plan_groups
+    from tiered.zero import ZeroParameters
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"tiered.initialize(model, config): model must be a torch.nn.Module, got {type(model).__name__}")
+    distributed = dist.is_available() and dist.is_initialized()
+    world_size = dist.get_world_size(process_group) if distributed else 1
+    rank = dist.get_rank(process_group) if distributed else 0
+    cfg = config if isinstance(config, TieredConfig) else load_config(config, model=model, world_size=world_size)
+    _check_engine_options(cfg)
+    placement = choose_placement(cfg)
+    scheduler = None
+    if cfg.scheduler is not None:
+        from tiered.optim.schedulers import build_scheduler
+
+        scheduler = build_scheduler(cfg.scheduler, base_lr=cfg.optimizer.lr)
+    tm = build_tier_manager(cfg, rank=rank, world_size=world_size)
+    zp = None
+    try:
+        zp = ZeroParameters(
+            model,
+            tm,
+            cfg,
+            param_tier=placement.param_tier,
+            grad_tier=placement.grad_tier,
+            compute_dtype=placement.compute_dtype,
+            process_group=process_group,
+        )
+        gpu_is_host = str(tm.tier("gpu").backend.capabilities.device) == "cpu"
+        plans = plan_groups(zp.groups, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
+        pipe = pipeline_bytes(zp.groups, plans, cfg.zero.offload_optimizer.buffer_count, placement.compute_dtype)
+        needs = capacity_needs(tm, zp.groups, plans, placement, world_size=world_size, pipeline=pipe)
+        check_capacity(tm, needs)
+        optimizer = OffloadedAdam(
+            tm,
+            zp.groups,
+            cfg,
+            zp.initial_fp32_shard,
+            optimizer_tier=placement.optimizer_tier,
+            compute_dtype=placement.compute_dtype,
+        )
+    except BaseException:
+        if zp is not None:
+            zp.remove_hooks()
+        tm.close()
+        raise
+    log.info(
+        "tiered engine: %d groups, params in %s, grads in %s, optimizer in %s, %s, world %d",
+        len(zp.groups), placement.param_tier, placement.grad_tier, placement.optimizer_tier,
+        placement.compute_dtype, world_size,
+    )
+    return Engine(
+        model,
+        cfg,
+        tm,
+        zp,
+        optimizer,
+        placement,
+        process_group=process_group,
+        world_size=world_size,
+        rank=rank,
+        scheduler=scheduler,
+        capacity=needs,
+    )

@@ -1,0 +1,194 @@
+"""Building an engine's parts from a resolved config: tiers, placement, the capacity check.
+
+[Note: capacity check before training]
+Every byte the engine will ever hold in a tier is known once the shard groups exist, so a budget
+that cannot work is reported at `initialize`, never mid-step. Per tier the need is
+
+    homes        sum of nbytes of the partitions whose home is the tier (params, fp32 grads,
+                 fp32 master/exp_avg/exp_avg_sq), all resident for the whole run when the tier
+                 is memory-like
+    + gather     "gpu" only, when params live elsewhere: the largest non-persistent group gathered
+                 (full_numel x param bytes; x (1 + 1/world) with world > 1: shard + full buffer)
+                 + every persistent group (resident for the whole run)
+    + pipeline   the optimizer's staging buffers (`tiered.optim.offload.pipeline_bytes`):
+                 buffer_count x the largest (3 x 4 B states + 4 B grad + param bytes) x shard_numel
+                 of the groups whose bytes are not at home in that tier
+
+and a budget below it raises CapacityError with the numbers and what to change. The check is a
+lower bound: prefetching more than one group is backpressured by the tier manager, never required.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tiered.config.schema import TieredConfig
+from tiered.errors import CapacityError, ConfigError
+from tiered.units import format_bytes
+
+_ORDER = ("gpu", "cpu", "nvme")
+_DEVICE_TIER = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which tier is home to each kind of state, and the compute dtype."""
+
+    param_tier: str
+    grad_tier: str
+    optimizer_tier: str
+    compute_dtype: torch.dtype
+
+
+def choose_placement(cfg: TieredConfig) -> Placement:
+    tiers = cfg.tiered.tiers
+    opt_dev = cfg.zero.offload_optimizer.device
+    opt_tier = _DEVICE_TIER[opt_dev]
+    if opt_dev == "nvme" and "nvme_optimizer" in tiers:
+        opt_tier = "nvme_optimizer"
+    placement = Placement(
+        param_tier=_DEVICE_TIER[cfg.zero.offload_param.device],
+        grad_tier="gpu" if opt_dev == "none" else "cpu",
+        optimizer_tier=opt_tier,
+        compute_dtype=cfg.precision.dtype,
+    )
+    for what, tier, key in (
+        ("parameters", placement.param_tier, "zero_optimization.offload_param.device"),
+        ("optimizer state", placement.optimizer_tier, "zero_optimization.offload_optimizer.device"),
+    ):
+        if tiers and tier not in tiers:
+            raise ConfigError(
+                f"{key} puts the {what} in tier {tier!r}, but no such tier is configured "
+                f"(tiers: {', '.join(tiers)}); add it under tiered.tiers.{tier} or set an nvme_path"
+            )
+    return placement
+
+
+def tier_order(names: Sequence[str]) -> list[str]:
+    """Fastest first: gpu, cpu, nvme, then custom tiers in the order given."""
+    known = [n for n in _ORDER if n in names]
+    return known + [n for n in names if n not in _ORDER]
+
+
+def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1) -> Any:
+    """Open every configured backend (entry points only: tiered never imports plugins/) and
+    hand them, with their budgets, to one TierManager.
+
+    With several ranks, a backend spec with a "path" gets a per-rank subdirectory
+    (``<path>/rank<r>``): every rank names its partitions alike, so one shared nvme_path
+    (the usual DeepSpeed config) must not make ranks overwrite each other's files."""
+    from tiered.storage import open_backend
+    from tiered.tiers import Tier, TierManager
+
+    specs = dict(cfg.tiered.tiers)
+    for name in ("gpu", "cpu"):
+        if name not in specs:
+            raise ConfigError(f"tiered.tiers.{name} is missing: the engine needs a {name!r} tier")
+    tiers = []
+    for name in tier_order(list(specs)):
+        spec = specs[name]
+        bspec = dict(spec.backend)
+        if world_size > 1 and isinstance(bspec.get("path"), str):
+            bspec["path"] = os.path.join(bspec["path"], f"rank{rank}")
+        try:
+            if world_size > 1 and isinstance(bspec.get("path"), str):
+                os.makedirs(bspec["path"], exist_ok=True)
+            backend = open_backend(bspec)
+        except (OSError, PermissionError) as e:
+            path = spec.backend.get("path")
+            raise ConfigError(
+                f"tiered.tiers.{name}: cannot open backend {spec.backend.get('type')!r}"
+                + (f" at {path!r}" if path else "")
+                + f": {e}; point nvme_path at a writable directory"
+            ) from e
+        tiers.append(Tier(name=name, backend=backend, budget_bytes=spec.budget_bytes))
+    return TierManager(
+        tiers,
+        timeout_s=cfg.tiered.timeout_s,
+        io_threads=cfg.tiered.io_threads,
+        record_trace=cfg.tiered.trace_path is not None,
+    )
+
+
+def _group_label(group: Any) -> str:
+    names = [e.name for e in group.entries]
+    if not names:
+        return group.name
+    prefix = names[0].rsplit(".", 1)[0] if "." in names[0] else names[0]
+    more = f" +{len(names) - 1} params" if len(names) > 1 else ""
+    return f"{group.name} ({prefix}{more})"
+
+
+def capacity_needs(
+    tm: Any,
+    groups: Sequence[Any],
+    plans: Sequence[Any],
+    placement: Placement,
+    *,
+    world_size: int,
+    pipeline: dict[str, int],
+) -> dict[str, dict[str, Any]]:
+    """Per tier: {"homes": bytes, "gather": bytes, "pipeline": bytes, "group": label, "total"}.
+    See [Note: capacity check before training]."""
+    psize = torch.tensor([], dtype=placement.compute_dtype).element_size()
+    need: dict[str, dict[str, Any]] = {}
+
+    def at(tier: str) -> dict[str, Any]:
+        return need.setdefault(tier, {"homes": 0, "gather": 0, "persistent": 0, "pipeline": 0, "group": ""})
+
+    for g, p in zip(groups, plans, strict=True):
+        at(g.param.home)["homes"] += g.param.nbytes
+        at(g.grad.home)["homes"] += g.grad.nbytes
+        at(p.state_home)["homes"] += 3 * 4 * g.shard_numel
+    gpu = at("gpu")
+    gathered = [g for g in groups if not getattr(g, "persistent", False)]
+    persistent = [g for g in groups if getattr(g, "persistent", False)]
+    if placement.param_tier != "gpu":
+        gpu["persistent"] = sum(g.full_numel * psize for g in persistent)
+    factor = 1.0 if world_size == 1 else (1.0 + 1.0 / world_size)
+    if placement.param_tier == "gpu":
+        factor = 0.0 if world_size == 1 else 1.0  # the shard is already home there
+    if gathered and factor:
+        big = max(gathered, key=lambda g: g.full_numel)
+        gpu["gather"] = int(big.full_numel * psize * factor)
+        gpu["group"] = _group_label(big)
+    for tier, b in pipeline.items():
+        at(tier)["pipeline"] += b
+    for d in need.values():
+        d["total"] = d["homes"] + d["gather"] + d["persistent"] + d["pipeline"]
+    return need
+
+
+def check_capacity(tm: Any, needs: dict[str, dict[str, Any]]) -> None:
+    """Raise CapacityError, before any training, when a budget is below what the run needs."""
+    for name, d in needs.items():
+        tier = tm.tier(name)
+        budget = tier.budget_bytes
+        if budget is None:
+            try:
+                budget = tier.backend.capacity().free_bytes
+            except Exception:  # noqa: BLE001 - a backend that cannot tell: nothing to check
+                budget = None
+        if budget is None or d["total"] <= budget:
+            continue
+        parts = [f"{format_bytes(d['homes'], binary=True)} of partitions homed there"]
+        if d["gather"]:
+            parts.append(f"{format_bytes(d['gather'], binary=True)} to gather group {d['group']}")
+        if d["persistent"]:
+            parts.append(f"persistent {format_bytes(d['persistent'], binary=True)}")
+        if d["pipeline"]:
+            parts.append(f"{format_bytes(d['pipeline'], binary=True)} of optimizer pipeline buffers")
+        hint = {
+            "gpu": "raise tiered.tiers.gpu.budget, lower sub_group_size, or offload params/optimizer",
+            "cpu": "raise tiered.tiers.cpu.budget, lower sub_group_size or offload_optimizer.buffer_count,"
+            " or offload to nvme",
+        }.get(name, f"raise tiered.tiers.{name}.budget or free space there")
+        raise CapacityError(
+            f"{name} budget {format_bytes(budget, binary=True)} < {format_bytes(d['total'], binary=True)} needed "
+            f"({' + '.join(parts)}); {hint}"
+        )

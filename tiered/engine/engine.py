@@ -1,0 +1,253 @@
+"""The public face: `tiered.initialize(model, config) -> Engine`.
+
+[Note: engine step semantics]
+As in DeepSpeed: ``backward(loss)`` divides the loss by gradient_accumulation_steps (and, in
+fp16, multiplies it by the loss scale) before autograd runs; the ZeRO-3 scheduler accumulates the
+resulting gradients in fp32 on their tier. ``step()`` is called after every micro-batch and only
+acts at the accumulation boundary: it checks fp16 overflow (any rank) and skips the step, lowering
+the scale; otherwise it computes the global gradient norm across ranks, the clip coefficient
+(torch.nn.utils.clip_grad_norm_'s rule) and the lr (the scheduler at the number of optimizer steps
+taken so far), runs the offloaded optimizer with ``grad_scale = clip_coef / loss_scale`` (see
+[Note: clipping by grad_scale]) and zeroes the gradients. ``global_steps`` counts boundaries,
+skipped ones included (DeepSpeed's meaning); the optimizer's bias-correction step and the
+scheduler only advance on steps taken.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiered.config.schema import TieredConfig
+from tiered.optim.clip import clip_coefficient, global_grad_norm
+from tiered.optim.loss_scaler import build_loss_scaler
+
+log = logging.getLogger(__name__)
+
+
+class _ConstantLR:
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+    def lr_at(self, step: int) -> float:
+        return self.lr
+
+
+class Engine:
+    """Forward, backward, step and stats over a ZeRO-3 partitioned, offloaded model.
+
+    Built by `tiered.initialize`; see [Note: engine step semantics].
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        cfg: TieredConfig,
+        tm: Any,
+        zp: Any,
+        optimizer: Any,
+        placement: Any,
+        *,
+        process_group: Any = None,
+        world_size: int = 1,
+        rank: int = 0,
+        scheduler: Any = None,
+        capacity: dict[str, Any] | None = None,
+    ) -> None:
+        self._module = module
+        self.config = cfg
+        self.tm = tm
+        self.zero = zp
+        self.optimizer = optimizer
+        self.placement = placement
+        self.process_group = process_group
+        self.world_size = world_size
+        self.rank = rank
+        self.scheduler = scheduler if scheduler is not None else _ConstantLR(cfg.optimizer.lr)
+        self.loss_scaler = build_loss_scaler(cfg.precision)
+        self.capacity = capacity or {}
+        self.gas = int(cfg.gradient_accumulation_steps)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self._found_inf = False
+        self._sq_norm_local = 0.0
+        self._backward_since_step = False
+        self._closed = False
+        self._timing = {"forward_s": 0.0, "backward_s": 0.0, "step_s": 0.0, "optimizer_s": 0.0}
+        self._last: dict[str, float] = {}
+
+    # ---- the training loop -----------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._module
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def get_lr(self) -> list[float]:
+        """The lr the next optimizer step will use (a list per param group, as DeepSpeed)."""
+        return [float(self.scheduler.lr_at(self.optimizer.step_count))]
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gas == 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
+        t0 = time.perf_counter()
+        out = self._module(*args, **kwargs)
+        dt = time.perf_counter() - t0
+        self._timing["forward_s"] += dt
+        self._last["forward_s"] = self._last.get("forward_s", 0.0) + dt
+        return out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss / gas (x loss scale in fp16), autograd, then flush the gradients to their tier."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                "engine.backward(loss): loss must be a scalar tensor (e.g. out.loss or out.mean()), "
+                f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+            )
+        if not loss.requires_grad:
+            raise ValueError("engine.backward(loss): loss does not require grad; was it computed by engine(...)?")
+        t0 = time.perf_counter()
+        scaled = loss.float() if loss.dtype != torch.float32 else loss
+        if self.gas != 1:
+            scaled = scaled / self.gas
+        if self.loss_scaler.scale != 1.0:
+            scaled = scaled * self.loss_scaler.scale
+        if self.is_gradient_accumulation_boundary():
+            self.optimizer.prefetch_states()
+        scaled.backward()
+        summary = self.zero.finish_backward()
+        self._found_inf = self._found_inf or bool(summary.found_inf)
+        self._sq_norm_local = float(summary.sq_norm_local)
+        self._backward_since_step = True
+        dt = time.perf_counter() - t0
+        self._timing["backward_s"] += dt
+        self._last["backward_s"] = self._last.get("backward_s", 0.0) + dt
+
+    def step(self) -> None:
+        """Count a micro-batch; at the accumulation boundary run (or skip) the optimizer step."""
+        self._check_open()
+        self.micro_steps += 1
+        if self.micro_steps % self.gas != 0:
+            return
+        if not self._backward_since_step:
+            raise RuntimeError("engine.step() at an accumulation boundary without engine.backward(loss) first")
+        t0 = time.perf_counter()
+        self.global_steps += 1
+        overflow = self._any_rank(self._found_inf)
+        scale = self.loss_scaler.scale
+        if overflow and self.config.precision.dtype == torch.float16:
+            self.skipped_steps += 1
+            self.loss_scaler.update(True)
+            log.info(
+                "fp16 overflow at step %d: step skipped, loss scale %g -> %g",
+                self.global_steps, scale, self.loss_scaler.scale,
+            )
+            self.last_grad_norm = float("inf")
+        else:
+            norm = global_grad_norm(self._sq_norm_local, process_group=self.process_group) / scale
+            self.last_grad_norm = norm
+            coef = clip_coefficient(norm, float(self.config.gradient_clipping))
+            lr = self.get_lr()[0]
+            t1 = time.perf_counter()
+            self.optimizer.step(lr, coef / scale)
+            self._timing["optimizer_s"] += time.perf_counter() - t1
+            self.loss_scaler.update(False)
+            notify = getattr(self.zero, "params_updated", None)
+            if notify is not None:
+                notify()
+        self.zero.zero_grads()
+        self._found_inf = False
+        self._sq_norm_local = 0.0
+        self._backward_since_step = False
+        dt = time.perf_counter() - t0
+        self._timing["step_s"] += dt
+        self._last["step_s"] = dt
+        self._last_step = dict(self._last)
+        self._last = {}
+
+    def _any_rank(self, flag: bool) -> bool:
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            t = torch.tensor([1.0 if flag else 0.0])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+            return bool(t.item() > 0)
+        return flag
+
+    # ---- introspection ---------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """JSON-able: tiers (bytes, peaks, links, stalls), zero scheduling, optimizer pipeline,
+        step timings, loss scale and step counters."""
+        return {
+            "tiers": self.tm.stats(),
+            "zero": self.zero.stats(),
+            "optimizer": self.optimizer.stats(),
+            "timing": {"total": dict(self._timing), "last_step": dict(getattr(self, "_last_step", {}))},
+            "capacity": self.capacity,
+            "loss_scale": self.loss_scale,
+            "global_steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+            "micro_steps": self.micro_steps,
+            "last_grad_norm": None if self.last_grad_norm is None or not math.isfinite(self.last_grad_norm)
+            else self.last_grad_norm,
+        }
+
+    def state_dict_fp32(self) -> dict[str, torch.Tensor]:
+        """Consolidated parameters (every rank's shard gathered), as the module names them."""
+        return self.zero.gather_full_state_dict()
+
+    # ---- lifetime --------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Finish every write-back in flight and write dirty copies to their homes."""
+        self._check_open()
+        self.optimizer.wait_writes()
+        self.tm.flush().result()
+
+    def close(self) -> None:
+        """Flush, remove the hooks, stop the tier manager and close its backends. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.optimizer.close()
+        finally:
+            try:
+                self.zero.remove_hooks()
+            finally:
+                trace_path = self.config.tiered.trace_path
+                if trace_path:
+                    try:
+                        self.tm.write_trace(trace_path)
+                    except Exception:  # noqa: BLE001 - a trace must never mask the close
+                        log.exception("could not write the trace to %s", trace_path)
+                self.tm.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this tiered Engine is closed; create a new one with tiered.initialize")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a forgotten close must not leave the loop thread running
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,421 @@
+"""The offloaded Adam/AdamW: one fused update per sub-group, pipelined across the tiers.
+
+[Note: sub-group pipeline]
+The optimizer state (fp32 master, exp_avg, exp_avg_sq) of each shard group lives in its own
+partitions on the optimizer tier ("gpu" when offload_optimizer.device is none, else "cpu" or
+"nvme"). A step walks the groups in execution order (so the next forward's first layers get their
+new parameters first) and keeps up to ``buffer_count`` groups in flight at once:
+
+    read  group i+1.. : fetch states + fp32 grad into the compute tier (async, TierManager)
+    adam  group i     : tiered_ext.adam_step (CPU) / gpu_adam_step (GPU side), the new
+                        compute-dtype parameter written in the same pass into a buffer the
+                        TierManager allocated for ``group.param``
+    write group i-1.. : states marked dirty, released and evicted from the compute tier (a write
+                        back when their home is slower, e.g. nvme), params evicted to their home
+
+[Note: write-back after the step]
+The step returns with the last groups' write-backs still in flight. That is safe because the
+TierManager serialises moves of one partition: a fetch of a parameter or state whose copy is
+being evicted waits for the write-back and then reads the new bytes from home. The next step,
+``wait_writes``, ``Engine.flush`` and ``Engine.close`` wait for them (and re-raise their errors).
+
+"In flight" counts groups whose reads are issued but not consumed plus groups whose write-backs
+have not finished, so the pinned staging memory is bounded by
+``buffer_count x (12 + param bytes) x largest shard``: what `stage_bytes_needed` reports and the
+engine checks against the cpu budget before training.
+
+[Note: max_in_cpu]
+New parameters staged in "cpu" whose home is slower (nvme) are written home with ``flush``, which
+leaves a clean copy in "cpu", for up to ``offload_param.max_in_cpu`` elements (DeepSpeed's knob of
+the same meaning, default 1e9): the next forward then gathers them with a memory copy instead of
+an NVMe read. The copy is clean, so the tier manager may drop it for free whenever the cpu budget
+needs the room; beyond the limit the staging copy is evicted (written back and freed).
+
+[Note: pipeline_read]
+At the start of the last backward of a step the engine calls `prefetch_states`: the first
+``buffer_count`` groups' states start moving into the compute tier, so the step does not begin
+with a read. With ``offload_optimizer.pipeline_read`` every group's states are prefetched, in step
+order, while backward runs (the read link is otherwise idle then): the step then mostly finds its
+states resident, at the cost of holding them in the cpu tier transiently. Prefetches are unpinned
+and issued only while they fit in half of the cpu tier's free budget, so they never crowd out
+the pipeline's own buffers (the manager may drop them for free under pressure). With
+``offload_optimizer.pipeline_write`` the write-backs in flight no longer count against the
+``buffer_count`` window: they drain while the next groups compute and during the next forward,
+bounded only by the cpu budget (the manager's backpressure), the other half of the same trade.
+
+[Note: twin-flow ratio]
+``offload_optimizer.ratio`` splits the groups between the CPU kernel and the GPU kernel: the
+``round(ratio * n)`` largest groups (ties by execution order) run on the CPU (their state on the
+optimizer tier), the rest keep their state in "gpu" and run ``tiered_ext.gpu_adam_step`` there.
+(DeepSpeed's Twin-Flow assigns the *last* fraction by index; by size is what bounds GPU memory.)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tiered.config.schema import TieredConfig
+
+log = logging.getLogger(__name__)
+
+STATE_SUFFIXES = ("master", "exp_avg", "exp_avg_sq")
+_FP32 = 4
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Where one group's optimizer step runs and where its bytes live."""
+
+    side: str
+    """"cpu" (tiered_ext.adam_step) or "gpu" (tiered_ext.gpu_adam_step)."""
+    state_home: str
+    """Home tier of master / exp_avg / exp_avg_sq."""
+    compute_tier: str
+    """Memory-like tier the states and the gradient are fetched into for the update."""
+    stage_tier: str
+    """Tier where the new compute-dtype parameter is written (then evicted to its home)."""
+
+
+def plan_groups(
+    groups: Sequence[Any], cfg: TieredConfig, optimizer_tier: str, *, gpu_is_host: bool
+) -> list[GroupPlan]:
+    """Where each group's step runs. See [Note: max_in_cpu]
+New parameters staged in "cpu" whose home is slower (nvme) are written home with ``flush``, which
+leaves a clean copy in "cpu", for up to ``offload_param.max_in_cpu`` elements (DeepSpeed's knob of
+the same meaning, default 1e9): the next forward then gathers them with a memory copy instead of
+an NVMe read. The copy is clean, so the tier manager may drop it for free whenever the cpu budget
+needs the room; beyond the limit the staging copy is evicted (written back and freed).
+
+[Note: pipeline_read]
+At the start of the last backward of a step the engine calls `prefetch_states`: the first
+``buffer_count`` groups' states start moving into the compute tier, so the step does not begin
+with a read. With ``offload_optimizer.pipeline_read`` every group's states are prefetched, in step
+order, while backward runs (the read link is otherwise idle then): the step then mostly finds its
+states resident, at the cost of holding them in the cpu tier transiently. Prefetches are unpinned
+and issued only while they fit in half of the cpu tier's free budget, so they never crowd out
+the pipeline's own buffers (the manager may drop them for free under pressure). With
+``offload_optimizer.pipeline_write`` the write-backs in flight no longer count against the
+``buffer_count`` window: they drain while the next groups compute and during the next forward,
+bounded only by the cpu budget (the manager's backpressure), the other half of the same trade.
+
+[Note: twin-flow ratio]."""
+    n = len(groups)
+    if optimizer_tier == "gpu":
+        cpu_side: set[int] = set()
+    else:
+        ratio = float(cfg.zero.offload_optimizer.ratio)
+        n_cpu = n if ratio >= 1.0 else int(round(ratio * n))
+        by_size = sorted(range(n), key=lambda i: (-groups[i].shard_numel, i))
+        cpu_side = set(by_size[:n_cpu])
+    plans = []
+    for i, g in enumerate(groups):
+        home = g.param.home
+        if i in cpu_side:
+            # The CPU kernel needs host tensors; a host-memory "gpu" tier can take the new
+            # params directly (no extra copy), a real GPU gets them by an evict (H2D).
+            stage = "gpu" if home == "gpu" and gpu_is_host else "cpu"
+            plans.append(GroupPlan("cpu", optimizer_tier, "cpu", stage))
+        else:
+            plans.append(GroupPlan("gpu", "gpu", "gpu", "gpu"))
+    return plans
+
+
+def pipeline_bytes(
+    groups: Sequence[Any], plans: Sequence[GroupPlan], buffer_count: int, compute_dtype: torch.dtype
+) -> dict[str, int]:
+    """Staging bytes per tier the pipeline holds beyond the partitions' homes:
+    per side, the ``buffer_count`` largest of (3 states x 4 B if read from a slower home
+    + 4 B grad if not resident there + param bytes if staged away from home) x shard_numel.
+    See [Note: sub-group pipeline]."""
+    need: dict[str, int] = {}
+    psize = torch.tensor([], dtype=compute_dtype).element_size()
+    for side in ("cpu", "gpu"):
+        per_group = []
+        for g, p in zip(groups, plans, strict=True):
+            if p.side != side:
+                continue
+            b = 0
+            if p.state_home != p.compute_tier:
+                b += 3 * _FP32 * g.shard_numel
+            if g.grad.home != p.compute_tier:
+                b += _FP32 * g.shard_numel
+            if g.param.home != p.stage_tier:
+                b += psize * g.shard_numel
+            per_group.append(b)
+        if per_group:
+            depth = min(max(1, buffer_count), len(per_group))
+            need[side] = need.get(side, 0) + sum(sorted(per_group, reverse=True)[:depth])
+    return need
+
+
+def _tier_device(tm: Any, name: str) -> str:
+    try:
+        return str(tm.tier(name).backend.capabilities.device)
+    except Exception:  # noqa: BLE001 - a manager without that tier: treat it as a real device
+        return "cuda"
+
+
+def _kernels() -> Any:
+    import tiered_ext
+
+    return tiered_ext
+
+
+class OffloadedAdam:
+    """Adam/AdamW over `ShardGroup`s whose state lives in TierManager partitions.
+
+    See [Note: sub-group pipeline] and [Note: max_in_cpu]
+New parameters staged in "cpu" whose home is slower (nvme) are written home with ``flush``, which
+leaves a clean copy in "cpu", for up to ``offload_param.max_in_cpu`` elements (DeepSpeed's knob of
+the same meaning, default 1e9): the next forward then gathers them with a memory copy instead of
+an NVMe read. The copy is clean, so the tier manager may drop it for free whenever the cpu budget
+needs the room; beyond the limit the staging copy is evicted (written back and freed).
+
+[Note: pipeline_read]
+At the start of the last backward of a step the engine calls `prefetch_states`: the first
+``buffer_count`` groups' states start moving into the compute tier, so the step does not begin
+with a read. With ``offload_optimizer.pipeline_read`` every group's states are prefetched, in step
+order, while backward runs (the read link is otherwise idle then): the step then mostly finds its
+states resident, at the cost of holding them in the cpu tier transiently. Prefetches are unpinned
+and issued only while they fit in half of the cpu tier's free budget, so they never crowd out
+the pipeline's own buffers (the manager may drop them for free under pressure). With
+``offload_optimizer.pipeline_write`` the write-backs in flight no longer count against the
+``buffer_count`` window: they drain while the next groups compute and during the next forward,
+bounded only by the cpu budget (the manager's backpressure), the other half of the same trade.
+
+[Note: twin-flow ratio].
+    """
+
+    def __init__(
+        self,
+        tm: Any,
+        groups: Sequence[Any],
+        cfg: TieredConfig,
+        initial_fp32: Callable[[Any], torch.Tensor],
+        *,
+        optimizer_tier: str,
+        compute_dtype: torch.dtype,
+        on_params_written: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.tm = tm
+        self.groups = list(groups)
+        self.cfg = cfg
+        self.opt = cfg.optimizer
+        self.compute_dtype = compute_dtype
+        self.optimizer_tier = optimizer_tier
+        self.buffer_count = max(1, int(cfg.zero.offload_optimizer.buffer_count))
+        self.on_params_written = on_params_written
+        self.step_count = 0
+        """Optimizer steps taken (1-based in the kernel: torch's bias correction)."""
+        self._pending: deque[tuple[int, Future[list[Any]]]] = deque()
+        # One FIFO thread finishes groups (mark dirty, unpin, evict): each of those is a round
+        # trip to the manager's loop, which would otherwise stall the kernel of the next group.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-opt-write")
+        self._timeout_s = float(getattr(cfg.tiered, "timeout_s", 600.0))
+        self.plans = plan_groups(self.groups, cfg, optimizer_tier, gpu_is_host=_tier_device(tm, "gpu") == "cpu")
+        self._keep_in_cpu = self._params_kept_in_cpu()
+        self.states: list[tuple[Any, ...]] = []
+        for g, plan in zip(self.groups, self.plans, strict=True):
+            master = initial_fp32(g).to(torch.float32).reshape(-1)
+            if master.numel() != g.shard_numel:
+                raise ValueError(
+                    f"initial fp32 shard of group {g.name} has {master.numel()} elements, "
+                    f"expected shard_numel={g.shard_numel}"
+                )
+            parts = (
+                tm.create(f"{g.name}.master", g.shard_numel, torch.float32, plan.state_home, init=master),
+                tm.create(f"{g.name}.exp_avg", g.shard_numel, torch.float32, plan.state_home),
+                tm.create(f"{g.name}.exp_avg_sq", g.shard_numel, torch.float32, plan.state_home),
+            )
+            del master
+            self.states.append(parts)
+        self._totals = {"read_wait_s": 0.0, "compute_s": 0.0, "write_wait_s": 0.0, "steps": 0}
+        self.last_step: dict[str, float] = {}
+
+    def _params_kept_in_cpu(self) -> set[int]:
+        keep, total = set(), 0
+        limit = int(self.cfg.zero.offload_param.max_in_cpu_numel)
+        for i, (g, p) in enumerate(zip(self.groups, self.plans, strict=True)):
+            if p.stage_tier == "cpu" and g.param.home not in ("cpu", "gpu") and total + g.shard_numel <= limit:
+                keep.add(i)
+                total += g.shard_numel
+        return keep
+
+    def stage_bytes_needed(self) -> dict[str, int]:
+        return pipeline_bytes(self.groups, self.plans, self.buffer_count, self.compute_dtype)
+
+    # ---- the step --------------------------------------------------------------------------
+    def prefetch_states(self) -> list[Any]:
+        """Start reading optimizer states into their compute tier during backward, unpinned, so
+        the step's reads find them resident; returns the prefetch futures. See [Note: pipeline_read]."""
+        tm, futs = self.tm, []
+        count = len(self.groups) if self.cfg.zero.offload_optimizer.pipeline_read else self.buffer_count
+        room: dict[str, float] = {}
+        for i in range(min(count, len(self.groups))):
+            plan = self.plans[i]
+            if plan.state_home == plan.compute_tier:
+                continue
+            tier = plan.compute_tier
+            if tier not in room:
+                budget = tm.tier(tier).budget_bytes
+                room[tier] = float("inf") if budget is None else (budget - tm.resident_bytes(tier)) / 2
+            need = sum(p.nbytes for p in self.states[i])
+            if need > room[tier]:
+                break
+            room[tier] -= need
+            futs.extend(tm.prefetch(part, tier) for part in self.states[i])
+        return futs
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """One Adam step over every group. The last write-backs (at most buffer_count groups)
+        stay in flight and overlap the next forward; see [Note: write-back after the step]."""
+        self.wait_writes()
+        self.step_count += 1
+        n = len(self.groups)
+        reads: dict[int, list[Any]] = {}
+        t_read = t_comp = t_write = 0.0
+        next_read = 0
+        # pipeline_write: write-backs are not counted against the window (see [Note: pipeline_read])
+        bound_writes = not self.cfg.zero.offload_optimizer.pipeline_write
+        for i in range(n):
+            if next_read == i:
+                while bound_writes and self._pending and len(self._pending) + 1 > self.buffer_count:
+                    t_write += self._retire_oldest()
+                reads[i] = self._issue_reads(i)
+                next_read += 1
+            while next_read < n and (next_read - i) + bound_writes * len(self._pending) < self.buffer_count:
+                reads[next_read] = self._issue_reads(next_read)
+                next_read += 1
+            t0 = time.perf_counter()
+            master, exp_avg, exp_avg_sq, grad = (f.result() for f in reads.pop(i))
+            t1 = time.perf_counter()
+            self._update(i, master, exp_avg, exp_avg_sq, grad, lr, grad_scale)
+            t2 = time.perf_counter()
+            self._pending.append((i, self._writer.submit(self._issue_writes, i)))
+            while self._pending and self._pending[0][1].done() and all(
+                f.done() for f in self._pending[0][1].result()
+            ):
+                t_write += self._retire_oldest()
+            t_read += t1 - t0
+            t_comp += t2 - t1
+        t3 = time.perf_counter()
+        for _, cf in self._pending:
+            # every evict must be claimed before the next forward can pin a partition again
+            cf.result(timeout=self._timeout_s)
+        t_write += time.perf_counter() - t3
+        self.last_step = {"read_wait_s": t_read, "compute_s": t_comp, "write_wait_s": t_write}
+        for k, v in self.last_step.items():
+            self._totals[k] += v
+        self._totals["steps"] += 1
+
+    def _issue_reads(self, i: int) -> list[Any]:
+        plan, g = self.plans[i], self.groups[i]
+        return [self.tm.fetch(p, plan.compute_tier) for p in self.states[i]] + [
+            self.tm.fetch(g.grad, plan.compute_tier)
+        ]
+
+    def _update(
+        self,
+        i: int,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        lr: float,
+        grad_scale: float,
+    ) -> None:
+        g, plan = self.groups[i], self.plans[i]
+        ext = _kernels()
+        out = self.tm.allocate(g.param, plan.stage_tier).result()
+        lowp = self.compute_dtype != torch.float32
+        if lowp and out.device != master.device:
+            raise RuntimeError(f"group {g.name}: staging buffer on {out.device}, master on {master.device}")
+        kw = dict(
+            step=self.step_count,
+            lr=float(lr),
+            beta1=float(self.opt.betas[0]),
+            beta2=float(self.opt.betas[1]),
+            eps=float(self.opt.eps),
+            weight_decay=float(self.opt.weight_decay),
+            adamw_mode=bool(self.opt.adamw_mode),
+            grad_scale=float(grad_scale),
+        )
+        if plan.side == "cpu":
+            ext.adam_step(master, grad, exp_avg, exp_avg_sq, out_lowp=out if lowp else None, **kw)
+        else:
+            ext.gpu_adam_step([master], [grad], [exp_avg], [exp_avg_sq], out_lowp=[out] if lowp else None, **kw)
+        if not lowp:
+            out.copy_(master)
+
+    def _issue_writes(self, i: int) -> list[Any]:
+        g, plan = self.groups[i], self.plans[i]
+        tm, futs = self.tm, []
+        for part in self.states[i]:
+            if not (plan.compute_tier == plan.state_home and part.valid_in() == {plan.state_home}):
+                # (an in-place update of the only copy, at home in memory, needs no bookkeeping)
+                tm.mark_dirty(part, plan.compute_tier)
+            tm.release(part, plan.compute_tier)
+            if plan.compute_tier != plan.state_home:
+                futs.append(tm.evict(part, plan.compute_tier))
+        tm.release(g.grad, plan.compute_tier)
+        if plan.compute_tier != g.grad.home:
+            futs.append(tm.evict(g.grad, plan.compute_tier))  # clean: free
+        tm.release(g.param, plan.stage_tier)
+        if plan.stage_tier != g.param.home:
+            if i in self._keep_in_cpu:  # see [Note: max_in_cpu]
+                futs.append(tm.flush(g.param))
+            else:
+                futs.append(tm.evict(g.param, plan.stage_tier))
+        if self.on_params_written is not None:
+            self.on_params_written(g)
+        return futs
+
+    def _retire_oldest(self) -> float:
+        t0 = time.perf_counter()
+        _, cf = self._pending.popleft()
+        for f in cf.result(timeout=self._timeout_s):
+            f.result()
+        return time.perf_counter() - t0
+
+    def wait_writes(self) -> float:
+        """Block until every write-back issued by a step has finished; returns seconds waited."""
+        waited = 0.0
+        while self._pending:
+            waited += self._retire_oldest()
+        return waited
+
+    def close(self) -> None:
+        """Wait for the write-backs in flight and stop the writer thread. Idempotent."""
+        try:
+            self.wait_writes()
+        finally:
+            self._writer.shutdown(wait=True)
+
+    # ---- introspection ---------------------------------------------------------------------
+    def master_shard(self, group_index: int) -> torch.Tensor:
+        """A host copy of one group's fp32 master shard (tests, checkpoints)."""
+        part = self.states[group_index][0]
+        tier = self.plans[group_index].compute_tier
+        t = self.tm.fetch(part, tier).result()
+        try:
+            return t.detach().to("cpu", copy=True)
+        finally:
+            self.tm.release(part, tier)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "groups_cpu": sum(p.side == "cpu" for p in self.plans),
+            "groups_gpu": sum(p.side == "gpu" for p in self.plans),
+            "buffer_count": self.buffer_count,
+            "step_count": self.step_count,
+            "last_step": dict(self.last_step),
+            "total": dict(self._totals),
+        }
