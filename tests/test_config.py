@@ -132,6 +132,7 @@ def test_nvme_configs_derive_nvme_tier_from_aio(tmp_path, name):
     assert cfg.tiered.tiers["nvme"] == TierSpec(backend={
         "type": "nvme", "path": str(tmp_path / "nvme"), "block_size": aio["block_size"],
         "queue_depth": aio["queue_depth"], "thread_count": aio["thread_count"],
+        "atomic": False, "fsync": False,  # swap files: the nvme backend's scratch mode
     })
     assert cfg.tiered.param_tier == "nvme" and cfg.tiered.optimizer_tier == "nvme"
     assert cfg.zero.offload_param.buffer_size_numel == 100_000_000

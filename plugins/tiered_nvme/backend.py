@@ -21,6 +21,19 @@ less) and the file is then ``ftruncate``d to the true size before the atomic ren
 ``.tobytes()`` dumps readable by any tool. A read asks for the padded length; at end of file the
 kernel returns the short remainder, which is exactly the payload.
 
+[Note: nvme scratch mode]
+With ``atomic=False`` a write overwrites the key's file in place (opened, written and truncated
+on the I/O pool, never on the event loop) instead of writing a temp file and renaming it over the
+old one. Measured on this project's dev machine with 2 MiB objects and 8 threads: 1.6 GB/s in
+place vs 0.7 GB/s with temp+rename (the create/rename metadata work dominates small objects).
+The price: a failed or cancelled write leaves the file's bytes mixed. That is what a *swap* file
+may do, and only that: the tier manager marks a disk copy valid only after its write completed and
+keeps the memory copy until then, so a half-written swap file is never read. The engine opens the
+NVMe tiers it derives from ``offload_param`` / ``offload_optimizer`` this way (with
+``fsync=False``: swap files need no durability, DeepSpeed's swapper does not sync either);
+anything that must survive a crash (checkpoints, a user's own tier) keeps the default
+``atomic=True``, [Note: atomic file writes].
+
 [Note: DeepSpeed aio knobs]
 ``block_size`` (DeepSpeed: bytes per iocb) is the size of one iovec segment; ``queue_depth``
 (DeepSpeed: iocbs per io_submit) is the number of segments one syscall carries, so one chunk is
@@ -85,8 +98,8 @@ def _positive(name: str, value: Any, *, multiple_of: int = 1) -> int:
 class NVMeBackend(StorageBackend):
     """Files under `path`, one per key, written and read with O_DIRECT by a thread pool.
 
-    See [Note: nvme I/O path], [Note: nvme on-disk size], [Note: DeepSpeed aio knobs] and
-    [Note: atomic file writes]. Falls back to buffered I/O, with one logged warning, on
+    See [Note: nvme I/O path], [Note: nvme on-disk size], [Note: DeepSpeed aio knobs],
+    [Note: atomic file writes] and [Note: nvme scratch mode]. Falls back to buffered I/O, with one logged warning, on
     filesystems that refuse O_DIRECT (tmpfs).
     """
 
@@ -105,6 +118,7 @@ class NVMeBackend(StorageBackend):
         direct: bool = True,
         fsync: bool = True,
         create: bool = False,
+        atomic: bool = True,
     ) -> None:
         self.block_size = _positive("block_size", block_size, multiple_of=ALIGN)
         self.queue_depth = _positive("queue_depth", queue_depth)
@@ -120,6 +134,7 @@ class NVMeBackend(StorageBackend):
         )
         self.workers = max(self.io_threads, self.thread_count)
         self.fsync = bool(fsync)
+        self.atomic = bool(atomic)
         self._path_arg = os.fspath(path)
         self.directory: Path = check_directory(path, backend="nvme", create=create)
         self.direct = bool(direct) and _O_DIRECT != 0 and self._probe_direct()
@@ -274,6 +289,9 @@ class NVMeBackend(StorageBackend):
         return self.directory / check_key(key)
 
     async def write(self, key: str, tensor: torch.Tensor) -> None:
+        if not self.atomic:
+            await self._write_in_place(key, tensor)
+            return
         final = self._file(key)
         src = tensor_bytes(tensor, what=f"nvme write of key {key!r}").detach()
         staged = None
@@ -309,6 +327,43 @@ class NVMeBackend(StorageBackend):
                 self._staging.release(staged)
         if self.fsync:  # make the rename durable; off the loop, it is a disk flush
             await self._run([(fsync_directory, self.directory)])
+
+    async def _write_in_place(self, key: str, tensor: torch.Tensor) -> None:
+        """[Note: nvme scratch mode]: overwrite the key's file in place, all syscalls on the pool."""
+        final = self._file(key)
+        src = tensor_bytes(tensor, what=f"nvme write of key {key!r}").detach()
+        staged = None
+        fds: list[int] = []
+        try:
+            self._pool()
+            if src.device.type != "cpu":
+                staged = self._staging.acquire(src.numel(), what=f"staging of key {key!r}")
+                host = staged[: src.numel()]
+                await self._device.wait(self._device.copy_async(host, src), what=f"write of key {key!r}")
+                src = host
+            flags = os.O_WRONLY | os.O_CREAT | (_O_DIRECT if self.direct else 0)
+            await self._run([(lambda: fds.append(os.open(final, flags, 0o644)),)])
+            n = src.numel()
+            await self._run([(self._write_piece, fds[0], src, o, ln, b) for o, ln, b in self._plan(src)])
+            await self._run([(self._finish_in_place, fds[0], n)])
+        except BaseException as exc:
+            if isinstance(exc, OSError) and not isinstance(exc, StorageIOError):
+                raise StorageIOError(
+                    f"nvme backend: in-place write of key {key!r} to {str(final)!r} failed: "
+                    f"{exc.strerror or exc}; this scratch file's contents are now undefined"
+                ) from exc
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+            if staged is not None:
+                self._staging.release(staged)
+
+    def _finish_in_place(self, fd: int, nbytes: int) -> None:
+        if os.fstat(fd).st_size != nbytes:
+            os.ftruncate(fd, nbytes)  # a shorter overwrite, or the O_DIRECT padding: the true size
+        if self.fsync:
+            os.fsync(fd)
 
     def _finish_file(self, fd: int, nbytes: int) -> None:
         if self.direct and nbytes % ALIGN:
@@ -389,4 +444,6 @@ class NVMeBackend(StorageBackend):
             out["direct"] = False
         if not self.fsync:
             out["fsync"] = False
+        if not self.atomic:
+            out["atomic"] = False
         return out

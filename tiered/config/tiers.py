@@ -5,7 +5,9 @@ Whatever the user writes, the resolved config has a "gpu" tier ({"type": "gpu"})
 ({"type": "cpu"}, pinned host memory), each with budget None (= what the backend reports free).
 An "nvme" tier is derived when an offload device is "nvme":
 ``{"type": "nvme", "path": <nvme_path>, "block_size": aio.block_size, "queue_depth":
-aio.queue_depth, "thread_count": aio.thread_count}`` (plus ``"use_gds": true`` when set).
+aio.queue_depth, "thread_count": aio.thread_count, "atomic": false, "fsync": false}`` (plus
+``"use_gds": true`` when set): offload swap files are overwritten in place and never synced, as
+DeepSpeed's swapper does (the nvme backend's [Note: nvme scratch mode]).
 When offload_param and offload_optimizer both use NVMe with *different* nvme_path values (DeepSpeed
 allows one drive for each), parameters go to tier "nvme" and optimizer state to a second tier
 "nvme_optimizer" with the optimizer's path, so the two streams keep their own drives.
@@ -47,6 +49,10 @@ def _derived_tiers(zero: ZeroConfig, aio: AioConfig) -> tuple[dict[str, dict[str
             "block_size": aio.block_size_bytes,
             "queue_depth": aio.queue_depth,
             "thread_count": aio.thread_count,
+            # swap files, not checkpoints: overwrite in place, no fsync (see the nvme backend's
+            # [Note: nvme scratch mode]; the tier manager never reads a half-written copy)
+            "atomic": False,
+            "fsync": False,
         }
         if aio.use_gds:
             spec["use_gds"] = True

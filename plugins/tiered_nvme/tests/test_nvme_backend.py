@@ -36,6 +36,51 @@ class TestNVMeBufferedConformance(BackendConformance):
         return NVMeBackend(tmp_path, direct=False, chunk_bytes=1 << 20)
 
 
+class TestNVMeScratchConformance(BackendConformance):
+    """[Note: nvme scratch mode]: everything but the atomicity of a cancelled write."""
+
+    def make_backend(self, tmp_path):
+        return NVMeBackend(tmp_path, atomic=False, fsync=False)
+
+    @pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.02])
+    def test_cancelled_write_leaves_no_partial_object(self, tmp_path: Path, delay_s: float) -> None:
+        # Scratch mode does not promise this (documented); what it does promise after a cancelled
+        # in-place write: the backend still works, the file is rewritten whole by the next write.
+        async def scenario(b) -> None:
+            old, new = random_bytes(8 << 20, seed=7), random_bytes(8 << 20, seed=8)
+            await b.write("victim", old)
+            task = asyncio.ensure_future(b.write("victim", new))
+            await asyncio.sleep(delay_s)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await self.roundtrip(b, "victim", random_bytes(100, seed=9))
+            assert (tmp_path / "victim").stat().st_size == 100
+
+        self.run(tmp_path, scenario)
+
+
+def test_scratch_mode_overwrites_in_place_without_temp_files(tmp_path: Path, monkeypatch) -> None:
+    b = NVMeBackend(tmp_path, atomic=False, fsync=False)
+    renames: list[tuple] = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda *a: (renames.append(a), real_replace(*a))[1])
+
+    async def go() -> None:
+        await b.write("k", random_bytes(3 << 20, seed=1))
+        ino = (tmp_path / "k").stat().st_ino
+        small = random_bytes(5000, seed=2)  # shorter and unaligned: the file shrinks to the payload
+        await b.write("k", small)
+        out = torch.empty_like(small)
+        await b.read("k", out)
+        assert torch.equal(out, small)
+        assert (tmp_path / "k").stat().st_ino == ino and (tmp_path / "k").stat().st_size == 5000
+        await b.close()
+
+    _run(go())
+    assert renames == [] and _no_temp_files(tmp_path)
+    assert open_backend(b.spec()).atomic is False
+
+
 def _run(coro):
     return asyncio.run(coro)
 
