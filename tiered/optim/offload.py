@@ -87,26 +87,7 @@ class GroupPlan:
 def plan_groups(
     groups: Sequence[Any], cfg: TieredConfig, optimizer_tier: str, *, gpu_is_host: bool
 ) -> list[GroupPlan]:
-    """Where each group's step runs. See [Note: max_in_cpu]
-New parameters staged in "cpu" whose home is slower (nvme) are written home with ``flush``, which
-leaves a clean copy in "cpu", for up to ``offload_param.max_in_cpu`` elements (DeepSpeed's knob of
-the same meaning, default 1e9): the next forward then gathers them with a memory copy instead of
-an NVMe read. The copy is clean, so the tier manager may drop it for free whenever the cpu budget
-needs the room; beyond the limit the staging copy is evicted (written back and freed).
-
-[Note: pipeline_read]
-At the start of the last backward of a step the engine calls `prefetch_states`: the first
-``buffer_count`` groups' states start moving into the compute tier, so the step does not begin
-with a read. With ``offload_optimizer.pipeline_read`` every group's states are prefetched, in step
-order, while backward runs (the read link is otherwise idle then): the step then mostly finds its
-states resident, at the cost of holding them in the cpu tier transiently. Prefetches are unpinned
-and issued only while they fit in half of the cpu tier's free budget, so they never crowd out
-the pipeline's own buffers (the manager may drop them for free under pressure). With
-``offload_optimizer.pipeline_write`` the write-backs in flight no longer count against the
-``buffer_count`` window: they drain while the next groups compute and during the next forward,
-bounded only by the cpu budget (the manager's backpressure), the other half of the same trade.
-
-[Note: twin-flow ratio]."""
+    """Where each group's step runs. See [Note: twin-flow ratio] and [Note: max_in_cpu]."""
     n = len(groups)
     if optimizer_tier == "gpu":
         cpu_side: set[int] = set()
@@ -172,26 +153,8 @@ def _kernels() -> Any:
 class OffloadedAdam:
     """Adam/AdamW over `ShardGroup`s whose state lives in TierManager partitions.
 
-    See [Note: sub-group pipeline] and [Note: max_in_cpu]
-New parameters staged in "cpu" whose home is slower (nvme) are written home with ``flush``, which
-leaves a clean copy in "cpu", for up to ``offload_param.max_in_cpu`` elements (DeepSpeed's knob of
-the same meaning, default 1e9): the next forward then gathers them with a memory copy instead of
-an NVMe read. The copy is clean, so the tier manager may drop it for free whenever the cpu budget
-needs the room; beyond the limit the staging copy is evicted (written back and freed).
-
-[Note: pipeline_read]
-At the start of the last backward of a step the engine calls `prefetch_states`: the first
-``buffer_count`` groups' states start moving into the compute tier, so the step does not begin
-with a read. With ``offload_optimizer.pipeline_read`` every group's states are prefetched, in step
-order, while backward runs (the read link is otherwise idle then): the step then mostly finds its
-states resident, at the cost of holding them in the cpu tier transiently. Prefetches are unpinned
-and issued only while they fit in half of the cpu tier's free budget, so they never crowd out
-the pipeline's own buffers (the manager may drop them for free under pressure). With
-``offload_optimizer.pipeline_write`` the write-backs in flight no longer count against the
-``buffer_count`` window: they drain while the next groups compute and during the next forward,
-bounded only by the cpu budget (the manager's backpressure), the other half of the same trade.
-
-[Note: twin-flow ratio].
+    See [Note: sub-group pipeline], [Note: write-back after the step], [Note: max_in_cpu],
+    [Note: pipeline_read] and [Note: twin-flow ratio].
     """
 
     def __init__(
