@@ -36,6 +36,7 @@ case "$cmd" in
     # Build the native kernels once (cached under .cache/); tests then load the cached build.
     export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
     "$PY" -m tiered_ext.build --quiet || true  # a failed build is reported; tests cover the fallback
+    "$PY" -m ruff check --quiet . || { echo "ruff found problems (above)" >&2; exit 1; }
     # Default run: everything except tests marked slow; cuda tests skip (with a reason) off-GPU.
     exec "$PY" -m pytest -m "not slow" "$@"
     ;;

@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-
 from tiers_support import DiskBackend, MemBackend, backend
+
 from tiered.errors import CapacityError
 from tiered.tiers import CopyState, Tier, TierManager
 
@@ -46,7 +46,7 @@ _counter = iter(range(10**9))
 def test_budgets_hold_and_data_survives_under_concurrent_threads(tmp_path, sizes, homes, programs):
     # Every fetch the programs make must be possible: room for the largest partition beside the
     # cpu-homed ones (else CapacityError is the right answer, tested in test_tiers_errors).
-    assume(sum(4 * n for n, h in zip(sizes, homes) if h == "cpu") + 4 * max(sizes) <= CPU)
+    assume(sum(4 * n for n, h in zip(sizes, homes, strict=True) if h == "cpu") + 4 * max(sizes) <= CPU)
     m = _manager(tmp_path, next(_counter))
     try:
         # partitions 0..5: two private to each thread (written only by it); 6..7 shared, read-only

@@ -6,8 +6,7 @@ import copy
 
 import torch
 from torch import nn
-
-from tests.zero_support import build_zp, make_tm, zcfg, zero_grads_by_name
+from zero_support import build_zp, make_tm, zcfg, zero_grads_by_name
 
 
 class Branchy(nn.Module):

@@ -10,9 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-
-import tiered
-from tests.engine_support import (
+from engine_support import (
     CASES,
     MLP,
     assert_params_close,
@@ -21,6 +19,8 @@ from tests.engine_support import (
     make_batches,
     reference_train,
 )
+
+import tiered
 from tiered.config.schema import TieredConfig, ZeroConfig
 from tiered.errors import CapacityError, ConfigError, ShapeMutationError, TieredError, UnsupportedConfigError
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-
-from tests.engine_support import (
+from engine_support import (
     CASES,
     assert_losses_close,
     assert_params_close,

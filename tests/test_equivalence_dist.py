@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-from tests.engine_support import CASES, assert_params_close, build, ds_config, make_batches, tiered_train  # noqa: E402
+from engine_support import CASES, assert_params_close, build, ds_config, make_batches, tiered_train  # noqa: E402
 
 
 def _free_port() -> int:

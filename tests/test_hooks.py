@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from zero_support import MLP, build_zp, make_tm, zero_grads_by_name
 
-from tests.zero_support import MLP, build_zp, make_tm, zero_grads_by_name
 from tiered.errors import ShapeMutationError
 
 

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 from torch import nn
+from zero_support import MLP, build_zp, make_tm, tiny_gpt2, zcfg, zero_grads_by_name
 
-from tests.zero_support import MLP, build_zp, make_tm, tiny_gpt2, zcfg, zero_grads_by_name
 from tiered.errors import CapacityError, ConfigError
 from tiered.zero.groups import padded_numel
 from tiered.zero.params import ALIGNMENT_NUMEL

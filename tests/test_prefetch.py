@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
+from zero_support import MLP, build_zp, make_tm, zcfg, zero_grads_by_name
 
-from tests.zero_support import MLP, build_zp, make_tm, zcfg, zero_grads_by_name
 from tiered.zero.schedule import BeladyPolicy, Trace
 
 

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 import torch
-
 from tiers_support import DiskBackend, MemBackend, backend, three_tier_manager
+
 from tiered.errors import CapacityError, StorageIOError, TierTimeoutError
 from tiered.tiers import CopyState, LRUPolicy, PinnedError, Tier, TierFuture, TierManager
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 import torch
-
 from tiers_support import MemBackend, backend, three_tier_manager
+
 from tiered.errors import StorageIOError, TierTimeoutError
 from tiered.tiers import CopyState, Tier, TierManager
 

@@ -7,8 +7,8 @@ import threading
 import time
 
 import pytest
-
 from tiers_support import MemBackend
+
 from tiered.tiers import EventLoopThread, ManagerClosedError, Tier, TierManager
 
 

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 import torch
-
 from tiers_support import backend, three_tier_manager
+
 from tiered.tiers import CleanFirstLRUPolicy, CopyState
 
 

@@ -7,8 +7,7 @@ import copy
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-from tests.zero_support import MLP, dist_grad_worker, free_port, tiny_gpt2
+from zero_support import MLP, dist_grad_worker, free_port, tiny_gpt2
 
 
 def _run(tmp_path, world: int, dtype_name: str = "float32"):

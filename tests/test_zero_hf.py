@@ -6,8 +6,7 @@ import copy
 
 import pytest
 import torch
-
-from tests.zero_support import build_zp, make_tm, tiny_gpt2, tiny_llama, zcfg, zero_grads_by_name
+from zero_support import build_zp, make_tm, tiny_gpt2, tiny_llama, zcfg, zero_grads_by_name
 
 
 def _ids(seed: int) -> torch.Tensor:
