@@ -309,3 +309,15 @@ def test_aio_defaults_match_deepspeed():
     assert (a.block_size_bytes, a.queue_depth, a.thread_count, a.single_submit, a.overlap_events, a.use_gds) == (
         ds["block_size"], ds["queue_depth"], ds["intra_op_parallelism"], ds["single_submit"],
         ds["overlap_events"], ds["use_gds"])
+
+
+def test_user_nvme_backend_for_offload_tier_inherits_derived_keys(tmp_path):
+    nvme = str(tmp_path / "nvme")
+    base = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
+            "aio": {"block_size": 262144, "queue_depth": 4}}
+    cfg = load_config({**base, "tiered": {"tiers": {"nvme": {"backend": {"type": "nvme", "path": nvme}}}}})
+    spec = cfg.tiered.tiers["nvme"].backend
+    assert spec["block_size"] == 262144 and spec["queue_depth"] == 4
+    assert spec["atomic"] is False and spec["fsync"] is False  # swap files: scratch mode
+    kept = load_config({**base, "tiered": {"tiers": {"nvme": {"backend": {"type": "nvme", "atomic": True}}}}})
+    assert kept.tiered.tiers["nvme"].backend["atomic"] is True  # what the user wrote wins

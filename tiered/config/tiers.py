@@ -14,8 +14,8 @@ allows one drive for each), parameters go to tier "nvme" and optimizer state to 
 `TieredSection.param_tier` / `optimizer_tier` record which tier holds offloaded parameters /
 optimizer state ("cpu", "nvme", "nvme_optimizer"; None when that offload is off). A user may point
 them at a custom tier (e.g. a tensorstore backend) with ``"tiered": {"optimizer_tier": "remote"}``.
-A tier the user lists without a "backend" gets the derived one; a user "nvme" backend whose
-"path" contradicts the offload nvme_path is an error, not a silent choice between the two.
+A tier the user lists without a "backend" gets the derived one; a user "nvme" backend for an
+offload tier gets the derived keys it leaves out (aio knobs, scratch mode); one whose "path" contradicts the offload nvme_path is an error, not a silent choice between the two.
 Backend specs stay plain JSON dicts: the registry opens them (and the backend validates its own
 keys then); config never imports plugins.
 """
@@ -83,6 +83,8 @@ def _backend(raw: Any, path: str, derived: dict[str, Any] | None) -> dict[str, A
                 f"{path}.path = {user_path!r} contradicts the offload nvme_path {derived['path']!r}; "
                 "make them equal or drop one"
             )
+        # keys the user left out come from the offload-derived spec (aio knobs, scratch mode)
+        spec = {**derived, **spec}
     return spec
 
 
