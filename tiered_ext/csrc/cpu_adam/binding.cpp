@@ -100,7 +100,7 @@ bool adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
   h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   h.eps = static_cast<float>(eps);
   h.neg_step_size = static_cast<float>(-(lr / bc1));
-  h.inv_bc2_sqrt = static_cast<float>(1.0 / std::pow(bc2, 0.5));
+  h.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
   h.decay = static_cast<float>(1.0 - lr * weight_decay);
   h.l2 = static_cast<float>(weight_decay);
   h.adamw = adamw_mode;

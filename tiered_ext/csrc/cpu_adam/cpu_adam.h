@@ -21,7 +21,7 @@ struct Hyper {
   float one_minus_beta2;
   float eps;
   float neg_step_size;    // -lr / (1 - beta1^step)
-  float inv_bc2_sqrt;     // 1 / sqrt(1 - beta2^step)
+  float bc2_sqrt;         // sqrt(1 - beta2^step)
   float decay;            // 1 - lr * weight_decay (AdamW); unused in L2 mode
   float l2;               // weight_decay (Adam, L2 mode); unused in AdamW mode
   bool adamw;

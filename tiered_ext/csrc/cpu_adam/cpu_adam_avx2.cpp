@@ -10,6 +10,10 @@
 #include "cpu_adam.h"
 
 #pragma GCC target("avx2,fma,f16c")
+// A target pragma re-initialises GCC's per-function optimisation options, -ffp-contract among them:
+// without this the a*b+c lines of the vector body are fused into FMAs (seen: AdamW's p*decay fused
+// with the update), which breaks [Note: bitwise-identical paths] and equality with torch.
+#pragma GCC optimize("fp-contract=off")
 
 namespace tiered {
 namespace cpu_adam {

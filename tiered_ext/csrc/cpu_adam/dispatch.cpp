@@ -106,7 +106,7 @@ int self_test(Isa isa) {
           Hyper h{};
           h.grad_scale = 0.75f; h.beta1 = 0.9f; h.one_minus_beta1 = 0.1f; h.beta2 = 0.999f;
           h.one_minus_beta2 = 0.001f; h.eps = 1e-8f; h.neg_step_size = -0.0123f;
-          h.inv_bc2_sqrt = 3.1622777f; h.decay = 0.9999f; h.l2 = 0.01f; h.adamw = mode == 1;
+          h.bc2_sqrt = 0.31622777f; h.decay = 0.9999f; h.l2 = 0.01f; h.adamw = mode == 1;
           Buffers a{reinterpret_cast<float*>(p.data()), g.data(), m.data(), v.data(),
                     ot == DType::kNone ? nullptr : o.data(), gt, st, ot};
           Buffers b{reinterpret_cast<float*>(p2.data()), g.data(), m2.data(), v2.data(),

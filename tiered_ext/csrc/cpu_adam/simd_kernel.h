@@ -44,7 +44,7 @@ struct SimdStep {
     const V omb2 = Vec::set1(h.one_minus_beta2);
     const V eps = Vec::set1(h.eps);
     const V nstep = Vec::set1(h.neg_step_size);
-    const V rbc2 = Vec::set1(h.inv_bc2_sqrt);
+    const V bc2s = Vec::set1(h.bc2_sqrt);
     constexpr int64_t W = Vec::W;
 
     auto body = [&](int64_t i) __attribute__((always_inline)) {
@@ -58,8 +58,8 @@ struct SimdStep {
       V m = VIO<S>::load(mp, i);
       V v = VIO<S>::load(vp, i);
       m = Vec::fmadd(omb1, Vec::sub(g, m), m);
-      v = Vec::add(Vec::mul(b2, v), Vec::mul(Vec::mul(omb2, g), g));
-      const V d = Vec::add(Vec::mul(Vec::sqrt(v), rbc2), eps);
+      v = Vec::fmadd(Vec::mul(omb2, g), g, Vec::mul(b2, v));
+      const V d = Vec::add(Vec::div(Vec::sqrt(v), bc2s), eps);
       p = Vec::add(p, Vec::div(Vec::mul(nstep, m), d));
       Vec::store_f32(pp + i, p);
       VIO<S>::store(mp, i, m);

@@ -86,7 +86,7 @@ void gpu_adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads
   h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   h.eps = static_cast<float>(eps);
   h.neg_step_size = static_cast<float>(-(lr / bc1));
-  h.inv_bc2_sqrt = static_cast<float>(1.0 / std::pow(bc2, 0.5));
+  h.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
   h.decay = static_cast<float>(1.0 - lr * weight_decay);
   h.l2 = static_cast<float>(weight_decay);
   h.adamw = adamw_mode ? 1 : 0;

@@ -50,8 +50,8 @@ adam_kernel(const TensorDesc* __restrict__ tensors, const ChunkDesc* __restrict_
     float m = S::load(t.exp_avg, i);
     float v = S::load(t.exp_avg_sq, i);
     m = __fmaf_rn(h.one_minus_beta1, __fsub_rn(g, m), m);
-    v = __fadd_rn(__fmul_rn(h.beta2, v), __fmul_rn(__fmul_rn(h.one_minus_beta2, g), g));
-    const float d = __fadd_rn(__fmul_rn(__fsqrt_rn(v), h.inv_bc2_sqrt), h.eps);
+    v = __fmaf_rn(__fmul_rn(h.one_minus_beta2, g), g, __fmul_rn(h.beta2, v));
+    const float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), h.bc2_sqrt), h.eps);
     p = __fadd_rn(p, __fdiv_rn(__fmul_rn(h.neg_step_size, m), d));
     t.param[i] = p;
     S::store(t.exp_avg, i, m);

@@ -18,7 +18,7 @@ struct Hyper {
   float one_minus_beta2;
   float eps;
   float neg_step_size;
-  float inv_bc2_sqrt;
+  float bc2_sqrt;
   float decay;
   float l2;
   int adamw;
