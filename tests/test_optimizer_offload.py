@@ -224,3 +224,28 @@ def test_prefetch_states_reads_ahead_within_the_budget(tmp_path: Any, pipeline_r
             torch.testing.assert_close(read(tm, g.param), p, rtol=1e-6, atol=1e-7)
     finally:
         tm.close()
+
+
+@pytest.mark.parametrize(("opt_tier", "param_home", "dtype", "shared"), [
+    ("nvme", "nvme", torch.float32, True),    # [Note: fp32 master is the parameter]
+    ("cpu", "cpu", torch.float32, True),
+    ("nvme", "cpu", torch.float32, False),    # master and param live in different tiers
+    ("nvme", "nvme", torch.bfloat16, False),  # the bf16 param is not the fp32 master
+])
+def test_fp32_parameter_serves_as_master_where_it_lives_on_the_optimizer_tier(
+    tmp_path: Any, opt_tier: str, param_home: str, dtype: torch.dtype, shared: bool
+) -> None:
+    opt, tm, groups, _ = run_both(tmp_path, opt_tier=opt_tier, param_home=param_home, dtype=dtype, steps=1)
+    try:
+        opt.wait_writes()
+        assert all((st[0] is g.param) is shared for st, g in zip(opt.states, groups, strict=True))
+        assert any(p.name.endswith(".master") for p in tm.partitions()) is not shared
+        if opt_tier == "nvme" and param_home == "nvme":
+            before = tm.stats()["links"].get("cpu->nvme", {}).get("bytes", 0)
+            opt.step(1e-2)
+            opt.wait_writes()
+            written = tm.stats()["links"]["cpu->nvme"]["bytes"] - before
+            per_elem = (3 * 4 if shared else 3 * 4 + 2) * sum(g.shard_numel for g in groups)
+            assert written == per_elem  # fp32: param(=master), m, v; bf16: master, m, v + bf16 param
+    finally:
+        tm.close()

@@ -43,6 +43,14 @@ the pipeline's own buffers (the manager may drop them for free under pressure). 
 ``buffer_count`` window: they drain while the next groups compute and during the next forward,
 bounded only by the cpu budget (the manager's backpressure), the other half of the same trade.
 
+[Note: fp32 master is the parameter]
+In an fp32 run the master *is* the parameter, bit for bit. When the parameter's home is also the
+optimizer tier (both "cpu", or both "nvme") and the CPU kernel steps the group, the group's
+parameter partition serves as its master: no second copy is kept, read, written or copied into
+(on the step benchmark that removes 2 of the 7 shard-sized transfers per step: the master's read
+and write). Elsewhere (bf16/fp16, or a parameter kept on the GPU while the state is offloaded)
+the master is a partition of its own on the optimizer tier.
+
 [Note: twin-flow ratio]
 ``offload_optimizer.ratio`` splits the groups between the CPU kernel and the GPU kernel: the
 ``round(ratio * n)`` largest groups (ties by execution order) run on the CPU (their state on the
@@ -186,15 +194,20 @@ class OffloadedAdam:
         self.plans = plan_groups(self.groups, cfg, optimizer_tier, gpu_is_host=_tier_device(tm, "gpu") == "cpu")
         self._keep_in_cpu = self._params_kept_in_cpu()
         self.states: list[tuple[Any, ...]] = []
-        for g, plan in zip(self.groups, self.plans, strict=True):
+        self._param_is_master: set[int] = set()  # [Note: fp32 master is the parameter]
+        for i, (g, plan) in enumerate(zip(self.groups, self.plans, strict=True)):
             master = initial_fp32(g).to(torch.float32).reshape(-1)
             if master.numel() != g.shard_numel:
                 raise ValueError(
                     f"initial fp32 shard of group {g.name} has {master.numel()} elements, "
                     f"expected shard_numel={g.shard_numel}"
                 )
+            alias = compute_dtype == torch.float32 and plan.side == "cpu" and g.param.home == plan.state_home
+            if alias:
+                self._param_is_master.add(i)
             parts = (
-                tm.create(f"{g.name}.master", g.shard_numel, torch.float32, plan.state_home, init=master),
+                g.param if alias else tm.create(f"{g.name}.master", g.shard_numel, torch.float32, plan.state_home,
+                                                init=master),
                 tm.create(f"{g.name}.exp_avg", g.shard_numel, torch.float32, plan.state_home),
                 tm.create(f"{g.name}.exp_avg_sq", g.shard_numel, torch.float32, plan.state_home),
             )
@@ -297,10 +310,6 @@ class OffloadedAdam:
     ) -> None:
         g, plan = self.groups[i], self.plans[i]
         ext = _kernels()
-        out = self.tm.allocate(g.param, plan.stage_tier).result()
-        lowp = self.compute_dtype != torch.float32
-        if lowp and out.device != master.device:
-            raise RuntimeError(f"group {g.name}: staging buffer on {out.device}, master on {master.device}")
         kw = dict(
             step=self.step_count,
             lr=float(lr),
@@ -311,6 +320,13 @@ class OffloadedAdam:
             adamw_mode=bool(self.opt.adamw_mode),
             grad_scale=float(grad_scale),
         )
+        if i in self._param_is_master:  # [Note: fp32 master is the parameter]: updated in place
+            ext.adam_step(master, grad, exp_avg, exp_avg_sq, **kw)
+            return
+        out = self.tm.allocate(g.param, plan.stage_tier).result()
+        lowp = self.compute_dtype != torch.float32
+        if lowp and out.device != master.device:
+            raise RuntimeError(f"group {g.name}: staging buffer on {out.device}, master on {master.device}")
         if plan.side == "cpu":
             ext.adam_step(master, grad, exp_avg, exp_avg_sq, out_lowp=out if lowp else None, **kw)
         else:
@@ -321,7 +337,8 @@ class OffloadedAdam:
     def _issue_writes(self, i: int) -> list[Any]:
         g, plan = self.groups[i], self.plans[i]
         tm, futs = self.tm, []
-        for part in self.states[i]:
+        alias = i in self._param_is_master
+        for part in self.states[i][1:] if alias else self.states[i]:
             if not (plan.compute_tier == plan.state_home and part.valid_in() == {plan.state_home}):
                 # (an in-place update of the only copy, at home in memory, needs no bookkeeping)
                 tm.mark_dirty(part, plan.compute_tier)
@@ -331,12 +348,16 @@ class OffloadedAdam:
         tm.release(g.grad, plan.compute_tier)
         if plan.compute_tier != g.grad.home:
             futs.append(tm.evict(g.grad, plan.compute_tier))  # clean: free
-        tm.release(g.param, plan.stage_tier)
-        if plan.stage_tier != g.param.home:
+        # the new parameter: in the staging tier, or (alias) in the compute tier the master came to
+        new_in = plan.compute_tier if alias else plan.stage_tier
+        if alias and not (new_in == g.param.home and g.param.valid_in() == {new_in}):
+            tm.mark_dirty(g.param, new_in)
+        tm.release(g.param, new_in)
+        if new_in != g.param.home:
             if i in self._keep_in_cpu:  # see [Note: max_in_cpu]
                 futs.append(tm.flush(g.param))
             else:
-                futs.append(tm.evict(g.param, plan.stage_tier))
+                futs.append(tm.evict(g.param, new_in))
         if self.on_params_written is not None:
             self.on_params_written(g)
         return futs
