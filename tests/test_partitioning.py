@@ -148,3 +148,27 @@ def test_meta_hf_model_uses_init_weights(tmp_path):
         ids = torch.randint(0, 64, (2, 8))
         out = model(input_ids=ids, labels=ids)
         assert torch.isfinite(out.loss)
+
+
+def test_hf_blocks_are_one_group_each_unless_over_the_cap() -> None:
+    # [Note: group planning]: a model's _no_split_modules (GPT2Block) are the gather unit
+    model = tiny_gpt2()
+    assert "GPT2Block" in model._no_split_modules
+    kw = dict(sub_group_size_numel=10**9, param_persistence_threshold_numel=0,
+              model_persistence_threshold_numel=10**12)
+    groups = plan_groups(model, **kw)
+    block_groups = [g for g in groups if g.params[0][0].startswith("transformer.h.")]
+    n_blocks = len(model.transformer.h)
+    assert len(block_groups) == n_blocks
+    for i, g in enumerate(block_groups):
+        names = {q for q, _ in g.params}
+        assert names == {f"transformer.h.{i}.{n}" for n, _ in model.transformer.h[i].named_parameters()}
+    block_numel = sum(p.numel() for p in model.transformer.h[0].parameters())
+    # a cap below one block's size: planned module by module, as without blocks
+    per_module = plan_groups(model, **kw, max_block_numel=block_numel - 1)
+    assert per_module == plan_groups(model, **kw, block_types=frozenset())
+    assert len(per_module) > len(groups)
+    # every parameter is placed exactly once either way
+    for plan in (groups, per_module):
+        placed = [id(p) for g in plan for _, p in g.params]
+        assert len(placed) == len(set(placed)) == len({id(p) for p in model.parameters()})

@@ -119,11 +119,19 @@ class ZeroParameters(DispatchMixin, GradMixin):
         self._gathered_peak = 0
 
         is_meta = check_no_meta_mix(model)
+        # A block is one group only while two of them (the current and the prefetched next) fit
+        # the live budget and a quarter of the gpu tier: see [Note: group planning].
+        block_cap = min(z.sub_group_size_numel, z.max_live_parameters_numel // 2)
+        gpu_budget = tm.budget_bytes("gpu")
+        if gpu_budget is not None:
+            itemsize = torch.empty(0, dtype=compute_dtype).element_size()
+            block_cap = min(block_cap, gpu_budget // (4 * itemsize) * self.world_size)
         planned = plan_groups(
             model,
             sub_group_size_numel=z.sub_group_size_numel,
             param_persistence_threshold_numel=z.param_persistence_threshold_numel,
             model_persistence_threshold_numel=z.model_persistence_threshold_numel,
+            max_block_numel=block_cap,
         )
         self.groups: list[ShardGroup] = []
         self._st: list[_GroupState] = []

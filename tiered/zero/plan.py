@@ -13,6 +13,16 @@ per-layer fetching. Small parameters (``numel <= stage3_param_persistence_thresh
 across modules up to ``sub_group_size``: they stay resident in the "gpu" tier, so that norms and
 biases never cost a fetch. A shared (tied) parameter belongs to the group of the first module
 that owns it; later owners gather that group too.
+
+Blocks: a module whose class is named in ``block_types`` (by default the Hugging Face model's own
+``_no_split_modules``: ``LlamaDecoderLayer``, ``GPT2Block``, ... the unit accelerate's FSDP
+auto-wrap uses) puts all its parameters, its submodules' included, into one group. A decoder layer
+is then one gather and one optimizer sub-group instead of nine (measured on the 35.7M-parameter
+Llama of benchmarks/step.py: 75 groups -> 11), and each group costs a fixed number of tier-manager
+round trips per step, whatever its size. Submodules of a block still dispatch their own hooks;
+they find the block's group resident. A block larger than ``max_block_numel`` (the engine passes
+half of ``stage3_max_live_parameters`` and a quarter of the gpu tier's budget, so the current and
+the prefetched next block fit) is planned module by module instead: tight budgets keep working.
 """
 
 from __future__ import annotations
@@ -41,17 +51,31 @@ def plan_groups(
     sub_group_size_numel: int,
     param_persistence_threshold_numel: int,
     model_persistence_threshold_numel: int,
+    block_types: frozenset[str] | None = None,
+    max_block_numel: int | None = None,
 ) -> list[PlannedGroup]:
-    """Split `model`'s parameters into groups. See [Note: group planning]."""
+    """Split `model`'s parameters into groups. See [Note: group planning]; `block_types` (class
+    names) defaults to the model's ``_no_split_modules``."""
+    if block_types is None:
+        block_types = frozenset(getattr(model, "_no_split_modules", None) or ())
     if sub_group_size_numel <= 0:
         raise ValueError(f"sub_group_size must be positive, got {sub_group_size_numel}")
     seen: set[int] = set()
     groups: list[PlannedGroup] = []
     persistent: PlannedGroup | None = None
     persistent_total = 0
+    block_prefix: str | None = None  # inside a block: its submodules' params are already placed
     for mname, module in model.named_modules():
+        if block_prefix is not None and mname.startswith(block_prefix):
+            continue
+        is_block = (
+            type(module).__name__ in block_types
+            and mname != ""
+            and (max_block_numel is None or sum(p.numel() for p in module.parameters()) <= max_block_numel)
+        )
+        block_prefix = f"{mname}." if is_block else None
         current = PlannedGroup()
-        for pname, p in module.named_parameters(recurse=False):
+        for pname, p in module.named_parameters(recurse=is_block):
             if id(p) in seen or p.numel() == 0:
                 continue
             seen.add(id(p))
