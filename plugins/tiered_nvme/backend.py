@@ -289,14 +289,9 @@ class NVMeBackend(StorageBackend):
         return self.directory / check_key(key)
 
     async def write(self, key: str, tensor: torch.Tensor) -> None:
-        if not self.atomic:
-            await self._write_in_place(key, tensor)
-            return
         final = self._file(key)
         src = tensor_bytes(tensor, what=f"nvme write of key {key!r}").detach()
         staged = None
-        tmp = temp_path(self.directory, key)
-        fd = -1
         try:
             self._pool()
             if src.device.type != "cpu":
@@ -304,6 +299,19 @@ class NVMeBackend(StorageBackend):
                 host = staged[: src.numel()]
                 await self._device.wait(self._device.copy_async(host, src), what=f"write of key {key!r}")
                 src = host
+            if self.atomic:
+                await self._write_atomic(key, final, src)
+            else:
+                await self._write_in_place(key, final, src)
+        finally:
+            if staged is not None:
+                self._staging.release(staged)
+
+    async def _write_atomic(self, key: str, final: Path, src: torch.Tensor) -> None:
+        """[Note: atomic file writes]: a temp file, fsync'ed, renamed over the key's file."""
+        tmp = temp_path(self.directory, key)
+        fd = -1
+        try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (_O_DIRECT if self.direct else 0)
             fd = os.open(tmp, flags, 0o644)
             n = src.numel()
@@ -322,25 +330,13 @@ class NVMeBackend(StorageBackend):
                     f"{exc.strerror or exc}; the previous copy, if any, is intact"
                 ) from exc
             raise
-        finally:
-            if staged is not None:
-                self._staging.release(staged)
         if self.fsync:  # make the rename durable; off the loop, it is a disk flush
             await self._run([(fsync_directory, self.directory)])
 
-    async def _write_in_place(self, key: str, tensor: torch.Tensor) -> None:
+    async def _write_in_place(self, key: str, final: Path, src: torch.Tensor) -> None:
         """[Note: nvme scratch mode]: overwrite the key's file in place, all syscalls on the pool."""
-        final = self._file(key)
-        src = tensor_bytes(tensor, what=f"nvme write of key {key!r}").detach()
-        staged = None
         fds: list[int] = []
         try:
-            self._pool()
-            if src.device.type != "cpu":
-                staged = self._staging.acquire(src.numel(), what=f"staging of key {key!r}")
-                host = staged[: src.numel()]
-                await self._device.wait(self._device.copy_async(host, src), what=f"write of key {key!r}")
-                src = host
             flags = os.O_WRONLY | os.O_CREAT | (_O_DIRECT if self.direct else 0)
             await self._run([(lambda: fds.append(os.open(final, flags, 0o644)),)])
             n = src.numel()
@@ -356,8 +352,6 @@ class NVMeBackend(StorageBackend):
         finally:
             for fd in fds:
                 os.close(fd)
-            if staged is not None:
-                self._staging.release(staged)
 
     def _finish_in_place(self, fd: int, nbytes: int) -> None:
         if os.fstat(fd).st_size != nbytes:
