@@ -41,9 +41,10 @@ CPU_SOURCES = [
         "cpu_adam_avx512.cpp",
     )
 ]
-CPU_HEADERS = [CSRC / "cpu_adam" / name for name in ("cpu_adam.h", "scalar_ops.h", "simd_kernel.h")]
+COMMON_HEADERS = [CSRC / "common" / "adam_hyper.h"]
+CPU_HEADERS = [CSRC / "cpu_adam" / name for name in ("cpu_adam.h", "scalar_ops.h", "simd_kernel.h")] + COMMON_HEADERS
 GPU_SOURCES = [CSRC / "gpu_adam" / "binding.cpp", CSRC / "gpu_adam" / "gpu_adam.cu"]
-GPU_HEADERS = [CSRC / "gpu_adam" / "gpu_adam.h"]
+GPU_HEADERS = [CSRC / "gpu_adam" / "gpu_adam.h", *COMMON_HEADERS]
 
 # No -march=native: the ISA is chosen at run time (target pragmas per translation unit), so the
 # cached build also runs on an older CPU sharing the cache. -ffp-contract=off: see

@@ -89,21 +89,7 @@ bool adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
                     "tiered_ext.adam_step: weight_decay must be >= 0");
   TORCH_CHECK_VALUE(std::isfinite(grad_scale), "tiered_ext.adam_step: grad_scale must be finite");
 
-  // Scalars as torch.optim.AdamW computes them (Python floats, i.e. double), rounded once.
-  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  ca::Hyper h{};
-  h.grad_scale = static_cast<float>(grad_scale);
-  h.beta1 = static_cast<float>(beta1);
-  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  h.beta2 = static_cast<float>(beta2);
-  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  h.eps = static_cast<float>(eps);
-  h.neg_step_size = static_cast<float>(-(lr / bc1));
-  h.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
-  h.decay = static_cast<float>(1.0 - lr * weight_decay);
-  h.l2 = static_cast<float>(weight_decay);
-  h.adamw = adamw_mode;
+  const ca::Hyper h = tiered::make_adam_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale);
 
   ca::Buffers b{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
                 out, gt, st, ot};

@@ -5,27 +5,16 @@
 
 #include <cstdint>
 
+#include "../common/adam_hyper.h"
+
 namespace tiered {
 namespace cpu_adam {
 
 // Element type of a buffer. kNone marks an absent optional buffer (out_lowp).
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
 
-// Scalars of one step, precomputed once per call (in double, then rounded to float) so the inner
-// loop is only multiplies, adds, one sqrt and one divide per element.
-struct Hyper {
-  float grad_scale;       // gradient multiplier (unscale x clip coefficient)
-  float beta1;
-  float one_minus_beta1;
-  float beta2;
-  float one_minus_beta2;
-  float eps;
-  float neg_step_size;    // -lr / (1 - beta1^step)
-  float bc2_sqrt;         // sqrt(1 - beta2^step)
-  float decay;            // 1 - lr * weight_decay (AdamW); unused in L2 mode
-  float l2;               // weight_decay (Adam, L2 mode); unused in AdamW mode
-  bool adamw;
-};
+// Scalars of one step: shared with the CUDA kernel.
+using Hyper = ::tiered::AdamHyper;
 
 struct Buffers {
   float* param;           // fp32 master weights, updated in place

@@ -76,20 +76,7 @@ void gpu_adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads
   }
   if (chunks.empty()) return;
 
-  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  ga::Hyper h{};
-  h.grad_scale = static_cast<float>(grad_scale);
-  h.beta1 = static_cast<float>(beta1);
-  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  h.beta2 = static_cast<float>(beta2);
-  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  h.eps = static_cast<float>(eps);
-  h.neg_step_size = static_cast<float>(-(lr / bc1));
-  h.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
-  h.decay = static_cast<float>(1.0 - lr * weight_decay);
-  h.l2 = static_cast<float>(weight_decay);
-  h.adamw = adamw_mode ? 1 : 0;
+  const ga::Hyper h = tiered::make_adam_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale);
 
   // Tensor and chunk tables travel in one small H2D copy, stream-ordered before the launch. The
   // pinned host block stays valid until the copy ran (torch's host allocator records an event on

@@ -4,25 +4,15 @@
 
 #include <cstdint>
 
+#include "../common/adam_hyper.h"
+
 namespace tiered {
 namespace gpu_adam {
 
 enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
 
-// Same fields and meaning as tiered::cpu_adam::Hyper (csrc/cpu_adam/cpu_adam.h).
-struct Hyper {
-  float grad_scale;
-  float beta1;
-  float one_minus_beta1;
-  float beta2;
-  float one_minus_beta2;
-  float eps;
-  float neg_step_size;
-  float bc2_sqrt;
-  float decay;
-  float l2;
-  int adamw;
-};
+// Scalars of one step: shared with the CPU kernel.
+using Hyper = ::tiered::AdamHyper;
 
 struct TensorDesc {
   float* param;
