@@ -107,7 +107,8 @@ def _device(section: dict[str, Any], prefix: str) -> str:
     return "none" if value is None else as_choice(value, f"{prefix}.device", _DEVICES)
 
 
-def parse_offload_param(raw: Any, prefix: str, pin_default: bool) -> ParamOffloadConfig:
+def _offload_common(raw: Any, prefix: str) -> tuple[dict[str, Any], str, str | None]:
+    """The checked section, its device and its nvme_path (required, and checked, for nvme)."""
     section = as_section(raw if raw is not None else {}, prefix)
     check_section(section, prefix)
     device = _device(section, prefix)
@@ -118,6 +119,11 @@ def parse_offload_param(raw: Any, prefix: str, pin_default: bool) -> ParamOffloa
         nvme_path = check_nvme_path(nvme_path, f"{prefix}.nvme_path")
     elif nvme_path is not None:
         nvme_path = as_str(nvme_path, f"{prefix}.nvme_path")
+    return section, device, nvme_path
+
+
+def parse_offload_param(raw: Any, prefix: str, pin_default: bool) -> ParamOffloadConfig:
+    section, device, nvme_path = _offload_common(raw, prefix)
     return ParamOffloadConfig(
         device=device,
         nvme_path=nvme_path,
@@ -129,16 +135,7 @@ def parse_offload_param(raw: Any, prefix: str, pin_default: bool) -> ParamOffloa
 
 
 def parse_offload_optimizer(raw: Any, prefix: str, pin_default: bool) -> OptimizerOffloadConfig:
-    section = as_section(raw if raw is not None else {}, prefix)
-    check_section(section, prefix)
-    device = _device(section, prefix)
-    nvme_path = section.get("nvme_path")
-    if device == "nvme":
-        if nvme_path is None:
-            raise ConfigError(f"{prefix}.device is \"nvme\" but {prefix}.nvme_path is not set; give a directory on an NVMe drive")
-        nvme_path = check_nvme_path(nvme_path, f"{prefix}.nvme_path")
-    elif nvme_path is not None:
-        nvme_path = as_str(nvme_path, f"{prefix}.nvme_path")
+    section, device, nvme_path = _offload_common(raw, prefix)
     ratio = 1.0
     if section.get("ratio") is not None and not is_auto(section["ratio"]):
         ratio = as_float(section["ratio"], f"{prefix}.ratio", minimum=0.0, maximum=1.0, min_exclusive=True)
