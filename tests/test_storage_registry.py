@@ -238,3 +238,19 @@ def test_third_party_entry_point_is_found_and_loaded_lazily(monkeypatch) -> None
     finally:
         registry._classes.pop("ep-dict", None)
         registry._entry_points = None
+
+
+def test_capabilities_default_to_the_class_attribute_or_say_what_to_set() -> None:
+    from tiered.storage.base import Capacity, StorageBackend
+
+    class Minimal(StorageBackend):
+        async def write(self, key, tensor): ...
+        async def read(self, key, out): ...
+        async def delete(self, key): ...
+        async def exists(self, key): return False
+        def capacity(self): return Capacity(None, None)
+
+    with pytest.raises(NotImplementedError, match="static_capabilities"):
+        Minimal().capabilities  # noqa: B018
+    Minimal.static_capabilities = Capabilities(persistent=True, memory_like=False)
+    assert Minimal().capabilities.persistent is True

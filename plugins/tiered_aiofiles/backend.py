@@ -59,11 +59,6 @@ class AiofilesBackend(StorageBackend):
         self.chunk_bytes = chunk_bytes
         self.fsync = bool(fsync)
 
-    @property
-    def capabilities(self) -> Capabilities:
-        assert self.static_capabilities is not None
-        return self.static_capabilities
-
     def _file(self, key: str) -> Path:
         return self.directory / check_key(key)
 

@@ -42,11 +42,6 @@ class PinnedCPUBackend(ResidentMemoryBackend):
             name="cpu backend",
         )
 
-    @property
-    def capabilities(self) -> Capabilities:
-        assert self.static_capabilities is not None
-        return self.static_capabilities
-
     def _acquire(self, key: str, nbytes: int) -> torch.Tensor:
         return self.pool.acquire(nbytes, what=f"key {key!r}")
 

@@ -280,11 +280,6 @@ class NVMeBackend(StorageBackend):
             raise
 
     # ---- contract ----------------------------------------------------------------------------
-    @property
-    def capabilities(self) -> Capabilities:
-        assert self.static_capabilities is not None
-        return self.static_capabilities
-
     def _file(self, key: str) -> Path:
         return self.directory / check_key(key)
 

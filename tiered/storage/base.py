@@ -99,8 +99,15 @@ class StorageBackend(abc.ABC):
     """Capabilities known without constructing the backend (shown by ``tiered backends``)."""
 
     @property
-    @abc.abstractmethod
-    def capabilities(self) -> Capabilities: ...
+    def capabilities(self) -> Capabilities:
+        """This instance's capabilities: ``static_capabilities`` unless a backend whose answer
+        depends on its arguments (a device, a kvstore driver) overrides this property."""
+        if self.static_capabilities is None:
+            raise NotImplementedError(
+                f"backend {type(self).__name__}: set the class attribute static_capabilities "
+                "or override the capabilities property"
+            )
+        return self.static_capabilities
 
     @abc.abstractmethod
     async def write(self, key: str, tensor: torch.Tensor) -> None:
