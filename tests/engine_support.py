@@ -60,6 +60,16 @@ def tiny_llama() -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def tiny_llama_partly_frozen() -> nn.Module:
+    """Frozen embeddings, and a frozen MLP inside the first decoder layer: that block's group is
+    split into a trainable and a frozen part."""
+    model = tiny_llama()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    for p in model.model.layers[0].mlp.parameters():
+        p.requires_grad_(False)
+    return model
+
+
 def tiny_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -98,6 +108,7 @@ CASES = {
     "branch": Case("branch", BranchNet, _branch_batch, lambda out: out),
     "llama": Case("llama", tiny_llama, _lm_batch, lambda out: out.loss),
     "gpt2": Case("gpt2", tiny_gpt2, _lm_batch, lambda out: out.loss),
+    "llama_frozen": Case("llama_frozen", tiny_llama_partly_frozen, _lm_batch, lambda out: out.loss),
 }
 
 
@@ -209,16 +220,17 @@ def reference_train(
     `lr` may be a per-step list (a scheduler's values). With dtype bf16 the model computes in
     bf16 while the optimizer keeps fp32 masters (the classic mixed-precision reference).
     A parameter that got no gradient in a step (an untaken branch) is stepped with a zero
-    gradient, as DeepSpeed (and tiered) do; torch would skip it."""
+    gradient, as DeepSpeed (and tiered) do; torch would skip it. A frozen parameter
+    (requires_grad=False) is never stepped, as in torch."""
     model = model.train()
     lrs = [lr] * (len(batches) // gas) if isinstance(lr, float) else list(lr)
     opt_cls = torch.optim.AdamW if adamw else torch.optim.Adam
     if dtype == torch.float32:
-        masters = list(model.parameters())
+        masters = list(model.parameters())  # frozen ones never get a grad: AdamW skips them
         opt = opt_cls(masters, lr=lrs[0], betas=(0.9, 0.999), eps=eps, weight_decay=weight_decay)
     else:
         params = list(model.parameters())
-        masters = [p.detach().clone().float().requires_grad_(True) for p in params]
+        masters = [p.detach().clone().float().requires_grad_(p.requires_grad) for p in params]
         model.to(dtype)
         opt = opt_cls(masters, lr=lrs[0], betas=(0.9, 0.999), eps=eps, weight_decay=weight_decay)
     losses = []
@@ -233,7 +245,7 @@ def reference_train(
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         for m in masters:
-            if m.grad is None:
+            if m.grad is None and m.requires_grad:
                 m.grad = torch.zeros_like(m)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(masters, clip)

@@ -45,6 +45,21 @@ def test_llama_placements(tmp_path: Any, param: str, opt: str) -> None:
     run_pair("llama", ds_config(param=param, opt=opt, nvme_path=str(tmp_path / "nvme")))
 
 
+@pytest.mark.parametrize(("param", "opt"), [("none", "none"), ("nvme", "nvme")])
+def test_frozen_parameters_never_change(tmp_path: Any, param: str, opt: str) -> None:
+    # weight decay would move a frozen weight if the optimizer stepped it with a zero gradient
+    frozen = {n: p.detach().clone() for n, p in build(CASES["llama_frozen"]).named_parameters() if not p.requires_grad}
+    assert "model.embed_tokens.weight" in frozen and "model.layers.0.mlp.up_proj.weight" in frozen
+    stats, _ = run_pair("llama_frozen", ds_config(param=param, opt=opt, nvme_path=str(tmp_path / "nvme")))
+    groups_total = stats["zero"]["groups"]
+    assert stats["optimizer"]["groups_cpu"] + stats["optimizer"]["groups_gpu"] < groups_total  # frozen: no state
+    _, got, _ = tiered_train(build(CASES["llama_frozen"]), CASES["llama_frozen"],
+                             make_batches(CASES["llama_frozen"], 2, 4), ds_config(param=param, opt=opt,
+                                                                                  nvme_path=str(tmp_path / "n2")))
+    for n, t in frozen.items():
+        assert torch.equal(got[n], t), f"frozen parameter {n} changed"
+
+
 def test_gpt2_tied_embeddings(tmp_path: Any) -> None:
     model = build(CASES["gpt2"])
     assert model.lm_head.weight is model.transformer.wte.weight  # really tied

@@ -70,6 +70,8 @@ def zero_grads_by_name(zp: ZeroParameters) -> dict[str, torch.Tensor]:
     """The accumulated fp32 grads of a world-size-1 ZeroParameters, unflattened by parameter name."""
     out = {}
     for g in zp.groups:
+        if not g.trainable:  # frozen: no gradient partition at all
+            continue
         shard = zp.read_grad_shard(g)
         for e in g.entries:
             out[e.name] = shard[e.offset : e.offset + e.numel].view(e.shape)

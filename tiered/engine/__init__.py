@@ -77,13 +77,14 @@ def initialize(
             process_group=process_group,
         )
         gpu_is_host = str(tm.tier("gpu").backend.capabilities.device) == "cpu"
-        plans = plan_groups(zp.groups, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
-        pipe = pipeline_bytes(zp.groups, plans, cfg.zero.offload_optimizer.buffer_count, placement.compute_dtype)
+        trainable = [g for g in zp.groups if g.trainable]  # frozen groups are never stepped
+        plans = plan_groups(trainable, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
+        pipe = pipeline_bytes(trainable, plans, cfg.zero.offload_optimizer.buffer_count, placement.compute_dtype)
         needs = capacity_needs(tm, zp.groups, plans, placement, world_size=world_size, pipeline=pipe)
         check_capacity(tm, needs)
         optimizer = OffloadedAdam(
             tm,
-            zp.groups,
+            trainable,
             cfg,
             zp.initial_fp32_shard,
             optimizer_tier=placement.optimizer_tier,

@@ -134,16 +134,19 @@ def capacity_needs(
     pipeline: dict[str, int],
 ) -> dict[str, dict[str, Any]]:
     """Per tier: {"homes": bytes, "gather": bytes, "pipeline": bytes, "group": label, "total"}.
-    See [Note: capacity check before training]."""
+    `groups` are all of them, `plans` one per trainable group. See [Note: capacity check before
+    training]."""
     psize = torch.tensor([], dtype=placement.compute_dtype).element_size()
     need: dict[str, dict[str, Any]] = {}
 
     def at(tier: str) -> dict[str, Any]:
         return need.setdefault(tier, {"homes": 0, "gather": 0, "persistent": 0, "pipeline": 0, "group": ""})
 
-    for g, p in zip(groups, plans, strict=True):
+    for g in groups:
         at(g.param.home)["homes"] += g.param.nbytes
-        at(g.grad.home)["homes"] += g.grad.nbytes
+        if g.grad is not None:
+            at(g.grad.home)["homes"] += g.grad.nbytes
+    for g, p in zip([g for g in groups if g.grad is not None], plans, strict=True):  # frozen: no state
         at(p.state_home)["homes"] += 3 * 4 * g.shard_numel
     gpu = at("gpu")
     gathered = [g for g in groups if not getattr(g, "persistent", False)]

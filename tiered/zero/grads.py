@@ -106,6 +106,8 @@ class GradMixin:
     def grad_summary(self: ZeroParameters) -> GradSummary:
         sq = 0.0
         for g in self.groups:
+            if g.grad is None:
+                continue
             t = self._home_view(g.grad)
             sq += float(torch.dot(t, t).item()) if t.numel() else 0.0
         return GradSummary(found_inf=not math.isfinite(sq), sq_norm_local=sq)
@@ -113,8 +115,9 @@ class GradMixin:
     def zero_grads(self: ZeroParameters) -> None:
         """Set every group's accumulated gradient to zero on its tier."""
         for g in self.groups:
-            self._home_view(g.grad).zero_()
-            self._home_written(g.grad)
+            if g.grad is not None:
+                self._home_view(g.grad).zero_()
+                self._home_written(g.grad)
         for st in self._st:
             st.grads_seen.clear()
             for p in st.params:
@@ -122,4 +125,6 @@ class GradMixin:
 
     def read_grad_shard(self: ZeroParameters, group: ShardGroup) -> torch.Tensor:
         """A CPU copy of this rank's accumulated fp32 gradient shard (tests, checkpoints)."""
+        if group.grad is None:
+            raise ValueError(f"group {group.name} is frozen (requires_grad=False): it has no gradient")
         return self._home_view(group.grad).detach().to("cpu", copy=True)

@@ -62,10 +62,16 @@ class ShardGroup:
     """rank * shard_numel."""
     param: Partition
     """This rank's shard of the compute-dtype parameters; home = the parameter tier."""
-    grad: Partition
-    """This rank's shard of the fp32 gradient; home = the gradient tier."""
+    grad: Partition | None
+    """This rank's shard of the fp32 gradient; home = the gradient tier. None for a frozen
+    group (see [Note: frozen parameters] in tiered/zero/plan.py)."""
     persistent: bool = False
     """Small parameters kept resident in "gpu" for the whole run (stage3 persistence)."""
+
+    @property
+    def trainable(self) -> bool:
+        """The optimizer steps this group (its parameters require grad)."""
+        return self.grad is not None
 
     @property
     def numel(self) -> int:

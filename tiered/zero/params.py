@@ -167,8 +167,8 @@ class ZeroParameters(DispatchMixin, GradMixin):
             flat = flat_fp32(pg.params, full)
             shard32 = flat[rank * shard : (rank + 1) * shard]
             ppart = tm.create(f"{name}.param", shard, compute_dtype, param_tier, init=shard32.to(compute_dtype))
-            gpart = tm.create(f"{name}.grad", shard, torch.float32, grad_tier)
-            if compute_dtype != torch.float32 or is_meta:
+            gpart = tm.create(f"{name}.grad", shard, torch.float32, grad_tier) if pg.trainable else None
+            if pg.trainable and (compute_dtype != torch.float32 or is_meta):
                 self._init_fp32[i] = shard32.clone()
             del flat, shard32
             g = ShardGroup(i, name, tuple(entries), full, shard, rank * shard, ppart, gpart, pg.persistent)

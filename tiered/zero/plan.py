@@ -23,6 +23,13 @@ round trips per step, whatever its size. Submodules of a block still dispatch th
 they find the block's group resident. A block larger than ``max_block_numel`` (the engine passes
 half of ``stage3_max_live_parameters`` and a quarter of the gpu tier's budget, so the current and
 the prefetched next block fit) is planned module by module instead: tight budgets keep working.
+
+[Note: frozen parameters]
+A parameter with ``requires_grad=False`` at initialize is frozen: plain PyTorch never changes it
+(it gets no gradient, so AdamW skips it: no weight decay, no state). Groups are therefore split
+into a trainable and a frozen part; a frozen group has no gradient partition and no optimizer
+state (for a frozen base model that is 16 bytes per parameter of host RAM or NVMe not spent)
+and the optimizer never touches it. ``requires_grad`` is read once, at initialize.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ class PlannedGroup:
 
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     persistent: bool = False
+    trainable: bool = True
+    """Every parameter requires grad (or, if False, none does): see [Note: frozen parameters]."""
 
     @property
     def numel(self) -> int:
@@ -94,7 +103,19 @@ def plan_groups(
             current.params.append((qual, p))
         if current.params:
             groups.append(current)
-    return groups
+    return _split_by_trainability(groups)
+
+
+def _split_by_trainability(groups: list[PlannedGroup]) -> list[PlannedGroup]:
+    """Each group becomes its trainable part followed by its frozen part (when both exist), so
+    a group is stepped whole or not at all. See [Note: frozen parameters]."""
+    out = []
+    for g in groups:
+        for trainable in (True, False):
+            part = [(q, p) for q, p in g.params if p.requires_grad == trainable]
+            if part:
+                out.append(PlannedGroup(part, g.persistent, trainable))
+    return out
 
 
 def module_param_ids(module: nn.Module) -> list[int]:
