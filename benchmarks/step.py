@@ -99,10 +99,12 @@ def _link_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, dict[str, flo
 
 
 def run_tiered(data: list[dict[str, torch.Tensor]], warmup: int, nvme_dir: str,
-               pipeline_read: bool = False) -> dict[str, Any]:
+               pipeline_read: bool = False, overlap: bool = False) -> dict[str, Any]:
     import tiered
 
     cfg = ds_json(nvme_dir, pipeline_read)
+    if overlap:  # tiered's own key, next to the DeepSpeed ones (DeepSpeed does not get it)
+        cfg["tiered"] = {"overlap_step_with_backward": True}
     model = build_model()
     times, losses, per_step = [], [], []
     with tiered.initialize(model, cfg) as engine:
@@ -199,6 +201,9 @@ def main() -> int:
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--pipeline-read", action="store_true",
                     help="set offload_optimizer.pipeline_read/pipeline_write in the JSON (both runners)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also run tiered with tiered.overlap_step_with_backward (the optimizer step of each "
+                         "layer starts during backward)")
     ap.add_argument("--deepspeed-timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -210,6 +215,10 @@ def main() -> int:
     tdir = base / "tiered"
     tdir.mkdir(parents=True, exist_ok=True)
     res["tiered"] = run_tiered(data, args.warmup, str(tdir), args.pipeline_read)
+    if args.overlap:
+        odir = base / "tiered_overlap"
+        odir.mkdir(parents=True, exist_ok=True)
+        res["tiered_overlap"] = run_tiered(data, args.warmup, str(odir), args.pipeline_read, overlap=True)
     if not args.no_deepspeed:
         ddir = base / "deepspeed"
         ddir.mkdir(parents=True, exist_ok=True)
@@ -219,15 +228,20 @@ def main() -> int:
     if args.nvme_dir is None:
         shutil.rmtree(base, ignore_errors=True)
 
-    plain, t = res["plain"], res["tiered"]
+    plain = res["plain"]
     compute = plain["step_s"]
-    busiest = max(t["links_per_step"].items(), key=lambda kv: kv[1]["seconds"], default=("-", {"seconds": 0.0}))
-    t["overlap_efficiency"] = t["step_s"] / max(compute, busiest[1]["seconds"])
-    t["busiest_link"] = busiest[0]
-    t["max_rel_loss_diff"] = max_rel_loss_diff(t["losses"], plain["losses"])
+    variants = [("tiered", "tiered ZeRO-3, params+optimizer on NVMe")]
+    if "tiered_overlap" in res:
+        variants.append(("tiered_overlap", "tiered, same + tiered.overlap_step_with_backward"))
     rows = [("plain PyTorch (AdamW, all in memory)", plain["step_s"], 1.0, "-", "-")]
-    rows.append(("tiered ZeRO-3, params+optimizer on NVMe", t["step_s"], t["step_s"] / compute,
-                 f"{t['max_rel_loss_diff']:.1e}", f"{t['overlap_efficiency']:.2f}"))
+    for key, label in variants:
+        t = res[key]
+        busiest = max(t["links_per_step"].items(), key=lambda kv: kv[1]["seconds"], default=("-", {"seconds": 0.0}))
+        t["overlap_efficiency"] = t["step_s"] / max(compute, busiest[1]["seconds"])
+        t["busiest_link"] = busiest[0]
+        t["max_rel_loss_diff"] = max_rel_loss_diff(t["losses"], plain["losses"])
+        rows.append((label, t["step_s"], t["step_s"] / compute, f"{t['max_rel_loss_diff']:.1e}",
+                     f"{t['overlap_efficiency']:.2f}"))
     ds = res["deepspeed"]
     if "absent" in ds:
         rows.append((f"DeepSpeed ZeRO-3 NVMe: absent ({ds['absent'][:80]})", float("nan"), float("nan"), "-", "-"))
@@ -240,18 +254,20 @@ def main() -> int:
           f"pipeline_read={args.pipeline_read}\n")
     print("| runner | s/step | x plain | max rel loss diff | overlap eff. |")
     print("|---|---|---|---|---|")
-    for name, s, r, d, e in rows:
-        print(f"| {name} | {s:.3f} | {r:.2f} | {d} | {e} |")
-    print("\ntiered per step:")
-    print("| link | MB/step | busy s/step |")
-    print("|---|---|---|")
-    for link, v in sorted(t["links_per_step"].items()):
-        print(f"| {link} | {v['bytes'] / 1e6:.1f} | {v['seconds']:.3f} |")
-    o, ph = t["optimizer_per_step"], t["phases_per_step"]
-    print(f"\ncompute (plain step) {compute:.3f} s; tiered forward {ph['forward_s']:.3f} s, backward "
-          f"{ph['backward_s']:.3f} s, step {ph['step_s']:.3f} s (optimizer read wait {o['read_wait_s']:.3f}, "
-          f"adam {o['compute_s']:.3f}, write wait {o['write_wait_s']:.3f}); tier stall {t['stall_s_per_step']:.3f} s; "
-          f"busiest link {t['busiest_link']}")
+    for name, sec, r, d, e in rows:
+        print(f"| {name} | {sec:.3f} | {r:.2f} | {d} | {e} |")
+    for key, label in variants:
+        t = res[key]
+        print(f"\n{label}, per step:")
+        print("| link | MB/step | busy s/step |")
+        print("|---|---|---|")
+        for link, v in sorted(t["links_per_step"].items()):
+            print(f"| {link} | {v['bytes'] / 1e6:.1f} | {v['seconds']:.3f} |")
+        o, ph = t["optimizer_per_step"], t["phases_per_step"]
+        print(f"\ncompute (plain step) {compute:.3f} s; forward {ph['forward_s']:.3f} s, backward "
+              f"{ph['backward_s']:.3f} s, step {ph['step_s']:.3f} s (optimizer read wait {o['read_wait_s']:.3f}, "
+              f"adam {o['compute_s']:.3f}, write wait {o['write_wait_s']:.3f}); tier stall "
+              f"{t['stall_s_per_step']:.3f} s; busiest link {t['busiest_link']}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     return 0

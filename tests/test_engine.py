@@ -21,8 +21,7 @@ from engine_support import (
 )
 
 import tiered
-from tiered.config.schema import TieredConfig, ZeroConfig
-from tiered.errors import CapacityError, ConfigError, ShapeMutationError, TieredError, UnsupportedConfigError
+from tiered.errors import CapacityError, ConfigError, ShapeMutationError, TieredError
 
 
 def mlp_batch(n: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -171,8 +170,6 @@ def test_incompatible_options() -> None:
     both["fp16"] = {"enabled": True}
     with pytest.raises(ConfigError, match="fp16|bf16"):
         tiered.initialize(MLP(), both)
-    with pytest.raises(UnsupportedConfigError, match="overlap_step_with_backward"):
-        tiered.initialize(MLP(), TieredConfig(zero=ZeroConfig(overlap_step_with_backward=True)))
 
 
 def test_model_that_mutates_a_parameter_shape() -> None:

@@ -18,20 +18,10 @@ from tiered.engine.build import (
     choose_placement,
 )
 from tiered.engine.engine import Engine
-from tiered.errors import UnsupportedConfigError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "Placement", "initialize"]
-
-
-def _check_engine_options(cfg: TieredConfig) -> None:
-    """Options the config loader accepts but that cannot be combined in this engine."""
-    if cfg.zero.overlap_step_with_backward:
-        raise UnsupportedConfigError(
-            "zero_optimization.overlap_step_with_backward is not implemented by this engine yet; "
-            "set it to false (the step then starts after backward, with optimizer states prefetched)"
-        )
 
 
 def initialize(
@@ -57,7 +47,6 @@ def initialize(
     world_size = dist.get_world_size(process_group) if distributed else 1
     rank = dist.get_rank(process_group) if distributed else 0
     cfg = config if isinstance(config, TieredConfig) else load_config(config, model=model, world_size=world_size)
-    _check_engine_options(cfg)
     placement = choose_placement(cfg)
     scheduler = None
     if cfg.scheduler is not None:

@@ -51,6 +51,18 @@ parameter partition serves as its master: no second copy is kept, read, written 
 and write). Elsewhere (bf16/fp16, or a parameter kept on the GPU while the state is offloaded)
 the master is a partition of its own on the optimizer tier.
 
+[Note: step overlapped with backward]
+With ``tiered.overlap_step_with_backward`` (off by default) and nothing that needs the whole
+gradient before any update (no gradient_clipping, no fp16 overflow check), the engine calls
+`begin_overlapped_step` before the accumulation boundary's backward, and each group's update is
+queued (`group_ready`) the moment its gradients are flushed: the pipeline above then runs on a
+stepper thread in gradient-completion order (the reverse of forward), reading a group's states
+while backward still computes earlier layers. `finish_overlapped_step` (in ``engine.step()``)
+queues the groups that got no gradient (stepped with zeros, as the plain step does) and waits.
+The arithmetic is the same per group, so results are bitwise those of the plain step. A group's
+parameters must not be used again by that backward once its gradients are complete; the
+scheduler raises if they are (see ZeroParameters.seal_for_step).
+
 [Note: twin-flow ratio]
 ``offload_optimizer.ratio`` splits the groups between the CPU kernel and the GPU kernel: the
 ``round(ratio * n)`` largest groups (ties by execution order) run on the CPU (their state on the
@@ -61,6 +73,7 @@ optimizer tier), the rest keep their state in "gpu" and run ``tiered_ext.gpu_ada
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -152,6 +165,48 @@ def _tier_device(tm: Any, name: str) -> str:
         return "cuda"
 
 
+class _Arrivals:
+    """Group indices in the order they became ready to step; each index once. `get(k)` blocks
+    until the k-th arrived (or returns None once closed with fewer)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._items: list[int] = []
+        self._seen: set[int] = set()
+        self._closed = False
+        self._cv = threading.Condition()
+        self._timeout_s = timeout_s
+
+    def put(self, i: int) -> None:
+        with self._cv:
+            if i in self._seen or self._closed:
+                return
+            self._seen.add(i)
+            self._items.append(i)
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def available(self) -> int:
+        with self._cv:
+            return len(self._items)
+
+    def at(self, k: int) -> int:
+        with self._cv:
+            return self._items[k]
+
+    def get(self, k: int) -> int | None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: len(self._items) > k or self._closed, timeout=self._timeout_s):
+                raise TimeoutError(
+                    f"overlapped optimizer step: no group became ready within {self._timeout_s:.0f} s "
+                    "(tiered.timeout_s); did backward stop without engine.step()?"
+                )
+            return self._items[k] if len(self._items) > k else None
+
+
 def _kernels() -> Any:
     import tiered_ext
 
@@ -190,6 +245,10 @@ class OffloadedAdam:
         # One FIFO thread finishes groups (mark dirty, unpin, evict): each of those is a round
         # trip to the manager's loop, which would otherwise stall the kernel of the next group.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-opt-write")
+        # The overlapped step's pipeline runs here while backward runs in the caller's thread.
+        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-opt-step")
+        self._overlap: tuple[_Arrivals, Future[dict[str, float]]] | None = None
+        self._index = {g.name: i for i, g in enumerate(groups)}
         self._timeout_s = float(getattr(cfg.tiered, "timeout_s", 600.0))
         self.plans = plan_groups(self.groups, cfg, optimizer_tier, gpu_is_host=_tier_device(tm, "gpu") == "cpu")
         self._keep_in_cpu = self._params_kept_in_cpu()
@@ -213,7 +272,7 @@ class OffloadedAdam:
             )
             del master
             self.states.append(parts)
-        self._totals = {"read_wait_s": 0.0, "compute_s": 0.0, "write_wait_s": 0.0, "steps": 0}
+        self._totals = {"read_wait_s": 0.0, "compute_s": 0.0, "write_wait_s": 0.0, "steps": 0, "overlapped_steps": 0}
         self.last_step: dict[str, float] = {}
 
     def _params_kept_in_cpu(self) -> set[int]:
@@ -253,25 +312,81 @@ class OffloadedAdam:
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """One Adam step over every group. The last write-backs (at most buffer_count groups)
         stay in flight and overlap the next forward; see [Note: write-back after the step]."""
+        if self._overlap is not None:
+            raise RuntimeError("OffloadedAdam.step() while an overlapped step is running; call finish_overlapped_step()")
         self.wait_writes()
         self.step_count += 1
-        n = len(self.groups)
+        arrivals = _Arrivals(self._timeout_s)
+        for i in range(len(self.groups)):
+            arrivals.put(i)
+        arrivals.close()
+        self._record(self._pipeline(arrivals, lr, grad_scale))
+
+    # ---- overlapped with backward: see [Note: step overlapped with backward] ------------------
+    def begin_overlapped_step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """Start a step whose groups run as their gradients complete (`group_ready`), on a
+        stepper thread, while backward goes on; `finish_overlapped_step` ends it."""
+        if self._overlap is not None:
+            raise RuntimeError("an overlapped step is already running; call finish_overlapped_step() first")
+        self.wait_writes()
+        self.step_count += 1
+        arrivals = _Arrivals(self._timeout_s)
+        fut = self._stepper.submit(self._pipeline, arrivals, lr, grad_scale)
+        self._overlap = (arrivals, fut)
+
+    def group_ready(self, group: Any) -> None:
+        """`group`'s gradients for this step are complete: queue its update (non-blocking). A no-op
+        when no overlapped step runs (a micro-batch before the accumulation boundary)."""
+        if self._overlap is not None:
+            self._overlap[0].put(self._index[group.name])
+
+    @property
+    def overlapped_step_running(self) -> bool:
+        return self._overlap is not None
+
+    def finish_overlapped_step(self, *, abort: bool = False) -> None:
+        """Queue the groups whose gradients never came (stepped with zero gradients, as the plain
+        step does) and wait until every group was updated and its write-back issued. With
+        `abort` (backward failed), stop after the groups already queued."""
+        if self._overlap is None:
+            return
+        arrivals, fut = self._overlap
+        self._overlap = None
+        in_backward = arrivals.available()
+        if not abort:
+            for i in range(len(self.groups)):
+                arrivals.put(i)  # ignored if already queued
+        arrivals.close()
+        self._record({**fut.result(timeout=self._timeout_s * max(1, len(self.groups))),
+                      "groups_ready_in_backward": in_backward})
+        self._totals["overlapped_steps"] += 1
+
+    def _record(self, timings: dict[str, float]) -> None:
+        self.last_step = timings
+        for k, v in timings.items():
+            self._totals[k] = self._totals.get(k, 0) + v
+        self._totals["steps"] += 1
+
+    def _pipeline(self, arrivals: _Arrivals, lr: float, grad_scale: float) -> dict[str, float]:
+        """Update the groups in the order `arrivals` yields them, reading ahead up to
+        buffer_count groups. See [Note: sub-group pipeline]."""
         reads: dict[int, list[Any]] = {}
         t_read = t_comp = t_write = 0.0
-        next_read = 0
+        k = next_read = 0
         # pipeline_write: write-backs are not counted against the window (see [Note: pipeline_read])
         bound_writes = not self.cfg.zero.offload_optimizer.pipeline_write
-        for i in range(n):
-            if next_read == i:
+        while (i := arrivals.get(k)) is not None:
+            if next_read == k:
                 while bound_writes and self._pending and len(self._pending) + 1 > self.buffer_count:
                     t_write += self._retire_oldest()
-                reads[i] = self._issue_reads(i)
+                reads[k] = self._issue_reads(i)
                 next_read += 1
-            while next_read < n and (next_read - i) + bound_writes * len(self._pending) < self.buffer_count:
-                reads[next_read] = self._issue_reads(next_read)
+            while next_read < arrivals.available() and (next_read - k) + bound_writes * len(self._pending) < \
+                    self.buffer_count:
+                reads[next_read] = self._issue_reads(arrivals.at(next_read))
                 next_read += 1
             t0 = time.perf_counter()
-            master, exp_avg, exp_avg_sq, grad = (f.result() for f in reads.pop(i))
+            master, exp_avg, exp_avg_sq, grad = (f.result() for f in reads.pop(k))
             t1 = time.perf_counter()
             self._update(i, master, exp_avg, exp_avg_sq, grad, lr, grad_scale)
             t2 = time.perf_counter()
@@ -282,15 +397,13 @@ class OffloadedAdam:
                 t_write += self._retire_oldest()
             t_read += t1 - t0
             t_comp += t2 - t1
+            k += 1
         t3 = time.perf_counter()
         for _, cf in self._pending:
             # every evict must be claimed before the next forward can pin a partition again
             cf.result(timeout=self._timeout_s)
         t_write += time.perf_counter() - t3
-        self.last_step = {"read_wait_s": t_read, "compute_s": t_comp, "write_wait_s": t_write}
-        for k, v in self.last_step.items():
-            self._totals[k] += v
-        self._totals["steps"] += 1
+        return {"read_wait_s": t_read, "compute_s": t_comp, "write_wait_s": t_write}
 
     def _issue_reads(self, i: int) -> list[Any]:
         plan, g = self.plans[i], self.groups[i]
@@ -377,10 +490,12 @@ class OffloadedAdam:
         return waited
 
     def close(self) -> None:
-        """Wait for the write-backs in flight and stop the writer thread. Idempotent."""
+        """Wait for the write-backs in flight and stop the worker threads. Idempotent."""
         try:
+            self.finish_overlapped_step(abort=True)
             self.wait_writes()
         finally:
+            self._stepper.shutdown(wait=True)
             self._writer.shutdown(wait=True)
 
     # ---- introspection ---------------------------------------------------------------------

@@ -68,6 +68,7 @@ class DispatchMixin:
         for i, st in enumerate(self._st):
             if st.evicting is not None:
                 self._wait_evicted(i)
+        self._sealed.clear()
         self.trace.end_pass()
 
     def _enter_modes(self: ZeroParameters) -> None:

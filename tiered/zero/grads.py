@@ -45,6 +45,12 @@ class GradMixin:
         """Call `callback(group)` each time a group's gradients for this backward were flushed."""
         self._grad_callbacks.append(callback)
 
+    def seal_for_step(self: ZeroParameters, group: ShardGroup) -> None:
+        """The optimizer is about to update `group` while backward continues (see [Note: step
+        overlapped with backward] in tiered/optim/offload.py): any later gather of it in this
+        backward would see new values, so it raises instead. Unsealed when the pass ends."""
+        self._sealed.add(group.index)
+
     def _grad_arriving(self: ZeroParameters, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
         i = self._managed[id(p)][0]
 

@@ -11,6 +11,7 @@ their partitions and installs the module hooks:
     zp.zero_grads()                    # after a step or a skipped step
     zp.params_updated()                # after the optimizer wrote new parameters (prefetches the next pass)
     zp.on_group_grads_complete(cb)     # cb(group) once a group's gradients of this backward are flushed
+    zp.seal_for_step(group)            # overlapped step: a later gather in this backward raises
     zp.read_grad_shard(group)          # CPU copy of the accumulated fp32 gradient shard
     zp.gather_full_state_dict(dtype=None), zp.stats(), zp.remove_hooks()
 

@@ -197,6 +197,7 @@ class ZeroParameters(DispatchMixin, GradMixin):
         self._in_backward = False
         self._modes: list[Any] = []
         self._grad_callbacks: list[Callable[[ShardGroup], None]] = []
+        self._sealed: set[int] = set()  # groups being stepped during this backward
         self._hooks = HookSet(self, model, [p for st in self._st for p in st.params])
         log.info("partitioned %d parameters into %d groups (%d persistent), world_size=%d",
                  sum(g.numel for g in self.groups), len(self.groups), sum(g.persistent for g in self.groups), ws)
@@ -374,6 +375,14 @@ class ZeroParameters(DispatchMixin, GradMixin):
             st.pins += 1
             return
         g = self.groups[i]
+        if i in self._sealed:
+            raise RuntimeError(
+                f"tiered.overlap_step_with_backward: group {g.name} ({g.entries[0].name}...) was handed to the "
+                "optimizer when its gradients were complete, but backward used its parameters again "
+                "afterwards (a saved view of a weight whose gradient is not needed, or a use outside autograd); "
+                "its values would already be the updated ones. Set tiered.overlap_step_with_backward to false "
+                "for this model"
+            )
         busy, self._busy = self._busy, True
         try:
             if record:
