@@ -132,7 +132,8 @@ def test_nvme_configs_derive_nvme_tier_from_aio(tmp_path, name):
     assert cfg.tiered.tiers["nvme"] == TierSpec(backend={
         "type": "nvme", "path": str(tmp_path / "nvme"), "block_size": aio["block_size"],
         "queue_depth": aio["queue_depth"], "thread_count": aio["thread_count"],
-        "atomic": False, "fsync": False,  # swap files: the nvme backend's scratch mode
+        "atomic": False, "fsync": False,  # swap files: the nvme backend's scratch mode,
+        "swap": True,  # in a per-process directory that close() removes
     })
     assert cfg.tiered.param_tier == "nvme" and cfg.tiered.optimizer_tier == "nvme"
     assert cfg.zero.offload_param.buffer_size_numel == 100_000_000
@@ -319,5 +320,17 @@ def test_user_nvme_backend_for_offload_tier_inherits_derived_keys(tmp_path):
     spec = cfg.tiered.tiers["nvme"].backend
     assert spec["block_size"] == 262144 and spec["queue_depth"] == 4
     assert spec["atomic"] is False and spec["fsync"] is False  # swap files: scratch mode
+    assert spec["swap"] is True
     kept = load_config({**base, "tiered": {"tiers": {"nvme": {"backend": {"type": "nvme", "atomic": True}}}}})
     assert kept.tiered.tiers["nvme"].backend["atomic"] is True  # what the user wrote wins
+    files = load_config({**base, "tiered": {"tiers": {"nvme": {"backend": {"type": "nvme", "swap": False}}}}})
+    assert files.tiered.tiers["nvme"].backend["swap"] is False
+
+
+def test_user_declared_nvme_tier_is_not_a_swap_tier(tmp_path):
+    cfg = load_config({
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "a")}},
+        "tiered": {"tiers": {"disk": {"backend": {"type": "nvme", "path": str(tmp_path / "b")}}}},
+    })
+    assert cfg.tiered.tiers["nvme"].backend["swap"] is True  # derived from nvme_path: swap files
+    assert cfg.tiered.tiers["disk"].backend == {"type": "nvme", "path": str(tmp_path / "b")}  # the user's own

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from tiered.config.schema import PrecisionConfig
+from tiered.errors import LossScaleError
 from tiered.optim.clip import clip_coefficient, global_grad_norm
-from tiered.optim.loss_scaler import DynamicLossScaler, LossScaleError, StaticLossScaler, build_loss_scaler
+from tiered.optim.loss_scaler import DynamicLossScaler, StaticLossScaler, build_loss_scaler
 
 
 def run(scaler: DynamicLossScaler, overflows: list[bool]) -> list[float]:
@@ -83,3 +84,11 @@ def test_clip_coefficient_matches_torch_clip_grad_norm() -> None:
         torch.testing.assert_close(g * coef, p.grad, rtol=1e-6, atol=0)
     assert clip_coefficient(0.1, 0.5) == 1.0  # below the threshold: untouched
     assert clip_coefficient(10.0, 0.0) == 1.0  # 0 disables clipping
+
+
+def test_loss_scale_error_lives_with_the_other_errors_and_old_import_works() -> None:
+    from tiered.errors import TieredError
+    from tiered.optim import loss_scaler
+
+    assert loss_scaler.LossScaleError is LossScaleError  # the old import path keeps working
+    assert issubclass(LossScaleError, TieredError) and issubclass(LossScaleError, FloatingPointError)

@@ -62,5 +62,9 @@ class ShapeMutationError(TieredError, RuntimeError):
     """A module replaced or reshaped a parameter that tiered manages."""
 
 
+class LossScaleError(TieredError, FloatingPointError):
+    """fp16 gradients overflowed while the loss scale was already at its minimum."""
+
+
 class KernelBuildWarning(UserWarning):
     """The native extension could not be built; the pure-torch reference runs instead."""

@@ -32,7 +32,8 @@ keeps the memory copy until then, so a half-written swap file is never read. The
 NVMe tiers it derives from ``offload_param`` / ``offload_optimizer`` this way (with
 ``fsync=False``: swap files need no durability, DeepSpeed's swapper does not sync either);
 anything that must survive a crash (checkpoints, a user's own tier) keeps the default
-``atomic=True``, [Note: atomic file writes].
+``atomic=True``, [Note: atomic file writes]. The derived tiers also set ``swap=True``: their files
+live in a private per-process directory that ``close()`` deletes, [Note: nvme swap directories].
 
 [Note: DeepSpeed aio knobs]
 ``block_size`` (DeepSpeed: bytes per iocb) is the size of one iovec segment; ``queue_depth``
@@ -52,6 +53,7 @@ import errno
 import logging
 import os
 import queue
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,8 @@ from tiered.storage.files import (
     unwritable_error,
 )
 from tiered.storage.pool import BufferPool
+from tiered.units import format_bytes
+from tiered_nvme.swap import SwapDirectory, reclaim_stale
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,7 @@ ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _CLEANUP_TIMEOUT_S = 120.0
+_CAPABILITIES = Capabilities(persistent=True, memory_like=False, alignment_bytes=ALIGN)
 
 
 def _align_up(n: int) -> int:
@@ -99,12 +104,12 @@ class NVMeBackend(StorageBackend):
     """Files under `path`, one per key, written and read with O_DIRECT by a thread pool.
 
     See [Note: nvme I/O path], [Note: nvme on-disk size], [Note: DeepSpeed aio knobs],
-    [Note: atomic file writes] and [Note: nvme scratch mode]. Falls back to buffered I/O, with one logged warning, on
-    filesystems that refuse O_DIRECT (tmpfs).
+    [Note: atomic file writes], [Note: nvme scratch mode] and [Note: nvme swap directories]. Falls
+    back to buffered I/O, with one logged warning, on filesystems that refuse O_DIRECT (tmpfs).
     """
 
     name = "nvme"
-    static_capabilities = Capabilities(persistent=True, memory_like=False, alignment_bytes=ALIGN)
+    static_capabilities = _CAPABILITIES
 
     def __init__(
         self,
@@ -119,6 +124,7 @@ class NVMeBackend(StorageBackend):
         fsync: bool = True,
         create: bool = False,
         atomic: bool = True,
+        swap: bool = False,
     ) -> None:
         self.block_size = _positive("block_size", block_size, multiple_of=ALIGN)
         self.queue_depth = _positive("queue_depth", queue_depth)
@@ -135,15 +141,27 @@ class NVMeBackend(StorageBackend):
         self.workers = max(self.io_threads, self.thread_count)
         self.fsync = bool(fsync)
         self.atomic = bool(atomic)
+        self.swap = bool(swap)
         self._path_arg = os.fspath(path)
-        self.directory: Path = check_directory(path, backend="nvme", create=create)
-        self.direct = bool(direct) and _O_DIRECT != 0 and self._probe_direct()
+        root = check_directory(path, backend="nvme", create=create)
+        self._swap_dir = _open_swap_directory(root) if self.swap else None
+        self.directory: Path = self._swap_dir.path if self._swap_dir is not None else root
+        try:
+            self.direct = bool(direct) and _O_DIRECT != 0 and self._probe_direct()
+        except BaseException:
+            self._remove_swap_directory()
+            raise
         self._requested_direct = bool(direct)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._bounce: queue.SimpleQueue[torch.Tensor] | None = None
         self._device = default_device()
         self._staging = BufferPool(lambda n: self._device.alloc_host(n, pin=True), name="nvme staging")
         self._closed = False
+
+    @property
+    def capabilities(self) -> Capabilities:
+        # swap files are deleted by close(): their bytes do not outlive the backend
+        return replace(_CAPABILITIES, persistent=False) if self.swap else _CAPABILITIES
 
     # ---- set-up ------------------------------------------------------------------------------
     def _probe_direct(self) -> bool:
@@ -420,6 +438,18 @@ class NVMeBackend(StorageBackend):
             self._executor = None
         self._bounce = None
         self._staging.clear()
+        # only now: the pool has drained, so no write still in flight can recreate a file
+        self._remove_swap_directory()
+
+    def _remove_swap_directory(self) -> None:
+        if self._swap_dir is None:
+            return
+        try:
+            freed = self._swap_dir.remove()
+        except OSError as exc:  # the lock is released anyway: the next swap backend here reclaims it
+            log.warning("nvme backend: could not remove swap directory %s: %s", self.directory, exc.strerror or exc)
+            return
+        log.debug("nvme backend: removed swap directory %s (%d bytes)", self.directory, freed)
 
     def spec(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.name, "path": self._path_arg}
@@ -435,4 +465,26 @@ class NVMeBackend(StorageBackend):
             out["fsync"] = False
         if not self.atomic:
             out["atomic"] = False
+        if self.swap:
+            out["swap"] = True
         return out
+
+
+def _open_swap_directory(root: Path) -> SwapDirectory:
+    """[Note: nvme swap directories]: reclaim dead processes' leftovers, then make our own."""
+    _log_reclaimed(root, reclaim_stale(root))
+    try:
+        return SwapDirectory(root)
+    except OSError as exc:
+        raise unwritable_error(root, "nvme", exc) from exc
+
+
+def _log_reclaimed(root: Path, removed: list[tuple[Path, int]]) -> None:
+    if not removed:
+        return
+    freed = sum(n for _, n in removed)
+    names = ", ".join(p.name for p, _ in removed[:3]) + (f" and {len(removed) - 3} more" if len(removed) > 3 else "")
+    log.info(
+        "nvme backend: removed %d stale swap director%s of dead processes under %s (%s): %d bytes (%s) freed",
+        len(removed), "y" if len(removed) == 1 else "ies", root, names, freed, format_bytes(freed),
+    )

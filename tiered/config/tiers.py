@@ -5,9 +5,12 @@ Whatever the user writes, the resolved config has a "gpu" tier ({"type": "gpu"})
 ({"type": "cpu"}, pinned host memory), each with budget None (= what the backend reports free).
 An "nvme" tier is derived when an offload device is "nvme":
 ``{"type": "nvme", "path": <nvme_path>, "block_size": aio.block_size, "queue_depth":
-aio.queue_depth, "thread_count": aio.thread_count, "atomic": false, "fsync": false}`` (plus
-``"use_gds": true`` when set): offload swap files are overwritten in place and never synced, as
-DeepSpeed's swapper does (the nvme backend's [Note: nvme scratch mode]).
+aio.queue_depth, "thread_count": aio.thread_count, "atomic": false, "fsync": false, "swap": true}``
+(plus ``"use_gds": true`` when set): offload swap files are overwritten in place and never synced, as
+DeepSpeed's swapper does (the nvme backend's [Note: nvme scratch mode]), and live in a per-process
+directory under nvme_path that closing the engine deletes, a crashed run's being reclaimed by the
+next (the nvme backend's [Note: nvme swap directories]). A tier the user declares with their own
+backend spec (another name, its own directory) gets none of these keys: its files persist.
 When offload_param and offload_optimizer both use NVMe with *different* nvme_path values (DeepSpeed
 allows one drive for each), parameters go to tier "nvme" and optimizer state to a second tier
 "nvme_optimizer" with the optimizer's path, so the two streams keep their own drives.
@@ -15,7 +18,9 @@ allows one drive for each), parameters go to tier "nvme" and optimizer state to 
 optimizer state ("cpu", "nvme", "nvme_optimizer"; None when that offload is off). A user may point
 them at a custom tier (e.g. a tensorstore backend) with ``"tiered": {"optimizer_tier": "remote"}``.
 A tier the user lists without a "backend" gets the derived one; a user "nvme" backend for an
-offload tier gets the derived keys it leaves out (aio knobs, scratch mode); one whose "path" contradicts the offload nvme_path is an error, not a silent choice between the two.
+offload tier gets the derived keys it leaves out (aio knobs, scratch mode, swap; set
+``"swap": false`` there to keep the files after close); one whose "path" contradicts the offload
+nvme_path is an error, not a silent choice between the two.
 Backend specs stay plain JSON dicts: the registry opens them (and the backend validates its own
 keys then); config never imports plugins.
 """
@@ -50,9 +55,11 @@ def _derived_tiers(zero: ZeroConfig, aio: AioConfig) -> tuple[dict[str, dict[str
             "queue_depth": aio.queue_depth,
             "thread_count": aio.thread_count,
             # swap files, not checkpoints: overwrite in place, no fsync (see the nvme backend's
-            # [Note: nvme scratch mode]; the tier manager never reads a half-written copy)
+            # [Note: nvme scratch mode]; the tier manager never reads a half-written copy), and
+            # nothing left on the user's drive after close or a crash ([Note: nvme swap directories])
             "atomic": False,
             "fsync": False,
+            "swap": True,
         }
         if aio.use_gds:
             spec["use_gds"] = True

@@ -17,11 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiered.config.schema import PrecisionConfig
-from tiered.errors import TieredError
-
-
-class LossScaleError(TieredError, FloatingPointError):
-    """fp16 gradients overflowed while the loss scale was already at its minimum."""
+from tiered.errors import LossScaleError  # raised here; still importable from here, where it used to live
 
 
 class StaticLossScaler:

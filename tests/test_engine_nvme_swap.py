@@ -1,0 +1,52 @@
+"""engine.close() leaves nothing of the offload swap files on nvme_path, and keeps a user's own tier.
+
+See the nvme backend's [Note: nvme swap directories] and tiered.config.tiers [Note: default tiers].
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from engine_support import MLP, ds_config
+
+import tiered
+from tiered.config import load_config
+from tiered.engine.build import build_tier_manager
+
+
+def _train(engine, steps: int = 2) -> None:
+    for i in range(steps):
+        g = torch.Generator().manual_seed(i)
+        engine.backward(engine(x=torch.randn(4, 16, generator=g), y=torch.randn(4, 8, generator=g)))
+        engine.step()
+
+
+def test_close_removes_the_offload_swap_files(tmp_path: Path) -> None:
+    nvme = tmp_path / "nvme"
+    torch.manual_seed(0)
+    with tiered.initialize(MLP(), ds_config(param="nvme", opt="nvme", nvme_path=str(nvme))) as engine:
+        _train(engine)
+        (swap,) = nvme.iterdir()  # one private directory per backend, all files inside it
+        assert swap.name.startswith("tiered-swap-") and len(list(swap.iterdir())) > 1
+    assert list(nvme.iterdir()) == [], "engine.close() left swap files on nvme_path"
+
+
+def test_tier_manager_close_keeps_a_user_declared_tier_and_drops_the_swap_tier(tmp_path: Path) -> None:
+    # Through the TierManager the engine builds: (engine.initialize does not yet route state to a
+    # custom tier named by tiered.optimizer_tier, so the manager is driven directly.)
+    nvme, disk = tmp_path / "nvme", tmp_path / "disk"
+    disk.mkdir()
+    cfg = load_config({
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}},
+        "tiered": {"tiers": {"disk": {"backend": {"type": "nvme", "path": str(disk)}}}},
+    })
+    tm = build_tier_manager(cfg)
+    with tm:
+        for home in ("nvme", "disk"):
+            tm.create(f"{home}0", 4096, torch.float32, home, init=torch.ones(4096))
+        tm.flush().result()
+        (swap,) = nvme.iterdir()
+        assert (swap / "nvme0").is_file() and (disk / "disk0").is_file()
+    assert list(nvme.iterdir()) == [], "closing the manager left the swap tier's files"
+    assert [p.name for p in disk.iterdir()] == ["disk0"], "a persistent tier lost its files at close"
