@@ -142,3 +142,16 @@ def test_bf16_within_stated_tolerance(tmp_path: Any) -> None:
     fp32_losses, fp32 = reference_train(build(case), case, batches)
     assert_losses_close(got_losses, fp32_losses, rel=5e-2)
     assert_params_close(got, fp32, 5e-2)
+
+
+def test_optimizer_state_in_a_custom_tier(tmp_path: Any) -> None:
+    # tiered.optimizer_tier points the offloaded optimizer state at a tier the user declared
+    # (here a tensorstore store on disk) instead of the one the offload device derives
+    cfg = ds_config(param="cpu", opt="cpu")
+    cfg.setdefault("tiered", {})
+    cfg["tiered"].setdefault("tiers", {})["remote"] = {
+        "backend": {"type": "tensorstore", "kvstore": {"driver": "file", "path": str(tmp_path / "ts")}}}
+    cfg["tiered"]["optimizer_tier"] = "remote"
+    stats, _ = run_pair("mlp", cfg)
+    assert stats["tiers"]["links"]["remote->cpu"]["bytes"] > 0  # states were read from there
+    assert stats["tiers"]["links"]["cpu->remote"]["bytes"] > 0  # and written back there

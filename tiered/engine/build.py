@@ -48,11 +48,13 @@ class Placement:
 def choose_placement(cfg: TieredConfig) -> Placement:
     tiers = cfg.tiered.tiers
     opt_dev = cfg.zero.offload_optimizer.device
-    opt_tier = _DEVICE_TIER[opt_dev]
-    if opt_dev == "nvme" and "nvme_optimizer" in tiers:
+    # tiered.param_tier / optimizer_tier (a custom tier, e.g. a tensorstore backend) or the tier
+    # the offload device derives; None when that offload is off
+    opt_tier = cfg.tiered.optimizer_tier or _DEVICE_TIER[opt_dev]
+    if opt_dev == "nvme" and "nvme_optimizer" in tiers and cfg.tiered.optimizer_tier in (None, "nvme"):
         opt_tier = "nvme_optimizer"
     placement = Placement(
-        param_tier=_DEVICE_TIER[cfg.zero.offload_param.device],
+        param_tier=cfg.tiered.param_tier or _DEVICE_TIER[cfg.zero.offload_param.device],
         grad_tier="gpu" if opt_dev == "none" else "cpu",
         optimizer_tier=opt_tier,
         compute_dtype=cfg.precision.dtype,
