@@ -60,11 +60,14 @@ def test_dirty_copies_travel_and_one_write_back_cleans_all(mgr):
     mgr.prefetch(p, "cpu").result()  # copied from the dirty gpu copy: dirty as well
     assert p.dirty_in() == frozenset({"gpu", "cpu"})
     mgr.release(p, "gpu")
-    mgr.evict(p, "gpu").result()  # writes back once ...
+    mgr.evict(p, "gpu").result()  # another dirty copy stays and carries the write-back: a free drop
+    assert p.dirty_in() == frozenset({"cpu"}) and p.state("nvme") is CopyState.STALE
+    assert mgr.stats()["links"].get("gpu->nvme", {}).get("bytes", 0) == 0
+    mgr.evict(p, "cpu").result()  # the last dirty copy: written back once
     assert p.dirty_in() == frozenset() and p.state("nvme") is CopyState.VALID
-    mgr.evict(p, "cpu").result()  # ... so this drop is free
     s = mgr.stats()
     assert s["writebacks"] == 1 and s["clean_drops"] == 1
+    assert torch.equal(mgr.fetch(p, "cpu").result(), torch.full((64,), 2.0))
 
 
 def test_clean_first_policy_drops_clean_copies_before_dirty_ones(mgr):

@@ -430,9 +430,16 @@ class TierCore:
         """Write the claimed copy back if it is dirty, then delete it and return its budget."""
         try:
             if prev is A.DIRTY:
-                # if a writer moved on meanwhile, a newer dirty copy lives elsewhere: ours is stale
-                if part.state(part.home) is A.STALE and self.version(part) == self._evict_version.get(id(fut)):
+                # if a writer moved on meanwhile, a newer dirty copy lives elsewhere: ours is stale.
+                # Every DIRTY copy holds the newest bytes (a write leaves one, a move from it
+                # another), so while another one stays it carries the write-back: a gpu copy
+                # gathered from a dirty cpu copy is then dropped, not written to NVMe as well
+                others_dirty = any(st is A.DIRTY for t, st in part.copies().items() if t != tier)
+                if (part.state(part.home) is A.STALE and not others_dirty
+                        and self.version(part) == self._evict_version.get(id(fut))):
                     await self.writeback(part, src=tier, op="evict write-back")
+                elif others_dirty:
+                    self.stats.clean_drops += 1
                 prev = A.VALID
             else:
                 self.stats.clean_drops += 1
