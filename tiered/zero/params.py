@@ -198,6 +198,8 @@ class ZeroParameters(DispatchMixin, GradMixin):
         self._modes: list[Any] = []
         self._grad_callbacks: list[Callable[[ShardGroup], None]] = []
         self._sealed: set[int] = set()  # groups being stepped during this backward
+        # groups whose gradient partition is logically zero: see [Note: lazy gradient zeroing]
+        self._grad_zero_pending: set[int] = {g.index for g in self.groups if g.grad is not None}
         self._hooks = HookSet(self, model, [p for st in self._st for p in st.params])
         log.info("partitioned %d parameters into %d groups (%d persistent), world_size=%d",
                  sum(g.numel for g in self.groups), len(self.groups), sum(g.persistent for g in self.groups), ws)
