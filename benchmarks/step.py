@@ -77,17 +77,23 @@ def ds_json(nvme_dir: str, pipeline_read: bool = False) -> dict[str, Any]:
 def run_plain(data: list[dict[str, torch.Tensor]], warmup: int) -> dict[str, Any]:
     model = build_model().train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    times, losses = [], []
+    times, losses, phases = [], [], []
     for b in data:
         t0 = time.perf_counter()
         loss = model(**b).loss
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        times.append(t3 - t0)
+        phases.append((t1 - t0, t2 - t1, t3 - t2))
         losses.append(float(loss.detach()))
     return {"step_s": statistics.median(times[warmup:]), "times": times, "losses": losses,
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in model.parameters()),
+            "phases_per_step": {k: statistics.median(ph[j] for ph in phases[warmup:])
+                                for j, k in enumerate(("forward_s", "backward_s", "step_s"))}}
 
 
 def _link_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -256,6 +262,9 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for name, sec, r, d, e in rows:
         print(f"| {name} | {sec:.3f} | {r:.2f} | {d} | {e} |")
+    pph = plain["phases_per_step"]
+    print(f"\nplain PyTorch phases: forward {pph['forward_s']:.3f} s, backward {pph['backward_s']:.3f} s, "
+          f"step {pph['step_s']:.3f} s")
     for key, label in variants:
         t = res[key]
         print(f"\n{label}, per step:")

@@ -5,8 +5,12 @@ See the nvme backend's [Note: nvme swap directories] and tiered.config.tiers [No
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 from engine_support import MLP, ds_config
 
@@ -50,3 +54,30 @@ def test_tier_manager_close_keeps_a_user_declared_tier_and_drops_the_swap_tier(t
         assert (swap / "nvme0").is_file() and (disk / "disk0").is_file()
     assert list(nvme.iterdir()) == [], "closing the manager left the swap tier's files"
     assert [p.name for p in disk.iterdir()] == ["disk0"], "a persistent tier lost its files at close"
+
+
+_NO_CLOSE = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch, tiered
+from engine_support import MLP, ds_config
+engine = tiered.initialize(MLP(), ds_config(param={dev!r}, opt={dev!r}, nvme_path={nvme!r}))
+engine.backward(engine(x=torch.randn(4, 16), y=torch.randn(4, 8)))
+engine.step()
+print("trained", flush=True)
+"""
+
+
+@pytest.mark.parametrize("dev", ["none", "nvme"])
+def test_a_script_that_never_closes_exits_promptly_and_leaves_no_swap(tmp_path: Path, dev: str) -> None:
+    # [Note: managers left open at exit]: this used to wait out a 60 s close timeout (and, with
+    # NVMe, abort in C++ teardown), leaving the swap folder behind
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    code = _NO_CLOSE.format(tests=str(Path(__file__).parent), dev=dev, nvme=str(nvme))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=40,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "trained" in p.stdout
+    assert "did not finish cleanly" not in p.stderr
+    assert list(nvme.iterdir()) == []

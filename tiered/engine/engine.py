@@ -259,7 +259,9 @@ class Engine:
         self.tm.flush().result()
 
     def close(self) -> None:
-        """Flush, remove the hooks, stop the tier manager and close its backends. Idempotent."""
+        """Wait for the optimizer's write-backs in flight, remove the hooks, stop the tier manager
+        and close its backends (offload swap files are deleted). Dirty copies are not written
+        home: call `flush()` first where a tier of your own must hold the final values. Idempotent."""
         if self._closed:
             return
         self._closed = True

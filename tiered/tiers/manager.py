@@ -8,8 +8,11 @@ state machine in `tiered.tiers.core` (see [Note: reserve before move], [Note: co
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
+import threading
+import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -29,6 +32,39 @@ from tiered.tiers.trace import TraceRecorder
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+# [Note: managers left open at exit]
+# A script that never calls close() must still exit promptly and cleanly. Python's own atexit
+# handlers run too late for that: by then the interpreter has shut the thread pools down (no
+# backend can close: swap files stay) and the loop's daemon thread can no longer take the GIL,
+# so a close from a finaliser waited out its whole timeout (60 s). Managers still open are
+# therefore closed from threading's exit hook, which runs before the pools shut down
+# (registered after concurrent.futures', so called before it: the hooks run in reverse order).
+_OPEN: weakref.WeakSet[TierManager] = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hook_installed = False
+
+
+def _close_open_managers() -> None:
+    left = list(_OPEN)
+    if left:
+        log.info("closing %d tier manager(s) left open at exit", len(left))
+    for tm in left:
+        try:
+            tm.close()
+        except Exception:  # noqa: BLE001 - exiting: close the rest regardless
+            log.exception("closing a tier manager at exit failed")
+
+
+def _close_at_exit(tm: TierManager) -> None:
+    global _hook_installed
+    _OPEN.add(tm)
+    with _hook_lock:
+        if not _hook_installed:
+            register = getattr(threading, "_register_atexit", None)  # CPython >= 3.9
+            (register or atexit.register)(_close_open_managers)
+            _hook_installed = True
 
 
 class TierManager:
@@ -72,6 +108,7 @@ class TierManager:
         self._trace = TraceRecorder(record_trace)
         self._core = TierCore(tiers, self._loop, timeout_s=self.timeout_s, max_inflight_per_link=max_inflight_per_link,
                               verify=verify, stats=self._stats, trace=self._trace)
+        _close_at_exit(self)
 
     # ---- tiers -----------------------------------------------------------------------------
     @property
@@ -412,6 +449,7 @@ class TierManager:
         Idempotent."""
         if self._loop.closed:
             return
+        _OPEN.discard(self)
         if close_backends:
             try:
                 self._loop.loop()  # backends close on the loop, even if nothing else ever ran
