@@ -34,7 +34,8 @@ def _worker(rank: int, world: int, port: int, case_name: str, config: dict[str, 
         case = CASES[case_name]
         batches = [_halve(b, rank, world) for b in make_batches(case, 3, 8, gas=config["gradient_accumulation_steps"])]
         losses, state, stats = tiered_train(build(case), case, batches, config)
-        torch.save({"losses": losses, "state": state, "stats_steps": stats["optimizer"]["step_count"]},
+        torch.save({"losses": losses, "state": state, "stats_steps": stats["optimizer"]["step_count"],
+                    "overlapped": stats["optimizer"]["total"]["overlapped_steps"]},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -55,9 +56,22 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path: Path, param: str, opt: str, gas
                                       ds_config(param=param, opt=opt, nvme_path=str(tmp_path / "nvme1"), gas=gas,
                                                 clip=clip))
     for r in ranks:
-        assert r["stats_steps"] == 3
+        assert r["stats_steps"] == 3 and r["overlapped"] == 0
         assert_params_close(r["state"], one, 1e-5)
     # each rank saw half of every global batch: the mean of their losses is the 1-rank loss
     for i, full in enumerate(one_losses):
         mean = (ranks[0]["losses"][i] + ranks[1]["losses"][i]) / 2
         assert mean == pytest.approx(full, rel=1e-5)
+
+
+def test_two_gloo_ranks_with_the_step_overlapped_with_backward(tmp_path: Path) -> None:
+    # each rank steps its shard of a group once the group's reduce-scatter is done, during backward
+    config = ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme"), gas=2)
+    config["tiered"] = {**config.get("tiered", {}), "overlap_step_with_backward": True}
+    ranks = run_two_ranks(tmp_path, "mlp", config)
+    case = CASES["mlp"]
+    _, one, _ = tiered_train(build(case), case, make_batches(case, 3, 8, gas=2),
+                             ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme1"), gas=2))
+    for r in ranks:
+        assert r["stats_steps"] == 3 and r["overlapped"] == 3
+        assert_params_close(r["state"], one, 1e-5)
