@@ -69,6 +69,7 @@ def test_two_gloo_ranks_with_the_step_overlapped_with_backward(tmp_path: Path) -
     config = ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme"), gas=2)
     config["tiered"] = {**config.get("tiered", {}), "overlap_step_with_backward": True}
     ranks = run_two_ranks(tmp_path, "mlp", config)
+    assert list((tmp_path / "nvme").iterdir()) == []  # both ranks' swap folders gone, no rank<r> left
     case = CASES["mlp"]
     _, one, _ = tiered_train(build(case), case, make_batches(case, 3, 8, gas=2),
                              ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme1"), gas=2))

@@ -83,7 +83,8 @@ def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1)
 
     With several ranks, a backend spec with a "path" gets a per-rank subdirectory
     (``<path>/rank<r>``): every rank names its partitions alike, so one shared nvme_path
-    (the usual DeepSpeed config) must not make ranks overwrite each other's files."""
+    (the usual DeepSpeed config) must not make ranks overwrite each other's files. Swap
+    backends (the derived offload tiers) need none: each process has its own swap folder."""
     from tiered.storage import open_backend
     from tiered.tiers import Tier, TierManager
 
@@ -95,10 +96,13 @@ def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1)
     for name in tier_order(list(specs)):
         spec = specs[name]
         bspec = dict(spec.backend)
-        if world_size > 1 and isinstance(bspec.get("path"), str):
+        # a swap backend already writes into a private per-process folder that close() removes;
+        # a rank subfolder would only be left behind, empty
+        per_rank = world_size > 1 and isinstance(bspec.get("path"), str) and not bspec.get("swap")
+        if per_rank:
             bspec["path"] = os.path.join(bspec["path"], f"rank{rank}")
         try:
-            if world_size > 1 and isinstance(bspec.get("path"), str):
+            if per_rank:
                 os.makedirs(bspec["path"], exist_ok=True)
             backend = open_backend(bspec)
         except (OSError, PermissionError) as e:
