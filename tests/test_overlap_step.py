@@ -111,6 +111,18 @@ def test_a_weight_used_after_its_gradient_is_a_clear_error_not_a_silent_one(tmp_
         assert not engine.optimizer.overlapped_step_running  # aborted, nothing left waiting
 
 
+def test_reading_parameters_mid_step_is_refused(tmp_path: Any) -> None:
+    cfg = overlapped(ds_config(param="cpu", opt="cpu"))
+    with tiered.initialize(build(CASES["mlp"]), cfg) as engine:
+        b = make_batches(CASES["mlp"], 1, 4)[0]
+        engine.backward(engine(**b))
+        for call in (engine.state_dict_fp32, engine.flush):
+            with pytest.raises(RuntimeError, match="call engine.step"):
+                call()
+        engine.step()
+        assert engine.state_dict_fp32()  # fine once the step ended
+
+
 def test_close_between_backward_and_step_does_not_hang(tmp_path: Any) -> None:
     cfg = overlapped(ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "n")))
     engine = tiered.initialize(build(CASES["mlp"]), cfg)

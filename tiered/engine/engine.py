@@ -249,12 +249,21 @@ class Engine:
 
     def state_dict_fp32(self) -> dict[str, torch.Tensor]:
         """Consolidated parameters (every rank's shard gathered), as the module names them."""
+        self._check_no_step_in_flight("state_dict_fp32")
         return self.zero.gather_full_state_dict()
+
+    def _check_no_step_in_flight(self, what: str) -> None:
+        if self.optimizer.overlapped_step_running:
+            raise RuntimeError(
+                f"engine.{what}() between backward and step: with tiered.overlap_step_with_backward the "
+                "optimizer step began in backward and is still updating parameters; call engine.step() first"
+            )
 
     # ---- lifetime --------------------------------------------------------------------------
     def flush(self) -> None:
         """Finish every write-back in flight and write dirty copies to their homes."""
         self._check_open()
+        self._check_no_step_in_flight("flush")
         self.optimizer.wait_writes()
         self.tm.flush().result()
 
