@@ -64,7 +64,10 @@ while backward still computes earlier layers. `finish_overlapped_step` (in ``eng
 queues the groups that got no gradient (stepped with zeros, as the plain step does) and waits.
 The arithmetic is the same per group, so results are bitwise those of the plain step. A group's
 parameters must not be used again by that backward once its gradients are complete; the
-scheduler raises if they are (see ZeroParameters.seal_for_step).
+scheduler raises if they are (see ZeroParameters.seal_for_step). The price of starting early: a
+backward that fails midway (an exception in the model, a CapacityError) leaves the groups already
+handed over stepped and the rest not; the engine stops the step there (nothing hangs), but such a
+model is half-stepped: restart from a checkpoint rather than train on.
 
 [Note: twin-flow ratio]
 ``offload_optimizer.ratio`` splits the groups between the CPU kernel and the GPU kernel: the
