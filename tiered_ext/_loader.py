@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -120,33 +121,44 @@ def _build_cpu() -> tuple[ModuleType | None, str]:
     return mod, f"native-{isa}"
 
 
-def cpu_module() -> ModuleType | None:
-    """The native CPU module, built or loaded once per process; None when the build failed."""
-    got = _state.get("cpu")
+def _load_once(kind: str, build: Callable[[], tuple[ModuleType | None, str]],
+               report: Callable[[ModuleType | None, str], str]) -> ModuleType | None:
+    """Build or load the `kind` module once per process (thread-safe); `report` logs the outcome
+    and returns the status kept for `cpu_status` / `gpu_status`."""
+    got = _state.get(kind)
     if got is None:
         with _lock:
-            got = _state.get("cpu")
+            got = _state.get(kind)
             if got is None:
-                mod, status = _build_cpu()
-                if mod is None:
-                    status = f"reference (build failed: {status})"
-                    log.error(
-                        "tiered_ext: native CPU Adam unavailable (%s); the pure-torch reference runs instead "
-                        "(several times slower). Install g++ and ninja, or unset %s.",
-                        status,
-                        DISABLE_ENV,
-                    )
-                    warnings.warn(
-                        f"tiered_ext: native CPU Adam unavailable: {status}; the pure-torch reference runs "
-                        f"instead (several times slower). Install g++ and ninja, or unset {DISABLE_ENV}.",
-                        KernelBuildWarning,
-                        stacklevel=3,
-                    )
-                else:
-                    log.info("tiered_ext: CPU Adam path: %s, %d threads", status, mod.num_threads())
-                got = (mod, status)
-                _state["cpu"] = got
+                mod, status = build()
+                got = (mod, report(mod, status))
+                _state[kind] = got
     return got[0]
+
+
+def _report_cpu(mod: ModuleType | None, status: str) -> str:
+    if mod is not None:
+        log.info("tiered_ext: CPU Adam path: %s, %d threads", status, mod.num_threads())
+        return status
+    status = f"reference (build failed: {status})"
+    log.error(
+        "tiered_ext: native CPU Adam unavailable (%s); the pure-torch reference runs instead "
+        "(several times slower). Install g++ and ninja, or unset %s.",
+        status,
+        DISABLE_ENV,
+    )
+    warnings.warn(
+        f"tiered_ext: native CPU Adam unavailable: {status}; the pure-torch reference runs "
+        f"instead (several times slower). Install g++ and ninja, or unset {DISABLE_ENV}.",
+        KernelBuildWarning,
+        stacklevel=5,  # _report_cpu <- _load_once <- cpu_module <- tiered_ext.adam_step <- the caller
+    )
+    return status
+
+
+def cpu_module() -> ModuleType | None:
+    """The native CPU module, built or loaded once per process; None when the build failed."""
+    return _load_once("cpu", _build_cpu, _report_cpu)
 
 
 def cpu_status() -> str:
@@ -176,27 +188,24 @@ def _build_gpu() -> tuple[ModuleType | None, str]:
     return mod, "native-cuda"
 
 
+def _report_gpu(mod: ModuleType | None, status: str) -> str:
+    if mod is not None:
+        log.info("tiered_ext: CUDA Adam path: %s", status)
+        return status
+    status = f"unavailable ({status})"
+    if torch.cuda.is_available():
+        warnings.warn(
+            f"tiered_ext: CUDA Adam {status}; the pure-torch reference runs on the GPU instead",
+            KernelBuildWarning,
+            stacklevel=5,  # _report_gpu <- _load_once <- gpu_module <- gpu_adam_step <- the caller
+        )
+    log.info("tiered_ext: CUDA Adam %s", status)
+    return status
+
+
 def gpu_module() -> ModuleType | None:
-    got = _state.get("gpu")
-    if got is None:
-        with _lock:
-            got = _state.get("gpu")
-            if got is None:
-                mod, status = _build_gpu()
-                if mod is None:
-                    status = f"unavailable ({status})"
-                    if torch.cuda.is_available():
-                        warnings.warn(
-                            f"tiered_ext: CUDA Adam {status}; the pure-torch reference runs on the GPU instead",
-                            KernelBuildWarning,
-                            stacklevel=3,
-                        )
-                    log.info("tiered_ext: CUDA Adam %s", status)
-                else:
-                    log.info("tiered_ext: CUDA Adam path: %s", status)
-                got = (mod, status)
-                _state["gpu"] = got
-    return got[0]
+    """The native CUDA module, built or loaded once per process; None where there is none."""
+    return _load_once("gpu", _build_gpu, _report_gpu)
 
 
 def gpu_status() -> str:

@@ -150,9 +150,9 @@ def capacity_needs(
 
     for g in groups:
         at(g.param.home)["homes"] += g.param.nbytes
-        if g.grad is not None:
+        if g.trainable:
             at(g.grad.home)["homes"] += g.grad.nbytes
-    for g, p in zip([g for g in groups if g.grad is not None], plans, strict=True):  # frozen: no state
+    for g, p in zip([g for g in groups if g.trainable], plans, strict=True):  # frozen: no state
         at(p.state_home)["homes"] += 3 * 4 * g.shard_numel
     gpu = at("gpu")
     gathered = [g for g in groups if not getattr(g, "persistent", False)]

@@ -99,6 +99,10 @@ class Engine:
         self._closed = False
         self._timing = {"forward_s": 0.0, "backward_s": 0.0, "step_s": 0.0, "optimizer_s": 0.0}
         self._last: dict[str, float] = {}
+        # Only clipping and the fp16 overflow check need the gradient norm; otherwise the pass
+        # reading every gradient once more is skipped (on a 40B model: 160 GB read per step) and
+        # ``last_grad_norm`` reports None.
+        self._needs_grad_norm = float(cfg.gradient_clipping) > 0 or cfg.precision.dtype == torch.float16
         self.overlap_step = overlap_step_applies(cfg)
         if self.overlap_step:
             zp.on_group_grads_complete(self._group_grads_complete)
@@ -154,7 +158,7 @@ class Engine:
                 self.optimizer.prefetch_states()
         try:
             scaled.backward()
-            summary = self.zero.finish_backward(summarize=self._need_grad_summary())
+            summary = self.zero.finish_backward(summarize=self._needs_grad_norm)
         except BaseException:
             self.optimizer.finish_overlapped_step(abort=True)
             raise
@@ -166,15 +170,9 @@ class Engine:
         self._last["backward_s"] = self._last.get("backward_s", 0.0) + dt
 
     def _group_grads_complete(self, group: Any) -> None:
-        if self.optimizer.overlapped_step_running and group.trainable:
+        if self.optimizer.overlapped_step_running:  # (frozen groups never flush)
             self.zero.seal_for_step(group)
             self.optimizer.group_ready(group)
-
-    def _need_grad_summary(self) -> bool:
-        """Only clipping and the fp16 overflow check need the gradient norm; otherwise reading
-        every gradient once more is skipped (on a 40B model that is 160 GB read per step) and
-        ``last_grad_norm`` reports None."""
-        return float(self.config.gradient_clipping) > 0 or self.config.precision.dtype == torch.float16
 
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary run (or skip) the optimizer step."""
@@ -198,7 +196,7 @@ class Engine:
             self.last_grad_norm = float("inf")
         else:
             norm = global_grad_norm(self._sq_norm_local, process_group=self.process_group) / scale \
-                if self._need_grad_summary() else float("nan")
+                if self._needs_grad_norm else float("nan")
             self.last_grad_norm = norm
             coef = clip_coefficient(norm, float(self.config.gradient_clipping))
             lr = self.get_lr()[0]

@@ -84,16 +84,14 @@ class GradMixin:
         with torch.no_grad():
             if self.world_size == 1:
                 t = self._home_view(g.grad)
-                end = 0
                 for e, gr in grads:
                     dst = t[e.offset : e.offset + e.numel]
                     if gr is not None:
                         dst.copy_(gr.reshape(-1)) if fresh else dst.add_(gr.reshape(-1).to(t.device))
                     elif fresh:
                         dst.zero_()
-                    end = max(end, e.offset + e.numel)
                 if fresh:
-                    t[end:].zero_()  # alignment padding
+                    t[g.numel :].zero_()  # alignment padding (entries fill [0, numel) in order)
                 self._home_written(g.grad)
             else:
                 dev = next((gr.device for _, gr in grads if gr is not None), self.device)
