@@ -4,6 +4,7 @@ CUDA kernel matches the reference and the CPU kernel."""
 from __future__ import annotations
 
 import itertools
+import shutil
 
 import pytest
 import torch
@@ -87,3 +88,70 @@ def test_cuda_matches_cpu_kernel_and_reference(gd, sd, od, adamw: bool) -> None:
             tol = dict(rtol=1e-6, atol=2e-7) if sd == torch.float32 else dict(rtol=1e-5, atol=1e-4)
             if k != 4:
                 torch.testing.assert_close(got.float(), ref[k][i].float(), **tol)
+
+
+# The kernel body on the host ([Note: the kernel body on the host] in csrc/gpu_adam/gpu_adam.cu):
+# every (block, thread) of the launch, run in a host loop, against the CPU kernel, bit for bit.
+# Runs wherever nvcc is, GPU or not; the launch itself is only checked by the cuda tests above.
+NVCC = shutil.which("nvcc")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: the CUDA kernel's host emulation needs it")
+HOST_SIZES = [1, 7, 255, 256, 257, 16383, 16384, 16385, 2 * 16384 + 300]
+
+
+def _guarded_group(sizes, gd, sd, od, seed: int, guard: int = 41):
+    """_group's tensors as views inside buffers whose guard regions hold a sentinel pattern."""
+    tensors = _group(sizes, gd, sd, od, "cpu", seed=seed)
+    guarded, raws = [], []
+    for ts in tensors:
+        if ts is None:
+            guarded.append(None)
+            continue
+        views = []
+        for t in ts:
+            raw = torch.full((t.numel() + 2 * guard,), -7.0).to(t.dtype)
+            raw[guard : guard + t.numel()] = t
+            views.append(raw[guard : guard + t.numel()])
+            raws.append((raw, guard, t.numel()))
+        guarded.append(views)
+    return guarded, raws
+
+
+def _guards_hold(raws) -> bool:
+    return all(bool((raw[:g] == -7.0).all()) and bool((raw[g + n :] == -7.0).all()) for raw, g, n in raws)
+
+
+@needs_nvcc
+@pytest.mark.native
+@pytest.mark.parametrize(
+    "gd,sd,od,adamw",
+    list(itertools.product([torch.float32, torch.bfloat16, torch.float16], [torch.float32, torch.bfloat16],
+                           [None, torch.bfloat16, torch.float16], [True, False])),
+)  # fmt: skip
+def test_cuda_kernel_body_on_host_matches_cpu_kernel(gd, sd, od, adamw: bool) -> None:
+    from tiered_ext import _cuda_on_host
+
+    emu, raws = _guarded_group(HOST_SIZES, gd, sd, od, seed=5)
+    cpu = _group(HOST_SIZES, gd, sd, od, "cpu", seed=5)
+    expected_chunks = sum(-(-n // 16384) for n in HOST_SIZES)
+    for step in (1, 2, 3):
+        kw = dict(step=step, grad_scale=0.5, adamw_mode=adamw, **HYPER)
+        assert _cuda_on_host.gpu_adam_step_on_host(*emu[:4], out_lowp=emu[4], **kw) == expected_chunks
+        tiered_ext.gpu_adam_step(*cpu[:4], out_lowp=cpu[4], **kw)  # CPU lists: the CPU kernel
+    for k in (0, 2, 3, 4):
+        if emu[k] is None:
+            continue
+        for i, n in enumerate(HOST_SIZES):
+            assert torch.equal(emu[k][i], cpu[k][i]), f"buffer {k} tensor {i} (n={n}) differs from the CPU kernel"
+    assert _guards_hold(raws), "the kernel wrote outside a tensor"
+
+
+@needs_nvcc
+@pytest.mark.native
+def test_cuda_kernel_body_on_host_writes_every_output_element() -> None:
+    from tiered_ext import _cuda_on_host
+
+    p, g, m, v, out = _group(HOST_SIZES, torch.bfloat16, torch.float32, torch.bfloat16, "cpu", seed=9)
+    assert all(bool(o.isnan().all()) for o in out)  # poisoned by _group
+    _cuda_on_host.gpu_adam_step_on_host(p, g, m, v, out_lowp=out, step=1, **HYPER)
+    for i, (o, q) in enumerate(zip(out, p, strict=True)):
+        assert torch.equal(o, q.to(torch.bfloat16)), f"out_lowp[{i}] is not the new parameter's bf16 copy"

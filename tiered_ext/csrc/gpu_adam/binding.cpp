@@ -53,7 +53,6 @@ void gpu_adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads
   TORCH_CHECK_VALUE(st != ga::kF16 && ot != ga::kF32, "tiered_ext.gpu_adam_step: unsupported dtype combination");
 
   std::vector<ga::TensorDesc> tensors(n);
-  std::vector<ga::ChunkDesc> chunks;
   for (size_t i = 0; i < n; ++i) {
     const int64_t numel = params[i].numel();
     check(params[i], "params", i, dev, numel);
@@ -72,8 +71,8 @@ void gpu_adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads
     }
     tensors[i] = {params[i].data_ptr<float>(), grads[i].data_ptr(), exp_avgs[i].data_ptr(),
                   exp_avg_sqs[i].data_ptr(), out, numel};
-    for (int64_t s = 0; s < numel; s += ga::kChunk) chunks.push_back({static_cast<int64_t>(i), s});
   }
+  const std::vector<ga::ChunkDesc> chunks = ga::plan_chunks(tensors.data(), static_cast<int64_t>(n));
   if (chunks.empty()) return;
 
   const ga::Hyper h = tiered::make_adam_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale);

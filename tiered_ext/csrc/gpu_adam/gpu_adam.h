@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "../common/adam_hyper.h"
 
@@ -31,6 +32,15 @@ struct ChunkDesc {
 
 constexpr int64_t kChunk = 16384;
 constexpr int kThreads = 256;
+
+// The chunk table of one launch: kChunk-element chunks of each tensor in turn (the binding's, and
+// the host emulation's in gpu_adam.cu).
+inline std::vector<ChunkDesc> plan_chunks(const TensorDesc* tensors, int64_t n_tensors) {
+  std::vector<ChunkDesc> chunks;
+  for (int64_t i = 0; i < n_tensors; ++i)
+    for (int64_t s = 0; s < tensors[i].n; s += kChunk) chunks.push_back({i, s});
+  return chunks;
+}
 
 // Launches one kernel for the whole group. `tensors` and `chunks` point to device memory; all
 // tensors share grad_t / state_t / out_t. Returns 0 or a cudaError_t value.
