@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -130,6 +131,47 @@ def test_cuda_kernel_compiles_without_torch(arch: str, tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "k.o").stat().st_size > 0
+
+
+
+
+def _cuda_include() -> Path | None:
+    """The toolkit's include folder, as nvcc itself reports it (nvcc may be a wrapper script)."""
+    if NVCC is None:
+        return None
+    proc = subprocess.run([NVCC, "--dryrun", "-c", "x.cu"], capture_output=True, text=True, timeout=60)
+    for line in proc.stderr.splitlines():
+        if "INCLUDES=" in line and "SYSTEM" not in line:
+            path = Path(line.split('"-I', 1)[1].split('"', 1)[0])
+            return path if (path / "cuda_runtime.h").exists() else None
+    return None
+
+
+CUDA_INCLUDE = _cuda_include()
+
+
+@pytest.mark.skipif(CUDA_INCLUDE is None, reason="no CUDA toolkit headers next to nvcc: the binding check needs them")
+def test_cuda_binding_compiles_against_torch_headers(tmp_path: Path) -> None:
+    """The CUDA Adam's torch binding type-checks (g++ -fsyntax-only) against this torch's headers.
+
+    A CUDA build of torch is needed to link it, but not to compile it: the one header a CPU wheel
+    lacks, c10/cuda/impl/cuda_cmake_macros.h, only carries that build's CMake switches, so an empty
+    one stands in. Catches binding errors on machines that never build the CUDA extension.
+    """
+    from torch.utils.cpp_extension import include_paths
+
+    stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    stub.parent.mkdir(parents=True)
+    stub.write_text("#pragma once\n")
+    src = _loader.CSRC / "gpu_adam" / "binding.cpp"
+    cmd = [
+        "g++", "-std=c++20", "-fsyntax-only", f"-I{tmp_path}", *[f"-I{p}" for p in include_paths()],
+        f"-I{sysconfig.get_paths()['include']}", f"-I{CUDA_INCLUDE}", f"-I{src.parent}",
+        "-DTORCH_EXTENSION_NAME=tiered_ext_gpu_check", str(src),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode == 0, "\n".join(errors[:20]) or proc.stderr[-3000:]
 
 
 _ISA_PROBE = "import tiered_ext, json; print(json.dumps(tiered_ext.kernel_info()['cpu_adam']))"
