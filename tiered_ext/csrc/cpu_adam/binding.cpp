@@ -145,4 +145,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("self_test", [](const std::string& name) { return ca::self_test(isa_from_name(name)); },
         py::call_guard<py::gil_scoped_release>());
   m.def("num_threads", [] { return at::get_num_threads(); });
+  // True only in the test-only build whose AVX-512 path is emulated (tiered_ext/_avx512_emulated.py).
+  m.def("emulated", [] {
+#ifdef TIERED_SIMD_EMULATION
+    return true;
+#else
+    return false;
+#endif
+  });
 }

@@ -2,14 +2,25 @@
 // exactly as c10::BFloat16; vcvtneps2bf16 would flush subnormals). Compiled for that target by
 // pragma (no -march=native) and only called after the dispatcher has checked the CPU at run time.
 // Standard headers come before the pragma: see cpu_adam_avx2.cpp.
+//
+// TIERED_SIMD_EMULATION (the test-only build of tiered_ext/_avx512_emulated.py, never the product build):
+// the same code over SIMDe's portable emulation of these intrinsics (simd_emulation.h), so this
+// path runs and is tested on CPUs without AVX-512. No target pragma then: with it GCC could emit
+// real AVX-512 instructions for the inlined portable code.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#ifdef TIERED_SIMD_EMULATION
+#include "simd_emulation.h"
+#else
 #include <immintrin.h>
+#endif
 
 #include "cpu_adam.h"
 
+#ifndef TIERED_SIMD_EMULATION
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#endif
 // A target pragma re-initialises GCC's per-function optimisation options, -ffp-contract among them:
 // without this the a*b+c lines of the vector body are fused into FMAs (seen: AdamW's p*decay fused
 // with the update), which breaks [Note: bitwise-identical paths] and equality with torch.
