@@ -257,6 +257,35 @@ def test_lowp_copy_rounds_like_torch_on_all_bit_patterns(isa: str, od) -> None:
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("od", [torch.bfloat16, torch.float16], ids=str)
+def test_lowp_copy_of_nan_has_the_same_bits_on_every_path(od) -> None:
+    """A NaN master's low-precision copy: the vector body and the scalar tail write the same bits
+    (bf16: 0x7FC0 whatever the sign, as c10::BFloat16; fp16: sign and payload kept, quieted, as
+    vcvtps2ph)."""
+    _native_or_fail()
+    payloads = [0x7FC00000, 0x7F800001, 0x7FBFFFFF, 0x7FFFFFFF, 0x7FC02000, 0x7FA5A000]
+    words = torch.tensor(payloads + [w | 0x80000000 for w in payloads], dtype=torch.int64)
+    p0 = (words & 0xFFFFFFFF).to(torch.int32).view(torch.float32).repeat(3)  # vector body and tail
+    mantissa = (words & 0x7FFFFF).repeat(3)
+    sign = ((words >> 16) & 0x8000).repeat(3)
+    if od == torch.float16:
+        want = sign | 0x7E00 | (mantissa >> 13)
+    else:
+        want = torch.full_like(sign, 0x7FC0)
+    mod = _loader.cpu_module()
+    previous = mod.get_isa()
+    try:
+        for name in mod.supported_isas():
+            _loader.set_cpu_isa(name)
+            p, n = p0.clone(), p0.numel()
+            out = torch.zeros(n, dtype=od)
+            tiered_ext.adam_step(p, torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0, beta1=0.9,
+                                 beta2=0.999, eps=1e-8, weight_decay=0.0, out_lowp=out)  # fmt: skip
+            got = out.view(torch.int16).to(torch.int64) & 0xFFFF
+            assert torch.equal(got, want), f"{name}: {[hex(x) for x in got.tolist()]}"
+    finally:
+        _loader.set_cpu_isa(previous)
+
 def test_zero_elements_and_kernel_info() -> None:
     _native_or_fail()
     e = torch.empty(0)

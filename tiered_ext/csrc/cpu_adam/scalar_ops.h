@@ -43,7 +43,9 @@ inline uint16_t f32_to_bf16(float f) {
 }
 
 // IEEE half <-> float, exact (RNE, subnormals kept): the branch-free algorithm of the FP16 library
-// that c10::Half uses, so the scalar tail agrees bitwise with F16C/AVX-512 vcvtps2ph.
+// that c10::Half uses, so the scalar tail agrees bitwise with F16C/AVX-512 vcvtps2ph. One change
+// from that library: a NaN keeps its top payload bits, quieted, as vcvtps2ph does (the library
+// writes 0x7E00), so a NaN's half copy has the same bits in a tail as in the vector body.
 inline float f16_to_f32(uint16_t h) {
   const uint32_t w = static_cast<uint32_t>(h) << 16;
   const uint32_t sign = w & 0x80000000u;
@@ -69,7 +71,8 @@ inline uint16_t f32_to_f16(float f) {
   const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
   const uint32_t mantissa_bits = bits & 0x00000FFFu;
   const uint32_t nonsign = exp_bits + mantissa_bits;
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  const uint32_t nan = 0x7E00u | ((w >> 13) & 0x03FFu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? nan : nonsign));
 }
 
 // Element-type tags: the kernels are templates over (grad, state, out) tags.
