@@ -167,3 +167,23 @@ def test_closure_is_called_and_its_loss_returned() -> None:
     loss = opt.step(closure)
     assert isinstance(loss, torch.Tensor)
     assert not torch.equal(model[0].weight, before)
+
+
+def test_a_bad_parameter_among_good_ones_steps_none_of_them() -> None:
+    """The whole group goes to the kernel in one call, checked before any tensor is touched: a
+    refusal names the parameter and leaves every parameter, moment and step count as it was."""
+    good = [torch.nn.Parameter(torch.randn(70_000)) for _ in range(3)]
+    bad = torch.nn.Parameter(torch.randn(4, 4).t())  # not contiguous
+    for p in [*good, bad]:
+        p.grad = torch.randn_like(p)
+    opt = CPUAdam([*good, bad], lr=0.1)
+    before = [p.detach().clone() for p in good]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[3\] .* not contiguous"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(good, before, strict=True))
+    assert all(float(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg"].any() for p in good)
+    bad.data = bad.data.contiguous()
+    bad.grad = bad.grad.contiguous()
+    opt.step()  # fixed: every parameter takes its first step
+    assert all(float(opt.state[p]["step"]) == 1 for p in [*good, bad])
+    assert not any(torch.equal(p, b) for p, b in zip(good, before, strict=True))

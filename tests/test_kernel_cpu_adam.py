@@ -409,3 +409,54 @@ def _run_steps_wd(n: int, steps: int, gd, sd, od, adamw: bool, fn):
         g = torch.randn(n, generator=gen).to(gd)
         fn(p, g, m, v, step=step, weight_decay=0.0, adamw_mode=adamw, out_lowp=out, **HYPER)
     return p, m, v, out
+
+
+MANY_SIZES = [0, 1, 17, 65_535, 65_536, 65_537, 3 * 65_536 + 5, 1037]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_partitions_in_one_call_equal_one_call_each(threads: int) -> None:
+    """_adam_step_many (one parallel region over the blocks of every partition, each partition with
+    its own step count and dtypes) gives the bits of adam_step called once per partition."""
+    _native_or_fail()
+    combos = list(itertools.product(GRAD_DTYPES, STATE_DTYPES))
+    parts = []
+    for i, n in enumerate(MANY_SIZES):
+        gd, sd = combos[i % len(combos)]
+        p, m, v, grads = _make(n, gd, sd, seed=100 + i)
+        g = grads[0]
+        parts.append((p, g, m, v, torch.full((n,), float("nan"), dtype=torch.bfloat16)))
+    mine = [tuple(t.clone() for t in part) for part in parts]
+    steps = [1 + (i % 4) for i in range(len(parts))]
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True, grad_scale=0.5)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tiered_ext._adam_step_many([t[0] for t in mine], [t[1] for t in mine], [t[2] for t in mine],
+                                   [t[3] for t in mine], steps=steps, out_lowp=[t[4] for t in mine], **kw)  # fmt: skip
+    finally:
+        torch.set_num_threads(previous)
+    for i, (part, step) in enumerate(zip(parts, steps, strict=True)):
+        p, g, m, v, out = part
+        tiered_ext.adam_step(p, g, m, v, step=step, out_lowp=out, **kw)
+        for name, a, b in zip(("param", "grad", "exp_avg", "exp_avg_sq", "out"), mine[i], part, strict=True):
+            assert torch.equal(a, b), f"partition {i} (n={MANY_SIZES[i]}): {name} differs"
+
+
+def test_many_partitions_refused_before_any_is_touched() -> None:
+    _native_or_fail()
+    ps = [torch.randn(70_000), torch.randn(5), torch.randn(9)]
+    gs = [torch.randn(70_000), torch.randn(5), torch.randn(8)]  # [2] has the wrong size
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    before = [p.clone() for p in ps]
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
+    with pytest.raises(ValueError, match=r"\[2\]: .*grad has 8 elements, param has 9"):
+        tiered_ext._adam_step_many(ps, gs, ms, vs, steps=[1, 1, 1], **kw)
+    assert all(torch.equal(p, b) for p, b in zip(ps, before, strict=True))
+    with pytest.raises(ValueError, match="share memory"):  # the same tensor twice would step twice
+        tiered_ext._adam_step_many([ps[0], ps[0]], [gs[0], gs[0]], [ms[0], torch.zeros(70_000)],
+                                   [vs[0], torch.zeros(70_000)], steps=[1, 1], **kw)  # fmt: skip
+    assert torch.equal(ps[0], before[0])
+    with pytest.raises(ValueError, match=r"\[1\]: .*step must be >= 1"):
+        tiered_ext._adam_step_many(ps[:2], gs[:2], ms[:2], vs[:2], steps=[1, 0], **kw)
+    assert all(torch.equal(p, b) for p, b in zip(ps, before, strict=True))

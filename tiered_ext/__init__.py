@@ -18,6 +18,8 @@ element was inf/NaN, in which case nothing is modified. Semantics: torch.optim.A
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from . import _loader
@@ -85,31 +87,42 @@ def adam_step(
         raise
 
 
-def _adam_step_any_shape(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+def _adam_step_many(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
     *,
-    step: int,
+    steps: Sequence[int],
     lr: float,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
     adamw_mode: bool,
+    grad_scale: float = 1.0,
+    out_lowp: Sequence[torch.Tensor] | None = None,
+    flat: bool = True,
 ) -> None:
-    """adam_step for tiered.optim.CPUAdam: contiguous tensors of any (equal) shape, scalars already
-    validated by the caller. The C++ binding still checks every tensor before the kernel runs."""
+    """adam_step over many CPU partitions, each with its own step count, in one native call: one
+    parallel region for the whole list instead of one fork/join per tensor. For tiered.optim.CPUAdam
+    (flat=False: contiguous tensors of any equal shape) and gpu_adam_step's CPU lists; scalars are
+    validated by the caller. The C++ binding checks every tensor before the kernel touches any and
+    raises ValueError naming the index."""
     mod = _loader.cpu_module()
     if mod is None:
-        adam_step_reference(
-            param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1), step=step, lr=lr, beta1=beta1,
-            beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-        )  # fmt: skip
+        outs = list(out_lowp) if out_lowp is not None else [None] * len(params)
+        for p, g, m, v, o, step in zip(params, grads, exp_avgs, exp_avg_sqs, outs, steps, strict=True):
+            adam_step_reference(
+                p.view(-1), g.view(-1), m.view(-1), v.view(-1), step=step, lr=lr, beta1=beta1, beta2=beta2,
+                eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode, grad_scale=grad_scale,
+                out_lowp=o.view(-1) if o is not None else None,
+            )  # fmt: skip
         return
-    mod.adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw_mode, 1.0, None,
-                  False, False)  # fmt: skip
+    mod.adam_step_many(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+                       list(out_lowp) if out_lowp is not None else None, [int(s) for s in steps], float(lr),
+                       float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode),
+                       float(grad_scale), False, flat)  # fmt: skip
 
 
 def kernel_info() -> dict[str, object]:

@@ -60,16 +60,18 @@ def gpu_adam_step(
         grad_scale=grad_scale,
     )  # fmt: skip
     if device.type != "cuda":
-        from . import adam_step  # the CPU kernel; imported here to keep the package import acyclic
-
         if device.type != "cpu":
             for i in range(n):
                 adam_step_reference(
                     params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out_lowp=outs[i], **scalars
                 )
             return
-        for i in range(n):
-            adam_step(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out_lowp=outs[i], **scalars)
+        from . import _adam_step_many  # the CPU kernel; imported here to keep the package import acyclic
+
+        if out_lowp is not None and any(o is None for o in outs):
+            raise ValueError("out_lowp holds None: pass a tensor for every param, or out_lowp=None")
+        step_ = scalars.pop("step")
+        _adam_step_many(params, grads, exp_avgs, exp_avg_sqs, steps=[step_] * n, out_lowp=out_lowp, **scalars)
         return
     mod = _loader.gpu_module()
     if mod is None:

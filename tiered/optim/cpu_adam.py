@@ -111,18 +111,18 @@ class CPUAdam(torch.optim.Optimizer):
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
             )  # fmt: skip
-            for k, ((gi_, pi, p, state), step) in enumerate(zip(todo, step_values, strict=True)):
-                try:
-                    tiered_ext._adam_step_any_shape(
-                        p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=int(step), **hyper
-                    )
-                except (ValueError, TypeError):
-                    # The binding refused it before touching memory; say which parameter and why
-                    # ([Note: two-layer argument checks] in tiered_ext/__init__.py).
-                    for rest in todo[k:]:  # these did not step
-                        rest[3]["step"] -= 1
+            try:
+                tiered_ext._adam_step_many(
+                    [t[2] for t in todo], [t[2].grad for t in todo], [t[3]["exp_avg"] for t in todo],
+                    [t[3]["exp_avg_sq"] for t in todo], steps=[int(s) for s in step_values], flat=False, **hyper,
+                )  # fmt: skip
+            except (ValueError, TypeError):
+                # The binding refused before touching any tensor, so none of them stepped: say which
+                # parameter and why ([Note: two-layer argument checks] in tiered_ext/__init__.py).
+                torch._foreach_sub_(steps, 1.0)
+                for gi_, pi, p, _ in todo:
                     self._check_param(p, gi_, pi)
-                    raise
+                raise
         return loss
 
     @staticmethod
