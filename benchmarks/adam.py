@@ -124,13 +124,17 @@ BYTES_PER_PARAM = {
 
 def run(threads: int, shapes: list[int], warmup: int, repeats: int, deepspeed: tuple) -> list[dict]:
     """Round-robin: every repeat runs each method once, so a burst of load on a shared machine
-    hits all methods alike instead of whichever ran during it."""
+    hits all methods alike instead of whichever ran during it. The order rotates by one method per
+    repeat, so no method always runs right after the same neighbour (whose OpenMP threads may still
+    spin, or whose writes may still sit in the caches)."""
     torch.set_num_threads(threads)
     n = sum(shapes)
     methods = _methods(shapes, deepspeed[0])
     times: dict[str, list[float]] = {name: [] for name in methods}
+    names = list(methods)
     for r in range(warmup + repeats):
-        for name, fn in methods.items():
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn = methods[name]
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0
