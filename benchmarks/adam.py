@@ -92,11 +92,14 @@ def _methods(shapes: list[int], deepspeed_cls) -> dict[str, Callable[[], None]]:
     count = {"step": 0}
     b1, b2 = HYPER["betas"]
 
+    master_data = [p.data for p in masters]
+
     def fused_step() -> None:
+        # The multi-tensor entry point (CPU lists: one parallel region for all 32 partitions).
         count["step"] += 1
-        for p, g, m, v, o in zip(masters, g16, ms, vs, out16, strict=True):
-            tiered_ext.adam_step(p.data, g, m, v, step=count["step"], lr=HYPER["lr"], beta1=b1, beta2=b2,
-                                 eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], out_lowp=o)  # fmt: skip
+        tiered_ext.gpu_adam_step(master_data, g16, ms, vs, step=count["step"], lr=HYPER["lr"], beta1=b1,
+                                 beta2=b2, eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
+                                 out_lowp=out16)  # fmt: skip
 
     out[OFFLOAD_OURS] = fused_step
     src = torch.randn(256 * M)  # 1 GiB fp32
