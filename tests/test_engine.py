@@ -191,3 +191,20 @@ def test_loss_is_unchanged_by_backward_scaling() -> None:
         v = float(loss.detach())
         engine.backward(loss)
         assert float(loss.detach()) == v and math.isfinite(v)
+
+
+def test_every_error_is_importable_from_the_package() -> None:
+    """A user catches what the engine raises as tiered.<Name>, as DESIGN.md's one errors module
+    promises: every exception and warning class of tiered.errors is exported at the top level."""
+    import inspect
+
+    import tiered.errors
+
+    public = {
+        name for name, obj in vars(tiered.errors).items()
+        if inspect.isclass(obj) and issubclass(obj, (Exception, Warning)) and obj.__module__ == "tiered.errors"
+    }  # fmt: skip
+    assert public, "tiered.errors defines no classes?"
+    missing = sorted(name for name in public if getattr(tiered, name, None) is not getattr(tiered.errors, name))
+    assert not missing, f"not exported by tiered: {missing}"
+    assert public <= set(tiered.__all__)
