@@ -10,17 +10,14 @@ import os
 
 import pytest
 import torch
+from kernel_support import GRAD_DTYPES, HYPER, OUT_DTYPES, STATE_DTYPES, ref_tol
 
 import tiered_ext
 from tiered_ext import _avx512_emulated, _loader
 
 pytestmark = pytest.mark.native
 
-GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-STATE_DTYPES = [torch.float32, torch.bfloat16]
-OUT_DTYPES = [None, torch.bfloat16, torch.float16]
 SIZES = [1, 7, 15, 16, 17, 31, 33, 1037]
-HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 GUARD = 37  # elements before and after each buffer: every view starts at an unaligned address
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
@@ -112,11 +109,6 @@ def _inputs(n: int, gd, sd, seed: int):
     return p, m, v, grads
 
 
-def _tol(sd: torch.dtype) -> dict[str, float]:
-    # As test_kernel_cpu_adam.py: fp32 states agree with torch to a few ulps; a bf16 state can flip
-    # by one bf16 ulp near a rounding boundary.
-    return dict(rtol=1e-6, atol=1e-7) if sd == torch.float32 else dict(rtol=1e-5, atol=1e-4)
-
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "l2"])
@@ -160,9 +152,9 @@ def test_avx512_bitwise_scalar_and_close_to_reference(emu, gd, sd, od, adamw: bo
             # The low-precision copy is exactly the new master rounded to nearest even.
             assert _same_bits(a, bufs["avx512"][0][1].to(od))
     kp, km, kv = (view for _, view in bufs["avx512"])
-    torch.testing.assert_close(kp, ref[0], **_tol(sd))
-    torch.testing.assert_close(km.float(), ref[1].float(), **_tol(sd))
-    torch.testing.assert_close(kv.float(), ref[2].float(), rtol=_tol(sd)["rtol"] * 10, atol=1e-9)
+    torch.testing.assert_close(kp, ref[0], **ref_tol(sd))
+    torch.testing.assert_close(km.float(), ref[1].float(), **ref_tol(sd))
+    torch.testing.assert_close(kv.float(), ref[2].float(), rtol=ref_tol(sd)["rtol"] * 10, atol=1e-9)
 
 
 # fp32 bit patterns around bf16 rounding: ties (to even, down and up), one ulp either side of a tie,

@@ -8,17 +8,14 @@ import os
 
 import pytest
 import torch
+from kernel_support import GRAD_DTYPES, HYPER, OUT_DTYPES, STATE_DTYPES, ref_tol
 
 import tiered_ext
 from tiered_ext import _loader
 
 pytestmark = pytest.mark.native
 
-GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-STATE_DTYPES = [torch.float32, torch.bfloat16]
-OUT_DTYPES = [None, torch.bfloat16, torch.float16]
 SIZES = [1, 7, 15, 16, 17, 1037]
-HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
 
 def _native_or_fail() -> None:
@@ -69,11 +66,6 @@ def _make(n: int, gd: torch.dtype, sd: torch.dtype, seed: int):
 P_TOL = dict(rtol=1e-6, atol=2e-7)
 
 
-def _tol(sd: torch.dtype) -> dict[str, float]:
-    # fp32: a few ulps. bf16 states: one bf16 ulp (2^-8 relative) of a state can flip when the
-    # fp32 values differ by an ulp near a rounding boundary; it moves the parameter by < lr/100.
-    return dict(rtol=1e-6, atol=1e-7) if sd == torch.float32 else dict(rtol=1e-5, atol=1e-4)
-
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "l2"])
@@ -106,9 +98,9 @@ def test_matches_reference(isa: str, gd, sd, od, adamw: bool, n: int) -> None:
         for raw, t, gb in ((rp, kp, gp), (rm, km, gm), (rv, kv, gv)):
             assert _guards_intact(raw, n, t.dtype, gb), "write outside the partition"
         assert _guards_intact(graw, n, gd, ggrd)
-    torch.testing.assert_close(kp, ref[0], **_tol(sd))
-    torch.testing.assert_close(km.float(), ref[1].float(), **_tol(sd))
-    torch.testing.assert_close(kv.float(), ref[2].float(), rtol=_tol(sd)["rtol"] * 10, atol=1e-9)
+    torch.testing.assert_close(kp, ref[0], **ref_tol(sd))
+    torch.testing.assert_close(km.float(), ref[1].float(), **ref_tol(sd))
+    torch.testing.assert_close(kv.float(), ref[2].float(), rtol=ref_tol(sd)["rtol"] * 10, atol=1e-9)
 
 
 def _run_steps(n: int, steps: int, gd, sd, od, adamw: bool, fn, seed: int = 0):
@@ -396,8 +388,8 @@ def test_without_weight_decay_matches_reference(gd, sd, od, adamw: bool) -> None
     n = 1037
     got = _run_steps_wd(n, 5, gd, sd, od, adamw, tiered_ext.adam_step)
     want = _run_steps_wd(n, 5, gd, sd, od, adamw, tiered_ext.adam_step_reference)
-    torch.testing.assert_close(got[0], want[0], **_tol(sd))
-    torch.testing.assert_close(got[1].float(), want[1].float(), **_tol(sd))
+    torch.testing.assert_close(got[0], want[0], **ref_tol(sd))
+    torch.testing.assert_close(got[1].float(), want[1].float(), **ref_tol(sd))
 
 
 def _run_steps_wd(n: int, steps: int, gd, sd, od, adamw: bool, fn):
