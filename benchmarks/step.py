@@ -8,10 +8,12 @@ step time, per-step bytes per link and stall time (tiered), overlap efficiency
 (the same math on the same cores) and a link's time is its measured busy seconds per step, and the
 max relative loss difference vs plain PyTorch.
 
-    python benchmarks/step.py [--steps 6] [--nvme-dir DIR] [--no-deepspeed] [--json out.json]
+    python benchmarks/step.py [--steps 6] [--nvme-dir DIR] [--no-deepspeed] [--device cuda] [--json out.json]
 
 DeepSpeed runs in a subprocess (DS_ACCELERATOR=cpu, gloo, one rank) with the same JSON; its aio op
-JIT-builds (~2 min) the first time. Absent if not importable.
+JIT-builds (~2 min) the first time. Absent if not importable. With --device cuda (run by
+benchmarks/gpu_check) the plain runner trains on the GPU and tiered's "gpu" tier is device memory;
+DeepSpeed is then not run (this script only drives its CPU accelerator).
 """
 
 from __future__ import annotations
@@ -74,18 +76,32 @@ def ds_json(nvme_dir: str, pipeline_read: bool = False) -> dict[str, Any]:
     }
 
 
-def run_plain(data: list[dict[str, torch.Tensor]], warmup: int) -> dict[str, Any]:
-    model = build_model().train()
+def _sync(device: str) -> None:
+    """Timings on a GPU need the queued kernels finished."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _on(data: list[dict[str, torch.Tensor]], device: str) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.to(device) for k, v in b.items()} for b in data]
+
+
+def run_plain(data: list[dict[str, torch.Tensor]], warmup: int, device: str = "cpu") -> dict[str, Any]:
+    model = build_model().train().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     times, losses, phases = [], [], []
-    for b in data:
+    for b in _on(data, device):
+        _sync(device)
         t0 = time.perf_counter()
         loss = model(**b).loss
+        _sync(device)
         t1 = time.perf_counter()
         loss.backward()
+        _sync(device)
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _sync(device)
         t3 = time.perf_counter()
         times.append(t3 - t0)
         phases.append((t1 - t0, t2 - t1, t3 - t2))
@@ -105,7 +121,7 @@ def _link_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, dict[str, flo
 
 
 def run_tiered(data: list[dict[str, torch.Tensor]], warmup: int, nvme_dir: str,
-               pipeline_read: bool = False, overlap: bool = False) -> dict[str, Any]:
+               pipeline_read: bool = False, overlap: bool = False, device: str = "cpu") -> dict[str, Any]:
     import tiered
 
     cfg = ds_json(nvme_dir, pipeline_read)
@@ -114,12 +130,14 @@ def run_tiered(data: list[dict[str, torch.Tensor]], warmup: int, nvme_dir: str,
     model = build_model()
     times, losses, per_step = [], [], []
     with tiered.initialize(model, cfg) as engine:
-        for b in data:
+        for b in _on(data, device):
             s0 = engine.stats()
+            _sync(device)
             t0 = time.perf_counter()
             loss = engine(**b).loss
             engine.backward(loss)
             engine.step()
+            _sync(device)
             times.append(time.perf_counter() - t0)
             losses.append(float(loss.detach()))
             s1 = engine.stats()
@@ -211,21 +229,29 @@ def main() -> int:
                     help="also run tiered with tiered.overlap_step_with_backward (the optimizer step of each "
                          "layer starts during backward)")
     ap.add_argument("--deepspeed-timeout", type=float, default=900.0)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where plain PyTorch trains and what tiered's gpu tier is (cuda: a GPU machine)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     base = Path(args.nvme_dir or tempfile.mkdtemp(prefix="tiered_step_"))
     data = make_data(args.steps)
-    res: dict[str, Any] = {"pipeline_read": args.pipeline_read, "steps": args.steps, "warmup": args.warmup, "threads": torch.get_num_threads()}
-    res["plain"] = run_plain(data, args.warmup)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA GPU here")
+    res: dict[str, Any] = {"pipeline_read": args.pipeline_read, "steps": args.steps, "warmup": args.warmup,
+                           "threads": torch.get_num_threads(), "device": args.device}  # fmt: skip
+    res["plain"] = run_plain(data, args.warmup, args.device)
     tdir = base / "tiered"
     tdir.mkdir(parents=True, exist_ok=True)
-    res["tiered"] = run_tiered(data, args.warmup, str(tdir), args.pipeline_read)
+    res["tiered"] = run_tiered(data, args.warmup, str(tdir), args.pipeline_read, device=args.device)
     if args.overlap:
         odir = base / "tiered_overlap"
         odir.mkdir(parents=True, exist_ok=True)
-        res["tiered_overlap"] = run_tiered(data, args.warmup, str(odir), args.pipeline_read, overlap=True)
-    if not args.no_deepspeed:
+        res["tiered_overlap"] = run_tiered(data, args.warmup, str(odir), args.pipeline_read, overlap=True,
+                                           device=args.device)  # fmt: skip
+    if args.device == "cuda":
+        res["deepspeed"] = {"absent": "not run with --device cuda (this script drives its CPU accelerator)"}
+    elif not args.no_deepspeed:
         ddir = base / "deepspeed"
         ddir.mkdir(parents=True, exist_ok=True)
         res["deepspeed"] = run_deepspeed(args.steps, args.warmup, str(ddir), args.deepspeed_timeout, args.pipeline_read)
@@ -239,7 +265,8 @@ def main() -> int:
     variants = [("tiered", "tiered ZeRO-3, params+optimizer on NVMe")]
     if "tiered_overlap" in res:
         variants.append(("tiered_overlap", "tiered, same + tiered.overlap_step_with_backward"))
-    rows = [("plain PyTorch (AdamW, all in memory)", plain["step_s"], 1.0, "-", "-")]
+    where = "GPU memory" if args.device == "cuda" else "memory"
+    rows = [(f"plain PyTorch (AdamW, all in {where})", plain["step_s"], 1.0, "-", "-")]
     for key, label in variants:
         t = res[key]
         busiest = max(t["links_per_step"].items(), key=lambda kv: kv[1]["seconds"], default=("-", {"seconds": 0.0}))
@@ -257,7 +284,7 @@ def main() -> int:
                      ds["step_s"] / compute, f"{ds['max_rel_loss_diff']:.1e}", "-"))
     print(f"\n{plain['params'] / 1e6:.1f}M-param Llama, batch 4x128, fp32, {args.steps} steps "
           f"(median of the last {args.steps - args.warmup}), {res['threads']} threads, "
-          f"pipeline_read={args.pipeline_read}\n")
+          f"pipeline_read={args.pipeline_read}, device {args.device}\n")
     print("| runner | s/step | x plain | max rel loss diff | overlap eff. |")
     print("|---|---|---|---|---|")
     for name, sec, r, d, e in rows:
