@@ -445,10 +445,13 @@ def test_many_partitions_refused_before_any_is_touched() -> None:
     with pytest.raises(ValueError, match=r"\[2\]: .*grad has 8 elements, param has 9"):
         tiered_ext._adam_step_many(ps, gs, ms, vs, steps=[1, 1, 1], **kw)
     assert all(torch.equal(p, b) for p, b in zip(ps, before, strict=True))
-    with pytest.raises(ValueError, match="share memory"):  # the same tensor twice would step twice
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[1\] share memory"):  # stepped twice
         tiered_ext._adam_step_many([ps[0], ps[0]], [gs[0], gs[0]], [ms[0], torch.zeros(70_000)],
                                    [vs[0], torch.zeros(70_000)], steps=[1, 1], **kw)  # fmt: skip
-    assert torch.equal(ps[0], before[0])
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\] and exp_avgs\[1\] share memory"):
+        tiered_ext._adam_step_many([ps[0], torch.zeros(70_000)], [gs[0], gs[0]], [ms[0], ms[0]],
+                                   [vs[0], torch.zeros(70_000)], steps=[1, 1], **kw)  # fmt: skip
+    assert torch.equal(ps[0], before[0]) and not ms[0].any()
     with pytest.raises(ValueError, match=r"\[1\]: .*step must be >= 1"):
         tiered_ext._adam_step_many(ps[:2], gs[:2], ms[:2], vs[:2], steps=[1, 0], **kw)
     assert all(torch.equal(p, b) for p, b in zip(ps, before, strict=True))

@@ -182,17 +182,31 @@ bool adam_step_many(std::vector<at::Tensor> params, std::vector<at::Tensor> grad
     parts.back().h =
         tiered::make_adam_hyper(steps[i], lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale);
   }
-  // Distinct partitions must not share memory either (the same tensor twice would be stepped twice).
-  std::vector<std::pair<const char*, const char*>> spans;
+  // Nor may the buffers the kernel writes overlap across partitions (the same tensor twice would be
+  // stepped twice); checked_buffers covered each partition's own buffers, gradients included.
+  struct Span {
+    const char* begin;
+    const char* end;
+    const char* name;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  auto add = [&](const at::Tensor& t, const char* name, size_t i) {
+    if (t.numel() == 0) return;
+    const auto* b = static_cast<const char*>(t.data_ptr());
+    spans.push_back({b, b + t.numel() * t.element_size(), name, i});
+  };
   for (size_t i = 0; i < n; ++i) {
-    if (params[i].numel() == 0) continue;
-    const auto* p0 = static_cast<const char*>(params[i].data_ptr());
-    spans.emplace_back(p0, p0 + params[i].numel() * 4);
+    add(params[i], "params", i);
+    add(exp_avgs[i], "exp_avgs", i);
+    add(exp_avg_sqs[i], "exp_avg_sqs", i);
+    if (out_lowp.has_value()) add((*out_lowp)[i], "out_lowp", i);
   }
-  std::sort(spans.begin(), spans.end());
-  for (size_t i = 1; i < spans.size(); ++i)
-    TORCH_CHECK_VALUE(spans[i].first >= spans[i - 1].second,
-                      "tiered_ext.adam_step_many: two params share memory (the same tensor twice?)");
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (size_t k = 1; k < spans.size(); ++k)
+    TORCH_CHECK_VALUE(spans[k].begin >= spans[k - 1].end, "tiered_ext.adam_step_many: ", spans[k - 1].name, "[",
+                      spans[k - 1].index, "] and ", spans[k].name, "[", spans[k].index,
+                      "] share memory (the same tensor passed twice?)");
   return run_parts(parts, check_finite);
 }
 
