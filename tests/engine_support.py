@@ -298,6 +298,10 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm()) / denom
 
 
+# fp32 training through tiered vs plain PyTorch: the bound on every parameter (relative).
+REL = 1e-5
+
+
 def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rel: float) -> None:
     missing = [n for n in want if n not in got]
     assert not missing, f"tiered's consolidated state lacks {missing} (has {sorted(got)[:8]}...)"
@@ -305,7 +309,7 @@ def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     assert worst[0] <= rel, f"parameter {worst[1]} differs: max rel {worst[0]:.3g} > {rel:g}"
 
 
-def assert_losses_close(got: Sequence[float], want: Sequence[float], rel: float = 1e-5) -> None:
+def assert_losses_close(got: Sequence[float], want: Sequence[float], rel: float = REL) -> None:
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert math.isclose(a, b, rel_tol=rel, abs_tol=1e-7), f"loss {i}: tiered {a!r} vs torch {b!r}"

@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine_support import (
     CASES,
+    REL,
     assert_losses_close,
     assert_params_close,
     build,
@@ -27,7 +28,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-REL = 1e-5  # as the CPU equivalence tests
 
 
 def _on(batches: list[dict[str, torch.Tensor]], device: str) -> list[dict[str, torch.Tensor]]:

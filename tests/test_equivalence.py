@@ -9,6 +9,7 @@ import pytest
 import torch
 from engine_support import (
     CASES,
+    REL,
     assert_losses_close,
     assert_params_close,
     build,
@@ -18,7 +19,6 @@ from engine_support import (
     tiered_train,
 )
 
-REL = 1e-5
 PLACEMENTS = [(p, o) for p in ("none", "cpu", "nvme") for o in ("none", "cpu", "nvme")]
 
 

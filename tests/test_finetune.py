@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_support import REL
 
 import tiered
 from tiered.cli.main import main
@@ -29,7 +30,6 @@ from tiered.finetune import (
     train,
 )
 
-REL = 1e-5
 TINY = {
     "model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

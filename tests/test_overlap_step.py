@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from engine_support import (
     CASES,
+    REL,
     assert_losses_close,
     assert_params_close,
     build,
@@ -23,8 +24,6 @@ from engine_support import (
 from torch import nn
 
 import tiered
-
-REL = 1e-5
 
 
 def overlapped(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import _loader
-from ._validate import check_scalars, check_tensors
+from ._gpu import check_lists
 
 SOURCE = _loader.CSRC / "gpu_adam" / "gpu_adam.cu"
 HEADERS = _loader.GPU_HEADERS
@@ -111,17 +111,15 @@ def gpu_adam_step_on_host(
 
     All tensors share one (grad, state, out) dtype triple, as within one launch of the binding.
     """
-    check_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                  grad_scale=grad_scale)  # fmt: skip
+    outs = check_lists(params, grads, exp_avgs, exp_avg_sqs, out_lowp, device_type="cpu", step=step, lr=lr,
+                       beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)  # fmt: skip
     n = len(params)
-    outs = list(out_lowp) if out_lowp is not None else [None] * n
     if n == 0:
         return 0
     descs = (_TensorDesc * n)()
     dtypes = lambda i: (grads[i].dtype, exp_avgs[i].dtype, outs[i].dtype if outs[i] is not None else None)  # noqa: E731
     first = dtypes(0)
     for i in range(n):
-        check_tensors(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i], device_type="cpu", where=f"[{i}]")
         key = dtypes(i)
         if key != first:
             raise ValueError(f"tensor [{i}] has dtypes {key}, tensor [0] {first}: one launch takes one triple")

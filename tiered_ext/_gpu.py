@@ -16,6 +16,38 @@ from ._reference import adam_step_reference
 from ._validate import check_scalars, check_tensors
 
 
+def check_lists(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    out_lowp: Sequence[torch.Tensor] | None,
+    *,
+    device_type: str | None,
+    **scalars: float,
+) -> list[torch.Tensor | None]:
+    """The checks of a multi-tensor step: aligned lists, valid scalars, every partition's buffers
+    (check_tensors) and one device for all; returns out_lowp as a list (None entries without it)."""
+    n = len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    if out_lowp is not None:
+        lists["out_lowp"] = out_lowp
+    for name, seq in lists.items():
+        if len(seq) != n:
+            raise ValueError(f"{name} has {len(seq)} tensors but params has {n}: the lists must align")
+    check_scalars(**scalars)
+    outs = list(out_lowp) if out_lowp is not None else [None] * n
+    for i in range(n):
+        check_tensors(
+            params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i], device_type=device_type, where=f"[{i}]"
+        )
+        if params[i].device != params[0].device:
+            raise ValueError(
+                f"params[{i}] is on {params[i].device} but params[0] is on {params[0].device}: one device per call"
+            )
+    return outs
+
+
 def gpu_adam_step(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -33,28 +65,12 @@ def gpu_adam_step(
     out_lowp: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """Adam/AdamW step over lists of flat partitions on one device (same semantics as adam_step)."""
+    outs = check_lists(params, grads, exp_avgs, exp_avg_sqs, out_lowp, device_type=None, step=step, lr=lr,
+                       beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)  # fmt: skip
     n = len(params)
-    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    if out_lowp is not None:
-        lists["out_lowp"] = out_lowp
-    for name, seq in lists.items():
-        if len(seq) != n:
-            raise ValueError(f"{name} has {len(seq)} tensors but params has {n}: the lists must align")
-    check_scalars(
-        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale
-    )
     if n == 0:
         return
     device = params[0].device
-    outs = list(out_lowp) if out_lowp is not None else [None] * n
-    for i in range(n):
-        check_tensors(
-            params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i], device_type=None, where=f"[{i}]"
-        )
-        if params[i].device != device:
-            raise ValueError(
-                f"params[{i}] is on {params[i].device} but params[0] is on {device}: one device per call"
-            )
     scalars = dict(
         step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
         grad_scale=grad_scale,
