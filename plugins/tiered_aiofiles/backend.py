@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 from pathlib import Path
@@ -29,7 +28,8 @@ class AiofilesBackend(StorageBackend):
 
     Same atomic-replace semantics as the nvme backend ([Note: atomic file writes]); I/O goes
     through the page cache in `chunk_bytes` pieces awaited one after another (what a user writing
-    "async file I/O" by hand would do). CPU tensors only are read with no extra copy
+    "async file I/O" by hand would do). aiofiles runs each call on the executor of the backend's
+    `IOBridge` ([Note: one I/O bridge]), and so do the fsyncs and the ``fstat``. CPU tensors only are read with no extra copy
     (``readinto``); CUDA tensors pass through a host copy.
 
     Args:
@@ -70,13 +70,13 @@ class AiofilesBackend(StorageBackend):
         mv = memoryview(src.numpy())
         tmp = temp_path(self.directory, key)
         try:
-            async with aiofiles.open(tmp, "wb") as f:
+            async with aiofiles.open(tmp, "wb", executor=self.bridge.executor) as f:
                 for off in range(0, len(mv), self.chunk_bytes):
                     await f.write(mv[off : off + self.chunk_bytes])
                 await f.flush()
                 if self.fsync:
-                    await asyncio.get_running_loop().run_in_executor(None, os.fsync, f.fileno())
-            await aiofiles.os.replace(tmp, final)
+                    await self.bridge.run(os.fsync, f.fileno())
+            await aiofiles.os.replace(tmp, final, executor=self.bridge.executor)
         except BaseException as exc:
             remove_quietly(tmp)
             if isinstance(exc, OSError) and not isinstance(exc, StorageIOError):
@@ -86,15 +86,15 @@ class AiofilesBackend(StorageBackend):
                 ) from exc
             raise
         if self.fsync:  # make the rename durable
-            await asyncio.get_running_loop().run_in_executor(None, fsync_directory, self.directory)
+            await self.bridge.run(fsync_directory, self.directory)
 
     async def read(self, key: str, out: torch.Tensor) -> None:
         path = self._file(key)
         dst = tensor_bytes(out, what=f"aiofiles read of key {key!r}").detach()
         host = dst if dst.device.type == "cpu" else torch.empty_like(dst, device="cpu")
         try:
-            async with aiofiles.open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+            async with aiofiles.open(path, "rb", executor=self.bridge.executor) as f:
+                size = (await self.bridge.run(os.fstat, f.fileno())).st_size
                 check_out_size(key, size, host.numel(), where=f"file {str(path)!r}")
                 mv = memoryview(host.numpy())
                 off = 0
@@ -117,7 +117,7 @@ class AiofilesBackend(StorageBackend):
     async def delete(self, key: str) -> None:
         path = self._file(key)
         try:
-            await aiofiles.os.remove(path)
+            await aiofiles.os.remove(path, executor=self.bridge.executor)
         except FileNotFoundError:
             raise StorageKeyError(
                 f"key {key!r} not found in aiofiles backend (no file {str(path)!r})"
@@ -126,7 +126,7 @@ class AiofilesBackend(StorageBackend):
     async def exists(self, key: str) -> bool:
         path = self._file(key)
         with contextlib.suppress(FileNotFoundError):
-            return (await aiofiles.os.stat(path)) is not None
+            return (await aiofiles.os.stat(path, executor=self.bridge.executor)) is not None
         return False
 
     def capacity(self) -> Capacity:

@@ -8,8 +8,8 @@ import torch
 
 from tiered.device import Device, default_device
 from tiered.storage.base import Capabilities, Capacity
-from tiered.storage.memory import ResidentMemoryBackend
 from tiered.storage.pool import BufferPool, PoolStats
+from tiered.storage.resident import ResidentMemoryBackend
 from tiered.units import parse_bytes
 
 

@@ -8,7 +8,7 @@ import torch
 
 from tiered.device import Device, default_device
 from tiered.storage.base import Capabilities, Capacity
-from tiered.storage.memory import ResidentMemoryBackend
+from tiered.storage.resident import ResidentMemoryBackend
 
 
 class GPUBackend(ResidentMemoryBackend):

@@ -28,7 +28,8 @@ class TensorStoreBackend(StorageBackend):
     (``ndarray.tobytes()``); a read pays one copy from the returned ``bytes`` into the caller's
     tensor. Atomicity per key is the driver's (the "file" driver writes a temp file and renames).
     A cancelled write cannot be recalled from TensorStore: the key then holds either the old
-    value or the complete new one, never a mix.
+    value or the complete new one, never a mix. TensorStore does its own I/O on its own threads;
+    the two host copies run on the backend's `IOBridge` ([Note: one I/O bridge]), off the loop.
 
     Args:
         kvstore: a kvstore spec dict (``{"driver": "file", "path": "/data/tier/"}``) or URL string.
@@ -66,7 +67,7 @@ class TensorStoreBackend(StorageBackend):
         if src.device.type != "cpu":
             src = src.cpu()
         # bytes is the only value type KvStore.write accepts: one unavoidable copy.
-        value = np.asarray(src.numpy()).tobytes()
+        value = await self.bridge.run(_to_bytes, src)
         try:
             await self._kv.write(key, value)
         except (ValueError, RuntimeError, OSError) as exc:
@@ -85,7 +86,7 @@ class TensorStoreBackend(StorageBackend):
         check_out_size(key, len(value), dst.numel(), where=f"tensorstore {self._kvstore_arg!r}")
         if value:
             host = dst if dst.device.type == "cpu" else torch.empty_like(dst, device="cpu")
-            np.copyto(host.numpy(), np.frombuffer(value, dtype=np.uint8))
+            await self.bridge.run(_copy_from_bytes, host, value)
             if host is not dst:
                 dst.copy_(host)
 
@@ -110,3 +111,11 @@ class TensorStoreBackend(StorageBackend):
         if self._persistent_arg is not None:
             out["persistent"] = self._persistent_arg
         return out
+
+
+def _to_bytes(src: torch.Tensor) -> bytes:
+    return np.asarray(src.numpy()).tobytes()
+
+
+def _copy_from_bytes(host: torch.Tensor, value: bytes) -> None:
+    np.copyto(host.numpy(), np.frombuffer(value, dtype=np.uint8))

@@ -10,6 +10,7 @@ from tiered.storage.base import (
     check_out_size,
     tensor_bytes,
 )
+from tiered.storage.bridge import CapacityLimiter, IOBridge, default_bridge
 from tiered.storage.registry import (
     ENTRY_POINT_GROUP,
     BackendInfo,
@@ -25,9 +26,12 @@ __all__ = [
     "BackendInfo",
     "Capabilities",
     "Capacity",
+    "CapacityLimiter",
+    "IOBridge",
     "StorageBackend",
     "check_key",
     "check_out_size",
+    "default_bridge",
     "get_backend_class",
     "known_backends",
     "open_backend",

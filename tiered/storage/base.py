@@ -13,6 +13,22 @@ that are not memory-like raise NotImplementedError there.
 
 Writes are atomic per key: a reader never sees a half-written object, and a failed or cancelled
 write leaves the previous good copy (if any) in place.
+
+Blocking calls (``os.open``, ``pwritev``, ``fsync``, ``unlink``, a large host memcpy) never run on
+the event loop: a backend sends them through ``self.bridge``, the `IOBridge` it was handed
+([Note: one I/O bridge] in `tiered.storage.bridge`), and owns no thread pool of its own::
+
+    class MyBackend(StorageBackend):
+        async def delete(self, key):
+            await self.bridge.run(os.unlink, self._file(key))   # bounded, off the loop
+
+        async def write(self, key, tensor):
+            ...
+            await self.bridge.run_all([(self._write_chunk, fd, buf, off) for off in offsets])
+
+The tier manager hands every tier's backend its own bridge (`use_bridge`) before the first move,
+``tiered.open_backend(spec, bridge=b)`` does the same, and a backend opened directly uses
+`default_bridge()`. ``bridge.executor`` is the pool itself for a library that takes an executor.
 """
 
 from __future__ import annotations
@@ -25,6 +41,7 @@ from typing import Any, ClassVar
 import torch
 
 from tiered.errors import StorageKeyError
+from tiered.storage.bridge import IOBridge, default_bridge
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -130,6 +147,19 @@ class StorageBackend(abc.ABC):
 
     @abc.abstractmethod
     def capacity(self) -> Capacity: ...
+
+    # ---- the I/O bridge (see the Note) ------------------------------------------------------
+    @property
+    def bridge(self) -> IOBridge:
+        """The bridge this backend's blocking calls go through: the one handed in, else the default."""
+        bridge = getattr(self, "_io_bridge", None)
+        return bridge if bridge is not None and not bridge.closed else default_bridge()
+
+    def use_bridge(self, bridge: IOBridge | None) -> None:
+        """Send this backend's blocking calls through `bridge` from now on (None: the default)."""
+        if bridge is not None and not isinstance(bridge, IOBridge):
+            raise TypeError(f"backend {self.name!r}: use_bridge expects a tiered.storage.IOBridge, got {bridge!r}")
+        self._io_bridge = bridge
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most backends have nothing to free
         """Release files, threads and memory. Idempotent."""

@@ -24,6 +24,7 @@ from typing import Any
 
 from tiered.errors import BackendImportError, BackendNotFoundError, ConfigError
 from tiered.storage.base import StorageBackend
+from tiered.storage.bridge import IOBridge
 
 ENTRY_POINT_GROUP = "tiered.backends"
 
@@ -211,11 +212,12 @@ def _parse_spec(spec: dict[str, Any] | str) -> dict[str, Any]:
     return dict(spec)
 
 
-def open_backend(spec: dict[str, Any] | str) -> StorageBackend:
+def open_backend(spec: dict[str, Any] | str, *, bridge: IOBridge | None = None) -> StorageBackend:
     """Construct a backend from ``{"type": name, **constructor_kwargs}`` or a bare name.
 
     A key the constructor does not take is a ConfigError naming it, the nearest accepted key and
-    all accepted keys; so is a missing required one.
+    all accepted keys; so is a missing required one. `bridge`, if given, is the `IOBridge` the
+    backend's blocking calls go through (see [Note: one I/O bridge]); else the default one.
     """
     kwargs = _parse_spec(spec)
     name = kwargs.pop("type")
@@ -236,4 +238,7 @@ def open_backend(spec: dict[str, Any] | str) -> StorageBackend:
             f"backend {name!r}: missing required option(s) {', '.join(map(repr, missing))}; "
             f"e.g. {{'type': {name!r}, {missing[0]!r}: ...}}"
         )
-    return cls(**kwargs)
+    backend = cls(**kwargs)
+    if bridge is not None:
+        backend.use_bridge(bridge)
+    return backend

@@ -5,9 +5,10 @@ All tier-manager state is mutated on a single event loop that runs in a single d
 so the state needs no locks: a transition is a few synchronous statements between two awaits.
 The training thread never awaits; it submits coroutines (`submit`) or small synchronous
 functions (`call`) and gets `concurrent.futures.Future`s back. Blocking work (tensor copies,
-checksums, a backend's own blocking I/O) goes through `run_blocking`, the only bridge into the
-bounded `ThreadPoolExecutor`, so the loop itself never blocks and the number of OS threads doing
-I/O is bounded by ``io_threads``.
+checksums, and every tier backend's own blocking I/O) goes through the loop's one `IOBridge`
+(`bridge`, [Note: one I/O bridge] in `tiered.storage.bridge`): the manager hands it to each tier's
+backend, and its own copies and checksums use `run_blocking`. So the loop itself never blocks and
+the number of OS threads doing I/O for one manager is bounded by ``io_threads``.
 
 The thread starts lazily on first use, so creating a manager is free and a process that never
 moves a byte never starts a thread.
@@ -23,6 +24,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from tiered.errors import ManagerClosedError, TierTimeoutError
+from tiered.storage.bridge import IOBridge
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +37,12 @@ class EventLoopThread:
     def __init__(self, *, io_threads: int = 8, name: str = "tiered-tiers") -> None:
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
-        self._io_threads = io_threads
         self._name = name
+        self.bridge = IOBridge(io_threads, name=f"{name}-io")
+        """The bounded bridge into blocking calls, shared with the tiers' backends."""
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -63,9 +65,6 @@ class EventLoopThread:
             if self._loop is None:
                 ready = threading.Event()
                 loop = asyncio.new_event_loop()
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self._io_threads, thread_name_prefix=f"{self._name}-io"
-                )
 
                 def _run() -> None:
                     asyncio.set_event_loop(loop)
@@ -90,8 +89,9 @@ class EventLoopThread:
             if self._closed:
                 return
             self._closed = True
-            loop, thread, pool = self._loop, self._thread, self._pool
+            loop, thread = self._loop, self._thread
         if loop is None or thread is None:
+            self.bridge.close()
             return
         if self.in_loop_thread():
             raise RuntimeError(f"{self._name}: close() called from the loop thread itself")
@@ -115,8 +115,7 @@ class EventLoopThread:
             log.warning("%s: loop thread did not stop within %.1f s", self._name, timeout_s)
         else:
             loop.close()
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self.bridge.close(wait=False)
 
     # ---- entry points from other threads ---------------------------------------------------
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -154,7 +153,7 @@ class EventLoopThread:
 
     # ---- inside coroutines -----------------------------------------------------------------
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking `fn(*args)` in the bounded pool: the only bridge out of the loop."""
-        if self._pool is None:
+        """Run blocking `fn(*args)` on the loop's bounded `bridge`; a cancel waits for it to stop."""
+        if self.bridge.closed:
             raise ManagerClosedError(f"{self._name}: the thread pool is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await self.bridge.run(fn, *args)

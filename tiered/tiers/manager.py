@@ -104,6 +104,8 @@ class TierManager:
         self.timeout_s = float(timeout_s)
         self._tiers = {t.name: t for t in tiers}
         self._loop = EventLoopThread(io_threads=io_threads)
+        for t in tiers:  # every backend's blocking calls share the loop's one bounded bridge
+            t.backend.use_bridge(self._loop.bridge)
         self._stats = ManagerStats(tiers={n: TierCounters() for n in names})
         self._trace = TraceRecorder(record_trace)
         self._core = TierCore(tiers, self._loop, timeout_s=self.timeout_s, max_inflight_per_link=max_inflight_per_link,

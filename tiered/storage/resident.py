@@ -5,16 +5,14 @@ A memory backend keeps one resident buffer per key. A write must never leave a h
 visible, yet large copies must not block the event loop. So: a small write (up to
 `inline_copy_bytes`) whose key already has a big enough buffer copies in place on the loop — there
 is no await between start and end, so nothing can observe or cancel it halfway. A larger write
-copies into a fresh buffer (from the pool: no allocation in a steady state) off the loop (a worker
-thread on the host, the side stream on CUDA) and swaps it in only when the copy is complete; a
+copies into a fresh buffer (from the pool: no allocation in a steady state) off the loop (through
+the backend's `IOBridge` on the host, the side stream on CUDA) and swaps it in only when the copy is complete; a
 cancelled or failed write waits for its copy to stop touching the new buffer, returns it to the pool
 and leaves the old copy in place. The price is one extra buffer per large write in flight.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +44,6 @@ class ResidentMemoryBackend(StorageBackend):
     def __init__(self, device: Device) -> None:
         self.device = device
         self._entries: dict[str, _Resident] = {}
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
 
     # ---- hooks -------------------------------------------------------------------------------
@@ -70,13 +67,6 @@ class ResidentMemoryBackend(StorageBackend):
             )
         return entry
 
-    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                2, thread_name_prefix=f"tiered-{self.name}-copy"
-            )
-        return self._executor
-
     async def _copy(self, dst: torch.Tensor, src: torch.Tensor, *, what: str) -> None:
         """dst.copy_(src) without blocking the loop; on cancel, returns only once dst is untouched."""
         if dst.device.type == "cuda" or src.device.type == "cuda":
@@ -90,13 +80,8 @@ class ResidentMemoryBackend(StorageBackend):
         if dst.numel() <= self.inline_copy_bytes:
             dst.copy_(src)
             return
-        fut = self._pool().submit(dst.copy_, src)
-        try:
-            await asyncio.wrap_future(fut)
-        except BaseException:
-            fut.cancel()
-            concurrent.futures.wait([fut])  # a running memcpy: milliseconds, and dst must be quiet
-            raise
+        # a cancelled copy returns only once dst is quiet (a running memcpy: milliseconds)
+        await self.bridge.run(dst.copy_, src)
 
     # ---- contract ----------------------------------------------------------------------------
     async def write(self, key: str, tensor: torch.Tensor) -> None:
@@ -179,6 +164,3 @@ class ResidentMemoryBackend(StorageBackend):
         for entry in self._entries.values():
             self._release(entry.buf)
         self._entries.clear()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
