@@ -1,7 +1,9 @@
 """The tier layer: partitions moved between GPU, pinned CPU and NVMe tiers under hard budgets.
 
 ``TierManager`` owns one asyncio loop in one daemon thread; training code gets ``TierFuture``s.
-See the Notes in `loop`, `core` and `partition` for the design.
+The facade (`manager`) hands every operation to the one state machine (`state_machine`), which
+writes partitions (`partition`) and budgets (`budget`) and lets `transfer` move the bytes; see the
+Notes in `loop`, `state_machine`, `partition`, `waiting` and `error_context`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class LRUPolicy:
     """Least recently used first (use = fetch, prefetch, allocate or release in that tier)."""
 
     def choose(self, tier: str, candidates: Sequence[Partition], need_bytes: int) -> Sequence[Partition]:
-        return sorted(candidates, key=lambda p: p._last_use.get(tier, -1))
+        return sorted(candidates, key=lambda p: p.last_use(tier))
 
 
 class CleanFirstLRUPolicy:
@@ -34,5 +34,5 @@ class CleanFirstLRUPolicy:
     def choose(self, tier: str, candidates: Sequence[Partition], need_bytes: int) -> Sequence[Partition]:
         return sorted(
             candidates,
-            key=lambda p: (p.state(tier) is CopyState.DIRTY, p._last_use.get(tier, -1)),
+            key=lambda p: (p.state(tier) is CopyState.DIRTY, p.last_use(tier)),
         )
