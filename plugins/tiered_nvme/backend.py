@@ -319,7 +319,7 @@ class NVMeBackend(StorageBackend):
             await self._open(tmp, flags, fds)
             n = src.numel()
             await self._run([(self._write_piece, fds[0], src, o, ln, b) for o, ln, b in self._plan(src)])
-            await self._run([(self._finish_file, fds[0], n)])
+            await self._run([(_finish_file, fds[0], n, self.direct, self.fsync)])
             await self._run([(_close_and_replace, fds, tmp, final)])
         except BaseException as exc:
             _close_all(fds)  # only on a path that left one open; close() of an fd does not block
@@ -341,7 +341,7 @@ class NVMeBackend(StorageBackend):
             await self._open(final, flags, fds)
             n = src.numel()
             await self._run([(self._write_piece, fds[0], src, o, ln, b) for o, ln, b in self._plan(src)])
-            await self._run([(self._finish_in_place, fds[0], n)])
+            await self._run([(_finish_in_place, fds[0], n, self.fsync)])
         except BaseException as exc:
             if isinstance(exc, OSError) and not isinstance(exc, StorageIOError):
                 raise StorageIOError(
@@ -351,18 +351,6 @@ class NVMeBackend(StorageBackend):
             raise
         finally:
             _close_all(fds)
-
-    def _finish_in_place(self, fd: int, nbytes: int) -> None:
-        if os.fstat(fd).st_size != nbytes:
-            os.ftruncate(fd, nbytes)  # a shorter overwrite, or the O_DIRECT padding: the true size
-        if self.fsync:
-            os.fsync(fd)
-
-    def _finish_file(self, fd: int, nbytes: int) -> None:
-        if self.direct and nbytes % ALIGN:
-            os.ftruncate(fd, nbytes)  # drop the padding: [Note: nvme on-disk size]
-        if self.fsync:
-            os.fsync(fd)
 
     async def read(self, key: str, out: torch.Tensor) -> None:
         path = self._file(key)
@@ -383,8 +371,8 @@ class NVMeBackend(StorageBackend):
         fd = fds[0]
         staged = None
         try:
-            (size,) = await self._run([(_file_size, fd)])
-            check_out_size(key, size, dst.numel(), where=f"file {str(path)!r}")
+            (st,) = await self._run([(os.fstat, fd)])
+            check_out_size(key, st.st_size, dst.numel(), where=f"file {str(path)!r}")
             target = dst
             if dst.device.type != "cpu":
                 staged = self._staging.acquire(dst.numel(), what=f"staging of key {key!r}")
@@ -465,8 +453,18 @@ class NVMeBackend(StorageBackend):
         return out
 
 
-def _file_size(fd: int) -> int:
-    return os.fstat(fd).st_size
+def _finish_in_place(fd: int, nbytes: int, fsync: bool) -> None:
+    if os.fstat(fd).st_size != nbytes:
+        os.ftruncate(fd, nbytes)  # a shorter overwrite, or the O_DIRECT padding: the true size
+    if fsync:
+        os.fsync(fd)
+
+
+def _finish_file(fd: int, nbytes: int, direct: bool, fsync: bool) -> None:
+    if direct and nbytes % ALIGN:
+        os.ftruncate(fd, nbytes)  # drop the padding: [Note: nvme on-disk size]
+    if fsync:
+        os.fsync(fd)
 
 
 def _close_and_replace(fds: list[int], tmp: Path, final: Path) -> None:

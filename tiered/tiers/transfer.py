@@ -3,6 +3,13 @@
 A transfer writes no partition or budget state: the `TierStateMachine` decides what moves where
 and records the outcome; this object only copies bytes (through the backends, the loop's I/O
 bridge, or the device's side stream) and keeps the per-link counters and the trace.
+
+Every byte between tiers passes through `run` (one move on one link) and every backend call
+through `io` (bounded by the manager's timeout); every read back from a tier through `read_into`.
+So a checksum check on every read from a non-memory tier belongs in `read_into`, timeouts scaled
+by bytes and retries of transient errors in `io` / `run`; what a backend declares it can take
+(alignment, concurrency) reaches the manager in `TierBudget.of` and, for concurrency, the link
+bounds here and the bridge the manager hands its backends.
 """
 
 from __future__ import annotations
