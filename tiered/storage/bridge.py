@@ -125,7 +125,12 @@ class IOBridge:
                 limiter._release()
                 outer.set_exception(exc)
                 return
-            inner.add_done_callback(lambda f: (limiter._release(), _copy_outcome(f, outer)))
+
+            def done(f: concurrent.futures.Future[T]) -> None:
+                limiter._release()
+                _copy_outcome(f, outer)
+
+            inner.add_done_callback(done)
 
         limiter._admit(outer, start)
         return outer

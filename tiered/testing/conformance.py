@@ -33,6 +33,7 @@ import torch
 
 from tiered.errors import StorageKeyError
 from tiered.storage.base import Capabilities, Capacity, StorageBackend
+from tiered.storage.bridge import IOBridge, default_bridge
 
 T = TypeVar("T")
 
@@ -272,6 +273,28 @@ class BackendConformance:
                 is_old, is_new = torch.equal(out, old), torch.equal(out, new)
                 assert is_new or (is_old and key == "victim"), f"key {key!r}: a partial object is visible"
             await self.roundtrip(b, "victim", random_bytes(100, seed=9))  # still usable afterwards
+
+        self.run(tmp_path, scenario)
+
+    # ---- the I/O bridge ---------------------------------------------------------------------
+    def test_uses_the_bridge_it_is_handed_and_outlives_it(self, tmp_path: Path) -> None:
+        """[Note: one I/O bridge]: a backend takes its bridge from whoever opens it; once that
+        bridge is closed (its manager went away) the backend falls back to the default one."""
+
+        async def scenario(b: StorageBackend) -> None:
+            bridge = IOBridge(2, name="conformance-bridge")
+            try:
+                b.use_bridge(bridge)
+                assert b.bridge is bridge
+                await self.roundtrip(b, "bridged", random_bytes(8 << 20, seed=21))
+                await self.roundtrip(b, "bridged-small", random_bytes(100, seed=22))
+            finally:
+                bridge.close()
+            assert b.bridge is default_bridge()
+            await self.roundtrip(b, "bridged", random_bytes(3 << 20, seed=23))
+            b.use_bridge(None)
+            with pytest.raises(TypeError, match="IOBridge"):
+                b.use_bridge(object())  # type: ignore[arg-type]
 
         self.run(tmp_path, scenario)
 

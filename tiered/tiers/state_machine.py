@@ -39,8 +39,7 @@ from tiered.tiers.waiting import ChangeSignal, deadline_after, wait_done
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-ABSENT, LOADING, VALID, DIRTY, STALE = (CopyState.ABSENT, CopyState.LOADING, CopyState.VALID, CopyState.DIRTY,
-                                        CopyState.STALE)
+ABSENT, VALID, DIRTY, STALE = CopyState.ABSENT, CopyState.VALID, CopyState.DIRTY, CopyState.STALE
 
 
 def check_managed(parts: dict[str, Partition], part: Partition) -> None:
