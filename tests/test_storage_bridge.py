@@ -124,6 +124,12 @@ def test_manager_hands_its_bridge_to_every_backend_and_open_backend_takes_one(tm
     finally:
         m.close(close_backends=False)
     assert a.bridge is default_bridge(), "a closed manager's bridge must not outlive it in its backends"
+    nv = open_backend({"type": "nvme", "path": str(tmp_path), "io_threads": 5})
+    m = TierManager([Tier("cpu", MemBackend()), Tier("nvme", nv)], io_threads=3)
+    try:
+        assert nv.bridge.max_concurrency == 3 + 5, "the bridge is widened by the backend's own share"
+    finally:
+        m.close()
     mine = IOBridge(2, name="t-bridge")
     try:
         nv = open_backend({"type": "nvme", "path": str(tmp_path)}, bridge=mine)

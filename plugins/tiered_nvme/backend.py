@@ -155,6 +155,7 @@ class NVMeBackend(StorageBackend):
             self._remove_swap_directory()
             raise
         self._requested_direct = bool(direct)
+        self.io_concurrency = self.workers
         self._limiter = CapacityLimiter(self.workers, name="nvme backend")
         self._bounce: queue.SimpleQueue[torch.Tensor] | None = None
         self._device = default_device()

@@ -26,7 +26,9 @@ the event loop: a backend sends them through ``self.bridge``, the `IOBridge` it 
             ...
             await self.bridge.run_all([(self._write_chunk, fd, buf, off) for off in offsets])
 
-The tier manager hands every tier's backend its own bridge (`use_bridge`) before the first move,
+A backend that bounds its own share passes ``limiter=`` (a `CapacityLimiter`) and declares it as
+``io_concurrency``. The tier manager hands every tier's backend its bridge (`use_bridge`) before
+the first move, sized ``io_threads`` plus the backends' ``io_concurrency``;
 ``tiered.open_backend(spec, bridge=b)`` does the same, and a backend opened directly uses
 `default_bridge()`. ``bridge.executor`` is the pool itself for a library that takes an executor.
 """
@@ -114,6 +116,10 @@ class StorageBackend(abc.ABC):
     """What to install if this backend's import fails, shown in BackendImportError."""
     static_capabilities: ClassVar[Capabilities | None] = None
     """Capabilities known without constructing the backend (shown by ``tiered backends``)."""
+    io_concurrency: int = 0
+    """Blocking calls this backend runs on its bridge at once at most (its own `CapacityLimiter`);
+    a tier manager widens its bridge by this much, so the backend's share never starves the
+    manager's own copies. 0: no calls of its own, or no bound declared."""
 
     @property
     def capabilities(self) -> Capabilities:

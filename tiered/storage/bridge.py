@@ -9,7 +9,8 @@ handed it, so the number of OS threads doing I/O in a process is known, and it d
 how many backends are open.
 
 Who hands it in: whoever opens the backend. The tier manager gives every tier's backend the bridge
-of its loop (`StorageBackend.use_bridge`), so the manager's ``io_threads`` bounds all of its I/O;
+of its loop (`StorageBackend.use_bridge`), sized ``io_threads`` plus each backend's declared share
+(``io_concurrency``), so one known bound covers all of its I/O;
 ``tiered.open_backend(spec, bridge=...)`` passes one too. A backend opened directly, used on its
 own, falls back to `default_bridge()`, one lazily started process-wide bridge.
 

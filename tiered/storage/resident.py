@@ -20,6 +20,7 @@ import torch
 from tiered.device import Device
 from tiered.errors import StorageIOError, StorageKeyError
 from tiered.storage.base import StorageBackend, check_key, check_out_size, tensor_bytes
+from tiered.storage.bridge import CapacityLimiter
 
 
 @dataclass
@@ -40,11 +41,13 @@ class ResidentMemoryBackend(StorageBackend):
     """Base of memory-like backends; subclasses provide `_acquire` / `_release` and capabilities."""
 
     inline_copy_bytes: int = 4 << 20
+    io_concurrency = 2  # large host copies in flight at once (memory bandwidth, not threads, bounds them)
 
     def __init__(self, device: Device) -> None:
         self.device = device
         self._entries: dict[str, _Resident] = {}
         self._closed = False
+        self._limiter = CapacityLimiter(self.io_concurrency, name=f"{self.name} backend copies")
 
     # ---- hooks -------------------------------------------------------------------------------
     def _acquire(self, key: str, nbytes: int) -> torch.Tensor:
@@ -81,7 +84,7 @@ class ResidentMemoryBackend(StorageBackend):
             dst.copy_(src)
             return
         # a cancelled copy returns only once dst is quiet (a running memcpy: milliseconds)
-        await self.bridge.run(dst.copy_, src)
+        await self.bridge.run(dst.copy_, src, limiter=self._limiter)
 
     # ---- contract ----------------------------------------------------------------------------
     async def write(self, key: str, tensor: torch.Tensor) -> None:

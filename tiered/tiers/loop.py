@@ -8,7 +8,8 @@ functions (`call`) and gets `concurrent.futures.Future`s back. Blocking work (te
 checksums, and every tier backend's own blocking I/O) goes through the loop's one `IOBridge`
 (`bridge`, [Note: one I/O bridge] in `tiered.storage.bridge`): the manager hands it to each tier's
 backend, and its own copies and checksums use `run_blocking`. So the loop itself never blocks and
-the number of OS threads doing I/O for one manager is bounded by ``io_threads``.
+the number of OS threads doing I/O for one manager is bounded: ``io_threads`` for its own copies
+and checksums, plus the share each backend declares (``io_concurrency``) and bounds itself to.
 
 The thread starts lazily on first use, so creating a manager is free and a process that never
 moves a byte never starts a thread.
@@ -24,7 +25,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from tiered.errors import ManagerClosedError, TierTimeoutError
-from tiered.storage.bridge import IOBridge
+from tiered.storage.bridge import CapacityLimiter, IOBridge
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +35,14 @@ T = TypeVar("T")
 class EventLoopThread:
     """A lazily started daemon thread running one asyncio loop. See [Note: one loop, one bridge]."""
 
-    def __init__(self, *, io_threads: int = 8, name: str = "tiered-tiers") -> None:
+    def __init__(self, *, io_threads: int = 8, name: str = "tiered-tiers", backend_threads: int = 0) -> None:
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         self._name = name
-        self.bridge = IOBridge(io_threads, name=f"{name}-io")
-        """The bounded bridge into blocking calls, shared with the tiers' backends."""
+        self.bridge = IOBridge(io_threads + backend_threads, name=f"{name}-io")
+        """The bounded bridge into blocking calls, shared with the tiers' backends: ``io_threads``
+        for `run_blocking`, plus ``backend_threads`` for the backends' own bounded shares."""
+        self._limiter = CapacityLimiter(io_threads, name=f"{name} copies") if backend_threads else None
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -156,4 +159,4 @@ class EventLoopThread:
         """Run blocking `fn(*args)` on the loop's bounded `bridge`; a cancel waits for it to stop."""
         if self.bridge.closed:
             raise ManagerClosedError(f"{self._name}: the thread pool is closed")
-        return await self.bridge.run(fn, *args)
+        return await self.bridge.run(fn, *args, limiter=self._limiter)

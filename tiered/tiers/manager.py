@@ -89,8 +89,11 @@ class TierManager:
             raise ValueError(f"max_inflight_per_link must be >= 1, got {max_inflight_per_link}")
         self.timeout_s = float(timeout_s)
         self._tiers = {t.name: t for t in tiers}
-        self._loop = EventLoopThread(io_threads=io_threads)
-        for t in tiers:  # every backend's blocking calls share the loop's one bounded bridge
+        # every backend's blocking calls share the loop's one bounded bridge, widened by the
+        # share each backend bounds itself to, so its calls never starve the manager's copies
+        shares = sum(max(0, int(getattr(t.backend, "io_concurrency", 0))) for t in tiers)
+        self._loop = EventLoopThread(io_threads=io_threads, backend_threads=shares)
+        for t in tiers:
             t.backend.use_bridge(self._loop.bridge)
         self._stats = ManagerStats(tiers={t.name: TierCounters() for t in tiers})
         self._trace = TraceRecorder(record_trace)
