@@ -34,6 +34,7 @@ from tiered.errors import PinnedError
 from tiered.tiers.budget import TierBudget
 from tiered.tiers.error_context import mark, raise_in_context, rethrow, with_context
 from tiered.tiers.partition import CopyState, Partition
+from tiered.tiers.policy import EvictionPolicy
 from tiered.tiers.transfer import Transfers
 from tiered.tiers.waiting import ChangeSignal, deadline_after, wait_done
 
@@ -236,7 +237,7 @@ class TierStateMachine:
         if errors:
             raise errors[0]
 
-    def set_policy(self, tier: str, policy: Any) -> None:
+    def set_policy(self, tier: str, policy: EvictionPolicy) -> None:
         # a plain attribute swap from any thread: the loop reads it once per eviction round
         self.tiers[tier].policy = policy
 
