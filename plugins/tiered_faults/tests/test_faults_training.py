@@ -3,6 +3,7 @@ backend and the partition, and the engine still closes cleanly."""
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import sys
 from pathlib import Path
@@ -49,20 +50,23 @@ def test_an_injected_read_error_reaches_the_user_naming_backend_and_partition(tm
     case = CASES["mlp"]
     engine = tiered.initialize(build(case), _config(tmp_path, fault))
     flaky = engine.tm.tier("flaky").backend
-    steps = 0
     with pytest.raises(StorageIOError) as info:
         with engine:
             for b in make_batches(case, 4, 4):
                 loss = case.loss(engine(**b))
                 engine.backward(loss)
                 engine.step()
-                steps += 1
     msg = str(info.value)
     assert isinstance(info.value, OSError)
     assert "backend 'faults'" in msg and "injected E" in msg and "faults[0]" in msg, msg
     name = msg.split("partition '", 1)[1].split("'", 1)[0]
     assert f"key {name!r}" in msg and fnmatch.fnmatchcase(name, fault["key"]), msg
     assert flaky.stats()["injected"]["error"] >= 1
+    causes, exc = [], info.value  # the errno the fault chose is on the error's cause chain
+    while exc is not None:
+        causes.append(getattr(exc, "errno", None))
+        exc = exc.__cause__
+    assert getattr(errno, fault["errno"]) in causes, causes
 
 
 def test_a_failed_state_prefetch_is_read_again_and_training_stays_exact(tmp_path: Path) -> None:
