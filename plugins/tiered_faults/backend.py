@@ -323,7 +323,10 @@ class FaultsBackend(StorageBackend):
         self._closed = True
         for fut in list(self._hung):
             err = StorageIOError(f"faults backend over {self.inner.name!r} was closed")
-            fut.get_loop().call_soon_threadsafe(_fail, fut, err)
+            try:
+                fut.get_loop().call_soon_threadsafe(_fail, fut, err)
+            except RuntimeError:  # its loop is closed: nothing waits on it any more
+                pass
         await self.inner.close()
 
 
