@@ -389,3 +389,19 @@ def test_bad_top_level_options() -> None:
         open_backend({"type": "faults", "inner": {"type": "nvmee", "path": "/x"}})
     with pytest.raises(ConfigError, match=r"option 'inner': backend 'cpu': unknown option 'max_byte'"):
         open_backend({"type": "faults", "inner": {"type": "cpu", "max_byte": 1}})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bitflip_on_cuda_tensors(tmp_path: Path) -> None:
+    async def main() -> None:
+        rules = [{"kind": "bitflip", "op": "read", "offset": 7, "bit": 1},
+                 {"kind": "bitflip", "op": "write", "offset": 3, "bit": 0}]
+        async with _faults(*rules, inner={"type": "nvme", "path": str(tmp_path)}) as b:
+            src = random_bytes(1 << 20, seed=9).cuda()
+            await b.write("dev", src)
+            out = torch.empty_like(src)
+            await b.read("dev", out)
+            assert sorted(_bits_differ(out.cpu(), src.cpu())) == [(3, 0), (7, 1)]
+
+    _run(main())

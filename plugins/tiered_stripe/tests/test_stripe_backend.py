@@ -298,3 +298,17 @@ def test_use_after_close_is_a_storage_error(tmp_path: Path) -> None:
             await b.write("x", torch.ones(1))
 
     _run(main())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tensors_stripe_through_file_members(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with StripeBackend(paths=_dirs(tmp_path, 2), stripe_bytes=(1 << 20) + 3) as b:
+            src = random_bytes((5 << 20) + 11, seed=8).cuda()
+            await b.write("dev", src)
+            out = torch.empty_like(src)
+            await b.read("dev", out)
+            assert torch.equal(out, src)
+
+    _run(main())
