@@ -1,11 +1,12 @@
-"""A read fault injected under a training tier reaches the user as a storage error that names the
-backend and the partition, and the engine still closes cleanly."""
+"""Faults injected under a training tier: a read error reaches the user as a storage error naming
+the backend and the partition, a failed prefetch is read again, a hang becomes a timeout."""
 
 from __future__ import annotations
 
 import errno
 import fnmatch
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,16 @@ def test_a_failed_state_prefetch_is_read_again_and_training_stays_exact(tmp_path
         assert engine.tm.tier("flaky").backend.stats()["injected"]["error"] == 1  # the fault did hit
     assert_losses_close(got_losses, want_losses)
     assert_params_close(got, want, REL)
+
+
+def test_a_hung_read_becomes_a_timeout_naming_partition_tier_and_backend(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, {"kind": "hang", "op": "read", "key": "*.param", "after": 4, "nth": 1})
+    cfg["tiered"]["timeout_s"] = 2
+    case = CASES["mlp"]
+    t0 = time.perf_counter()
+    with pytest.raises(tiered.TierTimeoutError, match=r"partition 'g\d+\.param' in tier 'flaky' \(backend 'faults'"):
+        with tiered.initialize(build(case), cfg) as engine:
+            for b in make_batches(case, 2, 4):
+                engine.backward(case.loss(engine(**b)))
+                engine.step()
+    assert time.perf_counter() - t0 < 30, "the hang outlived the 2 s timeout by far (close included)"
