@@ -1,0 +1,104 @@
+"""Opening, running and closing a stripe set's member backends.
+
+[Note: all-or-nothing member calls]
+`run_all` is ``asyncio.gather`` with the guarantee a stripe needs: when it returns or raises, no
+member call still runs. A stripe read writes into the caller's tensor and a stripe write reads from
+it, so returning while a sibling still touches that memory (gather does, after the first error)
+would hand the caller a buffer someone else is using. On the first error the other calls are
+cancelled and awaited; the first error (in stripe order) is raised as it is, not as a group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import inspect
+import logging
+import threading
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+import tiered
+from tiered.errors import ConfigError
+from tiered.storage.base import StorageBackend
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_CLOSE_TIMEOUT_S = 60.0
+
+
+def forwarded_options(options: dict[str, Any], own: Sequence[str], backend: str) -> dict[str, Any]:
+    """The options `tiered.open_backend` itself passes to every backend (beyond the spec), handed on
+    to the members; any other keyword is a misspelt spec key."""
+    passthrough = set(inspect.signature(tiered.open_backend).parameters) - {"spec"}
+    for name in options:
+        if name not in passthrough:
+            close = difflib.get_close_matches(name, list(own), n=1, cutoff=0.5)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"backend {backend!r}: unknown option {name!r}.{hint} Accepted options: {', '.join(own)}"
+            )
+    return dict(options)
+
+
+def open_member(spec: Any, forward: dict[str, Any], *, where: str) -> StorageBackend:
+    """A member from its spec (or an already open backend, which the stripe set then owns)."""
+    if isinstance(spec, StorageBackend):
+        return spec
+    if not isinstance(spec, (dict, str)):
+        raise ConfigError(f"{where}: expected a backend spec such as {{'type': 'nvme', 'path': ...}}, got {spec!r}")
+    try:
+        return tiered.open_backend(spec, **forward)
+    except (ConfigError, KeyError, ImportError, OSError) as exc:
+        try:
+            err = type(exc)(f"{where}: {exc}")
+        except Exception:  # a type that cannot be rebuilt from a message is raised as it came
+            raise exc from None
+        raise err from exc
+
+
+def close_now(backends: Sequence[StorageBackend]) -> None:
+    """Close backends from synchronous code (a constructor that failed half way): on a thread with
+    its own loop, because the caller may itself run inside one."""
+    def main() -> None:
+        async def close_all() -> None:
+            for b in backends:
+                try:
+                    await b.close()
+                except Exception:  # noqa: BLE001 - the constructor's own error is the one to raise
+                    log.exception("closing %r after a failed stripe set-up failed", b)
+
+        asyncio.run(close_all())
+
+    t = threading.Thread(target=main, name="tiered-stripe-close", daemon=True)
+    t.start()
+    t.join(_CLOSE_TIMEOUT_S)
+    if t.is_alive():
+        log.error("stripe backend: closing members after a failed set-up took over %.0f s", _CLOSE_TIMEOUT_S)
+
+
+async def run_all(calls: Sequence[Awaitable[T]]) -> list[T]:
+    """Run `calls` concurrently. See [Note: all-or-nothing member calls]."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    if not tasks:
+        return []
+    cancelled = False
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        cancelled = True
+    pending = [t for t in tasks if not t.done()]
+    for t in pending:
+        t.cancel()
+    while pending:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True  # a second cancel: the calls must still stop before we return
+        pending = [t for t in pending if not t.done()]
+    errors = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
+    if cancelled:
+        raise asyncio.CancelledError
+    if errors:
+        raise errors[0]
+    return [t.result() for t in tasks]
