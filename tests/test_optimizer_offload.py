@@ -12,8 +12,8 @@ import torch
 import tiered
 from tiered.config.schema import OptimizerConfig, OptimizerOffloadConfig, TieredConfig, ZeroConfig
 from tiered.optim.offload import OffloadedAdam, pipeline_bytes, plan_groups
+from tiered.shards import ParamEntry, ShardGroup
 from tiered.tiers import Tier, TierManager
-from tiered.zero.groups import ParamEntry, ShardGroup
 
 SIZES = [100, 37, 250, 64, 8]
 
