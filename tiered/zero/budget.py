@@ -37,10 +37,10 @@ class LiveBudget:
     """The live set of non-persistent groups in "gpu", bounded by ``max_live`` elements; the
     gathered set; their peaks. See [Note: the live budget]."""
 
-    def __init__(self, max_live: int, numel_of: Sequence[int], next_use: Callable[[int], float]) -> None:
+    def __init__(self, max_live: int, numel_of: Sequence[int], next_use: Callable[[int], int | None]) -> None:
         self.max_live = max_live
         self._numel = list(numel_of)
-        self._next_use = next_use  # elements until a group's next use in this pass (inf: none)
+        self._next_use = next_use  # elements until a group's next use in this pass (None: not again)
         self._members: Sequence[LiveMember] = ()
         self.live: dict[int, int] = {}
         """group index -> elements it holds in "gpu" (gathered, prefetched or kept for reuse)."""
@@ -52,6 +52,11 @@ class LiveBudget:
     def bind(self, members: Sequence[LiveMember]) -> None:
         """The groups, by index (they are built after the budget, which they hold)."""
         self._members = members
+
+    def distance(self, i: int) -> float:
+        """Elements gathered before group `i` is used again in this pass; inf if not again."""
+        d = self._next_use(i)
+        return float("inf") if d is None else float(d)
 
     def live_numel(self) -> int:
         return sum(self.live.values())
@@ -83,8 +88,8 @@ class LiveBudget:
         total = sum(self.live.values())
         if total + need <= self.max_live:
             return True
-        victims = [i for i in self.live if i != keep and self._members[i].pins == 0 and self._next_use(i) > beyond]
-        for i in sorted(victims, key=self._next_use, reverse=True):
+        victims = [i for i in self.live if i != keep and self._members[i].pins == 0 and self.distance(i) > beyond]
+        for i in sorted(victims, key=self.distance, reverse=True):
             self._members[i].evict()
             total = sum(self.live.values())
             if total + need <= self.max_live:

@@ -8,8 +8,8 @@ dispatch]) and keeps what spans groups: the module -> group maps, the forward st
 groups held for backward, the groups sealed for an overlapped step, the counters. Which group
 next is the trace's business (see [Note: trace and re-synchronisation]).
 
-The modules import one way: shards < budget < group < saved < coordinator; hooks, plan, meta,
-schedule, comm and sharding import none of the others' objects.
+The modules import one way: shards < budget < group < saved, hooks < passes < coordinator; plan,
+meta, schedule, comm and sharding import none of the run-time objects.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from tiered.shards import ShardGroup, padded_numel
 from tiered.zero import comm
 from tiered.zero.budget import GpuGatherNeed, LiveBudget, PlannedSize, check_gather_budgets
 from tiered.zero.group import GroupContext, GroupRuntime
-from tiered.zero.hooks import ExternalParamMode, HookSet
+from tiered.zero.hooks import HookSet
+from tiered.zero.passes import BackwardHolds, PassState
 from tiered.zero.plan import check_no_meta_mix
 from tiered.zero.saved import SavedTensorRefs
 from tiered.zero.schedule import BeladyPolicy, Trace
@@ -48,9 +49,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ALIGNMENT_NUMEL", "GradSummary", "ZeroParameters"]
 
-_FROZEN_KEEP = 2
-"""Frozen groups gathered in backward stay until this many newer ones were gathered."""
-
 _COUNTERS = ("fetches", "prefetch_hits", "cache_hits", "misses", "prefetches", "evictions", "external_gathers",
              "backward_on_demand", "grad_flushes", "saved_refs")
 
@@ -61,51 +59,6 @@ class GradSummary:
     """Some accumulated gradient element is inf or NaN (fp16 overflow: skip the step)."""
     sq_norm_local: float
     """Squared L2 norm of this rank's shard of the accumulated fp32 gradients."""
-
-
-class BackwardHolds:
-    """The groups gathered for the running backward, held until their gradients are flushed;
-    frozen groups (no gradient will say when they are done) until `_FROZEN_KEEP` newer ones were."""
-
-    def __init__(self, gather: Callable[[int], None], release: Callable[[int], None],
-                 runtimes: list[GroupRuntime]) -> None:
-        self._gather = gather
-        self._release = release
-        self._runtimes = runtimes
-        self.held: set[int] = set()
-        self.frozen: list[int] = []
-        self.current: list[int] = []
-        """The groups of the module whose backward runs now."""
-
-    def gather(self, i: int) -> None:
-        if i in self.held:
-            return
-        self._gather(i)
-        self.held.add(i)
-        if self._runtimes[i].n_req_grad == 0:
-            # keep the last few, release older ones (a later use re-gathers on demand)
-            self.frozen.append(i)
-            while len(self.frozen) > _FROZEN_KEEP:
-                self.release(self.frozen.pop(0))
-
-    def release(self, i: int) -> None:
-        if i in self.held:
-            self.held.discard(i)
-            if i in self.frozen:
-                self.frozen.remove(i)
-            self._release(i)
-
-    def release_for_room(self, keep: int) -> bool:
-        """Under live-budget pressure, release groups held for gradients that have not all
-        arrived (tied or external weights) outside the current module; re-gathered on demand."""
-        spare = [j for j in self.held if j != keep and j not in self.current]
-        for j in spare:
-            self.release(j)
-        return bool(spare)
-
-    def release_all(self) -> None:
-        for i in list(self.held):
-            self.release(i)
 
 
 class ZeroParameters:
@@ -170,7 +123,7 @@ class ZeroParameters:
         self.groups: list[ShardGroup] = [w.group for w in written]
         """Every group, in (initial) execution order: the interface to the optimizer and checkpoints."""
         self.trace = Trace([g.numel for g in self.groups])
-        self.budget = LiveBudget(z.max_live_parameters_numel, [g.numel for g in self.groups], self._dist)
+        self.budget = LiveBudget(z.max_live_parameters_numel, [g.numel for g in self.groups], self.trace.next_use_distance)
         ctx = GroupContext(tm, self.budget, self.counters, self.device, compute_dtype, placeholder, ws,
                            process_group, param_tier, z.max_reuse_distance_numel, self.trace.next_use_distance)
         self.runtimes: list[GroupRuntime] = [
@@ -187,12 +140,9 @@ class ZeroParameters:
         self._fw_stack: list[nn.Module] = []
         self._fw_pins: dict[int, list[list[int]]] = {}
         self._bw = BackwardHolds(self._gather, self._release, self.runtimes)
-        self._in_backward = False
-        self._modes: list[Any] = []
-        self._saved = SavedTensorRefs(self.runtimes, self.managed, self.budget, self.counters, self.device,
-                                      self._bw.gather)
+        saved = SavedTensorRefs(self.runtimes, self.managed, self.budget, self.counters, self.device, self._bw.gather)
+        self._pass = PassState(self.trace, self.runtimes, self._bw, self, saved)
         self._grad_callbacks: list[Callable[[ShardGroup], None]] = []
-        self._sealed: set[int] = set()  # groups being stepped during this backward
         self._hooks = HookSet(self, model, [p for rt in self.runtimes for p in rt.params])
         log.info("partitioned %d parameters into %d groups (%d persistent), world_size=%d",
                  sum(g.numel for g in self.groups), len(self.groups), sum(g.persistent for g in self.groups), ws)
@@ -219,7 +169,7 @@ class ZeroParameters:
             self._prefetch_ahead(-1)
 
     def remove_hooks(self) -> None:
-        self._exit_modes()
+        self._pass.exit_modes()
         self._hooks.remove()
 
     def stats(self) -> dict[str, Any]:
@@ -256,7 +206,7 @@ class ZeroParameters:
         """The optimizer is about to update `group` while backward continues (see [Note: step
         overlapped with backward] in tiered/optim/offload.py): any later gather of it in this
         backward would see new values, so it raises instead. Unsealed when the pass ends."""
-        self._sealed.add(group.index)
+        self._pass.sealed.add(group.index)
 
     def finish_backward(self, *, summarize: bool = True) -> GradSummary:
         """End of backward: flush partly complete groups, release everything, end the pass, and
@@ -266,8 +216,8 @@ class ZeroParameters:
                 self._flush(rt)
         for rt in self.runtimes:  # groups that got no gradient at all: now really zero
             rt.zero_pending_grad()
-        self._end_pass()
-        self._in_backward = False
+        self._pass.end()
+        self._pass.in_backward = False
         if not summarize:
             return GradSummary(False, 0.0)
         return self.grad_summary()
@@ -301,7 +251,7 @@ class ZeroParameters:
         if rt.pins > 0:
             rt.pins += 1
             return
-        if i in self._sealed:
+        if i in self._pass.sealed:
             g = rt.group
             raise RuntimeError(
                 f"tiered.overlap_step_with_backward: group {g.name} ({g.entries[0].name}...) was handed to the "
@@ -328,7 +278,7 @@ class ZeroParameters:
     def _reserve_live(self, rt: GroupRuntime) -> None:
         """Room in the live budget for `rt`, or CapacityError. See [Note: the live budget]."""
         b, i, n = self.budget, rt.index, rt.numel
-        if b.make_room(n, keep=i) or (self._in_backward and self._bw.release_for_room(i) and b.make_room(n, keep=i)):
+        if b.make_room(n, keep=i) or (self._pass.in_backward and self._bw.release_for_room(i) and b.make_room(n, keep=i)):
             return
         mod = self._modules.names[id(self._fw_stack[-1])] if self._fw_stack else "<backward>"
         raise CapacityError(
@@ -349,13 +299,9 @@ class ZeroParameters:
             rt = self.runtimes[j]
             if j == current or not rt.wants_prefetch():
                 continue
-            if not rt.prefetch(keep=current, beyond=self._dist(j)):
+            if not rt.prefetch(keep=current, beyond=self.budget.distance(j)):
                 break
         self.budget.note_peaks()
-
-    def _dist(self, i: int) -> float:
-        d = self.trace.next_use_distance(i)
-        return float("inf") if d is None else float(d)
 
     # ---- hook targets: see [Note: hooks that only dispatch] ----------------------------------
     def _groups_of(self, module: nn.Module) -> list[int]:
@@ -370,7 +316,7 @@ class ZeroParameters:
 
     def _forward_enter(self, module: nn.Module) -> None:
         if module is self.model and not self._fw_stack:
-            self._begin_pass()
+            self._pass.begin()
         idxs = self._groups_of(module)
         for i in idxs:
             self._gather(i)
@@ -385,13 +331,13 @@ class ZeroParameters:
             for i in stack.pop():
                 self._release(i)
         if module is self.model and not self._fw_stack:
-            self._exit_modes()
+            self._pass.exit_modes()
             if not torch.is_grad_enabled():
-                self._end_pass()  # no backward will follow
+                self._pass.end()  # no backward will follow
 
     def _backward_enter_cb(self, module: nn.Module) -> Callable[[], None]:
         def cb() -> None:
-            self._in_backward = True
+            self._pass.in_backward = True
             idxs = self._groups_of(module)
             self._bw.current = idxs
             for i in idxs:
@@ -426,35 +372,3 @@ class ZeroParameters:
         rt = self.runtimes[self.managed[id(p)][0]]
         if rt.grad_arrived(p):
             self._flush(rt)
-
-    # ---- passes ------------------------------------------------------------------------------
-    def _begin_pass(self) -> None:
-        if self.trace.in_pass:
-            self._end_pass()  # a forward whose backward never came (eval, or loss discarded)
-        self.trace.begin_pass()
-        self._in_backward = False
-        self._bw.current = []
-        self._enter_modes()
-
-    def _end_pass(self) -> None:
-        self._bw.release_all()
-        for rt in self.runtimes:
-            if rt.evicting is not None:
-                rt.wait_evicted()
-        self._sealed.clear()
-        self.trace.end_pass()
-
-    def _enter_modes(self) -> None:
-        self._exit_modes()
-        if not torch.is_grad_enabled():
-            modes: list[Any] = [ExternalParamMode(self)]
-        else:
-            modes = [torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack),
-                     ExternalParamMode(self)]
-        for m in modes:
-            m.__enter__()
-            self._modes.append(m)
-
-    def _exit_modes(self) -> None:
-        while self._modes:
-            self._modes.pop().__exit__(None, None, None)

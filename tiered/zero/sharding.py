@@ -2,8 +2,9 @@
 write each group's partitions into the TierManager and leave the parameters empty.
 
 Everything here runs only while `ZeroParameters` is built; what it returns is owned by the
-coordinator (the module maps) and the group runtimes (the groups and their parameters). See
-[Note: flat shard groups] in tiered/shards.py and [Note: group planning] in tiered/zero/plan.py.
+coordinator (the module maps) and the group runtimes (the groups and their parameters). The
+layout is [Note: flat shard groups] (tiered/shards.py), the grouping [Note: group planning]
+(tiered/zero/plan.py).
 """
 
 from __future__ import annotations
