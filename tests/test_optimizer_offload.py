@@ -11,8 +11,9 @@ import torch
 
 import tiered
 from tiered.config.schema import OptimizerConfig, OptimizerOffloadConfig, TieredConfig, ZeroConfig
-from tiered.optim.offload import OffloadedAdam, pipeline_bytes
-from tiered.optim.offload import plan_optimizer_placement as plan_groups
+from tiered.optim.offload import OffloadedAdam
+from tiered.optim.placement import pipeline_bytes
+from tiered.optim.placement import plan_optimizer_placement as plan_groups
 from tiered.shards import ParamEntry, ShardGroup
 from tiered.tiers import Tier, TierManager
 

@@ -38,7 +38,8 @@ def initialize(
     (see [Note: capacity check before training]).
     """
     from tiered.config import load_config
-    from tiered.optim.offload import OffloadedAdam, pipeline_bytes, plan_optimizer_placement, tier_is_host
+    from tiered.optim.offload import OffloadedAdam
+    from tiered.optim.placement import pipeline_bytes, plan_optimizer_placement, tier_is_host
     from tiered.zero import ZeroParameters
 
     if not isinstance(model, torch.nn.Module):

@@ -34,7 +34,7 @@ from tiered.errors import CapacityError, ConfigError
 from tiered.units import format_bytes
 
 if TYPE_CHECKING:
-    from tiered.optim.offload import GroupPlan
+    from tiered.optim.placement import GroupPlan
     from tiered.shards import ShardGroup
     from tiered.tiers import TierManager
     from tiered.zero.budget import GpuGatherNeed
