@@ -11,9 +11,11 @@ import torch
 
 import tiered
 from tiered.config.schema import OptimizerConfig, OptimizerOffloadConfig, TieredConfig, ZeroConfig
-from tiered.optim.offload import OffloadedAdam, pipeline_bytes, plan_groups
+from tiered.optim.offload import OffloadedAdam
+from tiered.optim.placement import pipeline_bytes
+from tiered.optim.placement import plan_optimizer_placement as plan_groups
+from tiered.shards import ParamEntry, ShardGroup
 from tiered.tiers import Tier, TierManager
-from tiered.zero.groups import ParamEntry, ShardGroup
 
 SIZES = [100, 37, 250, 64, 8]
 

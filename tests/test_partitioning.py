@@ -10,9 +10,9 @@ from torch import nn
 from zero_support import MLP, build_zp, make_tm, tiny_gpt2, zcfg, zero_grads_by_name
 
 from tiered.errors import CapacityError, ConfigError
-from tiered.zero.groups import padded_numel
-from tiered.zero.params import ALIGNMENT_NUMEL
-from tiered.zero.plan import plan_groups
+from tiered.shards import padded_numel
+from tiered.zero.plan import plan_param_groups as plan_groups
+from tiered.zero.sharding import ALIGNMENT_NUMEL
 
 
 def test_plan_one_group_per_module_split_at_sub_group_size():

@@ -38,7 +38,8 @@ def initialize(
     (see [Note: capacity check before training]).
     """
     from tiered.config import load_config
-    from tiered.optim.offload import OffloadedAdam, pipeline_bytes, plan_groups
+    from tiered.optim.offload import OffloadedAdam
+    from tiered.optim.placement import pipeline_bytes, plan_optimizer_placement, tier_is_host
     from tiered.zero import ZeroParameters
 
     if not isinstance(model, torch.nn.Module):
@@ -65,11 +66,10 @@ def initialize(
             compute_dtype=placement.compute_dtype,
             process_group=process_group,
         )
-        gpu_is_host = str(tm.tier("gpu").backend.capabilities.device) == "cpu"
         trainable = [g for g in zp.groups if g.trainable]  # frozen groups are never stepped
-        plans = plan_groups(trainable, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
+        plans = plan_optimizer_placement(trainable, cfg, placement.optimizer_tier, gpu_is_host=tier_is_host(tm, "gpu"))
         pipe = pipeline_bytes(trainable, plans, cfg.zero.offload_optimizer.buffer_count, placement.compute_dtype)
-        needs = capacity_needs(tm, zp.groups, plans, placement, world_size=world_size, pipeline=pipe)
+        needs = capacity_needs(zp.groups, plans, zp.gpu_need, pipeline=pipe)
         check_capacity(tm, needs)
         optimizer = OffloadedAdam(
             tm,
@@ -78,6 +78,7 @@ def initialize(
             zp.initial_fp32_shard,
             optimizer_tier=placement.optimizer_tier,
             compute_dtype=placement.compute_dtype,
+            plans=plans,
         )
     except BaseException:
         if zp is not None:

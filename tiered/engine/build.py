@@ -7,9 +7,11 @@ that cannot work is reported at `initialize`, never mid-step. Per tier the need 
     homes        sum of nbytes of the partitions whose home is the tier (params, fp32 grads,
                  fp32 master/exp_avg/exp_avg_sq), all resident for the whole run when the tier
                  is memory-like
-    + gather     "gpu" only, when params live elsewhere: the largest non-persistent group gathered
-                 (full_numel x param bytes; x (1 + 1/world) with world > 1: shard + full buffer)
-                 + every persistent group (resident for the whole run)
+    + gather     "gpu" only, when params live elsewhere: the largest module's non-persistent
+                 groups gathered at once (full_numel x param bytes; x (1 + 1/world) with world > 1:
+                 shard + full buffer) + every persistent group (resident for the whole run); the
+                 ZeRO-3 scheduler computes these once, when it plans the groups
+                 (`tiered.zero.budget.check_gather_budgets`, its `ZeroParameters.gpu_need`)
     + pipeline   the optimizer's staging buffers (`tiered.optim.offload.pipeline_bytes`):
                  buffer_count x the largest (3 x 4 B states + 4 B grad + param bytes) x shard_numel
                  of the groups whose bytes are not at home in that tier
@@ -23,13 +25,19 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tiered.config.schema import TieredConfig
 from tiered.errors import CapacityError, ConfigError
 from tiered.units import format_bytes
+
+if TYPE_CHECKING:
+    from tiered.optim.placement import GroupPlan
+    from tiered.shards import ShardGroup
+    from tiered.tiers import TierManager
+    from tiered.zero.budget import GpuGatherNeed
 
 _ORDER = ("gpu", "cpu", "nvme")
 _DEVICE_TIER = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}
@@ -77,7 +85,7 @@ def tier_order(names: Sequence[str]) -> list[str]:
     return known + [n for n in names if n not in _ORDER]
 
 
-def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1) -> Any:
+def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1) -> TierManager:
     """Open every configured backend (entry points only: tiered never imports plugins/) and
     hand them, with their budgets, to one TierManager.
 
@@ -121,51 +129,32 @@ def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1)
     )
 
 
-def _group_label(group: Any) -> str:
-    names = [e.name for e in group.entries]
-    if not names:
-        return group.name
-    prefix = names[0].rsplit(".", 1)[0] if "." in names[0] else names[0]
-    more = f" +{len(names) - 1} params" if len(names) > 1 else ""
-    return f"{group.name} ({prefix}{more})"
-
-
 def capacity_needs(
-    tm: Any,
-    groups: Sequence[Any],
-    plans: Sequence[Any],
-    placement: Placement,
+    groups: Sequence[ShardGroup],
+    plans: Sequence[GroupPlan],
+    gpu_need: GpuGatherNeed,
     *,
-    world_size: int,
     pipeline: dict[str, int],
 ) -> dict[str, dict[str, Any]]:
-    """Per tier: {"homes": bytes, "gather": bytes, "pipeline": bytes, "group": label, "total"}.
-    `groups` are all of them, `plans` one per trainable group. See [Note: capacity check before
-    training]."""
-    psize = torch.tensor([], dtype=placement.compute_dtype).element_size()
+    """Per tier: {"homes": bytes, "gather": bytes, "persistent": bytes, "pipeline": bytes,
+    "module": what the gather is for, "total"}. `groups` are all of them, `plans` one per
+    trainable group. See [Note: capacity check before training]."""
     need: dict[str, dict[str, Any]] = {}
 
     def at(tier: str) -> dict[str, Any]:
-        return need.setdefault(tier, {"homes": 0, "gather": 0, "persistent": 0, "pipeline": 0, "group": ""})
+        return need.setdefault(tier, {"homes": 0, "gather": 0, "persistent": 0, "pipeline": 0, "module": ""})
 
     for g in groups:
         at(g.param.home)["homes"] += g.param.nbytes
-        if g.trainable:
+        if g.grad is not None:
             at(g.grad.home)["homes"] += g.grad.nbytes
     for g, p in zip([g for g in groups if g.trainable], plans, strict=True):  # frozen: no state
         at(p.state_home)["homes"] += 3 * 4 * g.shard_numel
     gpu = at("gpu")
-    gathered = [g for g in groups if not getattr(g, "persistent", False)]
-    persistent = [g for g in groups if getattr(g, "persistent", False)]
-    if placement.param_tier != "gpu":
-        gpu["persistent"] = sum(g.full_numel * psize for g in persistent)
-    factor = 1.0 if world_size == 1 else (1.0 + 1.0 / world_size)
-    if placement.param_tier == "gpu":
-        factor = 0.0 if world_size == 1 else 1.0  # the shard is already home there
-    if gathered and factor:
-        big = max(gathered, key=lambda g: g.full_numel)
-        gpu["gather"] = int(big.full_numel * psize * factor)
-        gpu["group"] = _group_label(big)
+    gpu["persistent"] = gpu_need.persistent_bytes
+    if gpu_need.gather_bytes:
+        gpu["gather"] = gpu_need.gather_bytes
+        gpu["module"] = repr(gpu_need.largest_module)
     for tier, b in pipeline.items():
         at(tier)["pipeline"] += b
     for d in need.values():
@@ -173,7 +162,7 @@ def capacity_needs(
     return need
 
 
-def check_capacity(tm: Any, needs: dict[str, dict[str, Any]]) -> None:
+def check_capacity(tm: TierManager, needs: dict[str, dict[str, Any]]) -> None:
     """Raise CapacityError, before any training, when a budget is below what the run needs."""
     for name, d in needs.items():
         tier = tm.tier(name)
@@ -187,7 +176,7 @@ def check_capacity(tm: Any, needs: dict[str, dict[str, Any]]) -> None:
             continue
         parts = [f"{format_bytes(d['homes'], binary=True)} of partitions homed there"]
         if d["gather"]:
-            parts.append(f"{format_bytes(d['gather'], binary=True)} to gather group {d['group']}")
+            parts.append(f"{format_bytes(d['gather'], binary=True)} to gather module {d['module']}")
         if d["persistent"]:
             parts.append(f"persistent {format_bytes(d['persistent'], binary=True)}")
         if d["pipeline"]:

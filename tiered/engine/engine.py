@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,14 @@ import torch.distributed as dist
 from tiered.config.schema import TieredConfig
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
+
+if TYPE_CHECKING:
+    from tiered.engine.build import Placement
+    from tiered.optim.offload import OffloadedAdam
+    from tiered.optim.schedulers import LRSchedule
+    from tiered.shards import ShardGroup
+    from tiered.tiers import TierManager
+    from tiered.zero import ZeroParameters
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +73,15 @@ class Engine:
         self,
         module: torch.nn.Module,
         cfg: TieredConfig,
-        tm: Any,
-        zp: Any,
-        optimizer: Any,
-        placement: Any,
+        tm: TierManager,
+        zp: ZeroParameters,
+        optimizer: OffloadedAdam,
+        placement: Placement,
         *,
         process_group: Any = None,
         world_size: int = 1,
         rank: int = 0,
-        scheduler: Any = None,
+        scheduler: LRSchedule | None = None,
         capacity: dict[str, Any] | None = None,
     ) -> None:
         self._module = module
@@ -169,7 +177,7 @@ class Engine:
         self._timing["backward_s"] += dt
         self._last["backward_s"] = self._last.get("backward_s", 0.0) + dt
 
-    def _group_grads_complete(self, group: Any) -> None:
+    def _group_grads_complete(self, group: ShardGroup) -> None:
         if self.optimizer.overlapped_step_running:  # (frozen groups never flush)
             self.zero.seal_for_step(group)
             self.optimizer.group_ready(group)
@@ -207,9 +215,7 @@ class Engine:
                 self.optimizer.step(lr, coef / scale)
             self._timing["optimizer_s"] += time.perf_counter() - t1
             self.loss_scaler.update(False)
-            notify = getattr(self.zero, "params_updated", None)
-            if notify is not None:
-                notify()
+            self.zero.params_updated()
         self.zero.zero_grads()
         self._found_inf = False
         self._sq_norm_local = 0.0

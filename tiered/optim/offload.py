@@ -68,12 +68,6 @@ scheduler raises if they are (see ZeroParameters.seal_for_step). The price of st
 backward that fails midway (an exception in the model, a CapacityError) leaves the groups already
 handed over stepped and the rest not; the engine stops the step there (nothing hangs), but such a
 model is half-stepped: restart from a checkpoint rather than train on.
-
-[Note: twin-flow ratio]
-``offload_optimizer.ratio`` splits the groups between the CPU kernel and the GPU kernel: the
-``round(ratio * n)`` largest groups (ties by execution order) run on the CPU (their state on the
-optimizer tier), the rest keep their state in "gpu" and run ``tiered_ext.gpu_adam_step`` there.
-(DeepSpeed's Twin-Flow assigns the *last* fraction by index; by size is what bounds GPU memory.)
 """
 
 from __future__ import annotations
@@ -84,92 +78,26 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tiered.config.schema import TieredConfig
+from tiered.optim.placement import (
+    GroupPlan,
+    StatePartitions,
+    pipeline_bytes,
+    plan_optimizer_placement,
+    tier_is_host,
+)
+from tiered.shards import ShardGroup
+
+if TYPE_CHECKING:
+    from tiered.tiers import TierFuture, TierManager
 
 log = logging.getLogger(__name__)
 
-STATE_SUFFIXES = ("master", "exp_avg", "exp_avg_sq")
-_FP32 = 4
-
-
-@dataclass(frozen=True)
-class GroupPlan:
-    """Where one group's optimizer step runs and where its bytes live."""
-
-    side: str
-    """"cpu" (tiered_ext.adam_step) or "gpu" (tiered_ext.gpu_adam_step)."""
-    state_home: str
-    """Home tier of master / exp_avg / exp_avg_sq."""
-    compute_tier: str
-    """Memory-like tier the states and the gradient are fetched into for the update."""
-    stage_tier: str
-    """Tier where the new compute-dtype parameter is written (then evicted to its home)."""
-
-
-def plan_groups(
-    groups: Sequence[Any], cfg: TieredConfig, optimizer_tier: str, *, gpu_is_host: bool
-) -> list[GroupPlan]:
-    """Where each group's step runs. See [Note: twin-flow ratio] and [Note: max_in_cpu]."""
-    n = len(groups)
-    if optimizer_tier == "gpu":
-        cpu_side: set[int] = set()
-    else:
-        ratio = float(cfg.zero.offload_optimizer.ratio)
-        n_cpu = n if ratio >= 1.0 else int(round(ratio * n))
-        by_size = sorted(range(n), key=lambda i: (-groups[i].shard_numel, i))
-        cpu_side = set(by_size[:n_cpu])
-    plans = []
-    for i, g in enumerate(groups):
-        home = g.param.home
-        if i in cpu_side:
-            # The CPU kernel needs host tensors; a host-memory "gpu" tier can take the new
-            # params directly (no extra copy), a real GPU gets them by an evict (H2D).
-            stage = "gpu" if home == "gpu" and gpu_is_host else "cpu"
-            plans.append(GroupPlan("cpu", optimizer_tier, "cpu", stage))
-        else:
-            plans.append(GroupPlan("gpu", "gpu", "gpu", "gpu"))
-    return plans
-
-
-def pipeline_bytes(
-    groups: Sequence[Any], plans: Sequence[GroupPlan], buffer_count: int, compute_dtype: torch.dtype
-) -> dict[str, int]:
-    """Staging bytes per tier the pipeline holds beyond the partitions' homes:
-    per side, the ``buffer_count`` largest of (3 states x 4 B if read from a slower home
-    + 4 B grad if not resident there + param bytes if staged away from home) x shard_numel.
-    See [Note: sub-group pipeline]."""
-    need: dict[str, int] = {}
-    psize = torch.tensor([], dtype=compute_dtype).element_size()
-    for side in ("cpu", "gpu"):
-        per_group = []
-        for g, p in zip(groups, plans, strict=True):
-            if p.side != side:
-                continue
-            b = 0
-            if p.state_home != p.compute_tier:
-                b += 3 * _FP32 * g.shard_numel
-            if g.grad.home != p.compute_tier:
-                b += _FP32 * g.shard_numel
-            if g.param.home != p.stage_tier:
-                b += psize * g.shard_numel
-            per_group.append(b)
-        if per_group:
-            depth = min(max(1, buffer_count), len(per_group))
-            need[side] = need.get(side, 0) + sum(sorted(per_group, reverse=True)[:depth])
-    return need
-
-
-def _tier_device(tm: Any, name: str) -> str:
-    try:
-        return str(tm.tier(name).backend.capabilities.device)
-    except Exception:  # noqa: BLE001 - a manager without that tier: treat it as a real device
-        return "cuda"
-
+__all__ = ["GroupPlan", "OffloadedAdam", "StatePartitions", "pipeline_bytes", "plan_optimizer_placement"]
 
 class _Arrivals:
     """Group indices in the order they became ready to step; each index once. `get(k)` blocks
@@ -228,15 +156,18 @@ class OffloadedAdam:
 
     def __init__(
         self,
-        tm: Any,
-        groups: Sequence[Any],
+        tm: TierManager,
+        groups: Sequence[ShardGroup],
         cfg: TieredConfig,
-        initial_fp32: Callable[[Any], torch.Tensor],
+        initial_fp32: Callable[[ShardGroup], torch.Tensor],
         *,
         optimizer_tier: str,
         compute_dtype: torch.dtype,
-        on_params_written: Callable[[Any], None] | None = None,
+        plans: Sequence[GroupPlan] | None = None,
+        on_params_written: Callable[[ShardGroup], None] | None = None,
     ) -> None:
+        """`groups` are the trainable groups; `plans` their `plan_optimizer_placement` (the engine
+        passes the ones its capacity check used; computed here only when not given)."""
         self.tm = tm
         self.groups = list(groups)
         self.cfg = cfg
@@ -247,7 +178,7 @@ class OffloadedAdam:
         self.on_params_written = on_params_written
         self.step_count = 0
         """Optimizer steps taken (1-based in the kernel: torch's bias correction)."""
-        self._pending: deque[tuple[int, Future[list[Any]]]] = deque()
+        self._pending: deque[tuple[int, Future[list[TierFuture]]]] = deque()
         # One FIFO thread finishes groups (mark dirty, unpin, evict): each of those is a round
         # trip to the manager's loop, which would otherwise stall the kernel of the next group.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-opt-write")
@@ -256,9 +187,15 @@ class OffloadedAdam:
         self._overlap: tuple[_Arrivals, Future[dict[str, float]]] | None = None
         self._index = {g.name: i for i, g in enumerate(groups)}
         self._timeout_s = float(getattr(cfg.tiered, "timeout_s", 600.0))
-        self.plans = plan_groups(self.groups, cfg, optimizer_tier, gpu_is_host=_tier_device(tm, "gpu") == "cpu")
+        if plans is None:
+            plans = plan_optimizer_placement(self.groups, cfg, optimizer_tier, gpu_is_host=tier_is_host(tm, "gpu"))
+        if len(plans) != len(self.groups):
+            raise ValueError(f"{len(plans)} optimizer plans for {len(self.groups)} groups: one per trainable group")
+        self.plans: list[GroupPlan] = list(plans)
+        """Per group, by position: where its step runs and its state lives."""
         self._keep_in_cpu = self._params_kept_in_cpu()
-        self.states: list[tuple[Any, ...]] = []
+        self.states: list[StatePartitions] = []
+        """Per group, by position: its master / exp_avg / exp_avg_sq partitions (checkpoints)."""
         self._param_is_master: set[int] = set()  # [Note: fp32 master is the parameter]
         for i, (g, plan) in enumerate(zip(self.groups, self.plans, strict=True)):
             master = initial_fp32(g).to(torch.float32).reshape(-1)
@@ -270,7 +207,7 @@ class OffloadedAdam:
             alias = compute_dtype == torch.float32 and plan.side == "cpu" and g.param.home == plan.state_home
             if alias:
                 self._param_is_master.add(i)
-            parts = (
+            parts = StatePartitions(
                 g.param if alias else tm.create(f"{g.name}.master", g.shard_numel, torch.float32, plan.state_home,
                                                 init=master),
                 tm.create(f"{g.name}.exp_avg", g.shard_numel, torch.float32, plan.state_home),
@@ -294,7 +231,7 @@ class OffloadedAdam:
         return pipeline_bytes(self.groups, self.plans, self.buffer_count, self.compute_dtype)
 
     # ---- the step --------------------------------------------------------------------------
-    def prefetch_states(self) -> list[Any]:
+    def prefetch_states(self) -> list[TierFuture]:
         """Start reading optimizer states into their compute tier during backward, unpinned, so
         the step's reads find them resident; returns the prefetch futures. See [Note: pipeline_read]."""
         tm, futs = self.tm, []
@@ -340,7 +277,7 @@ class OffloadedAdam:
         fut = self._stepper.submit(self._pipeline, arrivals, lr, grad_scale)
         self._overlap = (arrivals, fut)
 
-    def group_ready(self, group: Any) -> None:
+    def group_ready(self, group: ShardGroup) -> None:
         """`group`'s gradients for this step are complete: queue its update (non-blocking). A no-op
         when no overlapped step runs (a micro-batch before the accumulation boundary)."""
         if self._overlap is not None:
@@ -376,7 +313,7 @@ class OffloadedAdam:
     def _pipeline(self, arrivals: _Arrivals, lr: float, grad_scale: float) -> dict[str, float]:
         """Update the groups in the order `arrivals` yields them, reading ahead up to
         buffer_count groups. See [Note: sub-group pipeline]."""
-        reads: dict[int, list[Any]] = {}
+        reads: dict[int, list[TierFuture]] = {}
         t_read = t_comp = t_write = 0.0
         k = next_read = 0
         # pipeline_write: write-backs are not counted against the window (see [Note: pipeline_read])
@@ -411,7 +348,7 @@ class OffloadedAdam:
         t_write += time.perf_counter() - t3
         return {"read_wait_s": t_read, "compute_s": t_comp, "write_wait_s": t_write}
 
-    def _issue_reads(self, i: int) -> list[Any]:
+    def _issue_reads(self, i: int) -> list[TierFuture]:
         plan, g = self.plans[i], self.groups[i]
         return [self.tm.fetch(p, plan.compute_tier) for p in self.states[i]] + [
             self.tm.fetch(g.grad, plan.compute_tier)
@@ -453,7 +390,7 @@ class OffloadedAdam:
         if not lowp:
             out.copy_(master)
 
-    def _issue_writes(self, i: int) -> list[Any]:
+    def _issue_writes(self, i: int) -> list[TierFuture]:
         g, plan = self.groups[i], self.plans[i]
         tm, futs = self.tm, []
         alias = i in self._param_is_master
@@ -502,6 +439,11 @@ class OffloadedAdam:
             self._writer.shutdown(wait=True)
 
     # ---- introspection ---------------------------------------------------------------------
+    def state_partitions(self, group: ShardGroup) -> StatePartitions:
+        """`group`'s master / exp_avg / exp_avg_sq partitions (checkpoints); the step count they
+        belong to is `step_count`."""
+        return self.states[self._index[group.name]]
+
     def master_shard(self, group_index: int) -> torch.Tensor:
         """A host copy of one group's fp32 master shard (tests, checkpoints)."""
         part = self.states[group_index][0]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from tiered.zero.grads import GradSummary
-from tiered.zero.groups import ParamEntry, ShardGroup
-from tiered.zero.params import ZeroParameters
+from tiered.zero.coordinator import GradSummary, ZeroParameters
 
-__all__ = ["GradSummary", "ParamEntry", "ShardGroup", "ZeroParameters"]
+__all__ = ["GradSummary", "ZeroParameters"]

@@ -1,7 +1,8 @@
 """Module hooks, autograd boundary functions and the forward-time modes. They only dispatch.
 
 [Note: hooks that only dispatch]
-Every hook here forwards to one `ZeroParameters` method; all state lives there. Per module:
+Every hook here forwards to one method of its `HookTarget` (the coordinator, `ZeroParameters`);
+no state lives here. Per module:
 a forward pre-hook gathers the module's groups; a forward post-hook (``always_call``) releases
 them and wraps the grad-requiring tensors of its output in `_PreBackward`, whose backward runs
 before the module's backward: the moment to gather them again (DeepSpeed's
@@ -31,15 +32,34 @@ next forward gathers (and prefetches) it with that module. Nothing is patched on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-if TYPE_CHECKING:
-    from tiered.zero.params import ZeroParameters
+
+class HookTarget(Protocol):
+    """What the hooks dispatch to (tiered/zero/coordinator.py's `ZeroParameters`). A protocol,
+    so that this module imports nothing of the coordinator's."""
+
+    busy: bool
+    """The coordinator is moving parameters itself: the mode must not gather on its ops."""
+    managed: Mapping[int, tuple[int, int]]
+    """id(parameter) -> (group index, entry index)."""
+
+    def _forward_enter(self, module: nn.Module) -> None: ...
+
+    def _forward_exit(self, module: nn.Module) -> None: ...
+
+    def _backward_enter_cb(self, module: nn.Module) -> Callable[[], None]: ...
+
+    def _gather_external(self, p: nn.Parameter) -> None: ...
+
+    def _grad_arriving(self, p: nn.Parameter) -> Callable[[torch.Tensor], None]: ...
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None: ...
 
 
 class _PreBackward(torch.autograd.Function):
@@ -53,10 +73,6 @@ class _PreBackward(torch.autograd.Function):
         ctx.cb()
         return (None, *grads)
 
-
-
-class UntraversableOutputError(TypeError):
-    pass
 
 
 def map_tensors(obj: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]], module_name: str) -> Any:
@@ -118,14 +134,14 @@ class ExternalParamMode(TorchFunctionMode):
     """Gathers managed parameters used by an op while not gathered. See [Note: saved tensors and
     external parameters]."""
 
-    def __init__(self, zp: ZeroParameters) -> None:
+    def __init__(self, zp: HookTarget) -> None:
         super().__init__()
         self._zp = zp
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         zp = self._zp
-        if not zp._busy:
-            managed = zp._managed
+        if not zp.busy:
+            managed = zp.managed
             for a in args:
                 if type(a) is nn.Parameter and id(a) in managed and a.numel() == 0:
                     zp._gather_external(a)
@@ -143,7 +159,7 @@ class ExternalParamMode(TorchFunctionMode):
 class HookSet:
     """The handles of every hook installed on a model; `remove()` takes them all off."""
 
-    def __init__(self, zp: ZeroParameters, model: nn.Module, params: list[nn.Parameter]) -> None:
+    def __init__(self, zp: HookTarget, model: nn.Module, params: list[nn.Parameter]) -> None:
         self._handles: list[Any] = []
         for name, module in model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._make_pre(zp, module, name), with_kwargs=True))
@@ -162,7 +178,7 @@ class HookSet:
     # through it every one of them became a Python dispatch, which tripled the hooks' cost
     # (measured on benchmarks/step.py: ~50 ms of a ~1 s step).
     @staticmethod
-    def _make_pre(zp: ZeroParameters, module: nn.Module, name: str) -> Callable[..., Any]:
+    def _make_pre(zp: HookTarget, module: nn.Module, name: str) -> Callable[..., Any]:
         def pre(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
             with _no_torch_function():
                 zp._forward_enter(module)
@@ -171,7 +187,7 @@ class HookSet:
         return pre
 
     @staticmethod
-    def _make_post(zp: ZeroParameters, module: nn.Module, name: str) -> Callable[..., Any]:
+    def _make_post(zp: HookTarget, module: nn.Module, name: str) -> Callable[..., Any]:
         def post(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             with _no_torch_function():
                 zp._forward_exit(module)

@@ -54,7 +54,7 @@ class PlannedGroup:
         return sum(p.numel() for _, p in self.params)
 
 
-def plan_groups(
+def plan_param_groups(
     model: nn.Module,
     *,
     sub_group_size_numel: int,
@@ -63,7 +63,7 @@ def plan_groups(
     block_types: frozenset[str] | None = None,
     max_block_numel: int | None = None,
 ) -> list[PlannedGroup]:
-    """Split `model`'s parameters into groups. See [Note: group planning]; `block_types` (class
+    """Split `model`'s parameters into flat groups (which parameter goes in which group). See [Note: group planning]; `block_types` (class
     names) defaults to the model's ``_no_split_modules``."""
     if block_types is None:
         block_types = frozenset(getattr(model, "_no_split_modules", None) or ())
@@ -116,11 +116,6 @@ def _split_by_trainability(groups: list[PlannedGroup]) -> list[PlannedGroup]:
             if part:
                 out.append(PlannedGroup(part, g.persistent, trainable))
     return out
-
-
-def module_param_ids(module: nn.Module) -> list[int]:
-    """ids of a module's direct, non-empty parameters (what its hook must gather)."""
-    return [id(p) for p in module.parameters(recurse=False) if p.numel() > 0]
 
 
 def check_no_meta_mix(model: nn.Module) -> bool:

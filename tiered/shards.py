@@ -1,8 +1,9 @@
 """Flat shard groups: the unit ZeRO-3 partitions, gathers, reduces and steps.
 
 The interface between the ZeRO-3 scheduler (tiered.zero) and the offloaded optimizer
-(tiered.optim). `tiered.zero.ZeroParameters` (tiered/zero/params.py) builds the groups, owns
-their partitions and installs the module hooks:
+(tiered.optim), below both so that neither imports the other. `tiered.zero.ZeroParameters`
+(tiered/zero/coordinator.py) builds the groups, owns their partitions and installs the module
+hooks:
 
     zp = ZeroParameters(model, tm, cfg, *, param_tier, grad_tier, compute_dtype, process_group=None)
     zp.groups                          # list[ShardGroup], execution order at init
@@ -96,4 +97,5 @@ def padded_numel(numel: int, world_size: int, alignment: int) -> int:
 
 
 def group_name(index: int) -> str:
+    """The partition-name prefix of group `index` ("g0003")."""
     return f"g{index:04d}"

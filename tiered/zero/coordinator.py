@@ -1,0 +1,374 @@
+"""ZeroParameters: the per-model coordinator of every partitioned parameter.
+
+It builds the flat shard groups (tiered/zero/sharding.py, see [Note: flat shard groups]), holds
+one `GroupRuntime` per group (tiered/zero/group.py: each group's own gather, release, prefetch,
+eviction and gradient flush), the `LiveBudget` they share (tiered/zero/budget.py) and the
+recorded `Trace`; it installs the hooks (tiered/zero/hooks.py, see [Note: hooks that only
+dispatch]) and keeps what spans groups: the module -> group maps, the forward stack and the
+groups held for backward, the groups sealed for an overlapped step, the counters. Which group
+next is the trace's business (see [Note: trace and re-synchronisation]).
+
+The modules import one way: shards < budget < group < saved, hooks < passes < coordinator; plan,
+meta, schedule, comm and sharding import none of the run-time objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tiered.errors import CapacityError, ConfigError, ShapeMutationError
+from tiered.shards import ShardGroup, padded_numel
+from tiered.zero import comm
+from tiered.zero.budget import GpuGatherNeed, LiveBudget, PlannedSize, check_gather_budgets
+from tiered.zero.group import GroupContext, GroupRuntime
+from tiered.zero.hooks import HookSet
+from tiered.zero.passes import BackwardHolds, PassState
+from tiered.zero.plan import check_no_meta_mix
+from tiered.zero.saved import SavedTensorRefs
+from tiered.zero.schedule import BeladyPolicy, Trace
+from tiered.zero.sharding import (
+    ALIGNMENT_NUMEL,
+    map_modules,
+    move_buffers,
+    plan_model_groups,
+    write_group_partitions,
+)
+
+if TYPE_CHECKING:
+    from tiered.config.schema import TieredConfig
+    from tiered.tiers import TierManager
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ALIGNMENT_NUMEL", "GradSummary", "ZeroParameters"]
+
+_COUNTERS = ("fetches", "prefetch_hits", "cache_hits", "misses", "prefetches", "evictions", "external_gathers",
+             "backward_on_demand", "grad_flushes", "saved_refs")
+
+
+@dataclass(frozen=True)
+class GradSummary:
+    found_inf: bool
+    """Some accumulated gradient element is inf or NaN (fp16 overflow: skip the step)."""
+    sq_norm_local: float
+    """Squared L2 norm of this rank's shard of the accumulated fp32 gradients."""
+
+
+class ZeroParameters:
+    """Partitions `model`'s parameters into shard groups in `tm` and schedules them."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tm: TierManager,
+        cfg: TieredConfig,
+        *,
+        param_tier: str,
+        grad_tier: str,
+        compute_dtype: torch.dtype,
+        process_group: object | None = None,
+    ) -> None:
+        z = cfg.zero
+        self.model = model
+        self.tm = tm
+        self.cfg = cfg
+        self.param_tier = param_tier
+        self.grad_tier = grad_tier
+        self.compute_dtype = compute_dtype
+        self.process_group = process_group
+        self.world_size, self.rank = comm.world(process_group)
+        for t in (param_tier, grad_tier, "gpu"):
+            if t not in tm.tier_names:
+                raise ConfigError(f"tier {t!r} is not configured (tiers: {tm.tier_names}); add it under tiered.tiers")
+        self.device = torch.device(tm.tier("gpu").backend.capabilities.device)
+        if self.device.type == "cuda" and self.device.index is None:  # compare equal to tensors' devices
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._prefetch_numel = z.prefetch_bucket_size_numel
+        self.busy = False
+        """Set while the coordinator moves parameters itself (ExternalParamMode stands aside)."""
+        placeholder = torch.empty(0, dtype=compute_dtype, device=self.device)
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+
+        ws = self.world_size
+        is_meta = check_no_meta_mix(model)
+        gpu_budget = tm.tier("gpu").budget_bytes
+        planned = plan_model_groups(model, z, gpu_budget_bytes=tm.budget_bytes("gpu"), compute_dtype=compute_dtype,
+                                    world_size=ws)
+        needs_fetch = ws > 1 or param_tier != "gpu"
+        self.managed: dict[int, tuple[int, int]] = {  # id(param) -> (group index, entry index)
+            id(p): (i, j) for i, pg in enumerate(planned) for j, (_, p) in enumerate(pg.params)
+        }
+        self._modules = map_modules(model, self.managed)
+        self._extra_groups: dict[int, list[int]] = {}  # module -> groups it used from elsewhere
+        self.gpu_need: GpuGatherNeed = check_gather_budgets(  # before any partition is written: fail fast
+            [PlannedSize(pg.numel, padded_numel(pg.numel, ws, ALIGNMENT_NUMEL), pg.persistent) for pg in planned],
+            [(self._modules.names[mid], idxs) for mid, idxs in self._modules.groups.items()],
+            max_live=z.max_live_parameters_numel, gpu_budget_bytes=gpu_budget,
+            param_itemsize=placeholder.element_size(), world_size=ws, param_tier=param_tier, grad_tier=grad_tier,
+            needs_fetch=needs_fetch,
+        )
+        """Bytes the schedule holds in "gpu" at its peak (the engine's capacity check uses it)."""
+        written = write_group_partitions(
+            model, planned, tm, param_tier=param_tier, grad_tier=grad_tier, compute_dtype=compute_dtype,
+            world_size=ws, rank=self.rank, is_meta=is_meta, placeholder=placeholder,
+        )
+        del planned
+        self.groups: list[ShardGroup] = [w.group for w in written]
+        """Every group, in (initial) execution order: the interface to the optimizer and checkpoints."""
+        self.trace = Trace([g.numel for g in self.groups])
+        self.budget = LiveBudget(z.max_live_parameters_numel, [g.numel for g in self.groups], self.trace.next_use_distance)
+        ctx = GroupContext(tm, self.budget, self.counters, self.device, compute_dtype, placeholder, ws,
+                           process_group, param_tier, z.max_reuse_distance_numel, self.trace.next_use_distance)
+        self.runtimes: list[GroupRuntime] = [
+            GroupRuntime(ctx, w.group, w.params, needs_fetch=needs_fetch, initial_fp32=w.initial_fp32)
+            for w in written
+        ]
+        """One per group, by index: its gather/release state and gradient accumulation."""
+        del written
+        self.budget.bind(self.runtimes)
+        move_buffers(model, self.device, is_meta=is_meta)
+
+        part_group = {g.param.name: g.index for g in self.groups}
+        tm.set_eviction_policy("gpu", BeladyPolicy(part_group.get, self.trace, lambda i: self.groups[i].persistent))
+        self._fw_stack: list[nn.Module] = []
+        self._fw_pins: dict[int, list[list[int]]] = {}
+        self._bw = BackwardHolds(self._gather, self._release, self.runtimes)
+        saved = SavedTensorRefs(self.runtimes, self.managed, self.budget, self.counters, self.device, self._bw.gather)
+        self._pass = PassState(self.trace, self.runtimes, self._bw, self, saved)
+        self._grad_callbacks: list[Callable[[ShardGroup], None]] = []
+        self._hooks = HookSet(self, model, [p for rt in self.runtimes for p in rt.params])
+        log.info("partitioned %d parameters into %d groups (%d persistent), world_size=%d",
+                 sum(g.numel for g in self.groups), len(self.groups), sum(g.persistent for g in self.groups), ws)
+
+    @property
+    def _st(self) -> list[GroupRuntime]:
+        # the name tests read the per-group state by (it was a list of _GroupState)
+        return self.runtimes
+
+    # ---- public ------------------------------------------------------------------------------
+    def initial_fp32_shard(self, group: ShardGroup) -> torch.Tensor:
+        """fp32 master values of this rank's shard of `group`, as partitioned. Once per group."""
+        return self.runtimes[group.index].take_initial_fp32()
+
+    def params_updated(self) -> None:
+        """The optimizer wrote new parameter values (through the manager, which invalidated stale
+        copies): forget prefetches issued before, and recount what is still live."""
+        for rt in self.runtimes:
+            rt.forget_prefetch()
+        self.budget.prune()
+        # the next forward's first groups: fetched now, while the caller prepares the next batch
+        # (issued after the step, which would otherwise overwrite them)
+        if not self.trace.in_pass:
+            self._prefetch_ahead(-1)
+
+    def remove_hooks(self) -> None:
+        self._pass.exit_modes()
+        self._hooks.remove()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counters,
+            **self.trace.stats(),
+            "groups": len(self.groups),
+            "persistent_groups": sum(g.persistent for g in self.groups),
+            "live_numel": self.budget.live_numel(),
+            "live_numel_peak": self.budget.live_peak,
+            "max_live_numel": self.budget.max_live,
+            "gathered_numel_peak": self.budget.gathered_peak,
+        }
+
+    def gather_full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Consolidated copies of every parameter (on the CPU), keyed like model.state_dict()."""
+        out_by_id: dict[int, torch.Tensor] = {}
+        for rt in self.runtimes:
+            self._gather(rt.index, record=False)
+            try:
+                for p in rt.params:
+                    out_by_id[id(p)] = p.detach().to("cpu", dtype or p.dtype, copy=True)
+            finally:
+                self._release(rt.index)
+        return {n: out_by_id[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
+                if id(p) in out_by_id}
+
+    # ---- gradients: see [Note: gradient flush] in tiered/zero/group.py -------------------------
+    def on_group_grads_complete(self, callback: Callable[[ShardGroup], None]) -> None:
+        """Call `callback(group)` each time a group's gradients for this backward were flushed."""
+        self._grad_callbacks.append(callback)
+
+    def seal_for_step(self, group: ShardGroup) -> None:
+        """The optimizer is about to update `group` while backward continues (see [Note: step
+        overlapped with backward] in tiered/optim/offload.py): any later gather of it in this
+        backward would see new values, so it raises instead. Unsealed when the pass ends."""
+        self._pass.sealed.add(group.index)
+
+    def finish_backward(self, *, summarize: bool = True) -> GradSummary:
+        """End of backward: flush partly complete groups, release everything, end the pass, and
+        (if `summarize`) return the local squared norm and overflow flag of the accumulated grads."""
+        for rt in self.runtimes:
+            if rt.has_unflushed_grads():  # partly complete groups
+                self._flush(rt)
+        for rt in self.runtimes:  # groups that got no gradient at all: now really zero
+            rt.zero_pending_grad()
+        self._pass.end()
+        self._pass.in_backward = False
+        if not summarize:
+            return GradSummary(False, 0.0)
+        return self.grad_summary()
+
+    def grad_summary(self) -> GradSummary:
+        sq = 0.0
+        for rt in self.runtimes:
+            if rt.group.grad is not None:
+                sq += rt.grad_sq_norm()
+        return GradSummary(found_inf=not math.isfinite(sq), sq_norm_local=sq)
+
+    def zero_grads(self) -> None:
+        """Set every group's accumulated gradient to zero on its tier (lazily: see [Note: lazy
+        gradient zeroing] in tiered/zero/group.py)."""
+        for rt in self.runtimes:
+            rt.zero_grads_lazily()
+
+    def read_grad_shard(self, group: ShardGroup) -> torch.Tensor:
+        """A CPU copy of this rank's accumulated fp32 gradient shard (tests, checkpoints)."""
+        return self.runtimes[group.index].read_grad_shard()
+
+    def _flush(self, rt: GroupRuntime) -> None:
+        rt.flush_grads()
+        self._bw.release(rt.index)
+        for cb in self._grad_callbacks:
+            cb(rt.group)
+
+    # ---- gather / release: the steps around one group's own ---------------------------------
+    def _gather(self, i: int, *, record: bool = True) -> None:
+        rt = self.runtimes[i]
+        if rt.pins > 0:
+            rt.pins += 1
+            return
+        if i in self._pass.sealed:
+            g = rt.group
+            raise RuntimeError(
+                f"tiered.overlap_step_with_backward: group {g.name} ({g.entries[0].name}...) was handed to the "
+                "optimizer when its gradients were complete, but backward used its parameters again "
+                "afterwards (a saved view of a weight whose gradient is not needed, or a use outside autograd); "
+                "its values would already be the updated ones. Set tiered.overlap_step_with_backward to false "
+                "for this model"
+            )
+        busy, self.busy = self.busy, True
+        try:
+            if record:
+                self.trace.on_gather(i)
+            if rt.evicting is not None:  # reused before its background eviction finished
+                rt.wait_evicted()
+            if rt.counted_live and not self.budget.is_live(i):
+                self._reserve_live(rt)
+            fetch = rt.start_fetch()
+            if record:
+                self._prefetch_ahead(i)
+            rt.finish_gather(fetch)
+        finally:
+            self.busy = busy
+
+    def _reserve_live(self, rt: GroupRuntime) -> None:
+        """Room in the live budget for `rt`, or CapacityError. See [Note: the live budget]."""
+        b, i, n = self.budget, rt.index, rt.numel
+        if b.make_room(n, keep=i) or (self._pass.in_backward and self._bw.release_for_room(i) and b.make_room(n, keep=i)):
+            return
+        mod = self._modules.names[id(self._fw_stack[-1])] if self._fw_stack else "<backward>"
+        raise CapacityError(
+            f"stage3_max_live_parameters={b.max_live}: cannot gather group {rt.group.name} "
+            f"({n} elements) for module {mod!r}: {b.live_numel()} elements are "
+            f"in use; raise stage3_max_live_parameters to at least {b.live_numel() + n}"
+        )
+
+    def _release(self, i: int) -> None:
+        busy, self.busy = self.busy, True
+        try:
+            self.runtimes[i].release()
+        finally:
+            self.busy = busy
+
+    def _prefetch_ahead(self, current: int) -> None:
+        for j in self.trace.upcoming(self._prefetch_numel):
+            rt = self.runtimes[j]
+            if j == current or not rt.wants_prefetch():
+                continue
+            if not rt.prefetch(keep=current, beyond=self.budget.distance(j)):
+                break
+        self.budget.note_peaks()
+
+    # ---- hook targets: see [Note: hooks that only dispatch] ----------------------------------
+    def _groups_of(self, module: nn.Module) -> list[int]:
+        mid, maps = id(module), self._modules
+        if maps.params[mid] != tuple(id(p) for p in module.parameters(recurse=False)):
+            raise ShapeMutationError(
+                f"module {maps.names[mid]!r} had a parameter replaced or added after tiered partitioned "
+                "it: create all parameters before initialize and do not reassign them"
+            )
+        extra = self._extra_groups.get(mid)
+        return maps.groups[mid] + extra if extra else maps.groups[mid]
+
+    def _forward_enter(self, module: nn.Module) -> None:
+        if module is self.model and not self._fw_stack:
+            self._pass.begin()
+        idxs = self._groups_of(module)
+        for i in idxs:
+            self._gather(i)
+        self._fw_pins.setdefault(id(module), []).append(list(idxs))
+        self._fw_stack.append(module)
+
+    def _forward_exit(self, module: nn.Module) -> None:
+        if self._fw_stack and self._fw_stack[-1] is module:
+            self._fw_stack.pop()
+        stack = self._fw_pins.get(id(module))
+        if stack:
+            for i in stack.pop():
+                self._release(i)
+        if module is self.model and not self._fw_stack:
+            self._pass.exit_modes()
+            if not torch.is_grad_enabled():
+                self._pass.end()  # no backward will follow
+
+    def _backward_enter_cb(self, module: nn.Module) -> Callable[[], None]:
+        def cb() -> None:
+            self._pass.in_backward = True
+            idxs = self._groups_of(module)
+            self._bw.current = idxs
+            for i in idxs:
+                self._bw.gather(i)
+        return cb
+
+    def _gather_external(self, p: nn.Parameter) -> None:
+        """A parameter used by an op while not gathered. See [Note: saved tensors and external parameters]."""
+        i, _ = self.managed[id(p)]
+        self.counters["external_gathers"] += 1
+        if self._fw_stack:
+            mod = self._fw_stack[-1]
+            extra = self._extra_groups.setdefault(id(mod), [])
+            if i not in extra and i not in self._modules.groups[id(mod)]:
+                extra.append(i)
+            self._gather(i)
+            self._fw_pins[id(mod)][-1].append(i)
+        else:  # outside any module: held until the pass ends
+            self._bw.gather(i)
+
+    def _grad_arriving(self, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
+        rt = self.runtimes[self.managed[id(p)][0]]
+
+        def hook(grad: torch.Tensor) -> None:
+            if rt.full is None:
+                self.counters["backward_on_demand"] += 1
+                self._bw.gather(rt.index)
+
+        return hook
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        rt = self.runtimes[self.managed[id(p)][0]]
+        if rt.grad_arrived(p):
+            self._flush(rt)

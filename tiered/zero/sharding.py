@@ -1,0 +1,127 @@
+"""Turning a model into shard groups, once, at initialize: plan the groups, check the budgets,
+write each group's partitions into the TierManager and leave the parameters empty.
+
+Everything here runs only while `ZeroParameters` is built; what it returns is owned by the
+coordinator (the module maps) and the group runtimes (the groups and their parameters). The
+layout is [Note: flat shard groups] (tiered/shards.py), the grouping [Note: group planning]
+(tiered/zero/plan.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tiered.shards import ParamEntry, ShardGroup, group_name, padded_numel
+from tiered.zero.meta import materialize_buffers, materialize_group
+from tiered.zero.plan import PlannedGroup, flat_fp32, plan_param_groups
+
+if TYPE_CHECKING:
+    from tiered.config.schema import ZeroConfig
+    from tiered.tiers import TierManager
+
+ALIGNMENT_NUMEL = 64
+"""Shards start at multiples of 64 elements (128 B in bf16, 256 B in fp32)."""
+
+
+def plan_model_groups(
+    model: nn.Module, z: ZeroConfig, *, gpu_budget_bytes: int | None, compute_dtype: torch.dtype, world_size: int
+) -> list[PlannedGroup]:
+    """The model's groups, blocks capped so that two fit the budgets (see [Note: group planning])."""
+    # A block is one group only while two of them (the current and the prefetched next) fit
+    # the live budget and a quarter of the gpu tier: see [Note: group planning].
+    block_cap = min(z.sub_group_size_numel, z.max_live_parameters_numel // 2)
+    if gpu_budget_bytes is not None:
+        itemsize = torch.empty(0, dtype=compute_dtype).element_size()
+        block_cap = min(block_cap, gpu_budget_bytes // (4 * itemsize) * world_size)
+    return plan_param_groups(
+        model,
+        sub_group_size_numel=z.sub_group_size_numel,
+        param_persistence_threshold_numel=z.param_persistence_threshold_numel,
+        model_persistence_threshold_numel=z.model_persistence_threshold_numel,
+        max_block_numel=block_cap,
+    )
+
+
+@dataclass
+class ModuleMaps:
+    """Per module (by id): the groups its hooks gather, its name, its direct parameters."""
+
+    groups: dict[int, list[int]]
+    """id(module) -> indices of the groups holding its direct parameters."""
+    names: dict[int, str]
+    """id(module) -> qualified name (the root: its class name), for messages."""
+    params: dict[int, tuple[int, ...]]
+    """id(module) -> ids of its direct parameters at initialize (to detect replaced ones)."""
+
+
+def map_modules(model: nn.Module, managed: dict[int, tuple[int, int]]) -> ModuleMaps:
+    maps = ModuleMaps({}, {}, {})
+    for mname, m in model.named_modules():
+        maps.groups[id(m)] = sorted({managed[id(p)][0] for p in m.parameters(recurse=False) if id(p) in managed})
+        maps.names[id(m)] = mname or type(m).__name__
+        maps.params[id(m)] = tuple(id(p) for p in m.parameters(recurse=False))
+    return maps
+
+
+@dataclass
+class WrittenGroup:
+    """One group whose partitions exist; its parameters now point at the placeholder."""
+
+    group: ShardGroup
+    params: list[nn.Parameter]
+    initial_fp32: torch.Tensor | None
+    """This rank's fp32 shard where the partition cannot give it back exactly (low precision, meta)."""
+
+
+def write_group_partitions(
+    model: nn.Module,
+    planned: list[PlannedGroup],
+    tm: TierManager,
+    *,
+    param_tier: str,
+    grad_tier: str,
+    compute_dtype: torch.dtype,
+    world_size: int,
+    rank: int,
+    is_meta: bool,
+    placeholder: torch.Tensor,
+) -> list[WrittenGroup]:
+    """Create each group's param (and grad) partition from the model's values, one group at a
+    time (a meta model is materialised group by group: see [Note: meta materialisation])."""
+    out = []
+    for i, pg in enumerate(planned):
+        name = group_name(i)
+        entries, off = [], 0
+        for qual, p in pg.params:
+            entries.append(ParamEntry(qual, off, p.numel(), tuple(p.shape)))
+            off += p.numel()
+        full = padded_numel(off, world_size, ALIGNMENT_NUMEL)
+        shard = full // world_size
+        if is_meta:
+            materialize_group(model, pg.params, torch.device("cpu"))
+        flat = flat_fp32(pg.params, full)
+        shard32 = flat[rank * shard : (rank + 1) * shard]
+        ppart = tm.create(f"{name}.param", shard, compute_dtype, param_tier, init=shard32.to(compute_dtype))
+        gpart = tm.create(f"{name}.grad", shard, torch.float32, grad_tier) if pg.trainable else None
+        init32 = shard32.clone() if pg.trainable and (compute_dtype != torch.float32 or is_meta) else None
+        del flat, shard32
+        g = ShardGroup(i, name, tuple(entries), full, shard, rank * shard, ppart, gpart, pg.persistent)
+        params = [p for _, p in pg.params]
+        for p in params:
+            p.data = placeholder
+        out.append(WrittenGroup(g, params, init32))
+    return out
+
+
+def move_buffers(model: nn.Module, device: torch.device, *, is_meta: bool) -> None:
+    """Buffers (rotary tables, masks) live where compute runs; meta ones get storage first."""
+    if is_meta:
+        materialize_buffers(model, device)
+    for b_mod in model.modules():
+        for bname, buf in list(b_mod._buffers.items()):
+            if buf is not None and buf.device != device:
+                b_mod._buffers[bname] = buf.to(device)
