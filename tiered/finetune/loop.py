@@ -15,7 +15,7 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,8 @@ class TrainResult:
     interrupted: bool
     stats: dict[str, Any]
     state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    eval_losses: tuple[tuple[int, float], ...] = ()
+    """(step, eval loss) every --eval-every steps; see `eval_loss`."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,6 +79,7 @@ class TrainResult:
             "train_s": self.train_s,
             "tokens_per_s": self.tokens_per_s,
             "interrupted": self.interrupted,
+            "eval_losses": [{"step": st, "loss": v} for st, v in self.eval_losses],
             "engine": self.stats,
         }
 
@@ -126,6 +129,25 @@ def micro_batch_size(cfg: TieredConfig, override: int | None) -> int:
     return cfg.train_micro_batch_size_per_gpu or 1
 
 
+def eval_loss(model: torch.nn.Module, forward: Callable[..., Any], batches: Iterable[Batch]) -> float:
+    """The mean loss per trained token over `batches`, without gradients and with the model in
+    eval mode (no dropout): each batch's mean loss weighted by its trained (label != -100, after
+    the causal shift) tokens, so it does not depend on how the rows are batched."""
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for b in batches:
+                n = int((b["labels"][:, 1:] != -100).sum())
+                if n:
+                    total += float(forward(**b).loss.float()) * n
+                    count += n
+    finally:
+        model.train(was_training)
+    return total / count if count else float("nan")
+
+
 def train(
     model: torch.nn.Module,
     config: TieredConfig | dict[str, Any],
@@ -134,12 +156,19 @@ def train(
     *,
     on_log: Callable[[StepLog], None] | None = None,
     keep_state: bool = False,
+    eval_data: Callable[[], Iterable[Batch]] | None = None,
+    eval_every: int = 0,
+    on_eval: Callable[[int, float], None] | None = None,
 ) -> TrainResult:
     """Fine-tune `model` for opts.steps optimizer steps through tiered's engine.
 
     A KeyboardInterrupt (Ctrl-C) between or inside steps ends the loop cleanly: the engine is
     closed (its writes finished, its loop thread stopped) and the result says `interrupted`,
-    with the steps done so far. `keep_state` gathers the consolidated fp32 parameters."""
+    with the steps done so far. `keep_state` gathers the consolidated fp32 parameters. With
+    `eval_data` (a fresh iterable of eval batches per call) the eval loss is taken every
+    `eval_every` steps and after the last step (`eval_loss`)."""
+    if eval_data is not None and eval_every < 1:
+        raise ConfigError(f"--eval-every must be >= 1, got {eval_every}")
     import tiered
 
     t0 = time.perf_counter()
@@ -147,6 +176,7 @@ def train(
     init_s = time.perf_counter() - t0
     gas = engine.gas
     losses: list[float] = []
+    evals: list[tuple[int, float]] = []
     tokens = 0
     interrupted = False
     state = None
@@ -171,6 +201,10 @@ def train(
                 train_s = time.perf_counter() - t_start
                 if on_log is not None and (step % opts.log_every == 0 or step == opts.steps):
                     on_log(StepLog(step, loss, lr, tokens / train_s if train_s > 0 else 0.0, train_s))
+                if eval_data is not None and (step % eval_every == 0 or step == opts.steps):
+                    evals.append((step, eval_loss(model, engine, eval_data())))
+                    if on_eval is not None:
+                        on_eval(*evals[-1])
         except KeyboardInterrupt:
             interrupted = True
             log.warning("interrupted after %d steps; closing the engine", len(losses))
@@ -178,7 +212,8 @@ def train(
         stats = engine.stats()
         if keep_state and not interrupted:
             state = {k: v.detach().float().clone() for k, v in engine.state_dict_fp32().items()}
-    return TrainResult(tuple(losses), len(losses), tokens, init_s, train_s, interrupted, stats, state)
+    return TrainResult(tuple(losses), len(losses), tokens, init_s, train_s, interrupted, stats, state,
+                       tuple(evals))
 
 
 def reference_train(
