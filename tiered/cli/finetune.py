@@ -272,16 +272,22 @@ def finetune_job(
                         text_field=text_field, eval_fraction=eval_fraction, eval_data=eval_data)
     model = prepare_model(model, lora=lora, gradient_checkpointing=gradient_checkpointing,
                           reentrant=gradient_checkpointing_reentrant)
-    cfg = load_config(raw, model=model)
-    micro = micro_batch_size(cfg, batch_size)
-    if compare_torch and cfg.precision.dtype != torch.float32:
-        raise ConfigError(
-            f"--compare-torch compares fp32 runs only, but --config {config if not isinstance(config, dict) else ''} "
-            "enables bf16/fp16; drop --compare-torch or the bf16/fp16 section"
-        )
-    act = estimate_activations(hf, batch=micro, seq_len=seq_len, dtype=cfg.precision.dtype,
-                               checkpointing=gradient_checkpointing)
-    check_activations(act, torch.device("cuda" if torch.cuda.is_available() else "cpu"), free_memory)
+    new_dirs = _missing_dirs(raw)
+    try:  # validating the config creates nvme_path (as DeepSpeed does): undo that on a refusal
+        cfg = load_config(raw, model=model)
+        micro = micro_batch_size(cfg, batch_size)
+        if compare_torch and cfg.precision.dtype != torch.float32:
+            raise ConfigError(
+                f"--compare-torch compares fp32 runs only, but --config "
+                f"{config if not isinstance(config, dict) else ''} enables bf16/fp16; drop --compare-torch or "
+                "the bf16/fp16 section"
+            )
+        act = estimate_activations(hf, batch=micro, seq_len=seq_len, dtype=cfg.precision.dtype,
+                                   checkpointing=gradient_checkpointing)
+        check_activations(act, torch.device("cuda" if torch.cuda.is_available() else "cpu"), free_memory)
+    except BaseException:
+        _remove_empty(new_dirs)
+        raise
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     w(f"model: {type(model).__name__} from {source.config_path}, {n_params:,} parameters"
@@ -332,6 +338,29 @@ def finetune_job(
         w(f"plain PyTorch (everything in memory, no offload): {result.tokens / ref_s:,.0f} tokens/s "
           f"in {ref_s:.2f} s\n")
     return job
+
+
+def _missing_dirs(raw: dict[str, Any]) -> list[Path]:
+    """The offload folders of `raw` (nvme_path) and their ancestors that do not exist yet, deepest first."""
+    zero = raw.get("zero_optimization")
+    found: list[Path] = []
+    for key in ("offload_param", "offload_optimizer"):
+        sec = zero.get(key) if isinstance(zero, dict) else None
+        path = sec.get("nvme_path") if isinstance(sec, dict) else None
+        if isinstance(path, str):
+            p = Path(path).expanduser().absolute()
+            while not p.exists() and p not in found:
+                found.append(p)
+                p = p.parent
+    return sorted(found, key=lambda q: len(q.parts), reverse=True)
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    for d in dirs:
+        try:
+            d.rmdir()  # only if empty: never removes what someone else put there
+        except OSError:
+            pass
 
 
 def _train_stream(rows: Any, micro: int, seed: int) -> Any:

@@ -230,7 +230,9 @@ def reference_train(
             "the plain-PyTorch comparison runs fp32 only; drop bf16/fp16 from the config to compare"
         )
     o = cfg.optimizer
-    params = list(model.parameters())
+    # frozen parameters (LoRA's base) are not stepped, as by the engine: a zero gradient would
+    # still move them through weight decay
+    params = [p for p in model.parameters() if p.requires_grad]
     opt_cls = torch.optim.AdamW if o.adamw_mode else torch.optim.Adam
     opt = opt_cls(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     schedule = build_scheduler(cfg.scheduler, base_lr=o.lr) if cfg.scheduler is not None else None
