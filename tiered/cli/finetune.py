@@ -307,11 +307,13 @@ def finetune_job(
         w(f"step {s.step:>5}/{steps}  loss {s.loss:.4f}  lr {s.lr:.3g}  {s.tokens_per_s:,.0f} tokens/s\n")
         out.flush()
 
+    held = data.eval
+    eval_rows = held.rows if held is not None else 0
+
     def on_eval(step: int, loss: float) -> None:
-        w(f"eval  {step:>5}/{steps}  loss {loss:.4f}  ({held.rows} rows)\n")
+        w(f"eval  {step:>5}/{steps}  loss {loss:.4f}  ({eval_rows} rows)\n")
         out.flush()
 
-    held = data.eval
     result = train(model, cfg, _train_stream(data.train, micro, seed), opts, on_log=on_log, keep_state=compare_torch,
                    eval_data=(lambda: eval_batches(held, micro)) if held is not None else None,
                    eval_every=eval_every or steps, on_eval=on_eval)

@@ -138,7 +138,7 @@ def _read_jsonl_file(path: Path, text_field: str) -> Iterator[Record]:
 
 def _datasets_module(path: Path) -> Any:
     try:
-        import datasets
+        import datasets  # type: ignore[import-untyped]
     except ImportError as exc:
         raise TieredError(
             f"--data {path}: reading parquet and saved datasets needs the `datasets` package; "
@@ -153,7 +153,7 @@ def _read_rows_table(path: Path, text_field: str) -> Iterator[Record]:
         if path.is_dir():
             ds = datasets.load_from_disk(str(path))
         else:
-            import pyarrow.parquet as pq  # a dependency of datasets
+            import pyarrow.parquet as pq  # type: ignore[import-untyped]  # a dependency of datasets
 
             ds = datasets.Dataset(pq.read_table(str(path)))
     except Exception as exc:  # noqa: BLE001 - whatever the library says is the file's fault
