@@ -61,6 +61,25 @@ def test_folder_reads_files_sorted_and_skips_hidden(tmp_path: Path, tok) -> None
     assert got == ["A", "B", "C"]
 
 
+def test_json_array_file(tmp_path: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    f = tmp_path / "d.json"
+    f.write_text(json.dumps([{"text": "a"}, {"text": "b"}], indent=1))
+    assert [list(d.ids) for d in docs_of(f, tok)] == [[97, EOS], [98, EOS]]
+    f.write_text(json.dumps([{"text": "a"}, {"body": "b"}], indent=1))
+    with pytest.raises(ConfigError, match=r"d\.json row 1: row has no 'text' field"):
+        docs_of(f, tok)
+
+
+def test_folder_with_a_saved_dataset_reads_it_as_one_source(tmp_path: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    datasets = pytest.importorskip("datasets")
+    d = tmp_path / "data"
+    d.mkdir()
+    datasets.Dataset.from_dict({"text": ["x", "y"]}).save_to_disk(str(d / "b_saved"))
+    (d / "a.txt").write_text("A")
+    (d / "c.txt").write_text("C")
+    assert [bytes(x.ids[:-1]).decode() for x in docs_of(d, tok)] == ["A", "x", "y", "C"]
+
+
 def test_saved_dataset_and_parquet(tmp_path: Path, tok) -> None:  # type: ignore[no-untyped-def]
     datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_dict({"text": ["one", "two"], "n": [1, 2]})

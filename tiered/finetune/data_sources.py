@@ -4,13 +4,14 @@ Hugging Face datasets and parquet. Every error names the file and the line or ro
 [Note: data formats]
 `--data PATH` is, by what it is:
   * a `.txt` (or any non-JSON) file: the whole file is one document;
-  * a `.jsonl` / `.json` file of one JSON object per line: a row with `"messages"` is a chat
+  * a `.jsonl` / `.json` file of one JSON object per line (or a JSON array of them): a row with `"messages"` is a chat
     (see [Note: chat masking]); any other row must have the text field (`--text-field`,
     default "text") holding a string: one document per row;
   * a `.parquet` file, or a folder written by `datasets.Dataset.save_to_disk` (it has
     `dataset_info.json` or `state.json`): rows as in JSONL (needs the `datasets` extra);
-  * any other folder: every `.txt` / `.jsonl` / `.json` / `.parquet` file below it, sorted by
-    path, each read as above (hidden files skipped). A folder with none is an error.
+  * any other folder: every `.txt` / `.text` / `.md` / `.jsonl` / `.json` / `.parquet` file and
+    saved dataset below it, sorted by path, each read as above (hidden entries skipped). A folder
+    with none is an error.
 Every document is tokenized without special tokens and ends with the EOS id (the tokenizer's,
 else the model config's `eos_token_id`; with neither, documents are joined as they are and the
 data summary says so).
@@ -122,6 +123,16 @@ def _row_record(row: Any, where: str, text_field: str) -> Record:
 def _read_jsonl_file(path: Path, text_field: str) -> Iterator[Record]:
     for recs in _read_text_file(path):  # the same empty / binary / UTF-8 checks
         assert recs.text is not None
+        if path.suffix.lower() == ".json" and recs.text.lstrip().startswith("["):  # an array, not lines
+            try:
+                rows = json.loads(recs.text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--data {path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+            for i, row in enumerate(rows):
+                yield _row_record(row, f"{path} row {i}", text_field)
+            if not rows:
+                raise ConfigError(f"--data {path}: the JSON array has no rows")
+            return
         n = 0
         for lineno, line in enumerate(recs.text.splitlines(), start=1):
             if not line.strip():
@@ -182,18 +193,29 @@ def _read_file(path: Path, text_field: str) -> Iterator[Record]:
 
 
 def folder_files(path: Path) -> list[Path]:
-    """The usable files below a data folder, sorted ([Note: data formats])."""
-    files = sorted(
-        p for p in path.rglob("*")
-        if p.is_file() and p.suffix.lower() in FOLDER_SUFFIXES
-        and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
-    if not files:
+    """The usable sources below a data folder, sorted by path ([Note: data formats]): files by
+    suffix, and saved datasets (folders) as one source each, their own files not descended into."""
+    found: list[Path] = []
+
+    def walk(d: Path) -> None:
+        for p in sorted(d.iterdir()):
+            if p.name.startswith("."):
+                continue
+            if p.is_dir():
+                if _is_saved_dataset(p):
+                    found.append(p)
+                else:
+                    walk(p)
+            elif p.is_file() and p.suffix.lower() in FOLDER_SUFFIXES:
+                found.append(p)
+
+    walk(path)
+    if not found:
         raise ConfigError(
             f"--data {path}: the folder has no usable files ({', '.join(FOLDER_SUFFIXES)}); "
             "put text or JSONL files in it"
         )
-    return files
+    return found
 
 
 def read_records(path: str | Path, *, text_field: str = "text") -> Iterator[Record]:
@@ -208,7 +230,7 @@ def read_records(path: str | Path, *, text_field: str = "text") -> Iterator[Reco
         yield from _read_rows_table(p, text_field)
     elif p.is_dir():
         for f in folder_files(p):
-            yield from _read_file(f, text_field)
+            yield from (_read_rows_table(f, text_field) if f.is_dir() else _read_file(f, text_field))
     else:
         yield from _read_file(p, text_field)
 
