@@ -240,6 +240,7 @@ def finetune_job(
     from tiered.finetune.loop import micro_batch_size
     from tiered.finetune.lora import parse_lora_spec
     from tiered.finetune.packing import eval_batches
+    from tiered.finetune.progress import BarProgress, make_progress
 
     out = out or sys.stdout
     w = out.write
@@ -303,20 +304,17 @@ def finetune_job(
       f"{str(cfg.precision.dtype).removeprefix('torch.')}; lr {cfg.optimizer.lr:g} ({cfg.optimizer.type})\n")
     reference = copy.deepcopy(model) if compare_torch else None
 
-    def on_log(s: Any) -> None:
-        w(f"step {s.step:>5}/{steps}  loss {s.loss:.4f}  lr {s.lr:.3g}  {s.tokens_per_s:,.0f} tokens/s\n")
-        out.flush()
-
     held = data.eval
     eval_rows = held.rows if held is not None else 0
-
-    def on_eval(step: int, loss: float) -> None:
-        w(f"eval  {step:>5}/{steps}  loss {loss:.4f}  ({eval_rows} rows)\n")
-        out.flush()
-
-    result = train(model, cfg, _train_stream(data.train, micro, seed), opts, on_log=on_log, keep_state=compare_torch,
-                   eval_data=(lambda: eval_batches(held, micro)) if held is not None else None,
-                   eval_every=eval_every or steps, on_eval=on_eval)
+    progress = make_progress(out, steps)  # [Note: progress output]
+    try:
+        result = train(model, cfg, _train_stream(data.train, micro, seed), opts, on_log=progress.step,
+                       keep_state=compare_torch,
+                       eval_data=(lambda: eval_batches(held, micro)) if held is not None else None,
+                       eval_every=eval_every or steps, on_eval=lambda st, loss: progress.eval(st, loss, eval_rows),
+                       link_rates=isinstance(progress, BarProgress))
+    finally:
+        progress.close()
     if result.interrupted:
         w(f"interrupted after {result.steps_done} of {steps} steps; engine closed\n")
     w(f"\n{result.steps_done} steps, {result.tokens:,} tokens in {result.train_s:.2f} s: "

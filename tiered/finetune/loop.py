@@ -50,6 +50,8 @@ class StepLog:
     lr: float
     tokens_per_s: float
     elapsed_s: float
+    link_gbps: dict[str, float] = field(default_factory=dict)
+    """Per link (source->destination), GB/s since the previous log; only with `link_rates`."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ def train(
     eval_data: Callable[[], Iterable[Batch]] | None = None,
     eval_every: int = 0,
     on_eval: Callable[[int, float], None] | None = None,
+    link_rates: bool = False,
 ) -> TrainResult:
     """Fine-tune `model` for opts.steps optimizer steps through tiered's engine.
 
@@ -166,7 +169,8 @@ def train(
     closed (its writes finished, its loop thread stopped) and the result says `interrupted`,
     with the steps done so far. `keep_state` gathers the consolidated fp32 parameters. With
     `eval_data` (a fresh iterable of eval batches per call) the eval loss is taken every
-    `eval_every` steps and after the last step (`eval_loss`)."""
+    `eval_every` steps and after the last step (`eval_loss`). `link_rates` fills StepLog.link_gbps
+    (it reads engine.stats() at every log, so it is off unless a progress bar shows it)."""
     if eval_data is not None and eval_every < 1:
         raise ConfigError(f"--eval-every must be >= 1, got {eval_every}")
     import tiered
@@ -182,6 +186,18 @@ def train(
     state = None
     t_start = time.perf_counter()
     train_s = 0.0
+    last_links: dict[str, int] = {}
+    last_t = t_start
+
+    def rates() -> dict[str, float]:
+        nonlocal last_links, last_t
+        now = time.perf_counter()
+        links = {k: int(v.get("bytes", 0)) for k, v in engine.stats().get("tiers", {}).get("links", {}).items()}
+        dt = now - last_t
+        got = {k: (b - last_links.get(k, 0)) / dt / 1e9 for k, b in links.items()} if dt > 0 else {}
+        last_links, last_t = links, now
+        return got
+
     with engine:
         try:
             for step in range(1, opts.steps + 1):
@@ -200,7 +216,8 @@ def train(
                 losses.append(loss)
                 train_s = time.perf_counter() - t_start
                 if on_log is not None and (step % opts.log_every == 0 or step == opts.steps):
-                    on_log(StepLog(step, loss, lr, tokens / train_s if train_s > 0 else 0.0, train_s))
+                    on_log(StepLog(step, loss, lr, tokens / train_s if train_s > 0 else 0.0, train_s,
+                                   rates() if link_rates else {}))
                 if eval_data is not None and (step % eval_every == 0 or step == opts.steps):
                     evals.append((step, eval_loss(model, engine, eval_data())))
                     if on_eval is not None:
