@@ -141,3 +141,13 @@ def test_empty_data_folder_and_eval_every_without_eval(files: dict[str, Path],
     assert main(cli(files, "--eval-every", "2")) == 2
     assert "--eval-every needs --eval-fraction or --eval-data" in capsys.readouterr().err
     assert not (files["tmp"] / "nvme").exists()
+
+
+def test_torchrun_world_size_is_refused_not_replicated(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(cli(files)) == 2
+    captured = capsys.readouterr()
+    assert "WORLD_SIZE=2 in the environment" in captured.err and "step " not in captured.out
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(cli(files, "--steps", "1")) == 0

@@ -387,8 +387,23 @@ def _write_json(path: str, doc: dict[str, Any]) -> None:
         raise ConfigError(f"--stats-json {path}: cannot write ({exc.strerror or exc})") from None
 
 
+def refuse_multi_process() -> None:
+    """Under torchrun (WORLD_SIZE > 1) every rank would run the same job on the same data and
+    write the same files: refuse until the command sets up the process group and shards the data
+    itself (issue item "torchrun"), rather than train replicas silently."""
+    import os
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.strip() not in ("", "1"):
+        raise ConfigError(
+            f"WORLD_SIZE={world} in the environment (torchrun?): tiered finetune runs one process for now and "
+            "would train identical replicas; run it without torchrun (or with --nproc_per_node 1)"
+        )
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
+    refuse_multi_process()
     _check_output(args.stats_json, "--stats-json")
     job = finetune_job(
         model_path=args.model,
