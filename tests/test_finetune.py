@@ -248,7 +248,7 @@ def test_cli_ctrl_c_exits_130_and_writes_partial_stats(files: dict[str, Path], m
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     import tiered.finetune as ft
 
-    real = ft.batches
+    real = ft.PackedBatches
 
     def interrupted_stream(*a: Any, **k: Any) -> Any:
         for i, b in enumerate(real(*a, **k)):
@@ -256,7 +256,7 @@ def test_cli_ctrl_c_exits_130_and_writes_partial_stats(files: dict[str, Path], m
                 raise KeyboardInterrupt
             yield b
 
-    monkeypatch.setattr(ft, "batches", interrupted_stream)
+    monkeypatch.setattr(ft, "PackedBatches", interrupted_stream)
     stats = files["tmp"] / "s.json"
     assert main(cli(files, "--steps", "5", "--stats-json", str(stats))) == 130
     out = capsys.readouterr().out

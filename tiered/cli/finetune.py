@@ -19,8 +19,8 @@ from typing import Any, TextIO
 from tiered.errors import ConfigError
 
 DESCRIPTION = """\
-Fine-tune a causal language model on a plain text file through tiered's engine (ZeRO-3, with
-parameters, gradients and optimizer state placed by the config: GPU, pinned CPU or NVMe).
+Fine-tune a causal language model through tiered's engine (ZeRO-3, with parameters, gradients
+and optimizer state placed by the config: GPU, pinned CPU or NVMe), fully or with LoRA adapters.
 
 --model is a local Hugging Face folder (config.json, optionally *.safetensors weights and
 tokenizer files) or a bare config.json: the model is built from the config, nothing is downloaded;
@@ -29,6 +29,16 @@ the built-in byte tokenizer (token id = UTF-8 byte value, 0..255; needs vocab_si
 --config is a DeepSpeed ds_config.json (used unchanged) or a tiered config. Prints the loss every
 --log-every steps, tokens/s, and at the end the bytes moved per link, GB/s, stall time and peak
 resident bytes per tier. Ctrl-C stops cleanly after closing the engine (exit status 130).
+
+--data is a .txt file (one document), a .jsonl file (one document per row: the --text-field
+string, or a chat "messages" list rendered with the tokenizer's chat template and trained on the
+assistant turns only: every other token has label -100), a .parquet file, a folder saved by
+Hugging Face datasets (save_to_disk), or a folder of such files (sorted by path). Packing: each
+document ends with EOS; all are concatenated and cut into rows of --seq-len tokens, the last
+partial row dropped; labels are not masked at document boundaries (as Hugging Face's run_clm and
+TRL's packing). The row order is a permutation per epoch seeded by --seed. Before training, the
+activations of one micro-batch (the Megatron estimate, see docs/finetune.md) are checked against
+the compute device's free memory: a batch that cannot fit is refused with the numbers.
 """
 
 EPILOG = """\
@@ -37,6 +47,9 @@ examples:
       --data examples/corpus.txt --steps 20 --nvme-path /mnt/nvme0/tiered
   tiered finetune --model ./my-llama --config ds_config.json --data train.txt \\
       --seq-len 512 --batch-size 4 --lr 1e-5 --stats-json stats.json --compare-torch
+  tiered finetune --model ./my-llama --config ds_config.json --data chats.jsonl \\
+      --lora r=16,alpha=32,dropout=0.05,targets=q_proj,k_proj,v_proj,o_proj \\
+      --gradient-checkpointing --gradient-checkpointing-reentrant --eval-fraction 0.05 --eval-every 50
 
 A step is one optimizer step (gradient_accumulation_steps micro-batches of --batch-size rows).
 exit status: 0 done, 2 bad input (one line on stderr naming the file or key), 130 interrupted.
@@ -53,7 +66,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, metavar="PATH", help="local HF model folder or config.json")
     p.add_argument("--config", required=True, metavar="JSON", help="DeepSpeed ds_config.json or tiered config")
-    p.add_argument("--data", required=True, metavar="FILE", help="plain UTF-8 text file to train on")
+    p.add_argument("--data", required=True, metavar="PATH",
+                   help="text/JSONL/parquet file, folder of them, or a saved HF dataset (see above)")
     p.add_argument("--seq-len", type=int, default=128, metavar="N", help="tokens per row (default 128)")
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help="rows per micro-batch (default: train_micro_batch_size_per_gpu of the config, else 1)")
@@ -66,7 +80,34 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--stats-json", default=None, metavar="FILE", help="write losses and engine stats as JSON")
     p.add_argument("--compare-torch", action="store_true",
                    help="also run the same steps with plain PyTorch AdamW (fp32) and print the difference")
+    add_data_arguments(p)
+    add_model_arguments(p)
     return p
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """The data-format and eval options ([Note: data formats], [Note: packing rule])."""
+    g = p.add_argument_group("data")
+    g.add_argument("--text-field", default="text", metavar="NAME",
+                   help="JSONL/parquet/dataset field holding the text (default \"text\")")
+    ev = g.add_mutually_exclusive_group()
+    ev.add_argument("--eval-fraction", type=float, default=None, metavar="F",
+                    help="hold out a seeded fraction F of the packed rows for eval")
+    ev.add_argument("--eval-data", default=None, metavar="PATH", help="eval data, in any --data format")
+    g.add_argument("--eval-every", type=int, default=None, metavar="K",
+                   help="eval loss every K steps and after the last (default: only after the last)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """LoRA and gradient checkpointing ([Note: LoRA through tiered], [Note: activation estimate])."""
+    g = p.add_argument_group("LoRA and memory")
+    g.add_argument("--lora", default=None, metavar="SPEC",
+                   help="train LoRA adapters only (peft), e.g. r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj; "
+                        "omitted keys take peft's defaults")
+    g.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each layer's activations in backward (Hugging Face's; non-reentrant)")
+    g.add_argument("--gradient-checkpointing-reentrant", action="store_true",
+                   help="with --gradient-checkpointing: torch's reentrant variant (needed with --lora)")
 
 
 @dataclass(frozen=True)
@@ -100,6 +141,60 @@ def _check_output(path: str | None, option: str) -> None:
         raise ConfigError(f"{option} {path}: folder {parent} does not exist; create it or choose another path")
 
 
+@dataclass(frozen=True)
+class PreparedData:
+    """Packed training rows, optional eval rows, and a one-line summary."""
+
+    train: Any  # tiered.finetune.packing.PackedRows
+    eval: Any | None
+    summary: str
+
+
+def prepare_data(
+    *, data_path: str | Path, tokenizer: Any, hf_config: Any, seq_len: int, seed: int,
+    text_field: str = "text", eval_fraction: float | None = None, eval_data: str | Path | None = None,
+) -> PreparedData:
+    """Read, tokenize and pack the data, and split or read the eval rows ([Note: data formats],
+    [Note: packing rule], [Note: batch order and its state]); every error names file and line."""
+    from tiered.finetune.data_sources import load_documents
+    from tiered.finetune.packing import pack, split_eval
+
+    vocab = int(hf_config.vocab_size)
+    eos = tokenizer.eos_token_id
+    if eos is None and isinstance(getattr(hf_config, "eos_token_id", None), int):
+        eos = int(hf_config.eos_token_id)
+    docs = load_documents(data_path, tokenizer, vocab_size=vocab, eos_id=eos, text_field=text_field)
+    rows = pack(docs, seq_len, str(data_path))
+    held = None
+    if eval_fraction is not None:
+        rows, held = split_eval(rows, eval_fraction, seed)
+    elif eval_data is not None:
+        held = pack(load_documents(eval_data, tokenizer, vocab_size=vocab, eos_id=eos, text_field=text_field),
+                    seq_len, str(eval_data))
+    eos_text = f"EOS id {eos}" if eos is not None else "no EOS id (neither tokenizer nor config has one)"
+    summary = (f"{rows.documents:,} documents, {rows.tokens:,} tokens ({tokenizer.name} tokenizer, {eos_text}); "
+               f"{rows.rows:,} train rows of {seq_len}"
+               f"{f', {rows.dropped} tail tokens dropped' if rows.dropped else ''}"
+               f"{f', {held.rows:,} eval rows' if held is not None else ''}; "
+               f"{rows.trained_label_fraction:.0%} of labels trained")
+    return PreparedData(rows, held, summary)
+
+
+def prepare_model(model: Any, *, lora: str | None, gradient_checkpointing: bool, reentrant: bool) -> Any:
+    """The model with LoRA adapters and gradient checkpointing as asked ([Note: LoRA through
+    tiered], [Note: checkpointing and frozen parameters]); the spec is checked first."""
+    from tiered.finetune.activations import enable_gradient_checkpointing
+    from tiered.finetune.lora import apply_lora, parse_lora_spec
+
+    if reentrant and not gradient_checkpointing:
+        raise ConfigError("--gradient-checkpointing-reentrant needs --gradient-checkpointing")
+    if lora is not None:
+        model = apply_lora(model, parse_lora_spec(lora))
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model, reentrant=reentrant)
+    return model
+
+
 def finetune_job(
     *,
     model_path: str | Path,
@@ -114,18 +209,26 @@ def finetune_job(
     nvme_path: str | None = None,
     compare_torch: bool = False,
     out: TextIO | None = None,
+    text_field: str = "text",
+    eval_fraction: float | None = None,
+    eval_data: str | Path | None = None,
+    eval_every: int | None = None,
+    lora: str | None = None,
+    gradient_checkpointing: bool = False,
+    gradient_checkpointing_reentrant: bool = False,
+    free_memory: tuple[int, str] | None = None,
 ) -> JobResult:
     """Build, train, print progress and stats to `out`; see the module doc. Raises ConfigError
-    (a TieredError) naming the path or key on bad input, before anything trains."""
+    (a TieredError) naming the path or key on bad input, before anything trains. `free_memory`
+    overrides the measured free memory of the compute device (bytes, what it is) for the
+    activation check."""
     import torch
 
     from tiered.config.loader import load_config, read_config_file
     from tiered.finetune import (
         TrainOptions,
         apply_overrides,
-        batches,
         build_model,
-        load_tokens,
         max_rel_diff,
         reference_train,
         resolve_model,
@@ -133,7 +236,11 @@ def finetune_job(
         tokenizer_for,
         train,
     )
+    from tiered.finetune.activations import check_activations, estimate_activations
     from tiered.finetune.loop import micro_batch_size
+    from tiered.finetune.lora import parse_lora_spec
+    from tiered.finetune.packing import eval_batches
+    from tiered.finetune.progress import BarProgress, make_progress
 
     out = out or sys.stdout
     w = out.write
@@ -145,8 +252,14 @@ def finetune_job(
         if not Path(config).is_file():
             raise ConfigError(f"--config {config}: no such file; pass a DeepSpeed ds_config.json or a tiered config")
         raw = read_config_file(config)
-    if not Path(data_path).is_file():
-        raise ConfigError(f"--data {data_path}: no such file; pass a plain UTF-8 text file")
+    for option, path in (("--data", data_path), ("--eval-data", eval_data)):
+        if path is not None and not Path(path).exists():
+            raise ConfigError(f"{option} {path}: no such file or folder; pass a text/JSONL/parquet file, "
+                              "a folder of them or a saved Hugging Face dataset")
+    if eval_every is not None and eval_fraction is None and eval_data is None:
+        raise ConfigError("--eval-every needs --eval-fraction or --eval-data (what to evaluate on)")
+    if lora is not None:
+        parse_lora_spec(lora)  # a malformed spec fails before the model is built
     raw = apply_overrides(raw, lr=lr, batch_size=batch_size, nvme_path=nvme_path)
 
     model = build_model(source, seed=seed)
@@ -156,31 +269,52 @@ def finetune_job(
     if isinstance(max_pos, int) and seq_len > max_pos:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings {max_pos}")
     tokenizer = tokenizer_for(source.folder, vocab)
-    ids = load_tokens(data_path, tokenizer, vocab)
-    cfg = load_config(raw, model=model)
-    micro = micro_batch_size(cfg, batch_size)
-    if compare_torch and cfg.precision.dtype != torch.float32:
-        raise ConfigError(
-            f"--compare-torch compares fp32 runs only, but --config {config if not isinstance(config, dict) else ''} "
-            "enables bf16/fp16; drop --compare-torch or the bf16/fp16 section"
-        )
+    data = prepare_data(data_path=data_path, tokenizer=tokenizer, hf_config=hf, seq_len=seq_len, seed=seed,
+                        text_field=text_field, eval_fraction=eval_fraction, eval_data=eval_data)
+    model = prepare_model(model, lora=lora, gradient_checkpointing=gradient_checkpointing,
+                          reentrant=gradient_checkpointing_reentrant)
+    new_dirs = _missing_dirs(raw)
+    try:  # validating the config creates nvme_path (as DeepSpeed does): undo that on a refusal
+        cfg = load_config(raw, model=model)
+        micro = micro_batch_size(cfg, batch_size)
+        if compare_torch and cfg.precision.dtype != torch.float32:
+            raise ConfigError(
+                f"--compare-torch compares fp32 runs only, but --config "
+                f"{config if not isinstance(config, dict) else ''} enables bf16/fp16; drop --compare-torch or "
+                "the bf16/fp16 section"
+            )
+        act = estimate_activations(hf, batch=micro, seq_len=seq_len, dtype=cfg.precision.dtype,
+                                   checkpointing=gradient_checkpointing)
+        check_activations(act, torch.device("cuda" if torch.cuda.is_available() else "cpu"), free_memory)
+    except BaseException:
+        _remove_empty(new_dirs)
+        raise
     n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     w(f"model: {type(model).__name__} from {source.config_path}, {n_params:,} parameters"
+      f"{f' ({n_train:,} trainable: LoRA {parse_lora_spec(lora).describe()})' if lora is not None else ''}"
       f"{' (weights from ' + str(len(source.weight_files)) + ' safetensors files)' if source.weight_files else ''}\n")
-    w(f"data: {data_path}, {ids.numel():,} tokens ({tokenizer.name} tokenizer); seq_len {seq_len}, "
-      f"micro-batch {micro}, gradient accumulation {cfg.gradient_accumulation_steps}, {steps} steps\n")
+    w(f"data: {data_path}, {data.summary}\n")
+    w(f"batch: seq_len {seq_len}, micro-batch {micro}, gradient accumulation {cfg.gradient_accumulation_steps}, "
+      f"{steps} steps; {act.describe()}"
+      f"{'; gradient checkpointing' + (' (reentrant)' if gradient_checkpointing_reentrant else '') if gradient_checkpointing else ''}\n")
     z = cfg.zero
     w(f"placement: params on {z.offload_param.device if z.offload_param.device != 'none' else 'gpu'}, "
       f"optimizer state on {z.offload_optimizer.device if z.offload_optimizer.device != 'none' else 'gpu'}, "
       f"{str(cfg.precision.dtype).removeprefix('torch.')}; lr {cfg.optimizer.lr:g} ({cfg.optimizer.type})\n")
     reference = copy.deepcopy(model) if compare_torch else None
 
-    def on_log(s: Any) -> None:
-        w(f"step {s.step:>5}/{steps}  loss {s.loss:.4f}  lr {s.lr:.3g}  {s.tokens_per_s:,.0f} tokens/s\n")
-        out.flush()
-
-    result = train(model, cfg, batches(ids, seq_len, micro, seed, source=str(data_path)), opts,
-                   on_log=on_log, keep_state=compare_torch)
+    held = data.eval
+    eval_rows = held.rows if held is not None else 0
+    progress = make_progress(out, steps)  # [Note: progress output]
+    try:
+        result = train(model, cfg, _train_stream(data.train, micro, seed), opts, on_log=progress.step,
+                       keep_state=compare_torch,
+                       eval_data=(lambda: eval_batches(held, micro)) if held is not None else None,
+                       eval_every=eval_every or steps, on_eval=lambda st, loss: progress.eval(st, loss, eval_rows),
+                       link_rates=isinstance(progress, BarProgress))
+    finally:
+        progress.close()
     if result.interrupted:
         w(f"interrupted after {result.steps_done} of {steps} steps; engine closed\n")
     w(f"\n{result.steps_done} steps, {result.tokens:,} tokens in {result.train_s:.2f} s: "
@@ -193,8 +327,8 @@ def finetune_job(
         w(f"\nplain PyTorch ({'AdamW' if cfg.optimizer.adamw_mode else 'Adam'}, fp32), same data and init, "
           f"{result.steps_done} steps...\n")
         t0 = time.perf_counter()
-        ref_losses, ref_state = reference_train(
-            reference, cfg, batches(ids, seq_len, micro, seed, source=str(data_path)), result.steps_done)
+        ref_losses, ref_state = reference_train(reference, cfg, _train_stream(data.train, micro, seed),
+                                                result.steps_done)
         ref_s = time.perf_counter() - t0
         diff, name = max_rel_diff(result.state or {}, ref_state)
         job = JobResult(result, tuple(ref_losses), diff, name)
@@ -204,6 +338,37 @@ def finetune_job(
         w(f"plain PyTorch (everything in memory, no offload): {result.tokens / ref_s:,.0f} tokens/s "
           f"in {ref_s:.2f} s\n")
     return job
+
+
+def _missing_dirs(raw: dict[str, Any]) -> list[Path]:
+    """The offload folders of `raw` (nvme_path) and their ancestors that do not exist yet, deepest first."""
+    zero = raw.get("zero_optimization")
+    found: list[Path] = []
+    for key in ("offload_param", "offload_optimizer"):
+        sec = zero.get(key) if isinstance(zero, dict) else None
+        path = sec.get("nvme_path") if isinstance(sec, dict) else None
+        if isinstance(path, str):
+            p = Path(path).expanduser().absolute()
+            while not p.exists() and p not in found:
+                found.append(p)
+                p = p.parent
+    return sorted(found, key=lambda q: len(q.parts), reverse=True)
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    for d in dirs:
+        try:
+            d.rmdir()  # only if empty: never removes what someone else put there
+        except OSError:
+            pass
+
+
+def _train_stream(rows: Any, micro: int, seed: int) -> Any:
+    """The seeded packed-row stream ([Note: batch order and its state]); looked up at call time
+    so tests can wrap it."""
+    import tiered.finetune as ft
+
+    return ft.PackedBatches(rows, micro, seed)
 
 
 def _write_json(path: str, doc: dict[str, Any]) -> None:
@@ -222,8 +387,23 @@ def _write_json(path: str, doc: dict[str, Any]) -> None:
         raise ConfigError(f"--stats-json {path}: cannot write ({exc.strerror or exc})") from None
 
 
+def refuse_multi_process() -> None:
+    """Under torchrun (WORLD_SIZE > 1) every rank would run the same job on the same data and
+    write the same files: refuse until the command sets up the process group and shards the data
+    itself (issue item "torchrun"), rather than train replicas silently."""
+    import os
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.strip() not in ("", "1"):
+        raise ConfigError(
+            f"WORLD_SIZE={world} in the environment (torchrun?): tiered finetune runs one process for now and "
+            "would train identical replicas; run it without torchrun (or with --nproc_per_node 1)"
+        )
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
+    refuse_multi_process()
     _check_output(args.stats_json, "--stats-json")
     job = finetune_job(
         model_path=args.model,
@@ -238,6 +418,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         nvme_path=args.nvme_path,
         compare_torch=args.compare_torch,
         out=out,
+        **_data_and_model_kwargs(args),
     )
     if args.stats_json:
         doc = job.to_json()
@@ -245,3 +426,16 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         _write_json(args.stats_json, doc)
         out.write(f"stats written to {args.stats_json}\n")
     return 130 if job.result.interrupted else 0
+
+
+def _data_and_model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """finetune_job's keywords from the options of `add_data_arguments` / `add_model_arguments`."""
+    return {
+        "text_field": args.text_field,
+        "eval_fraction": args.eval_fraction,
+        "eval_data": args.eval_data,
+        "eval_every": args.eval_every,
+        "lora": args.lora,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "gradient_checkpointing_reentrant": args.gradient_checkpointing_reentrant,
+    }

@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any, TextIO
 
+from tiered.errors import ConfigError
 from tiered.planning.memory import TIERS, Memories, Plan, PlanOptions, PrecisionBytes, gb, make_plan
 from tiered.units import parse_bytes
 
@@ -69,7 +70,33 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="activation memory per rank to add to the GPU working set (default 0: not counted)")
     p.add_argument("--nvme-path", default="./tiered_offload", help="nvme_path written into the recommended config")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
+    add_lora_argument(p)
     return p
+
+
+def add_lora_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", metavar="SPEC",
+                   help="plan a LoRA fine-tune (needs --model): R or r=R,targets=q_proj,v_proj (as tiered finetune "
+                        "--lora); frozen parameters count p bytes only (2 in bf16), the adapters the full state")
+
+
+def lora_shape(shape: Any, model_path: str, spec_text: str) -> Any:
+    """`shape` with the adapters of `spec_text` added and only they trainable ([Note: LoRA through tiered])."""
+    from dataclasses import replace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tiered.finetune.lora import adapter_params, parse_lora_spec
+    from tiered.finetune.model import load_hf_config, resolve_model
+
+    spec = parse_lora_spec(spec_text)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_hf_config(resolve_model(model_path)))
+    adapters = adapter_params(model, spec)
+    return replace(shape, total_params=shape.total_params + adapters, trainable_params=adapters,
+                   assumptions=(*shape.assumptions, f"LoRA {spec.describe()}: {adapters:,} adapter parameters "
+                                "trainable, the rest frozen"))
 
 
 def _size(value: str | None, option: str) -> int | None:
@@ -100,6 +127,10 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             shape = replace(shape, largest_layer_params=parse_count(args.largest_layer, what="--largest-layer"))
     else:
         shape = shape_from_params(args.params, largest_layer=args.largest_layer)
+    if getattr(args, "lora", None) is not None:
+        if args.model is None:
+            raise ConfigError("--lora needs --model: the adapters' size depends on the model's layer shapes")
+        shape = lora_shape(shape, args.model, args.lora)
     return make_plan(shape, memories, opts)
 
 

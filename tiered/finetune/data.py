@@ -28,6 +28,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 class Tokenizer(Protocol):
     name: str
+    eos_token_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -38,6 +39,7 @@ class ByteTokenizer:
     """See [Note: byte tokenizer]."""
 
     name = "bytes"
+    eos_token_id: int | None = None  # no special tokens: the model config's EOS id is used
 
     def __init__(self, vocab_size: int) -> None:
         if vocab_size < BYTE_VOCAB:
@@ -69,6 +71,13 @@ class HFTokenizer:
         except Exception as exc:  # noqa: BLE001 - any failure is the folder's
             raise ConfigError(f"--model {folder}: transformers cannot load its tokenizer files: {exc}") from exc
         self.name = type(self._tok).__name__
+        eos = self._tok.eos_token_id
+        self.eos_token_id: int | None = int(eos) if isinstance(eos, int) else None
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer itself (chat templates, offsets)."""
+        return self._tok
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))

@@ -15,7 +15,7 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,8 @@ class StepLog:
     lr: float
     tokens_per_s: float
     elapsed_s: float
+    link_gbps: dict[str, float] = field(default_factory=dict)
+    """Per link (source->destination), GB/s since the previous log; only with `link_rates`."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class TrainResult:
     interrupted: bool
     stats: dict[str, Any]
     state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    eval_losses: tuple[tuple[int, float], ...] = ()
+    """(step, eval loss) every --eval-every steps; see `eval_loss`."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,6 +81,7 @@ class TrainResult:
             "train_s": self.train_s,
             "tokens_per_s": self.tokens_per_s,
             "interrupted": self.interrupted,
+            "eval_losses": [{"step": st, "loss": v} for st, v in self.eval_losses],
             "engine": self.stats,
         }
 
@@ -126,6 +131,25 @@ def micro_batch_size(cfg: TieredConfig, override: int | None) -> int:
     return cfg.train_micro_batch_size_per_gpu or 1
 
 
+def eval_loss(model: torch.nn.Module, forward: Callable[..., Any], batches: Iterable[Batch]) -> float:
+    """The mean loss per trained token over `batches`, without gradients and with the model in
+    eval mode (no dropout): each batch's mean loss weighted by its trained (label != -100, after
+    the causal shift) tokens, so it does not depend on how the rows are batched."""
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for b in batches:
+                n = int((b["labels"][:, 1:] != -100).sum())
+                if n:
+                    total += float(forward(**b).loss.float()) * n
+                    count += n
+    finally:
+        model.train(was_training)
+    return total / count if count else float("nan")
+
+
 def train(
     model: torch.nn.Module,
     config: TieredConfig | dict[str, Any],
@@ -134,12 +158,21 @@ def train(
     *,
     on_log: Callable[[StepLog], None] | None = None,
     keep_state: bool = False,
+    eval_data: Callable[[], Iterable[Batch]] | None = None,
+    eval_every: int = 0,
+    on_eval: Callable[[int, float], None] | None = None,
+    link_rates: bool = False,
 ) -> TrainResult:
     """Fine-tune `model` for opts.steps optimizer steps through tiered's engine.
 
     A KeyboardInterrupt (Ctrl-C) between or inside steps ends the loop cleanly: the engine is
     closed (its writes finished, its loop thread stopped) and the result says `interrupted`,
-    with the steps done so far. `keep_state` gathers the consolidated fp32 parameters."""
+    with the steps done so far. `keep_state` gathers the consolidated fp32 parameters. With
+    `eval_data` (a fresh iterable of eval batches per call) the eval loss is taken every
+    `eval_every` steps and after the last step (`eval_loss`). `link_rates` fills StepLog.link_gbps
+    (it reads engine.stats() at every log, so it is off unless a progress bar shows it)."""
+    if eval_data is not None and eval_every < 1:
+        raise ConfigError(f"--eval-every must be >= 1, got {eval_every}")
     import tiered
 
     t0 = time.perf_counter()
@@ -147,11 +180,24 @@ def train(
     init_s = time.perf_counter() - t0
     gas = engine.gas
     losses: list[float] = []
+    evals: list[tuple[int, float]] = []
     tokens = 0
     interrupted = False
     state = None
     t_start = time.perf_counter()
     train_s = 0.0
+    last_links: dict[str, int] = {}
+    last_t = t_start
+
+    def rates() -> dict[str, float]:
+        nonlocal last_links, last_t
+        now = time.perf_counter()
+        links = {k: int(v.get("bytes", 0)) for k, v in engine.stats().get("tiers", {}).get("links", {}).items()}
+        dt = now - last_t
+        got = {k: (b - last_links.get(k, 0)) / dt / 1e9 for k, b in links.items()} if dt > 0 else {}
+        last_links, last_t = links, now
+        return got
+
     with engine:
         try:
             for step in range(1, opts.steps + 1):
@@ -170,7 +216,12 @@ def train(
                 losses.append(loss)
                 train_s = time.perf_counter() - t_start
                 if on_log is not None and (step % opts.log_every == 0 or step == opts.steps):
-                    on_log(StepLog(step, loss, lr, tokens / train_s if train_s > 0 else 0.0, train_s))
+                    on_log(StepLog(step, loss, lr, tokens / train_s if train_s > 0 else 0.0, train_s,
+                                   rates() if link_rates else {}))
+                if eval_data is not None and (step % eval_every == 0 or step == opts.steps):
+                    evals.append((step, eval_loss(model, engine, eval_data())))
+                    if on_eval is not None:
+                        on_eval(*evals[-1])
         except KeyboardInterrupt:
             interrupted = True
             log.warning("interrupted after %d steps; closing the engine", len(losses))
@@ -178,7 +229,8 @@ def train(
         stats = engine.stats()
         if keep_state and not interrupted:
             state = {k: v.detach().float().clone() for k, v in engine.state_dict_fp32().items()}
-    return TrainResult(tuple(losses), len(losses), tokens, init_s, train_s, interrupted, stats, state)
+    return TrainResult(tuple(losses), len(losses), tokens, init_s, train_s, interrupted, stats, state,
+                       tuple(evals))
 
 
 def reference_train(
@@ -195,7 +247,9 @@ def reference_train(
             "the plain-PyTorch comparison runs fp32 only; drop bf16/fp16 from the config to compare"
         )
     o = cfg.optimizer
-    params = list(model.parameters())
+    # frozen parameters (LoRA's base) are not stepped, as by the engine: a zero gradient would
+    # still move them through weight decay
+    params = [p for p in model.parameters() if p.requires_grad]
     opt_cls = torch.optim.AdamW if o.adamw_mode else torch.optim.Adam
     opt = opt_cls(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     schedule = build_scheduler(cfg.scheduler, base_lr=o.lr) if cfg.scheduler is not None else None

@@ -86,6 +86,9 @@ class ModelShape:
     """Human text: "--params 40e9" or "model ./llama (LlamaForCausalLM)"."""
     assumptions: tuple[str, ...] = ()
     """Every number that was assumed rather than counted, in words."""
+    trainable_params: int | None = None
+    """Parameters that get gradients and optimizer state (LoRA adapters); None = all of them.
+    The others are frozen: p bytes each, on the parameters' tier, nothing else."""
 
     def __post_init__(self) -> None:
         if self.total_params <= 0:
@@ -94,6 +97,11 @@ class ModelShape:
             raise ConfigError(
                 f"model from {self.source}: largest layer ({self.largest_layer_params}) must be between 0 "
                 f"and the total parameter count ({self.total_params})"
+            )
+        if self.trainable_params is not None and not 0 < self.trainable_params <= self.total_params:
+            raise ConfigError(
+                f"model from {self.source}: trainable parameters ({self.trainable_params}) must be between 1 and "
+                f"the total parameter count ({self.total_params})"
             )
 
 
@@ -239,9 +247,16 @@ def _strategy(key: str, name: str, stage: int, opt_dev: str, param_dev: str,
     b = PrecisionBytes.of(opts.precision)
     psi, n = shape.total_params, opts.world_size
     shard = _shard(psi, n)
+    # frozen parameters (LoRA's base): p bytes each, no gradient, no optimizer state
+    psi_t = psi if shape.trainable_params is None else shape.trainable_params
+    shard_t = _shard(psi_t, n)
     terms: list[Term] = []
     if opt_dev == "none":
-        terms.append(Term("gpu", "model states (ZeRO formula)", model_state_bytes(stage, psi, n, b)))
+        terms.append(Term("gpu", "model states (ZeRO formula)", model_state_bytes(stage, psi_t, n, b)))
+        if psi_t < psi:
+            frozen = psi - psi_t
+            terms.append(Term("gpu", "frozen parameters (no gradient or optimizer state)",
+                              _shard(frozen * b.param, n) if stage == 3 else frozen * b.param))
     else:
         # [Note: plan accounting]: offloaded optimizer = 12 B + fp32 host gradients 4 B.
         if param_dev == "none":
@@ -249,11 +264,11 @@ def _strategy(key: str, name: str, stage: int, opt_dev: str, param_dev: str,
                               shard * b.param))
         else:
             terms.append(Term(param_dev, "parameter shard (offloaded)", shard * b.param))  # type: ignore[arg-type]
-        terms.append(Term("cpu", "fp32 gradient shard (host accumulation)", shard * HOST_GRAD_BYTES))
+        terms.append(Term("cpu", "fp32 gradient shard (host accumulation)", shard_t * HOST_GRAD_BYTES))
         terms.append(Term(opt_dev, "optimizer shard: fp32 master + m + v",  # type: ignore[arg-type]
-                          shard * MIXED_OPTIMIZER_BYTES))
+                          shard_t * MIXED_OPTIMIZER_BYTES))
         if opt_dev == "nvme":
-            tile = min(opts.sub_group_size, shard)
+            tile = min(opts.sub_group_size, shard_t)
             terms.append(Term("cpu", "pinned staging: optimizer pipeline (3 states x 3 slots x sub-group)",
                               OPTIMIZER_STAGING_SLOTS * tile * 4))
         if param_dev == "nvme":

@@ -1,0 +1,150 @@
+"""Activation memory before training: the estimate for a batch, the check against the compute
+device's free memory, and turning on Hugging Face gradient checkpointing.
+
+[Note: activation estimate]
+For a decoder-only transformer with L layers, hidden size h, a attention heads, vocabulary V,
+micro-batch b and sequence length s, the activations kept for backward per layer are
+
+    s * b * h * (34 + 5 * a * s / h)   bytes in 16-bit precision
+
+(Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022,
+section 4.1, equation 1, without tensor or sequence parallelism); fp32 doubles it. Added: the
+logits and their gradient, 2 * b * s * V * 4 bytes (Hugging Face upcasts the logits to fp32 for
+the loss). With gradient checkpointing each layer keeps only its input, 2 * s * b * h bytes
+(16-bit; fp32 doubles), plus one layer's full activations while it is recomputed. The estimate
+is for eager attention (the a * s^2 term); it is compared with the free memory of the compute
+device (the GPU; on a machine without one the "gpu" tier is host memory, and MemAvailable is
+used) plus nothing else, so it is a lower bound on the need: a batch refused by it can never fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tiered.errors import CapacityError, ConfigError
+from tiered.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """[Note: activation estimate] for one micro-batch, with its inputs for the message."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    batch: int
+    seq_len: int
+    bytes_per_value: int
+    checkpointing: bool
+
+    @property
+    def per_layer_bytes(self) -> int:
+        s, b, h, a = self.seq_len, self.batch, self.hidden, self.heads
+        half = s * b * h * (34 + 5 * a * s / h)
+        return int(half * self.bytes_per_value / 2)
+
+    @property
+    def logits_bytes(self) -> int:
+        return 2 * self.batch * self.seq_len * self.vocab * 4
+
+    @property
+    def total_bytes(self) -> int:
+        if self.checkpointing:
+            kept = self.layers * self.seq_len * self.batch * self.hidden * self.bytes_per_value
+            return kept + self.per_layer_bytes + self.logits_bytes
+        return self.layers * self.per_layer_bytes + self.logits_bytes
+
+    def describe(self) -> str:
+        how = "checkpointed: layer inputs + one layer" if self.checkpointing else f"{self.layers} layers"
+        return (f"~{format_bytes(self.total_bytes, binary=True)} of activations for batch {self.batch} x seq "
+                f"{self.seq_len} ({how}; {format_bytes(self.per_layer_bytes, binary=True)} per layer, logits "
+                f"{format_bytes(self.logits_bytes, binary=True)})")
+
+
+def estimate_activations(hf_config: Any, *, batch: int, seq_len: int, dtype: torch.dtype,
+                         checkpointing: bool) -> ActivationEstimate:
+    """[Note: activation estimate] from a transformers config (Llama-style or GPT-2 names)."""
+    def get(*names: str) -> int:
+        for n in names:
+            v = getattr(hf_config, n, None)
+            if isinstance(v, int):
+                return v
+        raise ConfigError(f"--model: config has none of {names}; cannot estimate the activation memory")
+
+    return ActivationEstimate(
+        layers=get("num_hidden_layers", "n_layer"), hidden=get("hidden_size", "n_embd"),
+        heads=get("num_attention_heads", "n_head"), vocab=get("vocab_size"), batch=batch, seq_len=seq_len,
+        bytes_per_value=4 if dtype == torch.float32 else 2, checkpointing=checkpointing)
+
+
+def compute_free_bytes(device: torch.device) -> tuple[int, str]:
+    """Free bytes where activations live, and what that memory is, in words."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"GPU {device} free memory"
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "host memory available (MemAvailable; the gpu tier is host memory here)"
+    except OSError:
+        pass
+    pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return int(pages * size), "host physical memory (the gpu tier is host memory here)"
+
+
+def check_activations(est: ActivationEstimate, device: torch.device, free: tuple[int, str] | None = None) -> None:
+    """CapacityError with the numbers when the batch's activations cannot fit, before training."""
+    have, what = free if free is not None else compute_free_bytes(device)
+    if est.total_bytes > have:
+        hint = "" if est.checkpointing else ", or add --gradient-checkpointing"
+        raise CapacityError(
+            f"--batch-size {est.batch} x --seq-len {est.seq_len}: {est.describe()} exceed the {what}, "
+            f"{format_bytes(have, binary=True)}; lower --batch-size or --seq-len{hint}"
+        )
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module, *, reentrant: bool) -> None:
+    """Hugging Face gradient checkpointing on `model` (a transformers model, or peft around one).
+
+    [Note: checkpointing and frozen parameters] torch.utils.checkpoint's non-reentrant
+    recomputation keeps a tensor that does not require grad as the object itself, not a
+    detached alias (`x = x.detach() if x.requires_grad else x` in its recomputation pack hook).
+    A frozen parameter is such a tensor, and tiered's ZeRO-3 release swaps `Parameter.data` for
+    an empty placeholder when the recomputed module's forward ends (tiered/zero params
+    `_release`); the recomputed saved tensor then has shape [0] and the checkpoint raises
+    CheckpointError ("Recomputed values ... different metadata"). Until zero/ keeps frozen
+    parameters alive across a recomputation, frozen parameters (LoRA) need the reentrant mode,
+    whose recomputed backward runs the module hooks (and so re-gathers) first."""
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen and not reentrant:
+        raise ConfigError(
+            f"--gradient-checkpointing: {len(frozen)} parameters are frozen (e.g. {frozen[0]}; LoRA freezes the "
+            "base model), and tiered's ZeRO-3 release does not yet survive torch's non-reentrant recomputation "
+            "of frozen parameters; add --gradient-checkpointing-reentrant"
+        )
+    base: Any = model
+    if not hasattr(base, "gradient_checkpointing_enable") and hasattr(base, "get_base_model"):
+        base = base.get_base_model()
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"--gradient-checkpointing: {type(base).__name__} does not support gradient checkpointing")
+    kwargs = {"use_reentrant": reentrant}
+    # transformers >= 5.x names it activation_checkpointing_enable (the old name warns)
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if reentrant and frozen:
+        # reentrant checkpointing needs an input that requires grad; with frozen embeddings
+        # nothing would, and the adapters inside the checkpointed layers would get no gradient
+        base.enable_input_require_grads()
+    if hasattr(base, "config"):
+        base.config.use_cache = False
