@@ -93,7 +93,7 @@ from tiered.optim.placement import (
 from tiered.shards import ShardGroup
 
 if TYPE_CHECKING:
-    from tiered.tiers import TierFuture, TierManager
+    from tiered.tiers import Partition, TierFuture, TierManager
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,12 @@ class OffloadedAdam:
         if len(plans) != len(self.groups):
             raise ValueError(f"{len(plans)} optimizer plans for {len(self.groups)} groups: one per trainable group")
         self.plans: list[GroupPlan] = list(plans)
+        self._grads: list[Partition] = []
+        """Per group, by position: its fp32 gradient partition (every stepped group has one)."""
+        for g in self.groups:
+            if g.grad is None:
+                raise ValueError(f"OffloadedAdam steps trainable groups only; group {g.name} is frozen (no gradient)")
+            self._grads.append(g.grad)
         """Per group, by position: where its step runs and its state lives."""
         self._keep_in_cpu = self._params_kept_in_cpu()
         self.states: list[StatePartitions] = []
@@ -234,7 +240,8 @@ class OffloadedAdam:
     def prefetch_states(self) -> list[TierFuture]:
         """Start reading optimizer states into their compute tier during backward, unpinned, so
         the step's reads find them resident; returns the prefetch futures. See [Note: pipeline_read]."""
-        tm, futs = self.tm, []
+        tm = self.tm
+        futs: list[TierFuture] = []
         count = len(self.groups) if self.cfg.zero.offload_optimizer.pipeline_read else self.buffer_count
         room: dict[str, float] = {}
         for i in range(min(count, len(self.groups))):
@@ -349,9 +356,9 @@ class OffloadedAdam:
         return {"read_wait_s": t_read, "compute_s": t_comp, "write_wait_s": t_write}
 
     def _issue_reads(self, i: int) -> list[TierFuture]:
-        plan, g = self.plans[i], self.groups[i]
+        plan = self.plans[i]
         return [self.tm.fetch(p, plan.compute_tier) for p in self.states[i]] + [
-            self.tm.fetch(g.grad, plan.compute_tier)
+            self.tm.fetch(self._grads[i], plan.compute_tier)
         ]
 
     def _update(
@@ -401,9 +408,10 @@ class OffloadedAdam:
             tm.release(part, plan.compute_tier)
             if plan.compute_tier != plan.state_home:
                 futs.append(tm.evict(part, plan.compute_tier))
-        tm.release(g.grad, plan.compute_tier)
-        if plan.compute_tier != g.grad.home:
-            futs.append(tm.evict(g.grad, plan.compute_tier))  # clean: free
+        grad = self._grads[i]
+        tm.release(grad, plan.compute_tier)
+        if plan.compute_tier != grad.home:
+            futs.append(tm.evict(grad, plan.compute_tier))  # clean: free
         # the new parameter: in the staging tier, or (alias) in the compute tier the master came to
         new_in = plan.compute_tier if alias else plan.stage_tier
         if alias and not (new_in == g.param.home and g.param.valid_in() == {new_in}):

@@ -10,22 +10,27 @@ averaged over ranks (divided by world size), as data-parallel training and DeepS
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
-def world(process_group: object | None) -> tuple[int, int]:
+
+def world(process_group: ProcessGroup | None) -> tuple[int, int]:
     """(world_size, rank) of `process_group` (the default group if None); (1, 0) without dist."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(process_group), dist.get_rank(process_group)
 
 
-def _is_gloo(process_group: object | None) -> bool:
+def _is_gloo(process_group: ProcessGroup | None) -> bool:
     return str(dist.get_backend(process_group)).lower() == "gloo"
 
 
-def all_gather_into(full: torch.Tensor, shard: torch.Tensor, process_group: object | None) -> None:
+def all_gather_into(full: torch.Tensor, shard: torch.Tensor, process_group: ProcessGroup | None) -> None:
     """Fill `full` with every rank's `shard`, in rank order."""
     if _is_gloo(process_group):
         chunks = list(full.chunk(dist.get_world_size(process_group)))
@@ -34,7 +39,7 @@ def all_gather_into(full: torch.Tensor, shard: torch.Tensor, process_group: obje
     dist.all_gather_into_tensor(full, shard, group=process_group)
 
 
-def reduce_scatter_mean(full: torch.Tensor, process_group: object | None) -> torch.Tensor:
+def reduce_scatter_mean(full: torch.Tensor, process_group: ProcessGroup | None) -> torch.Tensor:
     """This rank's shard of the rank-average of `full` (fp32). See [Note: gloo collectives]."""
     ws = dist.get_world_size(process_group)
     rank = dist.get_rank(process_group)
@@ -48,7 +53,7 @@ def reduce_scatter_mean(full: torch.Tensor, process_group: object | None) -> tor
     return out.div_(ws)
 
 
-def all_reduce_sum(x: float, process_group: object | None) -> float:
+def all_reduce_sum(x: float, process_group: ProcessGroup | None) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, group=process_group)
     return float(t.item())

@@ -42,6 +42,8 @@ from tiered.zero.sharding import (
 )
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from tiered.config.schema import TieredConfig
     from tiered.tiers import TierManager
 
@@ -73,7 +75,7 @@ class ZeroParameters:
         param_tier: str,
         grad_tier: str,
         compute_dtype: torch.dtype,
-        process_group: object | None = None,
+        process_group: ProcessGroup | None = None,
     ) -> None:
         z = cfg.zero
         self.model = model

@@ -51,6 +51,8 @@ from tiered.zero import comm
 from tiered.zero.budget import LiveBudget
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from tiered.tiers import Partition, TierFuture, TierManager
 
 
@@ -67,7 +69,7 @@ class GroupContext:
     placeholder: torch.Tensor
     """The empty tensor a released parameter's ``.data`` points at."""
     world_size: int
-    process_group: object | None
+    process_group: ProcessGroup | None
     param_tier: str
     max_reuse_numel: int
     next_use_distance: Callable[[int], int | None]

@@ -44,10 +44,15 @@ class HookTarget(Protocol):
     """What the hooks dispatch to (tiered/zero/coordinator.py's `ZeroParameters`). A protocol,
     so that this module imports nothing of the coordinator's."""
 
-    busy: bool
-    """The coordinator is moving parameters itself: the mode must not gather on its ops."""
-    managed: Mapping[int, tuple[int, int]]
-    """id(parameter) -> (group index, entry index)."""
+    @property
+    def busy(self) -> bool:
+        """The coordinator is moving parameters itself: the mode must not gather on its ops."""
+        ...
+
+    @property
+    def managed(self) -> Mapping[int, tuple[int, int]]:
+        """id(parameter) -> (group index, entry index)."""
+        ...
 
     def _forward_enter(self, module: nn.Module) -> None: ...
 
