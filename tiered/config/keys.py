@@ -324,6 +324,9 @@ def _join(section_path: str, key: str) -> str:
     return f"{section_path}.{key}" if section_path else key
 
 
+_COMMENT_WORDS = frozenset({"comment", "comments", "note", "notes", "description", "doc", "remark"})
+
+
 def is_comment(key: Any) -> bool:
     """A "_comment"-style key: skipped at any depth (see [Note: key classification])."""
     return isinstance(key, str) and key.startswith("_")
@@ -347,6 +350,9 @@ def unknown_key_error(section_path: str, key: str, valid: Iterable[str]) -> Conf
         where = f"\"{key}\": {{...}}" if RULES.get(key, KeyRule("", _S)).kind == _SEC else key
         return ConfigError(f"configuration key {path!r} is in the wrong section: {key} belongs at {home}; "
                            f"move {where} there")
+    if key.strip().lower() in _COMMENT_WORDS:
+        return ConfigError(f"unknown configuration key {path!r}; keys starting with \"_\" are comments: "
+                           f"write \"_{key}\"")
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if close:
         hint = f"did you mean {_join(section_path, close[0])!r}?"

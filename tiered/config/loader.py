@@ -102,9 +102,13 @@ def load_config(
     precision = parse_precision(config)
     tiered, overlap_step = parse_tiered(config.get("tiered"), zero, aio)
     zero = dataclasses.replace(zero, overlap_step_with_backward=overlap_step)
-    for name in ("checkpoint", "data_types"):
+    for name in ("checkpoint", "data_types", "compile", "tensor_parallel"):
         if config.get(name) is not None:
             check_section(as_section(config[name], name), name)
+    tp = config.get("tensor_parallel")
+    for name in ("tp", "tensor_parallel"):  # DeepSpeed's TPConfig, under either spelling
+        if isinstance(tp, dict) and tp.get(name) is not None:
+            check_section(as_section(tp[name], f"tensor_parallel.{name}"), f"tensor_parallel.{name}")
 
     scheduler = None
     if config.get("scheduler") is not None:
