@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,8 @@ import torch
 from tiered.config import keys as config_keys
 from tiered.config import load_config
 from tiered.errors import ConfigError, UnsupportedConfigError
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 ZP = "zero_optimization"
 
@@ -95,7 +98,7 @@ def test_zeros_keep_deepspeeds_meaning() -> None:
     "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size", "zero_optimization.contiguous_gradients",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save", "zero_optimization.offload_param.buffer_size",
     "zero_optimization.offload_param.buffer_count", "zero_optimization.offload_optimizer.fast_init",
-    "communication_data_type", "steps_per_print", "wall_clock_breakdown", "aio.single_submit", "aio.overlap_events",
+    "communication_data_type", "aio.single_submit", "aio.overlap_events",
 ])
 def test_keys_nothing_reads_are_classed_accepted_with_a_reason(path: str) -> None:
     rule = config_keys.RULES[path]
@@ -134,3 +137,32 @@ def test_auto_for_multimodal_uses_text_config() -> None:
     assert cfg.zero.reduce_bucket_size_numel == 16 * 16
     assert cfg.zero.prefetch_bucket_size_numel == int(0.9 * 16 * 16)
     assert cfg.zero.param_persistence_threshold_numel == 160
+
+
+def test_steps_per_print_and_wall_clock_breakdown_are_honoured(caplog: pytest.LogCaptureFixture) -> None:
+    from engine_support import MLP
+
+    import tiered
+
+    def mlp_batch(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {"x": torch.randn(4, 16, generator=g), "y": torch.randn(4, 8, generator=g)}
+
+    config = {ZP: {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "steps_per_print": 2, "wall_clock_breakdown": True}
+    with caplog.at_level(logging.INFO, logger="tiered.engine"), tiered.initialize(MLP(), config) as engine:
+        for i in range(4):
+            engine.backward(engine(**mlp_batch(seed=i)))
+            engine.step()
+    progress = [r.getMessage() for r in caplog.records if r.name == "tiered.engine" and ": lr " in r.getMessage()]
+    timing = [r.getMessage() for r in caplog.records if r.name == "tiered.engine" and " time: forward " in r.getMessage()]
+    assert [m.split(":")[0] for m in progress] == ["step 2", "step 4"]
+    assert "lr 0.001" in progress[0] and "grad norm" in progress[0]
+    assert [m.split(" time")[0] for m in timing] == ["step 2", "step 4"]
+    caplog.clear()
+    config["wall_clock_breakdown"] = False
+    with caplog.at_level(logging.INFO, logger="tiered.engine"), tiered.initialize(MLP(), config) as engine:
+        for i in range(2):
+            engine.backward(engine(**mlp_batch(seed=i)))
+            engine.step()
+    assert " time: forward " not in caplog.text and "step 2: lr" in caplog.text

@@ -80,8 +80,8 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule("train_micro_batch_size_per_gpu", _S),
     KeyRule("gradient_accumulation_steps", _S),
     KeyRule("gradient_clipping", _S),
-    KeyRule("steps_per_print", _A, "tiered's progress is in engine.stats() (read it at your cadence); the engine prints nothing itself"),
-    KeyRule("wall_clock_breakdown", _A, "tiered always times forward, backward and step: engine.stats()['timing']"),
+    KeyRule("steps_per_print", _S, "the engine logs a progress line every N steps (engine/progress.py)"),
+    KeyRule("wall_clock_breakdown", _S, "adds the step's forward/backward/step seconds to that line"),
     KeyRule("communication_data_type", _A,
             "tiered reduces each gradient across ranks in the dtype it is produced in (DeepSpeed's "
             "behaviour when the key is unset); on one process there is no reduction"),

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tiered.config.schema import TieredConfig
+from tiered.engine.progress import report_step
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
 
@@ -219,6 +220,7 @@ class Engine:
         self._last["step_s"] = dt
         self._last_step = dict(self._last)
         self._last = {}
+        report_step(self)  # steps_per_print / wall_clock_breakdown: [Note: progress at steps_per_print]
 
     def _any_rank(self, flag: bool) -> bool:
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
