@@ -166,3 +166,32 @@ def test_steps_per_print_and_wall_clock_breakdown_are_honoured(caplog: pytest.Lo
             engine.backward(engine(**mlp_batch(seed=i)))
             engine.step()
     assert " time: forward " not in caplog.text and "step 2: lr" in caplog.text
+
+
+def test_docs_list_every_key() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text(encoding="utf-8")
+    missing = [path for path in config_keys.RULES if f"`{path}`" not in doc]
+    assert not missing, f"docs/config.md does not describe: {missing}"
+
+
+@pytest.mark.parametrize("auto_cast", [True, False])
+def test_fp16_auto_cast_is_honoured(auto_cast: bool) -> None:
+    from engine_support import MLP
+
+    import tiered
+
+    seen: list[torch.dtype] = []
+    model = MLP()
+    model.register_forward_pre_hook(lambda _m, args, kwargs: seen.append(kwargs["x"].dtype), with_kwargs=True)
+    config = {ZP: {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "fp16": {"enabled": True, "auto_cast": auto_cast}}
+    with tiered.initialize(model, config) as engine:
+        try:
+            engine(x=torch.randn(4, 16), y=torch.randn(4, 8, dtype=torch.float16))
+        except (RuntimeError, TypeError):
+            assert not auto_cast  # fp32 inputs into fp16 weights: the user's to cast, as in DeepSpeed
+    assert seen == [torch.float16 if auto_cast else torch.float32]
+    from tiered.engine.inputs import cast_floating
+
+    out = cast_floating({"a": [torch.ones(1)], "ids": torch.arange(2)}, torch.float16)
+    assert out["a"][0].dtype == torch.float16 and out["ids"].dtype == torch.int64  # token ids untouched

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tiered.config.schema import TieredConfig
+from tiered.engine.inputs import cast_floating
 from tiered.engine.progress import report_step
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
@@ -130,6 +131,8 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
         t0 = time.perf_counter()
+        if self.config.precision.auto_cast and self.config.precision.dtype == torch.float16:  # fp16.auto_cast
+            args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         out = self._module(*args, **kwargs)
         dt = time.perf_counter() - t0
         self._timing["forward_s"] += dt
