@@ -163,3 +163,12 @@ def test_finetune_names_the_flags() -> None:
     text = _finetune(ZERO3, lr=1e-3, weight_decay=0.1)
     assert "lr 0.001 (AdamW)" in text
     assert "step     1/1" in _finetune(sched, warmup_steps=2)
+
+
+def test_mixed_precision_without_a_precision_section_is_not_dropped() -> None:
+    cfg = load_config(ZERO3, hyperparameters=Hyperparameters(lr=1e-3, mixed_precision="bf16"))
+    assert cfg.precision.dtype == torch.bfloat16
+    cfg = load_config({**ZERO3, "fp16": {"loss_scale": 0}}, hyperparameters=Hyperparameters(lr=1e-3, mixed_precision="fp16"))
+    assert cfg.precision.dtype == torch.float16
+    with pytest.raises(ConfigError, match=r"bf16\.enabled = False in the config but mixed_precision='bf16'"):
+        load_config({**ZERO3, "bf16": {"enabled": False}}, hyperparameters=Hyperparameters(lr=1e-3, mixed_precision="bf16"))

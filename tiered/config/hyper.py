@@ -135,7 +135,7 @@ def apply_hyperparameters(config: dict[str, Any], hp: Hyperparameters) -> tuple[
     mismatches: list[str] = []
     unset: list[str] = []
 
-    def fill(path: str, value: Any, keyword: str, *, insert: bool = False) -> None:
+    def fill(path: str, value: Any, keyword: str, *, insert: bool = False, shown: Any = None) -> None:
         node, leaf = _node(cfg, path)
         if node is None:
             return
@@ -149,7 +149,8 @@ def apply_hyperparameters(config: dict[str, Any], hp: Hyperparameters) -> tuple[
             if value is not None and insert:
                 node[leaf] = value
         elif value is not None and not _same(current, value):
-            mismatches.append(f"{path} = {current!r} in the config but {keyword}={value!r} from the caller")
+            given = value if shown is None else shown
+            mismatches.append(f"{path} = {current!r} in the config but {keyword}={given!r} from the caller")
 
     # --- optimizer ------------------------------------------------------------------------
     if cfg.get("optimizer") is None:
@@ -206,9 +207,15 @@ def apply_hyperparameters(config: dict[str, Any], hp: Hyperparameters) -> tuple[
     fill("gradient_accumulation_steps", hp.gradient_accumulation_steps, "gradient_accumulation_steps", insert=True)
     fill("gradient_clipping", hp.max_grad_norm, "max_grad_norm", insert=True)
     precision = hp.mixed_precision
-    fill("fp16.enabled", None if precision is None else precision == "fp16", "mixed_precision")
+    if precision == "fp16" and cfg.get("fp16") is None:
+        cfg["fp16"] = {"enabled": True}  # the caller asked for it; the file has no section to fill
+    if precision == "bf16" and cfg.get("bf16") is None and cfg.get("bfloat16") is None:
+        cfg["bf16"] = {"enabled": True}
+    fill("fp16.enabled", None if precision is None else precision == "fp16", "mixed_precision", insert=True,
+         shown=precision)
     for key in ("bf16", "bfloat16"):
-        fill(f"{key}.enabled", None if precision is None else precision == "bf16", "mixed_precision")
+        fill(f"{key}.enabled", None if precision is None else precision == "bf16", "mixed_precision", insert=True,
+             shown=precision)
     if mismatches:
         raise ConfigError(
             "the config contradicts the caller's hyper-parameters (as Hugging Face's Trainer, tiered "

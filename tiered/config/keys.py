@@ -106,7 +106,7 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule("disable_allgather", _D, "a legacy stage-1 switch tiered does not have; set false", (False,)),
     KeyRule("use_data_before_expert_parallelism", _D, "expert parallelism is not supported; set false", (False,)),
     KeyRule("expert_parallel", _D, "expert parallelism is not supported; remove the section", (None, {})),
-    KeyRule("dump_state", _I, _LOGGER),
+    KeyRule("dump_state", _R, _LOGGER),
     KeyRule("dataloader_drop_last", _I, "tiered does not build data loaders; your loader decides"),
     KeyRule("timers", _R, _LOGGER),
     KeyRule("flops_profiler", _R, _LOGGER),
@@ -119,7 +119,7 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule("monitor_config", _R, _NOT_DS),
     KeyRule("graph_harvesting", _D, "CUDA-graph capture of DeepSpeed's optimizer path is not supported; set false", (False,)),
     KeyRule("datastates_ckpt", _E, "DataStates checkpointing is not supported; tiered's checkpoints are atomic already"),
-    KeyRule("activation_checkpointing", _I,
+    KeyRule("activation_checkpointing", _R,
             "configures deepspeed.checkpointing.checkpoint(), which tiered does not provide; "
             "torch.utils.checkpoint in your model works unchanged under tiered"),
     KeyRule("checkpoint", _SEC),
