@@ -28,6 +28,7 @@ hidden-size bucket sizes) is not a hyper-parameter: it is resolved from the mode
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections.abc import Mapping
@@ -129,8 +130,6 @@ def _same(a: Any, b: Any) -> bool:
 def apply_hyperparameters(config: dict[str, Any], hp: Hyperparameters) -> tuple[dict[str, Any], tuple[str, ...]]:
     """A copy of raw `config` with `hp` filled in ([Note: caller-supplied hyper-parameters]),
     and the key paths still unset. Raises ConfigError for a value that contradicts the caller."""
-    import copy
-
     cfg = copy.deepcopy(config)
     mismatches: list[str] = []
     unset: list[str] = []
