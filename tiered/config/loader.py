@@ -29,12 +29,9 @@ from tiered.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Placeholders for unset keys (listed in TieredConfig.unset; nothing reads them, initialize
-# refuses to train), and steps_per_print "auto", which is not a hyper-parameter: DeepSpeed's default.
-_PLACEHOLDERS = {
-    "gradient_clipping": 0.0,
-    "steps_per_print": 10,
-}
+# steps_per_print "auto" is not a hyper-parameter: DeepSpeed's default. Other "auto" counts here
+# are unset (TieredConfig.unset) and hold placeholders nothing reads: None, and 0.0 for clipping.
+_STEPS_PER_PRINT_DEFAULT = 10
 _COMM_DTYPES = ("fp32", "fp16", "bf16")
 
 
@@ -149,7 +146,7 @@ def _count_key(config: dict[str, Any], key: str, default: int | None, *, minimum
     if value is None:
         return default
     if is_auto(value):
-        return _PLACEHOLDERS.get(key)  # unset (see TieredConfig.unset), or steps_per_print's default
+        return _STEPS_PER_PRINT_DEFAULT if key == "steps_per_print" else None
     return as_count(value, key, minimum=minimum)
 
 
@@ -158,7 +155,7 @@ def _float_key(config: dict[str, Any], key: str, default: float) -> float:
     if value is None:
         return default
     if is_auto(value):
-        return float(_PLACEHOLDERS[key])  # unset: listed in TieredConfig.unset
+        return 0.0  # unset: listed in TieredConfig.unset
     return as_float(value, key, minimum=0.0)
 
 
