@@ -172,3 +172,9 @@ def test_mixed_precision_without_a_precision_section_is_not_dropped() -> None:
     assert cfg.precision.dtype == torch.float16
     with pytest.raises(ConfigError, match=r"bf16\.enabled = False in the config but mixed_precision='bf16'"):
         load_config({**ZERO3, "bf16": {"enabled": False}}, hyperparameters=Hyperparameters(lr=1e-3, mixed_precision="bf16"))
+
+
+def test_warmup_min_lr_is_filled_only_where_auto() -> None:
+    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 2}}
+    cfg = load_config({**ZERO3, "scheduler": sched}, hyperparameters=Hyperparameters(lr=1e-3))
+    assert cfg.scheduler is not None and cfg.scheduler.params["warmup_min_lr"] == 1e-4

@@ -134,7 +134,8 @@ def apply_hyperparameters(config: dict[str, Any], hp: Hyperparameters) -> tuple[
     mismatches: list[str] = []
     unset: list[str] = []
 
-    def fill(path: str, value: Any, keyword: str, *, insert: bool = False, shown: Any = None) -> None:
+    def fill(path: str, value: Any, keyword: str, *, insert: bool = False, shown: Any = None,
+             must_match: bool = True) -> None:
         node, leaf = _node(cfg, path)
         if node is None:
             return
@@ -147,7 +148,7 @@ def apply_hyperparameters(config: dict[str, Any], hp: Hyperparameters) -> tuple[
         elif current is None:
             if value is not None and insert:
                 node[leaf] = value
-        elif value is not None and not _same(current, value):
+        elif must_match and value is not None and not _same(current, value):
             given = value if shown is None else shown
             mismatches.append(f"{path} = {current!r} in the config but {keyword}={given!r} from the caller")
 
@@ -186,7 +187,8 @@ def apply_hyperparameters(config: dict[str, Any], hp: Hyperparameters) -> tuple[
     # --- scheduler ------------------------------------------------------------------------
     sched = cfg.get("scheduler")
     if isinstance(sched, dict) and isinstance(sched.get("params"), dict):
-        fill("scheduler.params.warmup_min_lr", 0.0, "warmup_min_lr")  # HF's constant, see the Note
+        # HF's constant, fill_only (a config value stands): see the Note
+        fill("scheduler.params.warmup_min_lr", 0.0, "warmup_min_lr", must_match=False)
         max_lr = sched["params"].get("warmup_max_lr")
         if max_lr is not None and is_auto(max_lr) and hp.lr is None:
             pass  # the optimizer's lr resolves it; if that is unset, its own entry says so
