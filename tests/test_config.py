@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiered.config import SchedulerConfig, TierSpec, dump_config, load_config
+from tiered.config import Hyperparameters, SchedulerConfig, TierSpec, dump_config, load_config
 from tiered.config import keys as config_keys
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -93,18 +93,33 @@ def test_hf_zero3_auto_with_tiny_llama():
     assert cfg.zero.stage == 3 and cfg.zero.gather_16bit_weights_on_model_save is True
     assert cfg.zero.offload_param.device == "cpu" and cfg.zero.offload_optimizer.device == "cpu"
     assert cfg.tiered.param_tier == "cpu" and cfg.tiered.optimizer_tier == "cpu"
-    assert cfg.precision.dtype == torch.float32  # fp16/bf16 "auto" -> off
-    assert (cfg.optimizer.type, cfg.optimizer.lr, cfg.optimizer.betas, cfg.optimizer.eps,
-            cfg.optimizer.weight_decay) == ("AdamW", 1e-3, (0.9, 0.999), 1e-8, 0.0)
-    assert cfg.train_micro_batch_size_per_gpu == 1 and cfg.gradient_accumulation_steps == 1
-    assert cfg.train_batch_size == 2  # 1 * 1 * world_size
-    assert cfg.gradient_clipping == 1.0
     assert cfg.steps_per_print == 2000
+    # Every "auto" HF fills from TrainingArguments is unset without a caller: never invented
+    # (this test used to assert lr 1e-3, micro batch 1, clipping 1.0 and warmup 1000).
+    assert set(cfg.unset) == {
+        "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
+        "scheduler.params.warmup_num_steps", "scheduler.params.warmup_max_lr", "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps", "gradient_clipping", "fp16.enabled", "bf16.enabled",
+    }
+    assert cfg.train_micro_batch_size_per_gpu is None and cfg.train_batch_size is None
+    # ... and filled exactly from the caller's values, as HF's trainer_config_process does
+    hp = Hyperparameters(lr=5e-5, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, warmup_steps=0,
+                         micro_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=0.5,
+                         mixed_precision="no")
+    cfg = load_config(_fixture("hf_ds_config_zero3.json"), model=model, world_size=2, hyperparameters=hp)
+    assert cfg.unset == ()
+    assert (cfg.optimizer.type, cfg.optimizer.lr, cfg.optimizer.betas, cfg.optimizer.eps,
+            cfg.optimizer.weight_decay) == ("AdamW", 5e-5, (0.9, 0.95), 1e-6, 0.1)
+    assert cfg.train_micro_batch_size_per_gpu == 8 and cfg.gradient_accumulation_steps == 2
+    assert cfg.train_batch_size == 32  # 8 * 2 * world_size
+    assert cfg.gradient_clipping == 0.5
+    assert cfg.precision.dtype == torch.float32
     assert cfg.scheduler == SchedulerConfig(
         "WarmupLR",
-        {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1000, "warmup_type": "log",
-         "last_batch_iteration": -1},
+        {"warmup_min_lr": 0.0, "warmup_max_lr": 5e-5, "warmup_num_steps": 1, "warmup_type": "log",
+         "last_batch_iteration": -1},  # HF: max(1, warmup_steps)
     )
+    assert load_config(dump_config(cfg), world_size=2) == cfg
 
 
 def test_auto_from_plain_mlp_uses_largest_linear_in_features():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiered.config import SchedulerConfig, load_config
+from tiered.config import Hyperparameters, SchedulerConfig, load_config
 from tiered.errors import ConfigError
 from tiered.optim import build_scheduler
 from tiered.optim.schedulers import ConstantLR, WarmupCosineLR
@@ -90,7 +90,15 @@ def test_auto_params_from_config_and_total_steps():
         "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                           "warmup_num_steps": "auto", "total_num_steps": "auto"}},
     })
-    assert cfg.scheduler.params["warmup_max_lr"] == 0.002 and cfg.scheduler.params["warmup_num_steps"] == 1000
+    # warmup_num_steps "auto" is the caller's (HF: warmup_steps), never an invented 1000: unset
+    assert cfg.scheduler.params["warmup_max_lr"] == 0.002 and cfg.scheduler.params["warmup_num_steps"] == "auto"
+    assert set(cfg.unset) == {"scheduler.params.warmup_num_steps", "scheduler.params.total_num_steps"}
+    cfg = load_config({
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.002}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                          "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    }, hyperparameters=Hyperparameters(warmup_steps=1000))
+    assert cfg.scheduler.params["warmup_num_steps"] == 1000 and cfg.unset == ("scheduler.params.total_num_steps",)
     with pytest.raises(ConfigError, match=r"total_num_steps is \"auto\".*pass total_steps="):
         build_scheduler(cfg.scheduler, base_lr=cfg.optimizer.lr)
     s = build_scheduler(cfg.scheduler, base_lr=cfg.optimizer.lr, total_steps=3000)

@@ -72,7 +72,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help="rows per micro-batch (default: train_micro_batch_size_per_gpu of the config, else 1)")
     p.add_argument("--steps", type=int, default=10, metavar="N", help="optimizer steps (default 10)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (overrides optimizer.params.lr)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (overrides optimizer.params.lr; required when the config has none or \"auto\")")
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="AdamW weight decay (overrides optimizer.params.weight_decay; without it and without "
+                        "the key: none)")
+    p.add_argument("--warmup-steps", type=int, default=None, metavar="N",
+                   help="lr warmup steps (overrides scheduler.params.warmup_num_steps)")
     p.add_argument("--seed", type=int, default=0, help="seeds the model init and the batch order (default 0)")
     p.add_argument("--log-every", type=int, default=1, metavar="N", help="print the loss every N steps (default 1)")
     p.add_argument("--nvme-path", default=None, metavar="DIR",
@@ -204,6 +210,8 @@ def finetune_job(
     batch_size: int | None = None,
     steps: int = 10,
     lr: float | None = None,
+    weight_decay: float | None = None,
+    warmup_steps: int | None = None,
     seed: int = 0,
     log_every: int = 1,
     nvme_path: str | None = None,
@@ -224,6 +232,7 @@ def finetune_job(
     activation check."""
     import torch
 
+    from tiered.config.hyper import check_complete
     from tiered.config.loader import load_config, read_config_file
     from tiered.finetune import (
         TrainOptions,
@@ -261,6 +270,7 @@ def finetune_job(
     if lora is not None:
         parse_lora_spec(lora)  # a malformed spec fails before the model is built
     raw = apply_overrides(raw, lr=lr, batch_size=batch_size, nvme_path=nvme_path)
+    raw, hp = _hyperparameter_flags(raw, weight_decay=weight_decay, warmup_steps=warmup_steps, steps=steps)
 
     model = build_model(source, seed=seed)
     hf = model.config
@@ -275,7 +285,8 @@ def finetune_job(
                           reentrant=gradient_checkpointing_reentrant)
     new_dirs = _missing_dirs(raw)
     try:  # validating the config creates nvme_path (as DeepSpeed does): undo that on a refusal
-        cfg = load_config(raw, model=model)
+        cfg = load_config(raw, model=model, hyperparameters=hp)
+        check_complete(cfg.unset, flags=_FLAGS)  # before anything is printed as if it were chosen
         micro = micro_batch_size(cfg, batch_size)
         if compare_torch and cfg.precision.dtype != torch.float32:
             raise ConfigError(
@@ -371,6 +382,39 @@ def _train_stream(rows: Any, micro: int, seed: int) -> Any:
     return ft.PackedBatches(rows, micro, seed)
 
 
+# The flag that supplies each hyper-parameter keyword (for "tiered never invents" errors).
+_FLAGS = {"lr": "--lr", "weight_decay": "--weight-decay", "warmup_steps": "--warmup-steps",
+          "total_steps": "--steps", "micro_batch_size": "--batch-size"}
+
+
+def _hyperparameter_flags(
+    raw: dict[str, Any], *, weight_decay: float | None, warmup_steps: int | None, steps: int
+) -> tuple[dict[str, Any], Any]:
+    """Apply --weight-decay / --warmup-steps like --lr (they override a value the config gives),
+    and --steps as total_num_steps where the config says "auto"; what the config leaves out goes
+    to load_config as the caller's values ([Note: caller-supplied hyper-parameters])."""
+    from tiered.config.hyper import Hyperparameters
+    from tiered.config.values import is_auto
+
+    raw = copy.deepcopy(raw)
+    opt, sched = raw.get("optimizer"), raw.get("scheduler")
+    opt_params = opt.get("params") if isinstance(opt, dict) else None
+    sched_params = sched.get("params") if isinstance(sched, dict) else None
+    if weight_decay is not None and isinstance(opt_params, dict):
+        opt_params["weight_decay"] = weight_decay
+        weight_decay = None
+    if warmup_steps is not None and isinstance(sched_params, dict):
+        sched_params["warmup_num_steps"] = max(1, warmup_steps)
+        warmup_steps = None
+    total = sched_params.get("total_num_steps") if isinstance(sched_params, dict) else None
+    try:
+        hp = Hyperparameters(weight_decay=weight_decay, warmup_steps=warmup_steps,
+                             total_steps=steps if total is not None and is_auto(total) else None)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("weight_decay=", "--weight-decay").replace("warmup_steps=", "--warmup-steps")) from None
+    return raw, hp
+
+
 def _write_json(path: str, doc: dict[str, Any]) -> None:
     def clean(x: Any) -> Any:  # JSON has no inf/nan
         if isinstance(x, float) and not math.isfinite(x):
@@ -413,6 +457,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         batch_size=args.batch_size,
         steps=args.steps,
         lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
         seed=args.seed,
         log_every=args.log_every,
         nvme_path=args.nvme_path,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from tiered.config.dump import dump_config
+from tiered.config.hyper import Hyperparameters, check_complete
 from tiered.config.keys import ignored_keys_table
 from tiered.config.loader import load_config
 from tiered.config.schema import (
@@ -21,6 +22,7 @@ from tiered.config.schema import (
 
 __all__ = [
     "AioConfig",
+    "Hyperparameters",
     "OptimizerConfig",
     "OptimizerOffloadConfig",
     "ParamOffloadConfig",
@@ -30,6 +32,7 @@ __all__ = [
     "TieredConfig",
     "TieredSection",
     "ZeroConfig",
+    "check_complete",
     "dump_config",
     "ignored_keys_table",
     "load_config",

@@ -4,9 +4,11 @@
 transformers' `HfTrainerDeepSpeedConfig.trainer_config_finalize` fills three ZeRO sizes from the
 model's hidden size H: reduce_bucket_size = H*H, stage3_prefetch_bucket_size = int(0.9*H*H),
 stage3_param_persistence_threshold = 10*H. tiered uses the same formulas so an HF config gives the
-same numbers under both. H comes from `model.config` (hidden_size, then max(hidden_sizes), n_embd,
-d_model); a model without such a config (a plain nn.Module) uses the largest `in_features` of
-its nn.Linear layers, which is H for any transformer block.
+same numbers under both. H comes from `model.config` in HF's order: hidden_size, max(hidden_sizes),
+then for a multimodal model its `text_config` (hidden_size, max(hidden_sizes)); then n_embd and
+d_model (GPT-2 and T5 spellings HF's configs alias to hidden_size). A model without such a config
+(a plain nn.Module) uses the largest `in_features` of its nn.Linear layers, which is H for any
+transformer block (but not for a vision tower, hence text_config first).
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ def hidden_size_of(model: torch.nn.Module) -> int | None:
     """The model's hidden size (see [Note: auto from the model]), or None if it has none."""
     config = getattr(model, "config", None)
     if config is not None:
-        for attr in ("hidden_size", "hidden_sizes", "n_embd", "d_model"):
-            value = getattr(config, attr, None)
+        text = getattr(config, "text_config", None)
+        sources = [(config, "hidden_size"), (config, "hidden_sizes"), (text, "hidden_size"), (text, "hidden_sizes"),
+                   (config, "n_embd"), (config, "d_model")]
+        for owner, attr in sources:
+            value = getattr(owner, attr, None) if owner is not None else None
             if isinstance(value, (list, tuple)) and value:
                 value = max(value)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:

@@ -1,6 +1,7 @@
 """`dump_config`: a resolved `TieredConfig` back to JSON, in DeepSpeed's spelling.
 
-The output is explicit (every value written, no "auto", derived tiers included) so that
+The output is explicit (every value written, derived tiers included; "auto" only for a key in
+`TieredConfig.unset`, no optimizer section where that is unset) so that
 ``load_config(dump_config(cfg)) == cfg``: a run's exact configuration can be saved next to its
 checkpoint and reloaded without the model that resolved its "auto" values.
 """
@@ -92,4 +93,13 @@ def dump_config(cfg: TieredConfig) -> dict[str, Any]:
         out["train_micro_batch_size_per_gpu"] = cfg.train_micro_batch_size_per_gpu
     if cfg.communication_data_type is not None:
         out["communication_data_type"] = cfg.communication_data_type
+    for path in cfg.unset:  # a placeholder is not a value: write what the config said
+        if path == "optimizer":
+            del out["optimizer"]
+            continue
+        *parents, leaf = path.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = "auto"
     return out

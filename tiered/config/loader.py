@@ -1,9 +1,10 @@
 """`load_config`: a tiered or DeepSpeed JSON (dict, JSON text file) -> resolved `TieredConfig`.
 
 The one place raw configuration is parsed. Every key is classified ([Note: key classification]
-in keys.py); every "auto" is resolved (from the model: [Note: auto from the model]; otherwise
-DeepSpeed's default, or Hugging Face's where the key is an HF one — see `_AUTO_DEFAULTS`);
-consistency is checked the way DeepSpeed checks it, with errors that name the keys.
+in keys.py); "auto" sizes are resolved from the model ([Note: auto from the model]); "auto"
+hyper-parameters come from the caller or stay unset ([Note: caller-supplied hyper-parameters]
+in hyper.py): tiered never invents one. Consistency is checked the way DeepSpeed checks it, with
+errors that name the keys.
 """
 
 from __future__ import annotations
@@ -16,23 +17,21 @@ from typing import Any
 
 import torch
 
+from tiered.config.dump import dump_config
+from tiered.config.hyper import Hyperparameters, apply_hyperparameters, check_complete
 from tiered.config.keys import check_section
 from tiered.config.scheduler import normalize_scheduler, scheduler_type
 from tiered.config.schema import SchedulerConfig, TieredConfig
 from tiered.config.sections import parse_aio, parse_optimizer, parse_precision, parse_zero
 from tiered.config.tiers import parse_tiered
-from tiered.config.values import as_bool, as_choice, as_count, as_float, as_section, is_auto
+from tiered.config.values import AUTO, as_bool, as_choice, as_count, as_float, as_section, is_auto
 from tiered.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# "auto" for keys that do not depend on the model: what Hugging Face's Trainer fills in by default.
-_AUTO_DEFAULTS = {
-    "train_micro_batch_size_per_gpu": 1,
-    "gradient_accumulation_steps": 1,
-    "gradient_clipping": 1.0,
-    "steps_per_print": 10,
-}
+# steps_per_print "auto" is not a hyper-parameter: DeepSpeed's default. Other "auto" counts here
+# are unset (TieredConfig.unset) and hold placeholders nothing reads: None, and 0.0 for clipping.
+_STEPS_PER_PRINT_DEFAULT = 10
 _COMM_DTYPES = ("fp32", "fp16", "bf16")
 
 
@@ -71,13 +70,16 @@ def load_config(
     *,
     model: torch.nn.Module | None = None,
     world_size: int = 1,
+    hyperparameters: Hyperparameters | None = None,
 ) -> TieredConfig:
     """Resolve a tiered or DeepSpeed config (a dict, or the path of a JSON file).
 
     `model` resolves the model-dependent "auto" sizes; `world_size` (data-parallel ranks) enters
     the batch-size identity train_batch_size = micro * gradient_accumulation_steps * world_size.
-    Raises ConfigError (UnsupportedConfigError for recognised-but-unsupported features) naming
-    the key path and what to do.
+    `hyperparameters` are the caller's (a trainer's) values for "auto" and missing keys; what
+    neither gives is listed in `TieredConfig.unset` (see hyper.py). Raises ConfigError
+    (UnsupportedConfigError for recognised-but-unsupported features) naming the key path and what
+    to do.
     """
     if isinstance(source, (str, os.PathLike)):
         config = read_config_file(source)
@@ -88,16 +90,22 @@ def load_config(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"load_config: world_size must be a positive int, got {world_size!r}")
 
+    config, unset = apply_hyperparameters(config, hyperparameters or Hyperparameters())
     check_section(config, "")
     zero = parse_zero(config.get("zero_optimization"), model)
     aio = parse_aio(config.get("aio"))
     optimizer = parse_optimizer(config.get("optimizer"))
+    lr_unset = "optimizer" in unset or "optimizer.params.lr" in unset
     precision = parse_precision(config)
     tiered, overlap_step = parse_tiered(config.get("tiered"), zero, aio)
     zero = dataclasses.replace(zero, overlap_step_with_backward=overlap_step)
-    for name in ("checkpoint", "data_types"):
+    for name in ("checkpoint", "data_types", "compile", "tensor_parallel"):
         if config.get(name) is not None:
             check_section(as_section(config[name], name), name)
+    tp = config.get("tensor_parallel")
+    for name in ("tp", "tensor_parallel"):  # DeepSpeed's TPConfig, under either spelling
+        if isinstance(tp, dict) and tp.get(name) is not None:
+            check_section(as_section(tp[name], f"tensor_parallel.{name}"), f"tensor_parallel.{name}")
 
     scheduler = None
     if config.get("scheduler") is not None:
@@ -105,8 +113,10 @@ def load_config(
         check_section(raw, "scheduler")
         if "type" not in raw:
             raise ConfigError("scheduler.type is missing; use WarmupLR, WarmupDecayLR or WarmupCosineLR")
-        params = normalize_scheduler(raw["type"], raw.get("params"), base_lr=optimizer.lr)
+        params = normalize_scheduler(raw["type"], raw.get("params"), base_lr=None if lr_unset else optimizer.lr)
         scheduler = SchedulerConfig(type=scheduler_type(raw["type"]), params=params)
+        if params.get("warmup_max_lr") == AUTO:
+            unset = (*unset, "scheduler.params.warmup_max_lr")
 
     train_batch, micro, gas = _batch_sizes(config, world_size)
     return TieredConfig(
@@ -127,6 +137,7 @@ def load_config(
         communication_data_type=(
             None if config.get("communication_data_type") is None
             else as_choice(config["communication_data_type"], "communication_data_type", _COMM_DTYPES)),
+        unset=unset,
     )
 
 
@@ -135,7 +146,7 @@ def _count_key(config: dict[str, Any], key: str, default: int | None, *, minimum
     if value is None:
         return default
     if is_auto(value):
-        return _AUTO_DEFAULTS[key]
+        return _STEPS_PER_PRINT_DEFAULT if key == "steps_per_print" else None
     return as_count(value, key, minimum=minimum)
 
 
@@ -144,7 +155,7 @@ def _float_key(config: dict[str, Any], key: str, default: float) -> float:
     if value is None:
         return default
     if is_auto(value):
-        return float(_AUTO_DEFAULTS[key])
+        return 0.0  # unset: listed in TieredConfig.unset
     return as_float(value, key, minimum=0.0)
 
 
@@ -159,9 +170,10 @@ def _batch_sizes(config: dict[str, Any], world_size: int) -> tuple[int | None, i
     gas = _count_key(config, "gradient_accumulation_steps", None)
     train_raw = config.get("train_batch_size")
     if train_raw is not None and is_auto(train_raw):
-        micro = 1 if micro is None else micro
+        # derived, as HF derives it, once micro and gas are known; else left to them (unset)
+        micro_known = micro is not None and not is_auto(config.get("train_micro_batch_size_per_gpu"))
         gas = 1 if gas is None else gas
-        return micro * gas * world_size, micro, gas
+        return (micro * gas * world_size if micro_known and micro is not None else None), micro, gas
     train = None if train_raw is None else as_count(train_raw, "train_batch_size", minimum=1)
     ws = f"world_size ({world_size})"
     if train is not None and micro is not None and gas is not None:
@@ -196,3 +208,30 @@ def _batch_sizes(config: dict[str, Any], world_size: int) -> tuple[int | None, i
         gas = 1 if gas is None else gas
         train = micro * gas * world_size
     return train, micro, (1 if gas is None else gas)
+
+
+def config_for_training(
+    config: dict[str, Any] | str | os.PathLike[str] | TieredConfig,
+    *,
+    model: torch.nn.Module | None,
+    world_size: int = 1,
+    **hyperparameters: Any,
+) -> TieredConfig:
+    """What `tiered.initialize` trains with: the config resolved with the caller's keywords
+    (lr=, betas=, eps=, weight_decay=, warmup_steps=, total_steps=, micro_batch_size=,
+    gradient_accumulation_steps=, max_grad_norm=, mixed_precision=), refused with a ConfigError
+    naming each key nobody supplied ([Note: caller-supplied hyper-parameters])."""
+    valid = [f.name for f in dataclasses.fields(Hyperparameters)]
+    unknown = sorted(set(hyperparameters) - set(valid))
+    if unknown:
+        raise TypeError(f"tiered.initialize: unknown keyword {', '.join(unknown)}; hyper-parameter keywords: "
+                        f"{', '.join(valid)}")
+    hp = Hyperparameters(**hyperparameters)
+    if isinstance(config, TieredConfig):
+        if not hp.given():
+            check_complete(config.unset)
+            return config
+        config = dump_config(config)  # unset keys come back as "auto" for the keywords to fill
+    cfg = load_config(config, model=model, world_size=world_size, hyperparameters=hp)
+    check_complete(cfg.unset)
+    return cfg

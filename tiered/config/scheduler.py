@@ -5,11 +5,13 @@
 `SchedulerConfig.params` is complete and round-trips through JSON. It is idempotent: the
 scheduler builder calls it again on hand-made configs.
 
-"auto" resolution (the values Hugging Face's Trainer would fill in, where tiered can know them):
-- warmup_min_lr "auto" -> 0.0; warmup_max_lr "auto" -> the optimizer's lr;
-- warmup_num_steps "auto" -> 1000 (DeepSpeed's default);
-- total_num_steps "auto" stays "auto" until `build_scheduler(..., total_steps=N)` supplies N
-  (the number of optimizer steps is only known once the data is).
+"auto" resolution (as Hugging Face's Trainer fills them; [Note: caller-supplied hyper-parameters]):
+- warmup_min_lr "auto" -> 0.0 (HF's constant); warmup_max_lr "auto" -> the optimizer's lr (stays
+  "auto" while that lr is unset);
+- warmup_num_steps "auto" and total_num_steps "auto" stay "auto" (unset) until the caller
+  supplies them (`tiered.initialize(..., warmup_steps=, total_steps=)`, which fills the raw
+  config first; `build_scheduler(..., total_steps=N)` for total_num_steps). A missing
+  warmup_num_steps is DeepSpeed's default, 1000: the file's meaning in DeepSpeed.
 A missing warmup_max_lr for WarmupLR means the optimizer's lr, as in DeepSpeed's current code;
 for WarmupDecayLR it is 0.001, DeepSpeed's default there. WarmupLR and WarmupDecayLR then drive
 the lr to warmup_max_lr regardless of optimizer.params.lr, exactly as DeepSpeed does.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiered.config.keys import unknown_key_error
+from tiered.config.keys import is_comment, unknown_key_error
 from tiered.config.values import AUTO, as_choice, as_count, as_float, as_section, is_auto
 from tiered.errors import ConfigError, UnsupportedConfigError
 
@@ -58,13 +60,14 @@ def scheduler_type(value: Any, path: str = "scheduler.type") -> str:
 
 
 def normalize_scheduler(
-    type_: str, params: Any, *, base_lr: float, path: str = "scheduler"
+    type_: str, params: Any, *, base_lr: float | None, path: str = "scheduler"
 ) -> dict[str, Any]:
     """Complete, validated params for scheduler `type_` (see module docstring)."""
     type_ = scheduler_type(type_, f"{path}.type")
     params = as_section(params if params is not None else {}, f"{path}.params")
     where = f"{path}.params"
     allowed = _PARAMS[type_]
+    params = {k: v for k, v in params.items() if not is_comment(k)}
     for key in params:
         if key not in allowed:
             raise unknown_key_error(where, key, allowed)
@@ -78,16 +81,19 @@ def normalize_scheduler(
         if "total_num_steps" not in params:
             raise ConfigError(
                 f"{where}.total_num_steps is required for {type_}; set the number of optimizer steps, "
-                f"or \"auto\" and pass total_steps= to build_scheduler"
+                f"or \"auto\" and pass total_steps= to tiered.initialize"
             )
         total = params["total_num_steps"]
         out["total_num_steps"] = AUTO if is_auto(total) else as_count(total, f"{where}.total_num_steps", minimum=1)
     if type_ in ("WarmupLR", "WarmupDecayLR"):
         min_lr = get("warmup_min_lr", 0.0)
         out["warmup_min_lr"] = 0.0 if is_auto(min_lr) else as_float(min_lr, f"{where}.warmup_min_lr", minimum=0.0)
-        max_default = base_lr if type_ == "WarmupLR" else 0.001
+        max_default: Any = (AUTO if base_lr is None else base_lr) if type_ == "WarmupLR" else 0.001
         max_lr = get("warmup_max_lr", max_default)
-        out["warmup_max_lr"] = base_lr if is_auto(max_lr) else as_float(max_lr, f"{where}.warmup_max_lr", minimum=0.0)
+        if is_auto(max_lr):
+            out["warmup_max_lr"] = AUTO if base_lr is None else base_lr  # AUTO: the lr is unset
+        else:
+            out["warmup_max_lr"] = as_float(max_lr, f"{where}.warmup_max_lr", minimum=0.0)
     else:
         min_ratio = get("warmup_min_ratio", 0.0)
         out["warmup_min_ratio"] = 0.0 if is_auto(min_ratio) else as_float(
@@ -99,7 +105,7 @@ def normalize_scheduler(
         )
     steps = get("warmup_num_steps", 1000)
     # DeepSpeed raises for warmup_num_steps <= 0 and then uses max(2, n); keep both rules.
-    out["warmup_num_steps"] = 1000 if is_auto(steps) else as_count(steps, f"{where}.warmup_num_steps", minimum=1)
+    out["warmup_num_steps"] = AUTO if is_auto(steps) else as_count(steps, f"{where}.warmup_num_steps", minimum=1)
     out["warmup_type"] = as_choice(get("warmup_type", "log"), f"{where}.warmup_type", WARMUP_TYPES)
     last = get("last_batch_iteration", -1)
     if as_count(last, f"{where}.last_batch_iteration", minimum=-1) != -1:

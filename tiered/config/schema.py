@@ -144,7 +144,7 @@ class TieredSection:
 
 @dataclass(frozen=True)
 class TieredConfig:
-    """Everything, resolved: no "auto" left, every size a number."""
+    """Everything, resolved: every size a number; a hyper-parameter nobody gave is in `unset`."""
 
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -160,3 +160,7 @@ class TieredConfig:
     wall_clock_breakdown: bool = False
     communication_data_type: str | None = None
     """dtype of gradient reduction across ranks ("fp32", "fp16", "bf16"); None: the compute dtype."""
+    unset: tuple[str, ...] = ()
+    """Key paths the config left to the caller ("auto", or "optimizer": no optimizer section) that
+    nobody supplied; their fields hold placeholders nothing reads, and `tiered.initialize` refuses
+    to train (see [Note: caller-supplied hyper-parameters] in config/hyper.py)."""

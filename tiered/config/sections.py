@@ -10,7 +10,9 @@ silently ignores the old name; tiered honours both spellings (one setting, error
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from typing import Any
 
 import torch
@@ -36,6 +38,8 @@ from tiered.config.values import (
     is_auto,
 )
 from tiered.errors import ConfigError, UnsupportedConfigError
+
+log = logging.getLogger(__name__)
 
 ZP = "zero_optimization"
 _DEVICES = ("none", "cpu", "nvme")
@@ -192,6 +196,19 @@ def parse_zero(raw: Any, model: torch.nn.Module | None) -> ZeroConfig:
     if offload_opt.ratio < 1.0 and stage != 3:
         raise ConfigError(f"{ZP}.offload_optimizer.ratio < 1 needs {ZP}.stage 3 (got {stage}), as in DeepSpeed")
 
+    # [Note: zeros keep DeepSpeed's meaning]
+    # sub_group_size 0: DeepSpeed closes a sub-group once its size >= 0, i.e. after every
+    # parameter (stage3.py _create_fp16_sub_groups); tiered's groups never split a parameter, so
+    # 1 element means the same: one parameter per group. stage3_max_live_parameters limits only
+    # prefetch in DeepSpeed (partitioned_param_coordinator.py): 0 means no prefetch and no cap on
+    # the fetch a module needs. tiered's budget is a hard cap including that fetch, so 0 becomes
+    # prefetch off and no cap. stage3_prefetch_bucket_size 0 (no prefetch) and
+    # stage3_max_reuse_distance 0 (release at once) mean the same in tiered as written.
+    prefetch = _count(section, ZP, ("stage3_prefetch_bucket_size", "prefetch_bucket_size"), 50_000_000, model)
+    max_live = _count(section, ZP, ("stage3_max_live_parameters", "max_live_parameters"), 1_000_000_000)
+    if max_live == 0:
+        log.info("%s.stage3_max_live_parameters 0: as in DeepSpeed, no prefetch and no cap on a module's fetch", ZP)
+        prefetch, max_live = 0, sys.maxsize
     gather = pick(section, ZP, (
         "stage3_gather_16bit_weights_on_model_save",
         "gather_16bit_weights_on_model_save",
@@ -201,20 +218,18 @@ def parse_zero(raw: Any, model: torch.nn.Module | None) -> ZeroConfig:
         stage=stage,
         offload_param=offload_param,
         offload_optimizer=offload_opt,
-        prefetch_bucket_size_numel=_count(
-            section, ZP, ("stage3_prefetch_bucket_size", "prefetch_bucket_size"), 50_000_000, model),
+        prefetch_bucket_size_numel=prefetch,
         param_persistence_threshold_numel=_count(
             section, ZP, ("stage3_param_persistence_threshold", "param_persistence_threshold"), 100_000, model),
         model_persistence_threshold_numel=_count(
             section, ZP, ("stage3_model_persistence_threshold", "model_persistence_threshold"),
             ZeroConfig.model_persistence_threshold_numel),
-        max_live_parameters_numel=_count(
-            section, ZP, ("stage3_max_live_parameters", "max_live_parameters"), 1_000_000_000),
+        max_live_parameters_numel=max_live,
         max_reuse_distance_numel=_count(
             section, ZP, ("stage3_max_reuse_distance", "max_reuse_distance"), 1_000_000_000),
         gather_16bit_weights_on_model_save=(
             False if gather is None or is_auto(gather[1]) else as_bool(gather[1], f"{ZP}.{gather[0]}")),
-        sub_group_size_numel=_count(section, ZP, ("sub_group_size",), 1_000_000_000, minimum=1),
+        sub_group_size_numel=max(1, _count(section, ZP, ("sub_group_size",), 1_000_000_000)),
         reduce_bucket_size_numel=_count(section, ZP, ("reduce_bucket_size",), 500_000_000, model),
         # DeepSpeed: overlap_comm None -> True for stage 3 only (overlap_comm_valid).
         overlap_comm=_flag(section, ZP, "overlap_comm", stage == 3),

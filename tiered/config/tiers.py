@@ -2,7 +2,8 @@
 
 [Note: default tiers]
 Whatever the user writes, the resolved config has a "gpu" tier ({"type": "gpu"}) and a "cpu" tier
-({"type": "cpu"}, pinned host memory), each with budget None (= what the backend reports free).
+({"type": "cpu"}, pinned host memory; ``"pin_memory": false`` when an active offload section sets
+pin_memory false), each with budget None (= what the backend reports free).
 An "nvme" tier is derived when an offload device is "nvme":
 ``{"type": "nvme", "path": <nvme_path>, "block_size": aio.block_size, "queue_depth":
 aio.queue_depth, "thread_count": aio.thread_count, "atomic": false, "fsync": false, "swap": true}``
@@ -30,7 +31,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tiered.config.keys import check_section, unknown_key_error
+from tiered.config.keys import check_section, is_comment, unknown_key_error
 from tiered.config.schema import AioConfig, TieredSection, TierSpec, ZeroConfig
 from tiered.config.values import as_bool, as_count, as_float, as_section, as_str, is_auto
 from tiered.errors import ConfigError
@@ -46,6 +47,11 @@ def _same_path(a: str, b: str) -> bool:
 def _derived_tiers(zero: ZeroConfig, aio: AioConfig) -> tuple[dict[str, dict[str, Any]], str | None, str | None]:
     """Default backend specs, and the default param / optimizer tier names."""
     backends: dict[str, dict[str, Any]] = {"gpu": {"type": "gpu"}, "cpu": {"type": "cpu"}}
+    # offload_*.pin_memory: the "cpu" tier is the one host pool both offloads use, so it is
+    # pageable if any active offload asks for that (people turn pinning off for ulimit -l or
+    # host OOM, [Note: default tiers]); the cpu backend pins only where CUDA is present.
+    if any(o.device != "none" and not o.pin_memory for o in (zero.offload_param, zero.offload_optimizer)):
+        backends["cpu"]["pin_memory"] = False
 
     def nvme_backend(path: str) -> dict[str, Any]:
         spec: dict[str, Any] = {
@@ -109,7 +115,7 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
             raise ConfigError(f"tiered.tiers: tier names must be non-empty strings, got {name!r}")
         tier = as_section(tier_raw, path)
         for key in tier:
-            if key not in _TIER_KEYS:
+            if key not in _TIER_KEYS and not is_comment(key):
                 raise unknown_key_error(path, key, _TIER_KEYS)
         if "backend" in tier:
             backend = _backend(tier["backend"], f"{path}.backend", derived.get(name))

@@ -29,15 +29,19 @@ def initialize(
     config: dict[str, Any] | str | os.PathLike[str] | TieredConfig,
     *,
     process_group: Any = None,
+    **hyperparameters: Any,
 ) -> Engine:
     """Partition `model` into shard groups over the configured tiers and return the Engine.
 
     `config` is tiered's JSON or an unchanged DeepSpeed JSON (dict or path), or a resolved
     TieredConfig. Under torch.distributed (torchrun) the data-parallel group is the default
     group unless `process_group` is given. Every budget is checked before training starts
-    (see [Note: capacity check before training]).
+    (see [Note: capacity check before training]). `hyperparameters` (lr=, betas=, eps=,
+    weight_decay=, warmup_steps=, total_steps=, micro_batch_size=, gradient_accumulation_steps=,
+    max_grad_norm=, mixed_precision=) fill the config's "auto" as Hugging Face's Trainer does; a
+    hyper-parameter neither gives is a ConfigError (see tiered.config.hyper).
     """
-    from tiered.config import load_config
+    from tiered.config.loader import config_for_training
     from tiered.optim.offload import OffloadedAdam
     from tiered.optim.placement import pipeline_bytes, plan_optimizer_placement, tier_is_host
     from tiered.zero import ZeroParameters
@@ -47,7 +51,7 @@ def initialize(
     distributed = dist.is_available() and dist.is_initialized()
     world_size = dist.get_world_size(process_group) if distributed else 1
     rank = dist.get_rank(process_group) if distributed else 0
-    cfg = config if isinstance(config, TieredConfig) else load_config(config, model=model, world_size=world_size)
+    cfg = config_for_training(config, model=model, world_size=world_size, **hyperparameters)
     placement = choose_placement(cfg)
     scheduler = None
     if cfg.scheduler is not None:

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from tiered.config.schema import TieredConfig
+from tiered.engine.inputs import cast_floating
+from tiered.engine.progress import report_step
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
 
@@ -137,6 +139,8 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
         t0 = time.perf_counter()
+        if self.config.precision.auto_cast and self.config.precision.dtype == torch.float16:  # fp16.auto_cast
+            args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         out = self._module(*args, **kwargs)
         dt = time.perf_counter() - t0
         self._timing["forward_s"] += dt
@@ -225,6 +229,7 @@ class Engine:
         self._last["step_s"] = dt
         self._last_step = dict(self._last)
         self._last = {}
+        report_step(self)  # steps_per_print / wall_clock_breakdown: [Note: progress at steps_per_print]
 
     def _any_rank(self, flag: bool) -> bool:
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
