@@ -1,6 +1,6 @@
 """Offload bandwidth: tiered's file backends against an O_DIRECT ceiling, fio and DeepSpeed's aio.
 
-Same code as `tiered bench` (tiered.planning.bandwidth_run); see [Note: round-robin measurement].
+Same code as `tiered bench` (tiered.bench.runner); see [Note: round-robin measurement].
 
     python benchmarks/bandwidth.py --dir /mnt/nvme0 --size 1GiB --json bandwidth.json
     python benchmarks/bandwidth.py --size 1GiB --write-results   # refresh "## Bandwidth" in RESULTS.md

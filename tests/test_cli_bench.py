@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import tiered.planning.bandwidth_run as br
+import tiered.bench.runner as br
+from tiered.bench.methods import Method
+from tiered.bench.runner import BenchOptions, run_bandwidth
 from tiered.cli.main import main
-from tiered.planning.bandwidth import Method
-from tiered.planning.bandwidth_run import BenchOptions, run_bandwidth
 
 MIB = 1 << 20
 
@@ -114,7 +114,7 @@ def test_bad_backend_is_an_error_row_not_a_crash(tmp_path: Path) -> None:
 
 
 def test_fio_absent_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tiered.planning.bandwidth as bw
+    import tiered.bench.methods as bw
 
     monkeypatch.setattr(bw.shutil, "which", lambda name: None)
     methods, absent = br.build_methods(BenchOptions(tmp_path, size_bytes=8192, backends=(), deepspeed=False))

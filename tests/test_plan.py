@@ -7,16 +7,16 @@ import json
 import pytest
 
 from tiered.errors import ConfigError
-from tiered.planning.memory import (
+from tiered.planning.accounting import (
     Memories,
     ModelShape,
     PlanOptions,
     PrecisionBytes,
     gb,
-    make_plan,
     model_state_bytes,
 )
 from tiered.planning.model_shape import parse_count, shape_from_params
+from tiered.planning.verdict import make_plan
 
 GB = 10**9
 

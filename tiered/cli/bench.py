@@ -1,6 +1,6 @@
 """`tiered bench`: GB/s of the storage backends against an O_DIRECT ceiling, fio and DeepSpeed.
 
-The measuring code is `tiered.planning.bandwidth_run` ([Note: round-robin measurement]);
+The measuring code is `tiered.bench.runner` ([Note: round-robin measurement]);
 benchmarks/bandwidth.py calls the same code.
 """
 
@@ -64,7 +64,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
-    from tiered.planning.bandwidth_run import DEFAULT_BACKENDS, BenchOptions
+    from tiered.bench.runner import DEFAULT_BACKENDS, BenchOptions
 
     quick = bool(args.quick)
     size = parse_bytes(args.size, what="--size") if args.size is not None else (64 << 20 if quick else 1 << 30)
@@ -82,7 +82,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def measure(args: argparse.Namespace) -> Any:
     """Run the benchmark the arguments describe; returns a BenchResult."""
-    from tiered.planning.bandwidth_run import run_bandwidth
+    from tiered.bench.runner import run_bandwidth
 
     def progress(msg: str) -> None:
         if not args.quiet:

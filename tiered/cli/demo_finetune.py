@@ -50,8 +50,9 @@ def examples_dir() -> Path:
 
 def plan_verdict(out: TextIO) -> int:
     """The 40B single-GPU plan in a few lines; 0 when a placement fits (as `tiered plan`)."""
-    from tiered.planning.memory import Memories, PlanOptions, gb, make_plan
+    from tiered.planning.accounting import Memories, PlanOptions, gb
     from tiered.planning.model_shape import shape_from_params
+    from tiered.planning.verdict import make_plan
     from tiered.units import parse_bytes
 
     shape = shape_from_params(PLAN_40B["params"])

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from tiered.errors import ConfigError, TieredError
-from tiered.planning.memory import ModelShape
+from tiered.planning.accounting import ModelShape
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tiered.planning.accounting import Memories, ModelShape, PlanOptions, StrategyPlan
 from tiered.units import format_bytes
-
-if TYPE_CHECKING:
-    from tiered.planning.memory import Memories, ModelShape, PlanOptions, StrategyPlan
 
 HEADROOM = 1.10
 _TIER_BACKEND = {"gpu": "gpu", "cpu": "cpu", "nvme": "nvme"}

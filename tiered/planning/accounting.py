@@ -234,8 +234,9 @@ def working_set(shape: ModelShape, opts: PlanOptions) -> tuple[Term, ...]:
     return tuple(terms)
 
 
-def _strategy(key: str, name: str, stage: int, opt_dev: str, param_dev: str,
-              shape: ModelShape, opts: PlanOptions) -> StrategyPlan:
+def strategy_plan(key: str, name: str, stage: int, opt_dev: str, param_dev: str,
+                  shape: ModelShape, opts: PlanOptions) -> StrategyPlan:
+    """The bytes one row of `STRATEGIES` needs on each tier, itemised ([Note: plan accounting])."""
     b = PrecisionBytes.of(opts.precision)
     psi, n = shape.total_params, opts.world_size
     shard = _shard(psi, n)
@@ -278,7 +279,8 @@ def _strategy(key: str, name: str, stage: int, opt_dev: str, param_dev: str,
     return StrategyPlan(key, name, stage, opt_dev, param_dev, tuple(terms), comm, host_link, nvme_io)
 
 
-def _check_fit(s: StrategyPlan, mem: Memories) -> StrategyPlan:
+def check_fit(s: StrategyPlan, mem: Memories) -> StrategyPlan:
+    """`s` with `fits` and `shortfall_bytes` filled in against the memories the user gave."""
     fits: dict[str, bool | None] = {}
     short: dict[str, int] = {}
     for tier in TIERS:
@@ -290,60 +292,6 @@ def _check_fit(s: StrategyPlan, mem: Memories) -> StrategyPlan:
             if need > have:
                 short[tier] = need - have
     return dataclasses.replace(s, fits=fits, shortfall_bytes=short)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The whole answer of `tiered plan`, JSON-able via `to_json`."""
-
-    shape: ModelShape
-    memories: Memories
-    options: PlanOptions
-    strategies: tuple[StrategyPlan, ...]
-    recommended: str | None
-    message: str
-    config: dict[str, Any] | None
-
-    def strategy(self, key: str) -> StrategyPlan:
-        for s in self.strategies:
-            if s.key == key:
-                return s
-        raise KeyError(key)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": asdict(self.shape),
-            "memories": asdict(self.memories),
-            "options": asdict(self.options),
-            "bytes_per_param": asdict(PrecisionBytes.of(self.options.precision)),
-            "strategies": [s.to_json() for s in self.strategies],
-            "recommended": self.recommended,
-            "message": self.message,
-            "config": self.config,
-        }
-
-
-def make_plan(shape: ModelShape, memories: Memories, opts: PlanOptions) -> Plan:
-    """Every strategy of [Note: plan accounting], fit-checked, and the cheapest ZeRO-3 that fits."""
-    from tiered.planning.recommend import deepspeed_config, nothing_fits_message
-
-    strategies = tuple(_check_fit(_strategy(*row, shape, opts), memories) for row in STRATEGIES)
-    by_key = {s.key: s for s in strategies}
-    chosen = next((k for k in RECOMMENDATION_ORDER if by_key[k].fits_all), None)
-    if chosen is None:
-        return Plan(shape, memories, opts, strategies, None,
-                    nothing_fits_message([by_key[k] for k in RECOMMENDATION_ORDER]), None)
-    s = by_key[chosen]
-    unchecked = [t for t in TIERS if s.fits[t] is None]
-    note = f"; not checked: {', '.join(unchecked)} (pass --{unchecked[0]}-mem)" if unchecked else ""
-    if s.offload_optimizer == "none":
-        how = "fits without offload"
-    elif any(x.fits_all for x in strategies if x.offload_optimizer == "none"):
-        how = "DP/ZeRO-1/2 without the ZeRO-3 working set would fit too"
-    else:
-        how = "fits only with offload"
-    message = f"recommended: {s.name} (the cheapest ZeRO-3 placement that fits; {how}){note}"
-    return Plan(shape, memories, opts, strategies, chosen, message, deepspeed_config(s, shape, memories, opts))
 
 
 def gb(n: int | float) -> float:

@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from tiered.errors import ConfigError, StorageIOError, TieredError
-from tiered.planning.bandwidth import (
+from tiered.bench.methods import (
     ALIGN,
     MIB,
     BackendMethod,
@@ -41,6 +40,7 @@ from tiered.planning.bandwidth import (
     find_fio,
     sync_files,
 )
+from tiered.errors import ConfigError, StorageIOError, TieredError
 from tiered.units import format_bytes
 
 log = logging.getLogger(__name__)
