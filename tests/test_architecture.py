@@ -93,3 +93,17 @@ def test_contract_fails_on_a_bad_import(tmp_path: Path, contract_id: str, rel: s
     report = result.stdout + result.stderr
     assert result.returncode != 0, f"contract {contract_id!r} kept despite `{line}` in {rel}:\n{report}"
     assert named in report, f"the report does not name {named!r}:\n{report}"
+
+
+def test_version_has_one_source() -> None:
+    """pyproject.toml's [project] version, read back from the installed metadata (not a copy)."""
+    import tiered
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "version" in project and "version" not in project.get("dynamic", [])
+    assert tiered.__version__ == project["version"], (
+        f"installed metadata says {tiered.__version__}, pyproject.toml says {project['version']}: "
+        "reinstall (pip install -e .)"
+    )
+    init = (ROOT / "tiered" / "__init__.py").read_text()
+    assert project["version"] not in init, "tiered/__init__.py repeats the version: read it from metadata"
