@@ -33,9 +33,21 @@ def lint_imports(root: Path, contract_id: str) -> subprocess.CompletedProcess[st
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     code = "from importlinter.cli import lint_imports_command; lint_imports_command()"
     return subprocess.run(
-        [sys.executable, "-c", code, "--config", str(root / "pyproject.toml"), "--contract", contract_id,
-         "--no-cache"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            code,
+            "--config",
+            str(root / "pyproject.toml"),
+            "--contract",
+            contract_id,
+            "--no-cache",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -79,12 +91,21 @@ BAD_IMPORTS = [
     ("layers", "zero/comm.py", "from tiered.optim import clip", "tiered.zero.comm -> tiered.optim"),
     ("no-plugins", "tiers/stats.py", "import tiered_nvme", "tiered.tiers.stats -> tiered_nvme"),
     ("no-cycles", "device.py", "import tiered.storage.pool", "No cycles are allowed in tiered."),
-    ("no-cycles", "tiers/trace.py", "from tiered.tiers import manager", "No cycles are allowed in tiered.tiers."),
+    (
+        "no-cycles",
+        "tiers/trace.py",
+        "from tiered.tiers import manager",
+        "No cycles are allowed in tiered.tiers.",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("contract_id", "rel", "line", "named"), BAD_IMPORTS, ids=[b[0] + ":" + b[1] for b in BAD_IMPORTS])
-def test_contract_fails_on_a_bad_import(tmp_path: Path, contract_id: str, rel: str, line: str, named: str) -> None:
+@pytest.mark.parametrize(
+    ("contract_id", "rel", "line", "named"), BAD_IMPORTS, ids=[b[0] + ":" + b[1] for b in BAD_IMPORTS]
+)
+def test_contract_fails_on_a_bad_import(
+    tmp_path: Path, contract_id: str, rel: str, line: str, named: str
+) -> None:
     shutil.copytree(ROOT / "tiered", tmp_path / "tiered", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     with open(tmp_path / "tiered" / rel, "a") as f:

@@ -122,7 +122,9 @@ def gpu_adam_step_on_host(
     for i in range(n):
         key = dtypes(i)
         if key != first:
-            raise ValueError(f"tensor [{i}] has dtypes {key}, tensor [0] {first}: one launch takes one triple")
+            raise ValueError(
+                f"tensor [{i}] has dtypes {key}, tensor [0] {first}: one launch takes one triple"
+            )
         descs[i] = _TensorDesc(params[i].data_ptr(), grads[i].data_ptr(), exp_avgs[i].data_ptr(),
                                exp_avg_sqs[i].data_ptr(), outs[i].data_ptr() if outs[i] is not None else None,
                                params[i].numel())  # fmt: skip

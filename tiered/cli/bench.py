@@ -48,17 +48,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Shared with benchmarks/bandwidth.py."""
-    p.add_argument("--dir", metavar="DIR", default=None,
-                   help="directory on the drive to measure (default: the system temp directory)")
-    p.add_argument("--size", metavar="SIZE", default=None, help="bytes per transfer, e.g. 1GiB (default 1GiB)")
+    p.add_argument(
+        "--dir",
+        metavar="DIR",
+        default=None,
+        help="directory on the drive to measure (default: the system temp directory)",
+    )
+    p.add_argument(
+        "--size", metavar="SIZE", default=None, help="bytes per transfer, e.g. 1GiB (default 1GiB)"
+    )
     p.add_argument("--rounds", type=int, default=None, help="measured rounds (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up rounds (default 1)")
-    p.add_argument("--backends", nargs="+", default=None, metavar="NAME",
-                   help="tiered backends to measure (default: nvme aiofiles tensorstore)")
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="tiered backends to measure (default: nvme aiofiles tensorstore)",
+    )
     p.add_argument("--no-fio", action="store_true", help="skip fio even if installed")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's aio handle")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: 64MiB, 2 rounds, no warm-up, no DeepSpeed (override with --size/--rounds)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 64MiB, 2 rounds, no warm-up, no DeepSpeed (override with --size/--rounds)",
+    )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the full result as JSON to FILE")
     p.add_argument("--quiet", "-q", action="store_true", help="no per-round progress on stderr")
 
@@ -67,7 +81,9 @@ def options_from_args(args: argparse.Namespace) -> Any:
     from tiered.bench.runner import DEFAULT_BACKENDS, BenchOptions
 
     quick = bool(args.quick)
-    size = parse_bytes(args.size, what="--size") if args.size is not None else (64 << 20 if quick else 1 << 30)
+    size = (
+        parse_bytes(args.size, what="--size") if args.size is not None else (64 << 20 if quick else 1 << 30)
+    )
     rounds = args.rounds if args.rounds is not None else (2 if quick else 5)
     return BenchOptions(
         directory=Path(args.dir) if args.dir is not None else Path(tempfile.gettempdir()),

@@ -52,20 +52,36 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, metavar="PATH", help="local HF model folder or config.json")
-    p.add_argument("--config", required=True, metavar="JSON", help="DeepSpeed ds_config.json or tiered config")
+    p.add_argument(
+        "--config", required=True, metavar="JSON", help="DeepSpeed ds_config.json or tiered config"
+    )
     p.add_argument("--data", required=True, metavar="FILE", help="plain UTF-8 text file to train on")
     p.add_argument("--seq-len", type=int, default=128, metavar="N", help="tokens per row (default 128)")
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help="rows per micro-batch (default: train_micro_batch_size_per_gpu of the config, else 1)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rows per micro-batch (default: train_micro_batch_size_per_gpu of the config, else 1)",
+    )
     p.add_argument("--steps", type=int, default=10, metavar="N", help="optimizer steps (default 10)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (overrides optimizer.params.lr)")
     p.add_argument("--seed", type=int, default=0, help="seeds the model init and the batch order (default 0)")
-    p.add_argument("--log-every", type=int, default=1, metavar="N", help="print the loss every N steps (default 1)")
-    p.add_argument("--nvme-path", default=None, metavar="DIR",
-                   help="overrides nvme_path of offload_param/offload_optimizer with device nvme")
+    p.add_argument(
+        "--log-every", type=int, default=1, metavar="N", help="print the loss every N steps (default 1)"
+    )
+    p.add_argument(
+        "--nvme-path",
+        default=None,
+        metavar="DIR",
+        help="overrides nvme_path of offload_param/offload_optimizer with device nvme",
+    )
     p.add_argument("--stats-json", default=None, metavar="FILE", help="write losses and engine stats as JSON")
-    p.add_argument("--compare-torch", action="store_true",
-                   help="also run the same steps with plain PyTorch AdamW (fp32) and print the difference")
+    p.add_argument(
+        "--compare-torch",
+        action="store_true",
+        help="also run the same steps with plain PyTorch AdamW (fp32) and print the difference",
+    )
     return p
 
 
@@ -97,7 +113,9 @@ def _check_output(path: str | None, option: str) -> None:
         return
     parent = Path(path).resolve().parent
     if not parent.is_dir():
-        raise ConfigError(f"{option} {path}: folder {parent} does not exist; create it or choose another path")
+        raise ConfigError(
+            f"{option} {path}: folder {parent} does not exist; create it or choose another path"
+        )
 
 
 def finetune_job(
@@ -143,7 +161,9 @@ def finetune_job(
         raw = config
     else:
         if not Path(config).is_file():
-            raise ConfigError(f"--config {config}: no such file; pass a DeepSpeed ds_config.json or a tiered config")
+            raise ConfigError(
+                f"--config {config}: no such file; pass a DeepSpeed ds_config.json or a tiered config"
+            )
         raw = read_config_file(config)
     if not Path(data_path).is_file():
         raise ConfigError(f"--data {data_path}: no such file; pass a plain UTF-8 text file")
@@ -165,44 +185,65 @@ def finetune_job(
             "enables bf16/fp16; drop --compare-torch or the bf16/fp16 section"
         )
     n_params = sum(p.numel() for p in model.parameters())
-    w(f"model: {type(model).__name__} from {source.config_path}, {n_params:,} parameters"
-      f"{' (weights from ' + str(len(source.weight_files)) + ' safetensors files)' if source.weight_files else ''}\n")
-    w(f"data: {data_path}, {ids.numel():,} tokens ({tokenizer.name} tokenizer); seq_len {seq_len}, "
-      f"micro-batch {micro}, gradient accumulation {cfg.gradient_accumulation_steps}, {steps} steps\n")
+    w(
+        f"model: {type(model).__name__} from {source.config_path}, {n_params:,} parameters"
+        f"{' (weights from ' + str(len(source.weight_files)) + ' safetensors files)' if source.weight_files else ''}\n"
+    )
+    w(
+        f"data: {data_path}, {ids.numel():,} tokens ({tokenizer.name} tokenizer); seq_len {seq_len}, "
+        f"micro-batch {micro}, gradient accumulation {cfg.gradient_accumulation_steps}, {steps} steps\n"
+    )
     z = cfg.zero
-    w(f"placement: params on {z.offload_param.device if z.offload_param.device != 'none' else 'gpu'}, "
-      f"optimizer state on {z.offload_optimizer.device if z.offload_optimizer.device != 'none' else 'gpu'}, "
-      f"{str(cfg.precision.dtype).removeprefix('torch.')}; lr {cfg.optimizer.lr:g} ({cfg.optimizer.type})\n")
+    w(
+        f"placement: params on {z.offload_param.device if z.offload_param.device != 'none' else 'gpu'}, "
+        f"optimizer state on {z.offload_optimizer.device if z.offload_optimizer.device != 'none' else 'gpu'}, "
+        f"{str(cfg.precision.dtype).removeprefix('torch.')}; lr {cfg.optimizer.lr:g} ({cfg.optimizer.type})\n"
+    )
     reference = copy.deepcopy(model) if compare_torch else None
 
     def on_log(s: Any) -> None:
         w(f"step {s.step:>5}/{steps}  loss {s.loss:.4f}  lr {s.lr:.3g}  {s.tokens_per_s:,.0f} tokens/s\n")
         out.flush()
 
-    result = train(model, cfg, batches(ids, seq_len, micro, seed, source=str(data_path)), opts,
-                   on_log=on_log, keep_state=compare_torch)
+    result = train(
+        model,
+        cfg,
+        batches(ids, seq_len, micro, seed, source=str(data_path)),
+        opts,
+        on_log=on_log,
+        keep_state=compare_torch,
+    )
     if result.interrupted:
         w(f"interrupted after {result.steps_done} of {steps} steps; engine closed\n")
-    w(f"\n{result.steps_done} steps, {result.tokens:,} tokens in {result.train_s:.2f} s: "
-      f"{result.tokens_per_s:,.0f} tokens/s (engine set-up {result.init_s:.2f} s)\n")
+    w(
+        f"\n{result.steps_done} steps, {result.tokens:,} tokens in {result.train_s:.2f} s: "
+        f"{result.tokens_per_s:,.0f} tokens/s (engine set-up {result.init_s:.2f} s)\n"
+    )
     if result.losses:
         w(f"loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}\n")
     w("\n" + tier_table(result.stats) + "\n")
     job = JobResult(result)
     if reference is not None and not result.interrupted:
-        w(f"\nplain PyTorch ({'AdamW' if cfg.optimizer.adamw_mode else 'Adam'}, fp32), same data and init, "
-          f"{result.steps_done} steps...\n")
+        w(
+            f"\nplain PyTorch ({'AdamW' if cfg.optimizer.adamw_mode else 'Adam'}, fp32), same data and init, "
+            f"{result.steps_done} steps...\n"
+        )
         t0 = time.perf_counter()
         ref_losses, ref_state = reference_train(
-            reference, cfg, batches(ids, seq_len, micro, seed, source=str(data_path)), result.steps_done)
+            reference, cfg, batches(ids, seq_len, micro, seed, source=str(data_path)), result.steps_done
+        )
         ref_s = time.perf_counter() - t0
         diff, name = max_rel_diff(result.state or {}, ref_state)
         job = JobResult(result, tuple(ref_losses), diff, name)
-        w(f"final loss: tiered {result.losses[-1]:.6f}, plain PyTorch {ref_losses[-1]:.6f} "
-          f"(rel diff {abs(result.losses[-1] - ref_losses[-1]) / max(abs(ref_losses[-1]), 1e-12):.2e})\n")
+        w(
+            f"final loss: tiered {result.losses[-1]:.6f}, plain PyTorch {ref_losses[-1]:.6f} "
+            f"(rel diff {abs(result.losses[-1] - ref_losses[-1]) / max(abs(ref_losses[-1]), 1e-12):.2e})\n"
+        )
         w(f"max relative parameter difference: {diff:.2e} ({name})\n")
-        w(f"plain PyTorch (everything in memory, no offload): {result.tokens / ref_s:,.0f} tokens/s "
-          f"in {ref_s:.2f} s\n")
+        w(
+            f"plain PyTorch (everything in memory, no offload): {result.tokens / ref_s:,.0f} tokens/s "
+            f"in {ref_s:.2f} s\n"
+        )
     return job
 
 

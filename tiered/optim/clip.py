@@ -37,5 +37,7 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
         # torch would multiply by nan/0; a non-finite norm is handled by the caller (overflow).
         return 1.0
     # torch computes the coefficient in the gradients' dtype (fp32): match its rounding.
-    coef = torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(total_norm, dtype=torch.float32) + 1e-6)
+    coef = torch.tensor(max_norm, dtype=torch.float32) / (
+        torch.tensor(total_norm, dtype=torch.float32) + 1e-6
+    )
     return float(torch.clamp(coef, max=1.0).item())

@@ -89,7 +89,9 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         if self.total_params <= 0:
-            raise ConfigError(f"model from {self.source}: parameter count must be positive, got {self.total_params}")
+            raise ConfigError(
+                f"model from {self.source}: parameter count must be positive, got {self.total_params}"
+            )
         if not 0 <= self.largest_layer_params <= self.total_params:
             raise ConfigError(
                 f"model from {self.source}: largest layer ({self.largest_layer_params}) must be between 0 "
@@ -197,7 +199,13 @@ STRATEGIES: tuple[tuple[str, str, int, str, str], ...] = (
     ("zero3_opt_nvme", "ZeRO-3 + optimizer on NVMe", 3, "nvme", "none"),
     ("zero3_opt_param_nvme", "ZeRO-3 + optimizer + params on NVMe", 3, "nvme", "nvme"),
 )
-RECOMMENDATION_ORDER = ("zero3", "zero3_opt_cpu", "zero3_opt_param_cpu", "zero3_opt_nvme", "zero3_opt_param_nvme")
+RECOMMENDATION_ORDER = (
+    "zero3",
+    "zero3_opt_cpu",
+    "zero3_opt_param_cpu",
+    "zero3_opt_nvme",
+    "zero3_opt_param_nvme",
+)
 
 
 def model_state_bytes(stage: int, psi: int, n: int, b: PrecisionBytes) -> int:
@@ -224,8 +232,11 @@ def working_set(shape: ModelShape, opts: PlanOptions) -> tuple[Term, ...]:
     b = PrecisionBytes.of(opts.precision)
     big = shape.largest_layer_params
     terms = [
-        Term("gpu", f"working: gathered largest layer x (1 + {opts.prefetch_layers} prefetched)",
-             (1 + opts.prefetch_layers) * big * b.param),
+        Term(
+            "gpu",
+            f"working: gathered largest layer x (1 + {opts.prefetch_layers} prefetched)",
+            (1 + opts.prefetch_layers) * big * b.param,
+        ),
         Term("gpu", "working: gradient of the largest layer before reduce/offload", big * b.grad),
         Term("gpu", "working: persistent small parameters (kept whole)", shape.persistent_params * b.param),
     ]
@@ -234,8 +245,9 @@ def working_set(shape: ModelShape, opts: PlanOptions) -> tuple[Term, ...]:
     return tuple(terms)
 
 
-def strategy_plan(key: str, name: str, stage: int, opt_dev: str, param_dev: str,
-                  shape: ModelShape, opts: PlanOptions) -> StrategyPlan:
+def strategy_plan(
+    key: str, name: str, stage: int, opt_dev: str, param_dev: str, shape: ModelShape, opts: PlanOptions
+) -> StrategyPlan:
     """The bytes one row of `STRATEGIES` needs on each tier, itemised ([Note: plan accounting])."""
     b = PrecisionBytes.of(opts.precision)
     psi, n = shape.total_params, opts.world_size
@@ -246,20 +258,36 @@ def strategy_plan(key: str, name: str, stage: int, opt_dev: str, param_dev: str,
     else:
         # [Note: plan accounting]: offloaded optimizer = 12 B + fp32 host gradients 4 B.
         if param_dev == "none":
-            terms.append(Term("gpu", "16-bit parameter shard" if b.param == 2 else "parameter shard",
-                              shard * b.param))
+            terms.append(
+                Term("gpu", "16-bit parameter shard" if b.param == 2 else "parameter shard", shard * b.param)
+            )
         else:
             terms.append(Term(param_dev, "parameter shard (offloaded)", shard * b.param))  # type: ignore[arg-type]
         terms.append(Term("cpu", "fp32 gradient shard (host accumulation)", shard * HOST_GRAD_BYTES))
-        terms.append(Term(opt_dev, "optimizer shard: fp32 master + m + v",  # type: ignore[arg-type]
-                          shard * MIXED_OPTIMIZER_BYTES))
+        terms.append(
+            Term(
+                opt_dev,
+                "optimizer shard: fp32 master + m + v",  # type: ignore[arg-type]
+                shard * MIXED_OPTIMIZER_BYTES,
+            )
+        )
         if opt_dev == "nvme":
             tile = min(opts.sub_group_size, shard)
-            terms.append(Term("cpu", "pinned staging: optimizer pipeline (3 states x 3 slots x sub-group)",
-                              OPTIMIZER_STAGING_SLOTS * tile * 4))
+            terms.append(
+                Term(
+                    "cpu",
+                    "pinned staging: optimizer pipeline (3 states x 3 slots x sub-group)",
+                    OPTIMIZER_STAGING_SLOTS * tile * 4,
+                )
+            )
         if param_dev == "nvme":
-            terms.append(Term("cpu", f"pinned staging: {opts.param_buffer_count} parameter buffers x largest layer",
-                              opts.param_buffer_count * shape.largest_layer_params * b.param))
+            terms.append(
+                Term(
+                    "cpu",
+                    f"pinned staging: {opts.param_buffer_count} parameter buffers x largest layer",
+                    opts.param_buffer_count * shape.largest_layer_params * b.param,
+                )
+            )
     if stage == 3:
         terms.extend(working_set(shape, opts))
     elif opts.activation_bytes:

@@ -62,8 +62,15 @@ def make_plan(shape: ModelShape, memories: Memories, opts: PlanOptions) -> Plan:
     by_key = {s.key: s for s in strategies}
     chosen = next((k for k in RECOMMENDATION_ORDER if by_key[k].fits_all), None)
     if chosen is None:
-        return Plan(shape, memories, opts, strategies, None,
-                    nothing_fits_message([by_key[k] for k in RECOMMENDATION_ORDER]), None)
+        return Plan(
+            shape,
+            memories,
+            opts,
+            strategies,
+            None,
+            nothing_fits_message([by_key[k] for k in RECOMMENDATION_ORDER]),
+            None,
+        )
     s = by_key[chosen]
     unchecked = [t for t in TIERS if s.fits[t] is None]
     note = f"; not checked: {', '.join(unchecked)} (pass --{unchecked[0]}-mem)" if unchecked else ""
@@ -74,4 +81,6 @@ def make_plan(shape: ModelShape, memories: Memories, opts: PlanOptions) -> Plan:
     else:
         how = "fits only with offload"
     message = f"recommended: {s.name} (the cheapest ZeRO-3 placement that fits; {how}){note}"
-    return Plan(shape, memories, opts, strategies, chosen, message, deepspeed_config(s, shape, memories, opts))
+    return Plan(
+        shape, memories, opts, strategies, chosen, message, deepspeed_config(s, shape, memories, opts)
+    )
