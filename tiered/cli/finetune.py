@@ -170,7 +170,7 @@ def finetune_job(
     raw = apply_overrides(raw, lr=lr, batch_size=batch_size, nvme_path=nvme_path)
 
     model = build_model(source, seed=seed)
-    hf = model.config
+    hf: Any = model.config  # a transformers PretrainedConfig: its fields are per architecture
     vocab = int(hf.vocab_size)
     max_pos = getattr(hf, "max_position_embeddings", None)
     if isinstance(max_pos, int) and seq_len > max_pos:

@@ -53,7 +53,11 @@ class KeyRule:
     """For default_only: the values that mean "off"."""
 
 
-_S, _I, _D, _E, _SEC = "supported", "ignored", "default_only", "unsupported_if_enabled", "section"
+_S: Kind = "supported"
+_I: Kind = "ignored"
+_D: Kind = "default_only"
+_E: Kind = "unsupported_if_enabled"
+_SEC: Kind = "section"
 
 _LOGGER = "tiered has no such logger; use engine.stats() and tiered.trace_path (Chrome trace) instead"
 _COMM = "communication strategy of DeepSpeed's stage 1/2 path; tiered's partitioned machinery replaces it (same results)"

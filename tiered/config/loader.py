@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -130,12 +130,16 @@ def load_config(
     )
 
 
+@overload
+def _count_key(config: dict[str, Any], key: str, default: int, *, minimum: int = 1) -> int: ...
+@overload
+def _count_key(config: dict[str, Any], key: str, default: None, *, minimum: int = 1) -> int | None: ...
 def _count_key(config: dict[str, Any], key: str, default: int | None, *, minimum: int = 1) -> int | None:
     value = config.get(key)
     if value is None:
         return default
     if is_auto(value):
-        return _AUTO_DEFAULTS[key]
+        return int(_AUTO_DEFAULTS[key])
     return as_count(value, key, minimum=minimum)
 
 

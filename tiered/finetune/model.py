@@ -84,7 +84,7 @@ def _load_weights(model: torch.nn.Module, files: tuple[Path, ...]) -> None:
         except Exception as exc:  # noqa: BLE001 - a corrupt file is the user's to fix
             raise ConfigError(f"--model {f}: cannot read safetensors weights: {exc}") from None
     names = {f.name for f in files}
-    own = dict(model.named_parameters(remove_duplicate=False))
+    own: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     own.update(dict(model.named_buffers()))
     unexpected = sorted(k for k in state if k not in own)
     if unexpected:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 
-def global_grad_norm(sq_norm_local: float, *, process_group: object | None = None) -> float:
+def global_grad_norm(sq_norm_local: float, *, process_group: dist.ProcessGroup | None = None) -> float:
     """sqrt(sum over ranks of the local squared L2 norms); inf/nan propagate."""
     total = float(sq_norm_local)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:

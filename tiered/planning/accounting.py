@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from tiered.errors import ConfigError
 
@@ -262,14 +262,10 @@ def strategy_plan(
                 Term("gpu", "16-bit parameter shard" if b.param == 2 else "parameter shard", shard * b.param)
             )
         else:
-            terms.append(Term(param_dev, "parameter shard (offloaded)", shard * b.param))  # type: ignore[arg-type]
+            terms.append(Term(cast(Tier, param_dev), "parameter shard (offloaded)", shard * b.param))
         terms.append(Term("cpu", "fp32 gradient shard (host accumulation)", shard * HOST_GRAD_BYTES))
         terms.append(
-            Term(
-                opt_dev,
-                "optimizer shard: fp32 master + m + v",  # type: ignore[arg-type]
-                shard * MIXED_OPTIMIZER_BYTES,
-            )
+            Term(cast(Tier, opt_dev), "optimizer shard: fp32 master + m + v", shard * MIXED_OPTIMIZER_BYTES)
         )
         if opt_dev == "nvme":
             tile = min(opts.sub_group_size, shard)
