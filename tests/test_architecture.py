@@ -9,6 +9,7 @@ contract that cannot fail (a misspelt layer, a forgotten package) does not pass 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -128,3 +129,54 @@ def test_version_has_one_source() -> None:
     )
     init = (ROOT / "tiered" / "__init__.py").read_text()
     assert project["version"] not in init, "tiered/__init__.py repeats the version: read it from metadata"
+
+
+DOC = ROOT / "docs" / "architecture.md"
+NOTE = re.compile(r"\[Note: ([^\]\n]+)\]")  # a name wrapped over two lines is not seen
+SOURCE_ROOTS = ("tiered", "tiered_ext", "plugins", "tests", "benchmarks")
+SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".cu", ".md"}
+
+
+def _notes_index() -> dict[str, str]:
+    text = DOC.read_text()
+    index_part = text.split("## Notes index", 1)[1]
+    return dict(re.findall(r"^\| `\[Note: ([^\]]+)\]` \| `([^`]+)` \|$", index_part, flags=re.M))
+
+
+def _source_files() -> list[Path]:
+    files = [ROOT / "README.md"]
+    for top in SOURCE_ROOTS:
+        files += [
+            p for p in (ROOT / top).rglob("*") if p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts
+        ]
+    return [f for f in files if f != Path(__file__).resolve()]  # this file names notes as patterns
+
+
+def test_notes_index_lists_every_note_where_it_is() -> None:
+    """docs/architecture.md's Notes index names every [Note: ...] in the code, and the file given for
+    each holds it: a renamed, moved or new note must be indexed where it now lives."""
+    index = _notes_index()
+    assert index, "docs/architecture.md has no Notes index table"
+    named = {name for f in _source_files() for name in NOTE.findall(f.read_text(errors="replace"))}
+    named |= set(NOTE.findall(DOC.read_text().split("## Notes index", 1)[0]))
+    named.discard("...")  # prose about notes in general
+    missing = sorted(named - set(index))
+    assert not missing, f"add to the Notes index of docs/architecture.md: {missing}"
+    wrong = sorted(
+        f"[Note: {name}] in {rel}"
+        for name, rel in index.items()
+        if not (ROOT / rel).is_file() or f"[Note: {name}]" not in (ROOT / rel).read_text(errors="replace")
+    )
+    assert not wrong, f"the Notes index points to files that do not hold these notes: {wrong}"
+
+
+def test_no_reference_to_a_design_file_outside_the_repo() -> None:
+    """Design references resolve inside the project: docs/architecture.md, not a DESIGN.md elsewhere."""
+    offenders = [
+        str(f.relative_to(ROOT))
+        for f in [*_source_files(), ROOT / "pyproject.toml", ROOT / "dev.sh"]
+        if "DESIGN.md" in f.read_text(errors="replace")
+    ]
+    assert not offenders, (
+        f"these refer to DESIGN.md (outside the repo); point them to docs/architecture.md: {offenders}"
+    )

@@ -200,7 +200,7 @@ def test_loss_is_unchanged_by_backward_scaling() -> None:
 
 
 def test_every_error_is_importable_from_the_package() -> None:
-    """A user catches what the engine raises as tiered.<Name>, as DESIGN.md's one errors module
+    """A user catches what the engine raises as tiered.<Name>, as docs/architecture.md's one errors module
     promises: every exception and warning class of tiered.errors is exported at the top level."""
     import inspect
 

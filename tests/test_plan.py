@@ -22,7 +22,7 @@ GB = 10**9
 
 
 def test_zero_paper_figure_1_vector() -> None:
-    # DESIGN.md section 2: Psi = 7.5B, N = 64, K = 12 -> 120 / 31.4 / 16.6 / 1.9 GB.
+    # docs/architecture.md, "Memory model": Psi = 7.5B, N = 64, K = 12 -> 120 / 31.4 / 16.6 / 1.9 GB.
     b = PrecisionBytes.of("bf16")
     got = [gb(model_state_bytes(stage, 7_500_000_000, 64, b)) for stage in (0, 1, 2, 3)]
     assert got == [120.0, 31.4, 16.6, 1.9]

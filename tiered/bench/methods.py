@@ -6,7 +6,7 @@ into the same page-aligned destination buffer, so they differ only in how they m
 
 * the ceiling: a plain O_DIRECT copy, `threads` threads issuing os.pwritev / os.preadv on
   `chunk_bytes` pieces (8 x 8 MiB by default; on this machine kind it beats fio and DeepSpeed's
-  aio, see the shared peer baselines), then fsync;
+  aio, see benchmarks/RESULTS.md), then fsync;
 * tiered's storage backends, opened *only* through `tiered.open_backend` (the same door a user
   has): nvme, aiofiles, tensorstore;
 * peers when present: fio (libaio, O_DIRECT, bs 8 MiB, iodepth 8, --end_fsync=1; fio's own

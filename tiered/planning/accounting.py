@@ -6,15 +6,15 @@ Symbols: Ψ parameters, N data-parallel ranks, p / g bytes per 16-bit parameter 
 
 * K = 12 in mixed precision (fp32 master copy, exp_avg, exp_avg_sq). In fp32, K = 8 (exp_avg,
   exp_avg_sq) because the fp32 parameter *is* the master, DeepSpeed-style: 4 + 4 + 8 = 16 B.
-* Model states on the GPU, the ZeRO paper's formulas (DESIGN.md section 2):
+* Model states on the GPU, the ZeRO paper's formulas (docs/architecture.md, "Memory model"):
   DP (p+g+K)Ψ;  ZeRO-1 (p+g)Ψ + KΨ/N;  ZeRO-2 pΨ + (g+K)Ψ/N;  ZeRO-3 (p+g+K)Ψ/N.
 * Offloaded ZeRO-3 (ZeRO-Offload / ZeRO-Infinity), per rank:
   - the optimizer's tier holds 12 B per parameter of the shard (fp32 master, m, v) in every
     precision: once the optimizer leaves the GPU its master cannot be the GPU's parameter copy
     (DeepSpeed keeps a separate fp32 partition as well);
   - gradients leave the GPU as each module's backward ends and accumulate in fp32 in host
-    memory: 4 B per parameter of the shard on the CPU, also when the optimizer is on NVMe (the
-    data flow of DESIGN.md section 3; DeepSpeed swaps them to NVMe instead);
+    memory: 4 B per parameter of the shard on the CPU, also when the optimizer is on NVMe (see
+    docs/architecture.md, "The data path of one step"; DeepSpeed swaps them to NVMe instead);
   - offloaded parameters: p B per parameter of the shard on the CPU or NVMe instead of the GPU;
   - pinned staging in host memory for NVMe: optimizer on NVMe = 3 states x 3 pipeline slots
     (read i+1, compute i, write i-1) x sub_group_size x 4 B; parameters on NVMe =
@@ -209,7 +209,7 @@ RECOMMENDATION_ORDER = (
 
 
 def model_state_bytes(stage: int, psi: int, n: int, b: PrecisionBytes) -> int:
-    """GPU bytes per rank of the non-offloaded strategies: DESIGN.md section 2, exactly."""
+    """GPU bytes per rank of the non-offloaded strategies: the formulas of docs/architecture.md, "Memory model", exactly."""
     p, g, k = b.param, b.grad, b.optimizer
     if stage == 0:
         return (p + g + k) * psi
