@@ -43,7 +43,10 @@ case "$cmd" in
   test)
     setup
     build_kernels
+    # Cheapest first: lint, format, types, then the tests (the layer contracts are one of them).
     "$PY" -m ruff check --quiet . || { echo "ruff found problems (above)" >&2; exit 1; }
+    "$PY" -m ruff format --check --quiet . || { echo "unformatted files (above): run ruff format ." >&2; exit 1; }
+    "$PY" -m mypy || { echo "mypy found type errors (above)" >&2; exit 1; }
     # Default run: everything except tests marked slow; cuda tests skip (with a reason) off-GPU.
     exec "$PY" -m pytest -m "not slow" "$@"
     ;;

@@ -1,6 +1,6 @@
 """Offload bandwidth: tiered's file backends against an O_DIRECT ceiling, fio and DeepSpeed's aio.
 
-Same code as `tiered bench` (tiered.planning.bandwidth_run); see [Note: round-robin measurement].
+Same code as `tiered bench` (tiered.bench.runner); see [Note: round-robin measurement].
 
     python benchmarks/bandwidth.py --dir /mnt/nvme0 --size 1GiB --json bandwidth.json
     python benchmarks/bandwidth.py --size 1GiB --write-results   # refresh "## Bandwidth" in RESULTS.md
@@ -35,8 +35,7 @@ def section(result, command: str) -> str:
         "Each round runs every method once (write, then cold read), in an order rotated by one per round; "
         "GB/s = 1e9 B/s, median over rounds. Writes include fsync; reads follow posix_fadvise(DONTNEED) on the "
         "file and are checked byte for byte. Ratios are to the O_DIRECT thread-pool copy measured in the same "
-        "rounds. fio's figures are fio's own (excluding its start-up).\n\n"
-        + result.to_markdown()
+        "rounds. fio's figures are fio's own (excluding its start-up).\n\n" + result.to_markdown()
     )
 
 
@@ -52,10 +51,18 @@ def write_section(path: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_bench_arguments(parser)
-    parser.add_argument("--write-results", nargs="?", const=str(RESULTS), default=None, metavar="FILE",
-                        help=f"replace the '{HEADING}' section of FILE (default benchmarks/RESULTS.md)")
+    parser.add_argument(
+        "--write-results",
+        nargs="?",
+        const=str(RESULTS),
+        default=None,
+        metavar="FILE",
+        help=f"replace the '{HEADING}' section of FILE (default benchmarks/RESULTS.md)",
+    )
     args = parser.parse_args(argv)
     try:
         result = measure(args)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step import build_model, make_data  # noqa: E402
+from step import build_model, make_data
 
 CHUNK = 8 << 20
 FILE_BYTES = 512 << 20
@@ -43,7 +43,9 @@ class PacedIO:
         os.ftruncate(self.fd, FILE_BYTES)
         self.rate, self.stop, self.moved = rate, threading.Event(), 0
         self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(i, threads), daemon=True) for i in range(threads)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(i, threads), daemon=True) for i in range(threads)
+        ]
 
     def _run(self, i: int, n: int) -> None:
         buf = mmap.mmap(-1, CHUNK)  # page aligned, as O_DIRECT needs
@@ -76,9 +78,16 @@ class PacedIO:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", required=True, help="directory on the drive to load (a 512 MiB file is made there)")
-    ap.add_argument("--mb-per-step", type=float, nargs="+", default=[570.0, 285.0],
-                    help="bytes moved per plain step, in MB (default: tiered's 285+285, and half of it)")
+    ap.add_argument(
+        "--dir", required=True, help="directory on the drive to load (a 512 MiB file is made there)"
+    )
+    ap.add_argument(
+        "--mb-per-step",
+        type=float,
+        nargs="+",
+        default=[570.0, 285.0],
+        help="bytes moved per plain step, in MB (default: tiered's 285+285, and half of it)",
+    )
     ap.add_argument("--steps", type=int, default=6, help="timed steps per measurement")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
@@ -115,18 +124,22 @@ def main() -> int:
         path.unlink(missing_ok=True)
     probe = matmul_probe(path)
     base = statistics.median(alone)
-    print(f"\nplain PyTorch step, {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps: "
-          f"{base:.3f} s alone\n")
+    print(
+        f"\nplain PyTorch step, {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps: "
+        f"{base:.3f} s alone\n"
+    )
     print("| background O_DIRECT I/O | MB moved per step (measured) | s/step | x alone |")
     print("|---|---|---|---|")
     for mb, rows in loaded.items():
         s = statistics.median(r[0] for r in rows)
         moved = statistics.median(r[1] for r in rows)
         print(f"| {mb:.0f} MB/step target | {moved:.0f} | {s:.3f} | {s / base:.2f} |")
-    print(f"\nmatmul probe: {probe['alone']:.1f} matmuls/s alone, {probe['io']:.1f} next to unthrottled I/O "
-          f"({probe['io'] / probe['alone']:.2f}x) moving {probe['io_gbps']:.2f} GB/s; steal recorded "
-          f"{probe['steal_alone']:.2f} s vs {probe['steal_io']:.2f} s over 4 s; this process's CPU for the I/O alone: "
-          f"{probe['io_cpu_per_gb']:.3f} s per GB")
+    print(
+        f"\nmatmul probe: {probe['alone']:.1f} matmuls/s alone, {probe['io']:.1f} next to unthrottled I/O "
+        f"({probe['io'] / probe['alone']:.2f}x) moving {probe['io_gbps']:.2f} GB/s; steal recorded "
+        f"{probe['steal_alone']:.2f} s vs {probe['steal_io']:.2f} s over 4 s; this process's CPU for the I/O alone: "
+        f"{probe['io_cpu_per_gb']:.3f} s per GB"
+    )
     return 0
 
 

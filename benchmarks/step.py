@@ -39,8 +39,14 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=2048, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=8, max_position_embeddings=256, tie_word_embeddings=False,
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
@@ -61,18 +67,30 @@ def ds_json(nvme_dir: str, pipeline_read: bool = False) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                  "weight_decay": 0.01}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+        },
         "zero_optimization": {
             "stage": 3,
             "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True,
-                                  "pipeline_read": pipeline_read, "pipeline_write": pipeline_read},
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": nvme_dir,
+                "pin_memory": True,
+                "pipeline_read": pipeline_read,
+                "pipeline_write": pipeline_read,
+            },
             "stage3_param_persistence_threshold": 0,
             "sub_group_size": 10_000_000,
         },
-        "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
-                "overlap_events": True},
+        "aio": {
+            "block_size": 1_048_576,
+            "queue_depth": 8,
+            "thread_count": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        },
     }
 
 
@@ -106,22 +124,37 @@ def run_plain(data: list[dict[str, torch.Tensor]], warmup: int, device: str = "c
         times.append(t3 - t0)
         phases.append((t1 - t0, t2 - t1, t3 - t2))
         losses.append(float(loss.detach()))
-    return {"step_s": statistics.median(times[warmup:]), "times": times, "losses": losses,
-            "params": sum(p.numel() for p in model.parameters()),
-            "phases_per_step": {k: statistics.median(ph[j] for ph in phases[warmup:])
-                                for j, k in enumerate(("forward_s", "backward_s", "step_s"))}}
+    return {
+        "step_s": statistics.median(times[warmup:]),
+        "times": times,
+        "losses": losses,
+        "params": sum(p.numel() for p in model.parameters()),
+        "phases_per_step": {
+            k: statistics.median(ph[j] for ph in phases[warmup:])
+            for j, k in enumerate(("forward_s", "backward_s", "step_s"))
+        },
+    }
 
 
 def _link_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, dict[str, float]]:
     out = {}
     for link, v in b.get("links", {}).items():
         u = a.get("links", {}).get(link, {})
-        out[link] = {"bytes": v.get("bytes", 0) - u.get("bytes", 0), "seconds": v.get("seconds", 0.0) - u.get("seconds", 0.0)}
+        out[link] = {
+            "bytes": v.get("bytes", 0) - u.get("bytes", 0),
+            "seconds": v.get("seconds", 0.0) - u.get("seconds", 0.0),
+        }
     return out
 
 
-def run_tiered(data: list[dict[str, torch.Tensor]], warmup: int, nvme_dir: str,
-               pipeline_read: bool = False, overlap: bool = False, device: str = "cpu") -> dict[str, Any]:
+def run_tiered(
+    data: list[dict[str, torch.Tensor]],
+    warmup: int,
+    nvme_dir: str,
+    pipeline_read: bool = False,
+    overlap: bool = False,
+    device: str = "cpu",
+) -> dict[str, Any]:
     import tiered
 
     cfg = ds_json(nvme_dir, pipeline_read)
@@ -142,12 +175,14 @@ def run_tiered(data: list[dict[str, torch.Tensor]], warmup: int, nvme_dir: str,
             losses.append(float(loss.detach()))
             s1 = engine.stats()
             opt = s1["optimizer"]["last_step"]
-            per_step.append({
-                "links": _link_delta(s0["tiers"], s1["tiers"]),
-                "stall_s": s1["tiers"].get("stall_s", 0.0) - s0["tiers"].get("stall_s", 0.0),
-                "optimizer": opt,
-                "timing": s1["timing"]["last_step"],
-            })
+            per_step.append(
+                {
+                    "links": _link_delta(s0["tiers"], s1["tiers"]),
+                    "stall_s": s1["tiers"].get("stall_s", 0.0) - s0["tiers"].get("stall_s", 0.0),
+                    "optimizer": opt,
+                    "timing": s1["timing"]["last_step"],
+                }
+            )
         final = engine.stats()
     timed = per_step[warmup:]
     links: dict[str, dict[str, float]] = {}
@@ -157,13 +192,19 @@ def run_tiered(data: list[dict[str, torch.Tensor]], warmup: int, nvme_dir: str,
             d["bytes"] += v["bytes"] / len(timed)
             d["seconds"] += v["seconds"] / len(timed)
     return {
-        "step_s": statistics.median(times[warmup:]), "times": times, "losses": losses,
+        "step_s": statistics.median(times[warmup:]),
+        "times": times,
+        "losses": losses,
         "links_per_step": links,
         "stall_s_per_step": statistics.median([s["stall_s"] for s in timed]),
-        "optimizer_per_step": {k: statistics.median([s["optimizer"].get(k, 0.0) for s in timed])
-                               for k in ("read_wait_s", "compute_s", "write_wait_s")},
-        "phases_per_step": {k: statistics.median([s["timing"].get(k, 0.0) for s in timed])
-                            for k in ("forward_s", "backward_s", "step_s")},
+        "optimizer_per_step": {
+            k: statistics.median([s["optimizer"].get(k, 0.0) for s in timed])
+            for k in ("read_wait_s", "compute_s", "write_wait_s")
+        },
+        "phases_per_step": {
+            k: statistics.median([s["timing"].get(k, 0.0) for s in timed])
+            for k in ("forward_s", "backward_s", "step_s")
+        },
         "zero": final["zero"],
         "gpu_peak_bytes": final["tiers"]["tiers"]["gpu"]["peak_bytes"],
         "cpu_peak_bytes": final["tiers"]["tiers"]["cpu"]["peak_bytes"],
@@ -194,16 +235,31 @@ print("RESULT " + json.dumps({"step_s": statistics.median(times[warmup:]), "time
 """
 
 
-def run_deepspeed(steps: int, warmup: int, nvme_dir: str, timeout_s: float, pipeline_read: bool) -> dict[str, Any]:
+def run_deepspeed(
+    steps: int, warmup: int, nvme_dir: str, timeout_s: float, pipeline_read: bool
+) -> dict[str, Any]:
     try:
         import deepspeed  # noqa: F401
     except Exception as e:  # noqa: BLE001
         return {"absent": f"not importable: {type(e).__name__}: {e}"}
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     try:
-        p = subprocess.run([sys.executable, "-c", _DS_CHILD, str(HERE), str(steps), str(warmup), nvme_dir,
-                            "1" if pipeline_read else "0"],
-                           capture_output=True, text=True, timeout=timeout_s, env=env)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _DS_CHILD,
+                str(HERE),
+                str(steps),
+                str(warmup),
+                nvme_dir,
+                "1" if pipeline_read else "0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         return {"absent": f"timed out after {timeout_s:.0f} s"}
     for line in p.stdout.splitlines():
@@ -223,14 +279,24 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps (the trace is recorded there)")
     ap.add_argument("--nvme-dir", default=None, help="directory for the NVMe files (default: a temp dir)")
     ap.add_argument("--no-deepspeed", action="store_true")
-    ap.add_argument("--pipeline-read", action="store_true",
-                    help="set offload_optimizer.pipeline_read/pipeline_write in the JSON (both runners)")
-    ap.add_argument("--overlap", action="store_true",
-                    help="also run tiered with tiered.overlap_step_with_backward (the optimizer step of each "
-                         "layer starts during backward)")
+    ap.add_argument(
+        "--pipeline-read",
+        action="store_true",
+        help="set offload_optimizer.pipeline_read/pipeline_write in the JSON (both runners)",
+    )
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also run tiered with tiered.overlap_step_with_backward (the optimizer step of each "
+        "layer starts during backward)",
+    )
     ap.add_argument("--deepspeed-timeout", type=float, default=900.0)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="where plain PyTorch trains and what tiered's gpu tier is (cuda: a GPU machine)")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where plain PyTorch trains and what tiered's gpu tier is (cuda: a GPU machine)",
+    )
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -254,7 +320,9 @@ def main() -> int:
     elif not args.no_deepspeed:
         ddir = base / "deepspeed"
         ddir.mkdir(parents=True, exist_ok=True)
-        res["deepspeed"] = run_deepspeed(args.steps, args.warmup, str(ddir), args.deepspeed_timeout, args.pipeline_read)
+        res["deepspeed"] = run_deepspeed(
+            args.steps, args.warmup, str(ddir), args.deepspeed_timeout, args.pipeline_read
+        )
     else:
         res["deepspeed"] = {"absent": "skipped (--no-deepspeed)"}
     if args.nvme_dir is None:
@@ -269,29 +337,51 @@ def main() -> int:
     rows = [(f"plain PyTorch (AdamW, all in {where})", plain["step_s"], 1.0, "-", "-")]
     for key, label in variants:
         t = res[key]
-        busiest = max(t["links_per_step"].items(), key=lambda kv: kv[1]["seconds"], default=("-", {"seconds": 0.0}))
+        busiest = max(
+            t["links_per_step"].items(), key=lambda kv: kv[1]["seconds"], default=("-", {"seconds": 0.0})
+        )
         t["overlap_efficiency"] = t["step_s"] / max(compute, busiest[1]["seconds"])
         t["busiest_link"] = busiest[0]
         t["max_rel_loss_diff"] = max_rel_loss_diff(t["losses"], plain["losses"])
-        rows.append((label, t["step_s"], t["step_s"] / compute, f"{t['max_rel_loss_diff']:.1e}",
-                     f"{t['overlap_efficiency']:.2f}"))
+        rows.append(
+            (
+                label,
+                t["step_s"],
+                t["step_s"] / compute,
+                f"{t['max_rel_loss_diff']:.1e}",
+                f"{t['overlap_efficiency']:.2f}",
+            )
+        )
     ds = res["deepspeed"]
     if "absent" in ds:
-        rows.append((f"DeepSpeed ZeRO-3 NVMe: absent ({ds['absent'][:80]})", float("nan"), float("nan"), "-", "-"))
+        rows.append(
+            (f"DeepSpeed ZeRO-3 NVMe: absent ({ds['absent'][:80]})", float("nan"), float("nan"), "-", "-")
+        )
     else:
         ds["max_rel_loss_diff"] = max_rel_loss_diff(ds["losses"], plain["losses"])
-        rows.append(("DeepSpeed ZeRO-3 (CPU accel, gloo), params+optimizer on NVMe", ds["step_s"],
-                     ds["step_s"] / compute, f"{ds['max_rel_loss_diff']:.1e}", "-"))
-    print(f"\n{plain['params'] / 1e6:.1f}M-param Llama, batch 4x128, fp32, {args.steps} steps "
-          f"(median of the last {args.steps - args.warmup}), {res['threads']} threads, "
-          f"pipeline_read={args.pipeline_read}, device {args.device}\n")
+        rows.append(
+            (
+                "DeepSpeed ZeRO-3 (CPU accel, gloo), params+optimizer on NVMe",
+                ds["step_s"],
+                ds["step_s"] / compute,
+                f"{ds['max_rel_loss_diff']:.1e}",
+                "-",
+            )
+        )
+    print(
+        f"\n{plain['params'] / 1e6:.1f}M-param Llama, batch 4x128, fp32, {args.steps} steps "
+        f"(median of the last {args.steps - args.warmup}), {res['threads']} threads, "
+        f"pipeline_read={args.pipeline_read}, device {args.device}\n"
+    )
     print("| runner | s/step | x plain | max rel loss diff | overlap eff. |")
     print("|---|---|---|---|---|")
     for name, sec, r, d, e in rows:
         print(f"| {name} | {sec:.3f} | {r:.2f} | {d} | {e} |")
     pph = plain["phases_per_step"]
-    print(f"\nplain PyTorch phases: forward {pph['forward_s']:.3f} s, backward {pph['backward_s']:.3f} s, "
-          f"step {pph['step_s']:.3f} s")
+    print(
+        f"\nplain PyTorch phases: forward {pph['forward_s']:.3f} s, backward {pph['backward_s']:.3f} s, "
+        f"step {pph['step_s']:.3f} s"
+    )
     for key, label in variants:
         t = res[key]
         print(f"\n{label}, per step:")
@@ -300,10 +390,12 @@ def main() -> int:
         for link, v in sorted(t["links_per_step"].items()):
             print(f"| {link} | {v['bytes'] / 1e6:.1f} | {v['seconds']:.3f} |")
         o, ph = t["optimizer_per_step"], t["phases_per_step"]
-        print(f"\ncompute (plain step) {compute:.3f} s; forward {ph['forward_s']:.3f} s, backward "
-              f"{ph['backward_s']:.3f} s, step {ph['step_s']:.3f} s (optimizer read wait {o['read_wait_s']:.3f}, "
-              f"adam {o['compute_s']:.3f}, write wait {o['write_wait_s']:.3f}); tier stall "
-              f"{t['stall_s_per_step']:.3f} s; busiest link {t['busiest_link']}")
+        print(
+            f"\ncompute (plain step) {compute:.3f} s; forward {ph['forward_s']:.3f} s, backward "
+            f"{ph['backward_s']:.3f} s, step {ph['step_s']:.3f} s (optimizer read wait {o['read_wait_s']:.3f}, "
+            f"adam {o['compute_s']:.3f}, write wait {o['write_wait_s']:.3f}); tier stall "
+            f"{t['stall_s_per_step']:.3f} s; busiest link {t['busiest_link']}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     return 0

@@ -53,8 +53,14 @@ def tiny_llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     cfg._attn_implementation = "eager"
     return LlamaForCausalLM(cfg)
@@ -74,8 +80,14 @@ def tiny_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
-        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     cfg._attn_implementation = "eager"
     return GPT2LMHeadModel(cfg)
@@ -181,8 +193,13 @@ def ds_config(
         "zero_optimization": zero,
         "optimizer": {
             "type": optimizer,
-            "params": {"lr": lr, "betas": [0.9, 0.999], "eps": eps, "weight_decay": weight_decay,
-                       **({} if adam_w_mode is None else {"adam_w_mode": adam_w_mode})},
+            "params": {
+                "lr": lr,
+                "betas": [0.9, 0.999],
+                "eps": eps,
+                "weight_decay": weight_decay,
+                **({} if adam_w_mode is None else {"adam_w_mode": adam_w_mode}),
+            },
         },
     }
     if dtype == "bf16":

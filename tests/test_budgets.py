@@ -28,7 +28,11 @@ op = st.one_of(
 
 def _manager(tmp_path, n):
     return TierManager(
-        [Tier("gpu", MemBackend(), GPU), Tier("cpu", MemBackend(), CPU), Tier("nvme", DiskBackend(tmp_path / f"n{n}"))],
+        [
+            Tier("gpu", MemBackend(), GPU),
+            Tier("cpu", MemBackend(), CPU),
+            Tier("nvme", DiskBackend(tmp_path / f"n{n}")),
+        ],
         timeout_s=30.0,
         max_inflight_per_link=2,
     )
@@ -89,7 +93,7 @@ def test_budgets_hold_and_data_survives_under_concurrent_threads(tmp_path, sizes
                         m.release(p, o[2])
                     elif kind == "flush":
                         m.flush(p).result()
-            except BaseException as exc:  # reported below, with the op that failed
+            except BaseException as exc:  # noqa: BLE001 - reported below, with the op that failed
                 errors.append(exc)
 
         threads = [threading.Thread(target=run, args=(tid, prog)) for tid, prog in enumerate(programs)]
@@ -169,7 +173,9 @@ def test_per_link_concurrency_is_bounded(tmp_path):
 
 
 def test_pinned_partitions_block_until_release_from_another_thread(tmp_path):
-    with TierManager([Tier("gpu", MemBackend(), 2048), Tier("nvme", DiskBackend(tmp_path))], timeout_s=30) as m:
+    with TierManager(
+        [Tier("gpu", MemBackend(), 2048), Tier("nvme", DiskBackend(tmp_path))], timeout_s=30
+    ) as m:
         a, b, c = (m.create(n, 256, torch.float32, "nvme") for n in "abc")
         m.fetch(a, "gpu").result()
         m.fetch(b, "gpu").result()  # gpu full of pinned bytes

@@ -11,8 +11,19 @@ import pytest
 
 from tiered.cli.main import main
 
-PLAN_40B = ["plan", "--params", "40B", "--gpu-mem", "80GB", "--cpu-mem", "512GB", "--nvme-mem", "4TB",
-            "--world-size", "1"]
+PLAN_40B = [
+    "plan",
+    "--params",
+    "40B",
+    "--gpu-mem",
+    "80GB",
+    "--cpu-mem",
+    "512GB",
+    "--nvme-mem",
+    "4TB",
+    "--world-size",
+    "1",
+]
 
 
 def test_plan_40b_prints_tables_and_recommendation(capsys: pytest.CaptureFixture[str]) -> None:
@@ -23,9 +34,11 @@ def test_plan_40b_prints_tables_and_recommendation(capsys: pytest.CaptureFixture
     assert "assumed: largest layer assumed 2%" in out
     assert "activations: NOT counted" in out
     # The recommended config is printed as JSON at the end.
-    cfg = json.loads(out[out.index("{"):])
+    cfg = json.loads(out[out.index("{") :])
     assert cfg["zero_optimization"]["offload_param"]["device"] == "nvme"
-    lines = {line.split("  ")[0].strip(): line for line in out.splitlines() if line.startswith(("DP ", "ZeRO"))}
+    lines = {
+        line.split("  ")[0].strip(): line for line in out.splitlines() if line.startswith(("DP ", "ZeRO"))
+    }
     assert "640.0" in lines["DP"] and "no (GPU +560.0)" in lines["DP"]
     assert lines["ZeRO-3 + optimizer + params on NVMe"].rstrip().endswith("yes")
 
@@ -33,12 +46,28 @@ def test_plan_40b_prints_tables_and_recommendation(capsys: pytest.CaptureFixture
 def test_plan_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*PLAN_40B, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) >= {"model", "memories", "options", "bytes_per_param", "strategies", "recommended",
-                        "message", "config"}
+    assert set(doc) >= {
+        "model",
+        "memories",
+        "options",
+        "bytes_per_param",
+        "strategies",
+        "recommended",
+        "message",
+        "config",
+    }
     assert doc["bytes_per_param"] == {"param": 2, "grad": 2, "optimizer": 12}
     keys = [s["key"] for s in doc["strategies"]]
-    assert keys == ["dp", "zero1", "zero2", "zero3", "zero3_opt_cpu", "zero3_opt_param_cpu",
-                    "zero3_opt_nvme", "zero3_opt_param_nvme"]
+    assert keys == [
+        "dp",
+        "zero1",
+        "zero2",
+        "zero3",
+        "zero3_opt_cpu",
+        "zero3_opt_param_cpu",
+        "zero3_opt_nvme",
+        "zero3_opt_param_nvme",
+    ]
     both = doc["strategies"][-1]
     assert both["bytes"] == {"gpu": 4_880_000_000, "cpu": 171_600_000_000, "nvme": 560_000_000_000}
     assert both["fits_all"] is True and doc["recommended"] == "zero3_opt_param_nvme"
@@ -71,8 +100,9 @@ def test_plan_nothing_fits_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
         (["plan", "--model", "does/not/exist"], "--model does/not/exist: no such file or folder"),
     ],
 )
-def test_bad_input_is_one_line_on_stderr_exit_2(argv: list[str], needle: str,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_one_line_on_stderr_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -97,8 +127,9 @@ def test_help_exits_0_with_examples(cmd: list[str], capsys: pytest.CaptureFixtur
     assert "examples:" in out and "tiered " in out
 
 
-def test_missing_subcommand_module_does_not_break_others(monkeypatch: pytest.MonkeyPatch,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_subcommand_module_does_not_break_others(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import tiered.cli.main as cli
 
     monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, ("ghost", "tiered.cli.ghost_not_here", "x")))
@@ -109,8 +140,13 @@ def test_missing_subcommand_module_does_not_break_others(monkeypatch: pytest.Mon
 
 
 def test_python_dash_m_entry_point(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tiered.cli.main", "plan", "--params", "1B", "--gpu-mem", "bad"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiered.cli.main", "plan", "--params", "1B", "--gpu-mem", "bad"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("tiered plan: error: --gpu-mem")
     assert "Traceback" not in proc.stderr
@@ -118,7 +154,9 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
 
 def test_plan_with_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     transformers = pytest.importorskip("transformers")
-    transformers.GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=500, n_positions=64).save_pretrained(tmp_path)
+    transformers.GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=500, n_positions=64).save_pretrained(
+        tmp_path
+    )
     assert main(["plan", "--model", str(tmp_path), "--gpu-mem", "1GB", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["model"]["largest_layer_params"] == 500 * 48

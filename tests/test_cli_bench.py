@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import tiered.planning.bandwidth_run as br
+import tiered.bench.runner as br
+from tiered.bench.methods import Method
+from tiered.bench.runner import BenchOptions, run_bandwidth
 from tiered.cli.main import main
-from tiered.planning.bandwidth import Method
-from tiered.planning.bandwidth_run import BenchOptions, run_bandwidth
 
 MIB = 1 << 20
 
@@ -20,8 +20,16 @@ MIB = 1 << 20
 class Recorder(Method):
     """A fake method: copies through a file, logs calls, can fail or corrupt on request."""
 
-    def __init__(self, name: str, log: list[str], *, fail_round: int | None = None, corrupt: bool = False,
-                 kind: str = "backend", seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        log: list[str],
+        *,
+        fail_round: int | None = None,
+        corrupt: bool = False,
+        kind: str = "backend",
+        seconds: float = 0.0,
+    ) -> None:
         super().__init__()
         self.name, self.kind, self.log = name, kind, log
         self.fail_round, self.corrupt, self.seconds = fail_round, corrupt, seconds
@@ -55,7 +63,7 @@ def test_round_robin_rotates_and_drops_warmup(tmp_path: Path, monkeypatch: pytes
     _fake(monkeypatch, methods)
     res = run_bandwidth(BenchOptions(tmp_path, size_bytes=64 * 1024, rounds=3, warmup_rounds=1))
     # 4 rounds, each runs every method once, order rotated by one per round.
-    assert log == list("ABC" "BCA" "CAB" "ABC")
+    assert log == list("ABCBCACABABC")
     assert [m.status for m in res.methods] == ["ok", "ok", "ok"]
     assert all(len(m.write_s) == 3 and len(m.read_s) == 3 for m in res.methods)
     assert res.rounds == 3 and res.warmup_rounds == 1
@@ -66,23 +74,35 @@ def test_failing_and_corrupting_methods_are_errors_others_continue(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log: list[str] = []
-    methods = [Recorder("ceil", log, kind="ceiling"), Recorder("flaky", log, fail_round=2),
-               Recorder("liar", log, corrupt=True)]
+    methods = [
+        Recorder("ceil", log, kind="ceiling"),
+        Recorder("flaky", log, fail_round=2),
+        Recorder("liar", log, corrupt=True),
+    ]
     _fake(monkeypatch, methods)
     res = run_bandwidth(BenchOptions(tmp_path, size_bytes=8192, rounds=3, warmup_rounds=0))
     by = {m.name: m for m in res.methods}
     assert by["ceil"].status == "ok" and len(by["ceil"].write_s) == 3
     assert by["flaky"].status == "error" and "disk on fire" in by["flaky"].detail
     assert by["flaky"].write_gbps is None
-    assert by["liar"].status == "error" and "wrong bytes" in by["liar"].detail and "byte 7" in by["liar"].detail
+    assert (
+        by["liar"].status == "error" and "wrong bytes" in by["liar"].detail and "byte 7" in by["liar"].detail
+    )
     assert log.count("ceil") == 3 and log.count("flaky") == 1 and log.count("liar") == 1
     md = res.to_markdown()
     assert "| flaky | backend | - | - | - | - | error: OSError: flaky disk on fire |" in md
 
 
 def test_real_methods_bookkeeping(tmp_path: Path) -> None:
-    opts = BenchOptions(tmp_path, size_bytes=MIB + 1, rounds=2, warmup_rounds=0, backends=("nvme", "aiofiles"),
-                        fio=False, deepspeed=False)
+    opts = BenchOptions(
+        tmp_path,
+        size_bytes=MIB + 1,
+        rounds=2,
+        warmup_rounds=0,
+        backends=("nvme", "aiofiles"),
+        fio=False,
+        deepspeed=False,
+    )
     assert opts.aligned_size == MIB + 4096  # O_DIRECT moves whole 4 KiB blocks
     res = run_bandwidth(opts)
     assert res.size_bytes == MIB + 4096
@@ -90,7 +110,9 @@ def test_real_methods_bookkeeping(tmp_path: Path) -> None:
     assert names[0].startswith("O_DIRECT pwritev/preadv 8 threads x 8 MiB")
     assert "tiered backend: nvme" in names and "tiered backend: aiofiles" in names
     assert {m.name: m.detail for m in res.methods if m.status == "absent"} == {
-        "fio": "not requested", "DeepSpeed aio_handle": "not requested (--quick or --no-deepspeed)"}
+        "fio": "not requested",
+        "DeepSpeed aio_handle": "not requested (--quick or --no-deepspeed)",
+    }
     ceiling = res.methods[0]
     for m in res.methods:
         if m.status == "absent":
@@ -106,15 +128,24 @@ def test_real_methods_bookkeeping(tmp_path: Path) -> None:
 
 
 def test_bad_backend_is_an_error_row_not_a_crash(tmp_path: Path) -> None:
-    res = run_bandwidth(BenchOptions(tmp_path, size_bytes=8192, rounds=1, warmup_rounds=0,
-                                     backends=("no_such_backend",), fio=False, deepspeed=False))
+    res = run_bandwidth(
+        BenchOptions(
+            tmp_path,
+            size_bytes=8192,
+            rounds=1,
+            warmup_rounds=0,
+            backends=("no_such_backend",),
+            fio=False,
+            deepspeed=False,
+        )
+    )
     row = res.methods[1]
     assert row.status == "error" and "no_such_backend" in row.detail
     assert res.methods[0].status == "ok"
 
 
 def test_fio_absent_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tiered.planning.bandwidth as bw
+    import tiered.bench.methods as bw
 
     monkeypatch.setattr(bw.shutil, "which", lambda name: None)
     methods, absent = br.build_methods(BenchOptions(tmp_path, size_bytes=8192, backends=(), deepspeed=False))
@@ -126,8 +157,26 @@ def test_cli_bench_json_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     out_json = tmp_path / "bench.json"
     work = tmp_path / "work"
     work.mkdir()
-    code = main(["bench", "--dir", str(work), "--size", "256KiB", "--rounds", "1", "--warmup", "0",
-                 "--backends", "nvme", "--no-fio", "--no-deepspeed", "--quiet", "--json", str(out_json)])
+    code = main(
+        [
+            "bench",
+            "--dir",
+            str(work),
+            "--size",
+            "256KiB",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--backends",
+            "nvme",
+            "--no-fio",
+            "--no-deepspeed",
+            "--quiet",
+            "--json",
+            str(out_json),
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "| method | kind | write GB/s | read GB/s | write / O_DIRECT | read / O_DIRECT | status |" in out
@@ -139,10 +188,15 @@ def test_cli_bench_json_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 @pytest.mark.parametrize(
     ("argv", "needle"),
-    [(["--size", "huge"], "--size: cannot read 'huge'"), (["--size", "100"], "below the 4096 B minimum"),
-     (["--dir", "no/such/dir"], "--dir no/such/dir: not an existing directory")],
+    [
+        (["--size", "huge"], "--size: cannot read 'huge'"),
+        (["--size", "100"], "below the 4096 B minimum"),
+        (["--dir", "no/such/dir"], "--dir no/such/dir: not an existing directory"),
+    ],
 )
-def test_cli_bench_bad_input(argv: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_bench_bad_input(
+    argv: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     args = ["bench", "--quiet", "--no-fio", "--no-deepspeed", *argv]
     if "--dir" not in argv:
         args += ["--dir", str(tmp_path)]

@@ -120,8 +120,12 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale() -> None:
     batches = [{k: v.half() for k, v in b.items()} for b in make_batches(case, 4, 4)]
     bad = {k: v.clone() for k, v in batches[1].items()}
     bad["x"][0, 0] = float("inf")  # -> inf/nan gradients on this micro-batch
-    cfg = ds_config(opt="cpu", param="cpu", dtype="fp16",
-                    fp16={"initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1000})
+    cfg = ds_config(
+        opt="cpu",
+        param="cpu",
+        dtype="fp16",
+        fp16={"initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1000},
+    )
     with tiered.initialize(build(case), cfg) as engine:
         scales = []
         for b in [batches[0], bad, batches[2], batches[3]]:
@@ -149,7 +153,9 @@ def test_gpu_budget_too_small_fails_before_training_with_the_needed_size() -> No
 def test_cpu_budget_too_small_for_the_optimizer_pipeline(tmp_path: Path) -> None:
     torch.manual_seed(0)
     cfg = ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme"), cpu_budget=30 * 1024)
-    with pytest.raises(CapacityError, match=r"cpu budget 30\.00 KiB < .* needed .*optimizer pipeline.*buffer_count"):
+    with pytest.raises(
+        CapacityError, match=r"cpu budget 30\.00 KiB < .* needed .*optimizer pipeline.*buffer_count"
+    ):
         tiered.initialize(MLP(), cfg)
 
 
@@ -194,7 +200,7 @@ def test_loss_is_unchanged_by_backward_scaling() -> None:
 
 
 def test_every_error_is_importable_from_the_package() -> None:
-    """A user catches what the engine raises as tiered.<Name>, as DESIGN.md's one errors module
+    """A user catches what the engine raises as tiered.<Name>, as docs/architecture.md's one errors module
     promises: every exception and warning class of tiered.errors is exported at the top level."""
     import inspect
 
@@ -205,6 +211,8 @@ def test_every_error_is_importable_from_the_package() -> None:
         if inspect.isclass(obj) and issubclass(obj, (Exception, Warning)) and obj.__module__ == "tiered.errors"
     }  # fmt: skip
     assert public, "tiered.errors defines no classes?"
-    missing = sorted(name for name in public if getattr(tiered, name, None) is not getattr(tiered.errors, name))
+    missing = sorted(
+        name for name in public if getattr(tiered, name, None) is not getattr(tiered.errors, name)
+    )
     assert not missing, f"not exported by tiered: {missing}"
     assert public <= set(tiered.__all__)

@@ -29,12 +29,13 @@ pytestmark = [
 ]
 
 
-
 def _on(batches: list[dict[str, torch.Tensor]], device: str) -> list[dict[str, torch.Tensor]]:
     return [{k: v.to(device) for k, v in b.items()} for b in batches]
 
 
-@pytest.mark.parametrize(("param", "opt"), [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"), ("none", "cpu")])
+@pytest.mark.parametrize(
+    ("param", "opt"), [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"), ("none", "cpu")]
+)
 def test_llama_on_cuda_equals_plain_torch(tmp_path: Any, param: str, opt: str) -> None:
     case = CASES["llama"]
     batches = _on(make_batches(case, 3, 4), "cuda")

@@ -41,10 +41,15 @@ def test_tier_manager_close_keeps_a_user_declared_tier_and_drops_the_swap_tier(t
     # custom tier named by tiered.optimizer_tier, so the manager is driven directly.)
     nvme, disk = tmp_path / "nvme", tmp_path / "disk"
     disk.mkdir()
-    cfg = load_config({
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}},
-        "tiered": {"tiers": {"disk": {"backend": {"type": "nvme", "path": str(disk)}}}},
-    })
+    cfg = load_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)},
+            },
+            "tiered": {"tiers": {"disk": {"backend": {"type": "nvme", "path": str(disk)}}}},
+        }
+    )
     tm = build_tier_manager(cfg)
     with tm:
         for home in ("nvme", "disk"):
@@ -75,8 +80,13 @@ def test_a_script_that_never_closes_exits_promptly_and_leaves_no_swap(tmp_path: 
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     code = _NO_CLOSE.format(tests=str(Path(__file__).parent), dev=dev, nvme=str(nvme))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=40,
-                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=40,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "trained" in p.stdout
     assert "did not finish cleanly" not in p.stderr

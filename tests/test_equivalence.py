@@ -22,8 +22,15 @@ from engine_support import (
 PLACEMENTS = [(p, o) for p in ("none", "cpu", "nvme") for o in ("none", "cpu", "nvme")]
 
 
-def run_pair(case_name: str, config: dict[str, Any], *, steps: int = 3, micro: int = 4, gas: int = 1,
-             ref_kwargs: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[float]]:
+def run_pair(
+    case_name: str,
+    config: dict[str, Any],
+    *,
+    steps: int = 3,
+    micro: int = 4,
+    gas: int = 1,
+    ref_kwargs: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], list[float]]:
     case = CASES[case_name]
     batches = make_batches(case, steps, micro, gas)
     want_losses, want = reference_train(build(case), case, batches, gas=gas, **(ref_kwargs or {}))
@@ -40,7 +47,9 @@ def test_mlp_every_placement(tmp_path: Any, param: str, opt: str) -> None:
     assert stats["optimizer"]["step_count"] == 3
 
 
-@pytest.mark.parametrize(("param", "opt"), [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"), ("none", "nvme")])
+@pytest.mark.parametrize(
+    ("param", "opt"), [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"), ("none", "nvme")]
+)
 def test_llama_placements(tmp_path: Any, param: str, opt: str) -> None:
     run_pair("llama", ds_config(param=param, opt=opt, nvme_path=str(tmp_path / "nvme")))
 
@@ -48,14 +57,23 @@ def test_llama_placements(tmp_path: Any, param: str, opt: str) -> None:
 @pytest.mark.parametrize(("param", "opt"), [("none", "none"), ("nvme", "nvme")])
 def test_frozen_parameters_never_change(tmp_path: Any, param: str, opt: str) -> None:
     # weight decay would move a frozen weight if the optimizer stepped it with a zero gradient
-    frozen = {n: p.detach().clone() for n, p in build(CASES["llama_frozen"]).named_parameters() if not p.requires_grad}
+    frozen = {
+        n: p.detach().clone()
+        for n, p in build(CASES["llama_frozen"]).named_parameters()
+        if not p.requires_grad
+    }
     assert "model.embed_tokens.weight" in frozen and "model.layers.0.mlp.up_proj.weight" in frozen
     stats, _ = run_pair("llama_frozen", ds_config(param=param, opt=opt, nvme_path=str(tmp_path / "nvme")))
     groups_total = stats["zero"]["groups"]
-    assert stats["optimizer"]["groups_cpu"] + stats["optimizer"]["groups_gpu"] < groups_total  # frozen: no state
-    _, got, _ = tiered_train(build(CASES["llama_frozen"]), CASES["llama_frozen"],
-                             make_batches(CASES["llama_frozen"], 2, 4), ds_config(param=param, opt=opt,
-                                                                                  nvme_path=str(tmp_path / "n2")))
+    assert (
+        stats["optimizer"]["groups_cpu"] + stats["optimizer"]["groups_gpu"] < groups_total
+    )  # frozen: no state
+    _, got, _ = tiered_train(
+        build(CASES["llama_frozen"]),
+        CASES["llama_frozen"],
+        make_batches(CASES["llama_frozen"], 2, 4),
+        ds_config(param=param, opt=opt, nvme_path=str(tmp_path / "n2")),
+    )
     for n, t in frozen.items():
         assert torch.equal(got[n], t), f"frozen parameter {n} changed"
 
@@ -66,19 +84,26 @@ def test_gpt2_tied_embeddings(tmp_path: Any) -> None:
     # eps 1e-6: GPT-2's key bias has an exactly-zero true gradient (softmax is shift-invariant), so
     # its computed gradient is ~1e-10 rounding noise that Adam with eps 1e-8 turns into lr-sized
     # steps of random sign: noise amplified, on tiered and torch alike, but differently.
-    run_pair("gpt2", ds_config(param="nvme", opt="cpu", nvme_path=str(tmp_path / "nvme"), eps=1e-6),
-             ref_kwargs={"eps": 1e-6})
+    run_pair(
+        "gpt2",
+        ds_config(param="nvme", opt="cpu", nvme_path=str(tmp_path / "nvme"), eps=1e-6),
+        ref_kwargs={"eps": 1e-6},
+    )
 
 
 @pytest.mark.parametrize(("param", "opt"), [("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")])
 def test_tight_gpu_budget_forces_eviction(tmp_path: Any, param: str, opt: str) -> None:
     # llama tiny groups are ~2-8 KiB; a 24 KiB gpu tier holds a few at a time, never all
     budget = 24 * 1024
-    cfg = ds_config(param=param, opt=opt, nvme_path=str(tmp_path / "nvme"), gpu_budget=budget, sub_group_size=1100)
+    cfg = ds_config(
+        param=param, opt=opt, nvme_path=str(tmp_path / "nvme"), gpu_budget=budget, sub_group_size=1100
+    )
     stats, _ = run_pair("llama", cfg)
     gpu = stats["tiers"]["tiers"]["gpu"]
     assert gpu["peak_bytes"] <= budget, f"gpu peak {gpu['peak_bytes']} > budget {budget}"
-    assert stats["tiers"]["evictions"] + stats["tiers"]["clean_drops"] > 0, "the budget should force evictions"
+    assert stats["tiers"]["evictions"] + stats["tiers"]["clean_drops"] > 0, (
+        "the budget should force evictions"
+    )
 
 
 def test_gradient_accumulation(tmp_path: Any) -> None:
@@ -105,8 +130,15 @@ def test_warmup_scheduler_equals_same_lr_sequence(tmp_path: Any) -> None:
     from tiered.config import load_config
     from tiered.optim.schedulers import build_scheduler
 
-    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.02,
-                                            "warmup_num_steps": 4, "warmup_type": "linear"}}
+    sched = {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_min_lr": 0.001,
+            "warmup_max_lr": 0.02,
+            "warmup_num_steps": 4,
+            "warmup_type": "linear",
+        },
+    }
     cfg = ds_config(opt="cpu", scheduler=sched)
     resolved = load_config(cfg)
     s = build_scheduler(resolved.scheduler, base_lr=resolved.optimizer.lr)
@@ -150,7 +182,8 @@ def test_optimizer_state_in_a_custom_tier(tmp_path: Any) -> None:
     cfg = ds_config(param="cpu", opt="cpu")
     cfg.setdefault("tiered", {})
     cfg["tiered"].setdefault("tiers", {})["remote"] = {
-        "backend": {"type": "tensorstore", "kvstore": {"driver": "file", "path": str(tmp_path / "ts")}}}
+        "backend": {"type": "tensorstore", "kvstore": {"driver": "file", "path": str(tmp_path / "ts")}}
+    }
     cfg["tiered"]["optimizer_tier"] = "remote"
     stats, _ = run_pair("mlp", cfg)
     assert stats["tiers"]["links"]["remote->cpu"]["bytes"] > 0  # states were read from there

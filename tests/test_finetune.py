@@ -31,12 +31,20 @@ from tiered.finetune import (
 )
 
 TINY = {
-    "model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 64, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
 }
-TEXT = ("The fast place is small. The large place is slow. The work happens in the fast place; "
-        "the art is in the carrying. ") * 8
+TEXT = (
+    "The fast place is small. The large place is slow. The work happens in the fast place; "
+    "the art is in the carrying. "
+) * 8
 
 
 def ds_config(nvme: Path, *, gas: int = 1, clip: float = 0.0, warmup: int = 0) -> dict[str, Any]:
@@ -54,8 +62,15 @@ def ds_config(nvme: Path, *, gas: int = 1, clip: float = 0.0, warmup: int = 0) -
         },
     }
     if warmup:
-        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
-                                                           "warmup_num_steps": warmup, "warmup_type": "linear"}}
+        cfg["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": 3e-3,
+                "warmup_num_steps": warmup,
+                "warmup_type": "linear",
+            },
+        }
     return cfg
 
 
@@ -72,21 +87,40 @@ def files(tmp_path: Path) -> dict[str, Path]:
 
 
 def cli(files: dict[str, Path], *extra: str) -> list[str]:
-    return ["finetune", "--model", str(files["model"]), "--config", str(files["config"]),
-            "--data", str(files["data"]), "--seq-len", "16", "--steps", "3", *extra]
+    return [
+        "finetune",
+        "--model",
+        str(files["model"]),
+        "--config",
+        str(files["config"]),
+        "--data",
+        str(files["data"]),
+        "--seq-len",
+        "16",
+        "--steps",
+        "3",
+        *extra,
+    ]
 
 
 # ---- equivalence with plain PyTorch ---------------------------------------------------------------
 @pytest.mark.parametrize(("gas", "clip", "warmup"), [(1, 0.0, 0), (2, 0.05, 0), (1, 0.0, 3)])
-def test_train_equals_plain_pytorch_adamw_with_nvme_offload(files: dict[str, Path], gas: int, clip: float,
-                                                            warmup: int) -> None:
+def test_train_equals_plain_pytorch_adamw_with_nvme_offload(
+    files: dict[str, Path], gas: int, clip: float, warmup: int
+) -> None:
     src = resolve_model(files["model"])
     ids = torch.tensor(list(TEXT.encode()))
     model, ref_model = build_model(src, seed=3), build_model(src, seed=3)
     cfg = load_config(ds_config(files["tmp"] / "nvme", gas=gas, clip=clip, warmup=warmup), model=model)
     lrs: list[float] = []
-    result = train(model, cfg, batches(ids, 16, 2, seed=7), TrainOptions(steps=3), keep_state=True,
-                   on_log=lambda s: lrs.append(s.lr))
+    result = train(
+        model,
+        cfg,
+        batches(ids, 16, 2, seed=7),
+        TrainOptions(steps=3),
+        keep_state=True,
+        on_log=lambda s: lrs.append(s.lr),
+    )
     want_losses, want = reference_train(ref_model, cfg, batches(ids, 16, 2, seed=7), 3)
     assert result.steps_done == 3 and not result.interrupted
     assert result.tokens == 3 * gas * 2 * 16
@@ -112,8 +146,15 @@ def test_finetune_job_compare_reports_match(files: dict[str, Path]) -> None:
     from tiered.cli.finetune import finetune_job
 
     out = io.StringIO()
-    job = finetune_job(model_path=files["model"], config=files["config"], data_path=files["data"],
-                       seq_len=16, steps=3, compare_torch=True, out=out)
+    job = finetune_job(
+        model_path=files["model"],
+        config=files["config"],
+        data_path=files["data"],
+        seq_len=16,
+        steps=3,
+        compare_torch=True,
+        out=out,
+    )
     assert job.max_rel_diff is not None and job.max_rel_diff <= REL
     assert job.reference_losses is not None
     assert math.isclose(job.result.losses[-1], job.reference_losses[-1], rel_tol=REL)
@@ -122,10 +163,14 @@ def test_finetune_job_compare_reports_match(files: dict[str, Path]) -> None:
 
 
 # ---- the command line ---------------------------------------------------------------------------
-def test_cli_prints_progress_stats_and_writes_json(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_prints_progress_stats_and_writes_json(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     stats = files["tmp"] / "stats.json"
-    assert main(cli(files, "--log-every", "2", "--lr", "1e-3", "--batch-size", "3",
-                    "--stats-json", str(stats))) == 0
+    assert (
+        main(cli(files, "--log-every", "2", "--lr", "1e-3", "--batch-size", "3", "--stats-json", str(stats)))
+        == 0
+    )
     out = capsys.readouterr().out
     steps = [ln for ln in out.splitlines() if ln.startswith("step ")]
     assert [ln.split()[1] for ln in steps] == ["2/3", "3/3"]  # every 2nd step and the last
@@ -142,9 +187,13 @@ def test_cli_prints_progress_stats_and_writes_json(files: dict[str, Path], capsy
 
 
 def test_cli_via_python_m(files: dict[str, Path]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tiered.cli.main", *cli(files, "--steps", "1")],
-                          capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1",
-                                                                            **_env()})
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiered.cli.main", *cli(files, "--steps", "1")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1", **_env()},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "step     1/1  loss" in proc.stdout and "peak resident" in proc.stdout
 
@@ -156,8 +205,9 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("which", ["model", "data", "config"])
-def test_cli_missing_path_is_one_line_exit_2(files: dict[str, Path], which: str,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_missing_path_is_one_line_exit_2(
+    files: dict[str, Path], which: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     files = dict(files)
     files[which] = files["tmp"] / f"missing-{which}"
     assert main(cli(files)) == 2
@@ -166,15 +216,18 @@ def test_cli_missing_path_is_one_line_exit_2(files: dict[str, Path], which: str,
     assert f"--{which} " in err and f"missing-{which}" in err and "no such file" in err
 
 
-def test_cli_small_vocab_with_byte_tokenizer(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_small_vocab_with_byte_tokenizer(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     (files["model"] / "config.json").write_text(json.dumps({**TINY, "vocab_size": 100}))
     assert main(cli(files)) == 2
     err = capsys.readouterr().err
     assert "byte tokenizer needs vocab_size >= 256" in err and "vocab_size is 100" in err
 
 
-def test_cli_compare_torch_refuses_bf16_before_training(files: dict[str, Path],
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_compare_torch_refuses_bf16_before_training(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     files["config"].write_text(json.dumps({**ds_config(files["tmp"] / "nvme"), "bf16": {"enabled": True}}))
     assert main(cli(files, "--compare-torch")) == 2
     captured = capsys.readouterr()
@@ -204,9 +257,15 @@ def test_run_directly_raises_tiered_error(files: dict[str, Path]) -> None:
 
 
 def test_apply_overrides() -> None:
-    base = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-            "zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/a"},
-                                  "offload_optimizer": {"device": "cpu"}}}
+    base = {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {
+            "offload_param": {"device": "nvme", "nvme_path": "/a"},
+            "offload_optimizer": {"device": "cpu"},
+        },
+    }
     got = apply_overrides(base, lr=0.5, batch_size=3, nvme_path="/b")
     assert got["optimizer"]["params"]["lr"] == 0.5
     assert (got["train_micro_batch_size_per_gpu"], got["train_batch_size"]) == (3, 6)
@@ -218,8 +277,9 @@ def test_apply_overrides() -> None:
 
 
 # ---- Ctrl-C -------------------------------------------------------------------------------------
-def test_ctrl_c_closes_the_engine_and_keeps_the_steps_done(files: dict[str, Path],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ctrl_c_closes_the_engine_and_keeps_the_steps_done(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     engines: list[Any] = []
     real = tiered.initialize
 
@@ -236,16 +296,18 @@ def test_ctrl_c_closes_the_engine_and_keeps_the_steps_done(files: dict[str, Path
         if s.step == 2:
             raise KeyboardInterrupt
 
-    result = train(model, cfg, batches(torch.tensor(list(TEXT.encode())), 16, 2, 0), TrainOptions(steps=5),
-                   on_log=on_log)
+    result = train(
+        model, cfg, batches(torch.tensor(list(TEXT.encode())), 16, 2, 0), TrainOptions(steps=5), on_log=on_log
+    )
     assert result.interrupted and result.steps_done == 2 and len(result.losses) == 2
     assert result.stats["global_steps"] == 2
     with pytest.raises(RuntimeError, match="closed"):
         engines[0].step()
 
 
-def test_cli_ctrl_c_exits_130_and_writes_partial_stats(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_ctrl_c_exits_130_and_writes_partial_stats(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import tiered.finetune as ft
 
     real = ft.PackedBatches

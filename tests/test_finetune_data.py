@@ -15,9 +15,15 @@ from tiered.errors import ConfigError
 from tiered.finetune import ByteTokenizer, batches, build_model, load_tokens, resolve_model, tokenizer_for
 
 TINY = {
-    "model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 64, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
 }
 
 
@@ -151,7 +157,9 @@ def test_safetensors_errors_name_the_file(tmp_path: Path) -> None:
     donor = build_model(resolve_model(folder))
     sd = {k: v.contiguous() for k, v in donor.state_dict().items()}
     save_file({**sd, "extra.weight": torch.zeros(2)}, str(folder / "model.safetensors"))
-    with pytest.raises(ConfigError, match=r"model\.safetensors: 1 tensors the model does not have.*extra\.weight"):
+    with pytest.raises(
+        ConfigError, match=r"model\.safetensors: 1 tensors the model does not have.*extra\.weight"
+    ):
         build_model(resolve_model(folder))
     del sd["lm_head.weight"]
     save_file(sd, str(folder / "model.safetensors"))
@@ -183,7 +191,8 @@ def write_word_tokenizer(folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"}))
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"})
+    )
 
 
 def test_folder_tokenizer_is_used_instead_of_bytes(tmp_path: Path) -> None:

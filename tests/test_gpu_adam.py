@@ -94,7 +94,9 @@ def test_cuda_matches_cpu_kernel_and_reference(gd, sd, od, adamw: bool) -> None:
 # every (block, thread) of the launch, run in a host loop, against the CPU kernel, bit for bit.
 # Runs wherever nvcc is, GPU or not; the launch itself is only checked by the cuda tests above.
 NVCC = shutil.which("nvcc")
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: the CUDA kernel's host emulation needs it")
+needs_nvcc = pytest.mark.skipif(
+    NVCC is None, reason="nvcc not found on PATH: the CUDA kernel's host emulation needs it"
+)
 HOST_SIZES = [1, 7, 255, 256, 257, 16383, 16384, 16385, 2 * 16384 + 300]
 
 
@@ -141,7 +143,9 @@ def test_cuda_kernel_body_on_host_matches_cpu_kernel(gd, sd, od, adamw: bool) ->
         if emu[k] is None:
             continue
         for i, n in enumerate(HOST_SIZES):
-            assert torch.equal(emu[k][i], cpu[k][i]), f"buffer {k} tensor {i} (n={n}) differs from the CPU kernel"
+            assert torch.equal(emu[k][i], cpu[k][i]), (
+                f"buffer {k} tensor {i} (n={n}) differs from the CPU kernel"
+            )
     assert _guards_hold(raws), "the kernel wrote outside a tensor"
 
 

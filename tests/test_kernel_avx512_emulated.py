@@ -109,7 +109,6 @@ def _inputs(n: int, gd, sd, seed: int):
     return p, m, v, grads
 
 
-
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "l2"])
 @pytest.mark.parametrize(

@@ -133,8 +133,6 @@ def test_cuda_kernel_compiles_without_torch(arch: str, tmp_path: Path) -> None:
     assert (tmp_path / "k.o").stat().st_size > 0
 
 
-
-
 def _cuda_include() -> Path | None:
     """The toolkit's include folder, as nvcc itself reports it (nvcc may be a wrapper script)."""
     if NVCC is None:
@@ -150,7 +148,9 @@ def _cuda_include() -> Path | None:
 CUDA_INCLUDE = _cuda_include()
 
 
-@pytest.mark.skipif(CUDA_INCLUDE is None, reason="no CUDA toolkit headers next to nvcc: the binding check needs them")
+@pytest.mark.skipif(
+    CUDA_INCLUDE is None, reason="no CUDA toolkit headers next to nvcc: the binding check needs them"
+)
 def test_cuda_binding_compiles_against_torch_headers(tmp_path: Path) -> None:
     """The CUDA Adam's torch binding type-checks (g++ -fsyntax-only) against this torch's headers.
 

@@ -66,7 +66,6 @@ def _make(n: int, gd: torch.dtype, sd: torch.dtype, seed: int):
 P_TOL = dict(rtol=1e-6, atol=2e-7)
 
 
-
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "l2"])
 @pytest.mark.parametrize(
@@ -277,6 +276,7 @@ def test_lowp_copy_of_nan_has_the_same_bits_on_every_path(od) -> None:
             assert torch.equal(got, want), f"{name}: {[hex(x) for x in got.tolist()]}"
     finally:
         _loader.set_cpu_isa(previous)
+
 
 def test_zero_elements_and_kernel_info() -> None:
     _native_or_fail()

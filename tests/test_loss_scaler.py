@@ -54,7 +54,9 @@ def test_build_from_precision_config() -> None:
     static = build_loss_scaler(PrecisionConfig(dtype=torch.float16, loss_scale=128.0))
     assert isinstance(static, StaticLossScaler) and static.scale == 128.0
     dyn = build_loss_scaler(
-        PrecisionConfig(dtype=torch.float16, initial_scale_power=5, loss_scale_window=7, hysteresis=3, min_loss_scale=2.0)
+        PrecisionConfig(
+            dtype=torch.float16, initial_scale_power=5, loss_scale_window=7, hysteresis=3, min_loss_scale=2.0
+        )
     )
     assert isinstance(dyn, DynamicLossScaler)
     assert (dyn.scale, dyn.window, dyn.hysteresis, dyn.min_scale) == (32.0, 7, 3, 2.0)

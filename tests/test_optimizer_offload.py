@@ -25,14 +25,19 @@ def make_tm(tmp_path: Any, gpu_budget: int | None = None, cpu_budget: int | None
         [
             Tier("gpu", tiered.open_backend({"type": "gpu"}), gpu_budget),
             Tier("cpu", tiered.open_backend({"type": "cpu"}), cpu_budget),
-            Tier("nvme", tiered.open_backend({"type": "nvme", "path": str(tmp_path / "nvme"), "create": True}), None),
+            Tier(
+                "nvme",
+                tiered.open_backend({"type": "nvme", "path": str(tmp_path / "nvme"), "create": True}),
+                None,
+            ),
         ],
         timeout_s=60.0,
     )
 
 
-def make_groups(tm: TierManager, init: list[torch.Tensor], *, param_home: str, grad_home: str,
-                dtype: torch.dtype) -> list[ShardGroup]:
+def make_groups(
+    tm: TierManager, init: list[torch.Tensor], *, param_home: str, grad_home: str, dtype: torch.dtype
+) -> list[ShardGroup]:
     groups = []
     for i, w in enumerate(init):
         n = w.numel()
@@ -59,14 +64,29 @@ def read(tm: TierManager, part: Any) -> torch.Tensor:
 
 def config(opt_device: str, *, buffer_count: int = 4, ratio: float = 1.0, adamw: bool = True) -> TieredConfig:
     return TieredConfig(
-        zero=ZeroConfig(offload_optimizer=OptimizerOffloadConfig(device=opt_device, buffer_count=buffer_count, ratio=ratio)),
-        optimizer=OptimizerConfig(type="AdamW" if adamw else "Adam", lr=1e-2, weight_decay=0.1, adamw_mode=adamw),
+        zero=ZeroConfig(
+            offload_optimizer=OptimizerOffloadConfig(
+                device=opt_device, buffer_count=buffer_count, ratio=ratio
+            )
+        ),
+        optimizer=OptimizerConfig(
+            type="AdamW" if adamw else "Adam", lr=1e-2, weight_decay=0.1, adamw_mode=adamw
+        ),
     )
 
 
-def run_both(tmp_path: Any, *, opt_tier: str, param_home: str, dtype: torch.dtype = torch.float32,
-             buffer_count: int = 4, ratio: float = 1.0, adamw: bool = True, steps: int = 3,
-             grad_scale: float = 1.0) -> tuple[OffloadedAdam, TierManager, list[ShardGroup], list[torch.Tensor]]:
+def run_both(
+    tmp_path: Any,
+    *,
+    opt_tier: str,
+    param_home: str,
+    dtype: torch.dtype = torch.float32,
+    buffer_count: int = 4,
+    ratio: float = 1.0,
+    adamw: bool = True,
+    steps: int = 3,
+    grad_scale: float = 1.0,
+) -> tuple[OffloadedAdam, TierManager, list[ShardGroup], list[torch.Tensor]]:
     torch.manual_seed(0)
     init = [torch.randn(n) for n in SIZES]
     ref = [w.clone().requires_grad_(True) for w in init]
@@ -76,9 +96,16 @@ def run_both(tmp_path: Any, *, opt_tier: str, param_home: str, dtype: torch.dtyp
     grad_home = "gpu" if opt_tier == "gpu" else "cpu"
     groups = make_groups(tm, init, param_home=param_home, grad_home=grad_home, dtype=dtype)
     masters = {g.name: w.clone() for g, w in zip(groups, init, strict=True)}
-    opt = OffloadedAdam(tm, groups, config(opt_tier if opt_tier != "gpu" else "none", buffer_count=buffer_count,
-                                           ratio=ratio, adamw=adamw),
-                        lambda g: masters.pop(g.name), optimizer_tier=opt_tier, compute_dtype=dtype)
+    opt = OffloadedAdam(
+        tm,
+        groups,
+        config(
+            opt_tier if opt_tier != "gpu" else "none", buffer_count=buffer_count, ratio=ratio, adamw=adamw
+        ),
+        lambda g: masters.pop(g.name),
+        optimizer_tier=opt_tier,
+        compute_dtype=dtype,
+    )
     for _ in range(steps):
         for g, p in zip(groups, ref, strict=True):
             grad = torch.randn(p.shape)
@@ -137,7 +164,9 @@ def test_bf16_params_are_the_rounded_masters(tmp_path: Any, param_home: str) -> 
             torch.testing.assert_close(master, want, rtol=1e-6, atol=1e-7)
             got = read(tm, g.param)
             assert got.dtype == torch.bfloat16
-            assert torch.equal(got, master.to(torch.bfloat16)), "bf16 copy must be the RNE rounding of the master"
+            assert torch.equal(got, master.to(torch.bfloat16)), (
+                "bf16 copy must be the RNE rounding of the master"
+            )
     finally:
         tm.close()
 
@@ -177,8 +206,14 @@ def test_wrong_initial_shard_size_is_a_clear_error(tmp_path: Any) -> None:
     try:
         groups = make_groups(tm, [torch.zeros(10)], param_home="cpu", grad_home="cpu", dtype=torch.float32)
         with pytest.raises(ValueError, match="g0000.*shard_numel=10"):
-            OffloadedAdam(tm, groups, config("cpu"), lambda g: torch.zeros(11), optimizer_tier="cpu",
-                          compute_dtype=torch.float32)
+            OffloadedAdam(
+                tm,
+                groups,
+                config("cpu"),
+                lambda g: torch.zeros(11),
+                optimizer_tier="cpu",
+                compute_dtype=torch.float32,
+            )
     finally:
         tm.close()
 
@@ -187,7 +222,9 @@ def test_wrong_initial_shard_size_is_a_clear_error(tmp_path: Any) -> None:
 def test_reads_of_the_next_group_are_issued_before_this_groups_update(
     tmp_path: Any, buffer_count: int, lookahead: bool
 ) -> None:
-    opt, tm, groups, _ = run_both(tmp_path, opt_tier="nvme", param_home="cpu", buffer_count=buffer_count, steps=1)
+    opt, tm, groups, _ = run_both(
+        tmp_path, opt_tier="nvme", param_home="cpu", buffer_count=buffer_count, steps=1
+    )
     try:
         events: list[str] = []
         real_fetch, real_update = tm.fetch, opt._update
@@ -216,24 +253,31 @@ def test_prefetch_states_reads_ahead_within_the_budget(tmp_path: Any, pipeline_r
         opt.wait_writes()
         assert not any(p.is_resident("cpu") for st in opt.states for p in st)  # all written back
         z = opt.cfg.zero
-        opt.cfg = replace(opt.cfg, zero=replace(z, offload_optimizer=replace(z.offload_optimizer,
-                                                                              pipeline_read=pipeline_read)))
+        opt.cfg = replace(
+            opt.cfg,
+            zero=replace(z, offload_optimizer=replace(z.offload_optimizer, pipeline_read=pipeline_read)),
+        )
         for f in opt.prefetch_states():
             f.result()
         resident = [all(p.is_resident("cpu") for p in st) for st in opt.states]
-        assert resident == ([True] * len(groups) if pipeline_read else [True, True] + [False] * (len(groups) - 2))
+        assert resident == (
+            [True] * len(groups) if pipeline_read else [True, True] + [False] * (len(groups) - 2)
+        )
         for g, p in zip(groups, ref, strict=True):
             torch.testing.assert_close(read(tm, g.param), p, rtol=1e-6, atol=1e-7)
     finally:
         tm.close()
 
 
-@pytest.mark.parametrize(("opt_tier", "param_home", "dtype", "shared"), [
-    ("nvme", "nvme", torch.float32, True),    # [Note: fp32 master is the parameter]
-    ("cpu", "cpu", torch.float32, True),
-    ("nvme", "cpu", torch.float32, False),    # master and param live in different tiers
-    ("nvme", "nvme", torch.bfloat16, False),  # the bf16 param is not the fp32 master
-])
+@pytest.mark.parametrize(
+    ("opt_tier", "param_home", "dtype", "shared"),
+    [
+        ("nvme", "nvme", torch.float32, True),  # [Note: fp32 master is the parameter]
+        ("cpu", "cpu", torch.float32, True),
+        ("nvme", "cpu", torch.float32, False),  # master and param live in different tiers
+        ("nvme", "nvme", torch.bfloat16, False),  # the bf16 param is not the fp32 master
+    ],
+)
 def test_fp32_parameter_serves_as_master_where_it_lives_on_the_optimizer_tier(
     tmp_path: Any, opt_tier: str, param_home: str, dtype: torch.dtype, shared: bool
 ) -> None:

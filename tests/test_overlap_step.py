@@ -30,9 +30,12 @@ def overlapped(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, "tiered": {**cfg.get("tiered", {}), "overlap_step_with_backward": True}}
 
 
-@pytest.mark.parametrize(("param", "opt"), [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"), ("nvme", "cpu"),
-                                            ("none", "nvme")])
-def test_overlapped_step_equals_plain_pytorch_and_the_step_after_backward(tmp_path: Any, param: str, opt: str) -> None:
+@pytest.mark.parametrize(
+    ("param", "opt"), [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"), ("nvme", "cpu"), ("none", "nvme")]
+)
+def test_overlapped_step_equals_plain_pytorch_and_the_step_after_backward(
+    tmp_path: Any, param: str, opt: str
+) -> None:
     case = CASES["llama"]
     batches = make_batches(case, 3, 4)
     want_losses, want = reference_train(build(case), case, batches)
@@ -40,13 +43,16 @@ def test_overlapped_step_equals_plain_pytorch_and_the_step_after_backward(tmp_pa
     got_losses, got, stats = tiered_train(build(case), case, batches, overlapped(base))
     assert stats["optimizer"]["total"]["overlapped_steps"] == 3
     # every group was handed over during backward, none left for engine.step()
-    assert stats["optimizer"]["last_step"]["groups_ready_in_backward"] == stats["optimizer"]["groups_cpu"] + \
-        stats["optimizer"]["groups_gpu"]
+    assert (
+        stats["optimizer"]["last_step"]["groups_ready_in_backward"]
+        == stats["optimizer"]["groups_cpu"] + stats["optimizer"]["groups_gpu"]
+    )
     assert_losses_close(got_losses, want_losses)
     assert_params_close(got, want, REL)
     # the same per-group arithmetic as the step after backward: bitwise equal
-    seq_losses, seq, seq_stats = tiered_train(build(case), case, batches,
-                                              ds_config(param=param, opt=opt, nvme_path=str(tmp_path / "b")))
+    seq_losses, seq, seq_stats = tiered_train(
+        build(case), case, batches, ds_config(param=param, opt=opt, nvme_path=str(tmp_path / "b"))
+    )
     assert seq_stats["optimizer"]["total"]["overlapped_steps"] == 0
     assert seq_losses == got_losses
     for name, t in seq.items():
@@ -63,13 +69,17 @@ def test_overlap_with_accumulation_and_an_untaken_branch(tmp_path: Any) -> None:
     got_losses, got, stats = tiered_train(build(case), case, batches, cfg)
     assert stats["optimizer"]["total"]["overlapped_steps"] == 4
     n = stats["optimizer"]["groups_cpu"] + stats["optimizer"]["groups_gpu"]
-    assert 0 < stats["optimizer"]["last_step"]["groups_ready_in_backward"] < n  # the untaken branch came at step()
+    assert (
+        0 < stats["optimizer"]["last_step"]["groups_ready_in_backward"] < n
+    )  # the untaken branch came at step()
     assert_losses_close(got_losses, want_losses)
     assert_params_close(got, want, REL)
 
 
 @pytest.mark.parametrize("what", ["clip", "fp16"])
-def test_overlap_is_not_used_where_the_whole_gradient_is_needed_first(tmp_path: Any, caplog: Any, what: str) -> None:
+def test_overlap_is_not_used_where_the_whole_gradient_is_needed_first(
+    tmp_path: Any, caplog: Any, what: str
+) -> None:
     kw = {"clip": 0.5} if what == "clip" else {"dtype": "fp16"}
     cfg = overlapped(ds_config(param="cpu", opt="cpu", **kw))
     with caplog.at_level(logging.WARNING, logger="tiered"):
@@ -104,8 +114,11 @@ def test_a_weight_used_after_its_gradient_is_a_clear_error_not_a_silent_one(tmp_
     torch.manual_seed(0)
     with tiered.initialize(ReusesAWeightAfterItsGradient(), overlapped(cfg)) as engine:
         loss = engine(torch.randn(4, 8))
-        with pytest.raises(RuntimeError, match="overlap_step_with_backward: group .* set tiered.overlap_step_with_"
-                                               "backward to false|Set tiered.overlap_step_with_backward to false"):
+        with pytest.raises(
+            RuntimeError,
+            match="overlap_step_with_backward: group .* set tiered.overlap_step_with_"
+            "backward to false|Set tiered.overlap_step_with_backward to false",
+        ):
             engine.backward(loss)
         assert not engine.optimizer.overlapped_step_running  # aborted, nothing left waiting
 

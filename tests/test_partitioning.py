@@ -17,18 +17,30 @@ from tiered.zero.sharding import ALIGNMENT_NUMEL
 
 def test_plan_one_group_per_module_split_at_sub_group_size():
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 30))  # 110 and 330 elements
-    groups = plan_groups(model, sub_group_size_numel=320, param_persistence_threshold_numel=0,
-                         model_persistence_threshold_numel=10**9)
+    groups = plan_groups(
+        model,
+        sub_group_size_numel=320,
+        param_persistence_threshold_numel=0,
+        model_persistence_threshold_numel=10**9,
+    )
     assert [[n for n, _ in g.params] for g in groups] == [["0.weight", "0.bias"], ["1.weight"], ["1.bias"]]
     with pytest.raises(ValueError, match="sub_group_size"):
-        plan_groups(model, sub_group_size_numel=0, param_persistence_threshold_numel=0,
-                    model_persistence_threshold_numel=0)
+        plan_groups(
+            model,
+            sub_group_size_numel=0,
+            param_persistence_threshold_numel=0,
+            model_persistence_threshold_numel=0,
+        )
 
 
 def test_plan_persistent_small_params_and_model_cap():
     model = nn.Sequential(nn.Linear(10, 10), nn.LayerNorm(10), nn.Linear(10, 10))
-    groups = plan_groups(model, sub_group_size_numel=10**9, param_persistence_threshold_numel=10,
-                         model_persistence_threshold_numel=30)
+    groups = plan_groups(
+        model,
+        sub_group_size_numel=10**9,
+        param_persistence_threshold_numel=10,
+        model_persistence_threshold_numel=30,
+    )
     persistent = [g for g in groups if g.persistent]
     assert len(persistent) == 1
     # biases and norm weights (10 elements each) until the model-wide cap of 30
@@ -39,8 +51,12 @@ def test_plan_persistent_small_params_and_model_cap():
 
 def test_tied_parameter_belongs_to_first_owner():
     model = tiny_gpt2()
-    groups = plan_groups(model, sub_group_size_numel=10**9, param_persistence_threshold_numel=0,
-                         model_persistence_threshold_numel=0)
+    groups = plan_groups(
+        model,
+        sub_group_size_numel=10**9,
+        param_persistence_threshold_numel=0,
+        model_persistence_threshold_numel=0,
+    )
     names = [n for g in groups for n, _ in g.params]
     assert "transformer.wte.weight" in names and "lm_head.weight" not in names
     assert len(names) == len({id(p) for p in model.parameters()})
@@ -135,8 +151,15 @@ def test_meta_model_materialised_group_by_group(tmp_path):
 def test_meta_hf_model_uses_init_weights(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.5,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     with make_tm(tmp_path) as tm:
@@ -154,8 +177,11 @@ def test_hf_blocks_are_one_group_each_unless_over_the_cap() -> None:
     # [Note: group planning]: a model's _no_split_modules (GPT2Block) are the gather unit
     model = tiny_gpt2()
     assert "GPT2Block" in model._no_split_modules
-    kw = dict(sub_group_size_numel=10**9, param_persistence_threshold_numel=0,
-              model_persistence_threshold_numel=10**12)
+    kw = dict(
+        sub_group_size_numel=10**9,
+        param_persistence_threshold_numel=0,
+        model_persistence_threshold_numel=10**12,
+    )
     groups = plan_groups(model, **kw)
     block_groups = [g for g in groups if g.params[0][0].startswith("transformer.h.")]
     n_blocks = len(model.transformer.h)

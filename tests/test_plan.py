@@ -7,22 +7,22 @@ import json
 import pytest
 
 from tiered.errors import ConfigError
-from tiered.planning.memory import (
+from tiered.planning.accounting import (
     Memories,
     ModelShape,
     PlanOptions,
     PrecisionBytes,
     gb,
-    make_plan,
     model_state_bytes,
 )
 from tiered.planning.model_shape import parse_count, shape_from_params
+from tiered.planning.verdict import make_plan
 
 GB = 10**9
 
 
 def test_zero_paper_figure_1_vector() -> None:
-    # DESIGN.md section 2: Psi = 7.5B, N = 64, K = 12 -> 120 / 31.4 / 16.6 / 1.9 GB.
+    # docs/architecture.md, "Memory model": Psi = 7.5B, N = 64, K = 12 -> 120 / 31.4 / 16.6 / 1.9 GB.
     b = PrecisionBytes.of("bf16")
     got = [gb(model_state_bytes(stage, 7_500_000_000, 64, b)) for stage in (0, 1, 2, 3)]
     assert got == [120.0, 31.4, 16.6, 1.9]
@@ -86,8 +86,9 @@ def test_40b_on_one_80gb_gpu_fits_only_with_nvme_offload() -> None:
 
 
 def test_recommended_config_is_deepspeed_stage3_with_tier_budgets() -> None:
-    plan = make_plan(shape_from_params("40B"), Memories(80 * GB, 512 * GB, 4000 * GB),
-                     PlanOptions(nvme_path="/data/nvme"))
+    plan = make_plan(
+        shape_from_params("40B"), Memories(80 * GB, 512 * GB, 4000 * GB), PlanOptions(nvme_path="/data/nvme")
+    )
     cfg = plan.config
     assert cfg is not None
     json.dumps(cfg)  # JSON-able
@@ -149,8 +150,16 @@ def test_activation_memory_is_added_to_the_working_set() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("40e9", 40 * 10**9), ("40B", 40 * 10**9), ("7.5e9", 7_500_000_000), ("7.5B", 7_500_000_000),
-     ("350M", 350_000_000), ("1.5T", 1_500_000_000_000), ("125k", 125_000), (40_000, 40_000)],
+    [
+        ("40e9", 40 * 10**9),
+        ("40B", 40 * 10**9),
+        ("7.5e9", 7_500_000_000),
+        ("7.5B", 7_500_000_000),
+        ("350M", 350_000_000),
+        ("1.5T", 1_500_000_000_000),
+        ("125k", 125_000),
+        (40_000, 40_000),
+    ],
 )
 def test_parse_count(text: str | int, expected: int) -> None:
     assert parse_count(text) == expected

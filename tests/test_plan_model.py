@@ -16,8 +16,13 @@ transformers = pytest.importorskip("transformers")
 
 def _tiny_llama() -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        tie_word_embeddings=False,
     )
 
 
@@ -71,8 +76,14 @@ def test_config_json_file_works_too(tmp_path: Path) -> None:
 
 def test_model_build_allocates_nothing(tmp_path: Path) -> None:
     # A 70B-shaped config is counted on the meta device in seconds, without 280 GB of RAM.
-    config = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                      num_attention_heads=64, num_key_value_heads=8, vocab_size=32000)
+    config = transformers.LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    )
     config.save_pretrained(tmp_path)
     shape = shape_from_model(tmp_path)
     assert shape.total_params == 68_976_648_192  # Llama-2-70B

@@ -21,7 +21,9 @@ def _train(model, zp, ref, x, passes):
         zp.finish_backward()
         ref(x).pow(2).mean().backward()
         after = zp.stats()
-        per_pass.append({k: after[k] - before[k] for k in ("prefetch_hits", "misses", "cache_hits", "prefetches")})
+        per_pass.append(
+            {k: after[k] - before[k] for k in ("prefetch_hits", "misses", "cache_hits", "prefetches")}
+        )
     got = zero_grads_by_name(zp)
     for n, p in ref.named_parameters():
         assert torch.equal(got[n], p.grad), n
@@ -50,8 +52,13 @@ def test_max_live_parameters_is_a_hard_budget(tmp_path):
     layer = 32 * 32 + 32
     max_live = 2 * layer + 10
     with make_tm(tmp_path) as tm:
-        zp = build_zp(model, tm, zcfg(max_live_parameters_numel=max_live, prefetch_bucket_size_numel=10**6),
-                      param_tier="cpu", grad_tier="cpu")
+        zp = build_zp(
+            model,
+            tm,
+            zcfg(max_live_parameters_numel=max_live, prefetch_bucket_size_numel=10**6),
+            param_tier="cpu",
+            grad_tier="cpu",
+        )
         passes = _train(model, zp, ref, torch.randn(4, 32), 3)
         st = zp.stats()
         assert st["live_numel_peak"] <= max_live
@@ -69,8 +76,12 @@ def test_max_reuse_distance_zero_evicts_on_release(tmp_path):
     for reuse in (0, 10**9):
         model = MLP(d=32, depth=6)
         with make_tm(tmp_path / str(reuse)) as tm:
-            zp = build_zp(model, tm, zcfg(max_reuse_distance_numel=reuse, prefetch_bucket_size_numel=1),
-                              param_tier="cpu")
+            zp = build_zp(
+                model,
+                tm,
+                zcfg(max_reuse_distance_numel=reuse, prefetch_bucket_size_numel=1),
+                param_tier="cpu",
+            )
             for _ in range(2):
                 out = model(x)
                 resident_after_forward[reuse] = sum(g.param.is_resident("gpu") for g in zp.groups)
@@ -128,11 +139,16 @@ def test_persistent_groups_stay_resident_and_are_not_counted_live(tmp_path):
     model = MLP(d=32, depth=4)
     ref = copy.deepcopy(model)
     with make_tm(tmp_path) as tm:
-        zp = build_zp(model, tm, zcfg(param_persistence_threshold_numel=32, max_reuse_distance_numel=0),
-                      param_tier="nvme")
+        zp = build_zp(
+            model,
+            tm,
+            zcfg(param_persistence_threshold_numel=32, max_reuse_distance_numel=0),
+            param_tier="nvme",
+        )
         persistent = [g for g in zp.groups if g.persistent]
         assert len(persistent) == 1 and {e.name for e in persistent[0].entries} == {
-            f"layers.{i}.bias" for i in range(4)} | {"head.weight", "head.bias"}
+            f"layers.{i}.bias" for i in range(4)
+        } | {"head.weight", "head.bias"}
         _train(model, zp, ref, torch.randn(4, 32), 3)
         # never evicted (reuse distance 0 evicts every other group at release)
         assert persistent[0].param.is_resident("gpu")

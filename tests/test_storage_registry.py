@@ -247,8 +247,11 @@ def test_capabilities_default_to_the_class_attribute_or_say_what_to_set() -> Non
         async def write(self, key, tensor): ...
         async def read(self, key, out): ...
         async def delete(self, key): ...
-        async def exists(self, key): return False
-        def capacity(self): return Capacity(None, None)
+        async def exists(self, key):
+            return False
+
+        def capacity(self):
+            return Capacity(None, None)
 
     with pytest.raises(NotImplementedError, match="static_capabilities"):
         Minimal().capabilities  # noqa: B018

@@ -260,7 +260,9 @@ def test_backpressure_wait_honours_manager_timeout(tmp_path):
         a = m.create("a", 1024, torch.float32, "nvme")
         b = m.create("b", 1024, torch.float32, "nvme")
         m.fetch(a, "gpu").result()
-        with pytest.raises(TierTimeoutError, match=r"partition 'b' \(4\.00 KiB\) waited 0\.3 s for room in tier 'gpu'"):
+        with pytest.raises(
+            TierTimeoutError, match=r"partition 'b' \(4\.00 KiB\) waited 0\.3 s for room in tier 'gpu'"
+        ):
             m.fetch(b, "gpu").result(timeout=10)
         assert b.state("gpu") is CopyState.ABSENT
         assert m.resident_bytes("gpu") == 4096  # b's attempt left no reservation behind
@@ -301,13 +303,17 @@ def test_stats_are_json_and_trace_has_one_event_per_move(mgr, tmp_path):
     mgr.evict(p, "gpu").result()
     s = json.loads(json.dumps(mgr.stats()))
     assert set(s["tiers"]) == {"gpu", "cpu", "nvme"}
-    assert {"budget_bytes", "resident_bytes", "peak_bytes", "reads", "writes", "stall_s"} <= set(s["tiers"]["gpu"])
+    assert {"budget_bytes", "resident_bytes", "peak_bytes", "reads", "writes", "stall_s"} <= set(
+        s["tiers"]["gpu"]
+    )
     assert s["tiers"]["gpu"]["budget_bytes"] == 4096 and s["tiers"]["gpu"]["peak_bytes"] == 1024
     assert s["links"]["nvme->gpu"]["bytes"] == 1024 and s["links"]["gpu->nvme"]["bytes"] == 1024
     assert s["links"]["nvme->gpu"]["seconds"] > 0 and s["links"]["nvme->gpu"]["gbps"] > 0
     ev = mgr.trace_events()
     assert [(e["name"], e["cat"], e["ph"], e["args"]["bytes"]) for e in ev] == [
-        ("p", "nvme->gpu", "X", 1024), ("p", "gpu->nvme", "X", 1024)]
+        ("p", "nvme->gpu", "X", 1024),
+        ("p", "gpu->nvme", "X", 1024),
+    ]
     assert ev[0]["ts"] <= ev[1]["ts"] and ev[0]["dur"] >= 0
     path = tmp_path / "trace.json"
     mgr.write_trace(path)
@@ -365,7 +371,10 @@ def test_verify_detects_corrupt_file(tmp_path):
         data = bytearray(f.read_bytes())
         data[17] ^= 0xFF
         f.write_bytes(bytes(data))
-        with pytest.raises(StorageIOError, match=r"fetch of partition 'p' in tier 'nvme'.*checksum mismatch reading into tier 'gpu'"):
+        with pytest.raises(
+            StorageIOError,
+            match=r"fetch of partition 'p' in tier 'nvme'.*checksum mismatch reading into tier 'gpu'",
+        ):
             m.fetch(p, "gpu").result(timeout=5)
         assert p.state("gpu") is CopyState.ABSENT and m.resident_bytes("gpu") == 0
     # without verify the same corruption goes unnoticed (the check is what catches it)

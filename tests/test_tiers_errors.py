@@ -46,7 +46,9 @@ def test_write_back_failure_on_evict_keeps_the_dirty_copy(mgr):
     mgr.mark_dirty(p, "gpu")
     mgr.release(p, "gpu")
     nv.faults.fail_write.add("p")
-    with pytest.raises(StorageIOError, match=r"evict write-back of partition 'p'.*gpu->nvme.*injected write failure"):
+    with pytest.raises(
+        StorageIOError, match=r"evict write-back of partition 'p'.*gpu->nvme.*injected write failure"
+    ):
         mgr.evict(p, "gpu").result()
     assert p.state("gpu") is CopyState.DIRTY and p.state("nvme") is CopyState.STALE
     assert mgr.resident_bytes("gpu") == 1024
@@ -89,7 +91,9 @@ def test_flush_failure_is_reported_and_retry_succeeds(mgr):
 def test_create_failure_leaves_nothing_behind(mgr):
     nv = backend(mgr, "nvme")
     nv.faults.fail_write.add("bad")
-    with pytest.raises(StorageIOError, match=r"create of partition 'bad' in tier 'nvme'.*injected write failure"):
+    with pytest.raises(
+        StorageIOError, match=r"create of partition 'bad' in tier 'nvme'.*injected write failure"
+    ):
         mgr.create("bad", 64, torch.float32, "nvme")
     assert mgr.resident_bytes("nvme") == 0 and [p.name for p in mgr.partitions()] == []
     nv.faults.fail_write.clear()
@@ -126,7 +130,10 @@ def test_result_timeout_names_partition_and_operation(tmp_path):
         backend(m, "nvme").faults.delay_s = 0.3
         p = m.create("slowpart", 64, torch.float32, "nvme")
         f = m.prefetch(p, "cpu")
-        with pytest.raises(TierTimeoutError, match="prefetch of partition 'slowpart' to tier 'cpu' did not finish within 0.05 s"):
+        with pytest.raises(
+            TierTimeoutError,
+            match="prefetch of partition 'slowpart' to tier 'cpu' did not finish within 0.05 s",
+        ):
             f.result(timeout=0.05)
         f.result(timeout=10)  # the operation kept running and completes
         assert p.is_resident("cpu")
@@ -141,7 +148,9 @@ def test_loop_errors_keep_their_builtin_type(mgr):
         raise ValueError("size mismatch (injected)")
 
     nv.read = bad_read  # type: ignore[method-assign]
-    with pytest.raises(ValueError, match=r"fetch of partition 'p'.*nvme->cpu.*size mismatch \(injected\)") as ei:
+    with pytest.raises(
+        ValueError, match=r"fetch of partition 'p'.*nvme->cpu.*size mismatch \(injected\)"
+    ) as ei:
         mgr.fetch(p, "cpu").result()
     assert isinstance(ei.value.__cause__, ValueError)
     assert asyncio.iscoroutinefunction(bad_read)

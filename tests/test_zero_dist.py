@@ -13,8 +13,10 @@ from zero_support import MLP, dist_grad_worker, free_port, tiny_gpt2
 def _run(tmp_path, world: int, dtype_name: str = "float32"):
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=dist_grad_worker, args=(r, world, port, str(tmp_path), dtype_name))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=dist_grad_worker, args=(r, world, port, str(tmp_path), dtype_name))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -54,9 +56,12 @@ def test_two_gloo_ranks_equal_one_rank_on_the_global_batch(tmp_path_factory, kin
             for e in entries[gname]:
                 lo, hi = max(e.offset, shard_off), min(e.offset + e.numel, shard_off + shard_numel)
                 if hi > lo:
-                    torch.testing.assert_close(shard[lo - shard_off : hi - shard_off],
-                                               ref_grads[e.name][lo - e.offset : hi - e.offset],
-                                               rtol=1e-5, atol=1e-7)
+                    torch.testing.assert_close(
+                        shard[lo - shard_off : hi - shard_off],
+                        ref_grads[e.name][lo - e.offset : hi - e.offset],
+                        rtol=1e-5,
+                        atol=1e-7,
+                    )
         for n, p in init.named_parameters():  # every rank reassembles the full parameters
             assert torch.equal(sd[n], p.detach())
         assert gpu_peak <= 256 * 1024

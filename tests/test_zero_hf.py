@@ -19,8 +19,13 @@ def test_hf_grads_equal_plain_torch_with_eviction(tmp_path, builder):
     model = builder()
     ref = copy.deepcopy(model)
     with make_tm(tmp_path, gpu_budget=64 * 1024) as tm:
-        zp = build_zp(model, tm, zcfg(param_persistence_threshold_numel=64, max_live_parameters_numel=6000),
-                      param_tier="nvme", grad_tier="cpu")
+        zp = build_zp(
+            model,
+            tm,
+            zcfg(param_persistence_threshold_numel=64, max_live_parameters_numel=6000),
+            param_tier="nvme",
+            grad_tier="cpu",
+        )
         for step in range(3):
             ids = _ids(step)
             out = model(input_ids=ids, labels=ids)

@@ -157,7 +157,9 @@ class DiskBackend(StorageBackend):
             data = await asyncio.to_thread(p.read_bytes)
             if len(data) != out.nbytes:
                 raise ValueError(f"test-disk: key {key!r} holds {len(data)} bytes, out has {out.nbytes}")
-            tensor_bytes(out, what=f"test-disk read {key!r}").copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            tensor_bytes(out, what=f"test-disk read {key!r}").copy_(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            )
         finally:
             self.faults.exit()
 
@@ -176,8 +178,14 @@ class DiskBackend(StorageBackend):
         return Capacity(None, None)
 
 
-def three_tier_manager(tmp_path: Path, *, gpu_bytes: int | None = 4096, cpu_bytes: int | None = 16384,
-                       nvme_bytes: int | None = None, **kw: object) -> TierManager:
+def three_tier_manager(
+    tmp_path: Path,
+    *,
+    gpu_bytes: int | None = 4096,
+    cpu_bytes: int | None = 16384,
+    nvme_bytes: int | None = None,
+    **kw: object,
+) -> TierManager:
     """gpu (memory-like), cpu (memory-like), nvme (disk files under tmp_path), fastest first."""
     return TierManager(
         [

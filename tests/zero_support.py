@@ -40,10 +40,19 @@ def zcfg(**zero: Any) -> TieredConfig:
     return TieredConfig(zero=ZeroConfig(**base))
 
 
-def build_zp(model: nn.Module, tm: TierManager, cfg: TieredConfig | None = None, *, param_tier: str = "cpu",
-             grad_tier: str = "cpu", dtype: torch.dtype = torch.float32, **kw: Any) -> ZeroParameters:
-    return ZeroParameters(model, tm, cfg or zcfg(), param_tier=param_tier, grad_tier=grad_tier,
-                          compute_dtype=dtype, **kw)
+def build_zp(
+    model: nn.Module,
+    tm: TierManager,
+    cfg: TieredConfig | None = None,
+    *,
+    param_tier: str = "cpu",
+    grad_tier: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    **kw: Any,
+) -> ZeroParameters:
+    return ZeroParameters(
+        model, tm, cfg or zcfg(), param_tier=param_tier, grad_tier=grad_tier, compute_dtype=dtype, **kw
+    )
 
 
 class MLP(nn.Module):
@@ -82,8 +91,15 @@ def tiny_llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -91,8 +107,16 @@ def tiny_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -128,9 +152,15 @@ def dist_grad_worker(rank: int, world: int, port: int, tmp: str, dtype_name: str
 
                 def loss_of(b: torch.Tensor, model: nn.Module = model) -> torch.Tensor:
                     return model(input_ids=b, labels=b).loss
+
             with make_tm(Path(tmp) / f"{kind}{rank}", gpu_budget=256 * 1024) as tm:
-                zp = build_zp(model, tm, zcfg(param_persistence_threshold_numel=40), param_tier="nvme",
-                              dtype=getattr(torch, dtype_name))
+                zp = build_zp(
+                    model,
+                    tm,
+                    zcfg(param_persistence_threshold_numel=40),
+                    param_tier="nvme",
+                    dtype=getattr(torch, dtype_name),
+                )
                 for b in batches:
                     loss_of(b).backward()
                     s = zp.finish_backward()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
+from tiered.engine import Engine, initialize
 from tiered.errors import (
     BackendImportError,
     BackendNotFoundError,
@@ -20,9 +23,11 @@ from tiered.errors import (
 )
 from tiered.storage.registry import open_backend, register_backend
 
-__version__ = "0.1.0"
-
-from tiered.engine import Engine, initialize  # noqa: E402 - after __version__: engine modules may read it
+try:
+    # One source of truth: [project] version in pyproject.toml, read from the installed metadata.
+    __version__ = version("tiered")
+except PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "BackendImportError",

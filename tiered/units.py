@@ -67,9 +67,13 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
 
 def format_bytes(n: int | float, *, binary: bool = False) -> str:
     """1_500_000_000 -> "1.50 GB" (or "1.40 GiB" with binary=True)."""
-    base, names = (1024.0, ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]) if binary else (
-        1000.0,
-        ["B", "KB", "MB", "GB", "TB", "PB"],
+    base, names = (
+        (1024.0, ["B", "KiB", "MiB", "GiB", "TiB", "PiB"])
+        if binary
+        else (
+            1000.0,
+            ["B", "KB", "MB", "GB", "TB", "PB"],
+        )
     )
     value = float(n)
     for name in names:

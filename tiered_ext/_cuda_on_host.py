@@ -117,14 +117,21 @@ def gpu_adam_step_on_host(
     if n == 0:
         return 0
     descs = (_TensorDesc * n)()
-    dtypes = lambda i: (grads[i].dtype, exp_avgs[i].dtype, outs[i].dtype if outs[i] is not None else None)  # noqa: E731
+
+    def dtypes(i: int) -> tuple[torch.dtype, torch.dtype, torch.dtype | None]:
+        out = outs[i]
+        return grads[i].dtype, exp_avgs[i].dtype, out.dtype if out is not None else None
+
     first = dtypes(0)
     for i in range(n):
         key = dtypes(i)
         if key != first:
-            raise ValueError(f"tensor [{i}] has dtypes {key}, tensor [0] {first}: one launch takes one triple")
+            raise ValueError(
+                f"tensor [{i}] has dtypes {key}, tensor [0] {first}: one launch takes one triple"
+            )
+        out = outs[i]
         descs[i] = _TensorDesc(params[i].data_ptr(), grads[i].data_ptr(), exp_avgs[i].data_ptr(),
-                               exp_avg_sqs[i].data_ptr(), outs[i].data_ptr() if outs[i] is not None else None,
+                               exp_avg_sqs[i].data_ptr(), out.data_ptr() if out is not None else None,
                                params[i].numel())  # fmt: skip
     return int(
         library().tiered_gpu_adam_emulate(

@@ -8,6 +8,7 @@ a built CUDA kernel run the pure-torch reference (with a KernelBuildWarning, see
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ def check_lists(
     out_lowp: Sequence[torch.Tensor] | None,
     *,
     device_type: str | None,
-    **scalars: float,
+    **scalars: Any,
 ) -> list[torch.Tensor | None]:
     """The checks of a multi-tensor step: aligned lists, valid scalars, every partition's buffers
     (check_tensors) and one device for all; returns out_lowp as a list (None entries without it)."""
@@ -36,7 +37,7 @@ def check_lists(
         if len(seq) != n:
             raise ValueError(f"{name} has {len(seq)} tensors but params has {n}: the lists must align")
     check_scalars(**scalars)
-    outs = list(out_lowp) if out_lowp is not None else [None] * n
+    outs: list[torch.Tensor | None] = list(out_lowp) if out_lowp is not None else [None] * n
     for i in range(n):
         check_tensors(
             params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i], device_type=device_type, where=f"[{i}]"
@@ -71,7 +72,7 @@ def gpu_adam_step(
     if n == 0:
         return
     device = params[0].device
-    scalars = dict(
+    scalars: dict[str, Any] = dict(
         step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
         grad_scale=grad_scale,
     )  # fmt: skip
@@ -96,7 +97,8 @@ def gpu_adam_step(
         return
     groups: dict[tuple[torch.dtype, torch.dtype, torch.dtype | None], list[int]] = {}
     for i in range(n):
-        key = (grads[i].dtype, exp_avgs[i].dtype, outs[i].dtype if outs[i] is not None else None)
+        out = outs[i]
+        key = (grads[i].dtype, exp_avgs[i].dtype, out.dtype if out is not None else None)
         groups.setdefault(key, []).append(i)
     for (_, _, out_dtype), idx in groups.items():
         mod.gpu_adam_step(

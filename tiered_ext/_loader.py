@@ -43,7 +43,9 @@ CPU_SOURCES = [
     )
 ]
 COMMON_HEADERS = [CSRC / "common" / "adam_hyper.h"]
-CPU_HEADERS = [CSRC / "cpu_adam" / name for name in ("cpu_adam.h", "scalar_ops.h", "simd_kernel.h")] + COMMON_HEADERS
+CPU_HEADERS = [
+    CSRC / "cpu_adam" / name for name in ("cpu_adam.h", "scalar_ops.h", "simd_kernel.h")
+] + COMMON_HEADERS
 GPU_SOURCES = [CSRC / "gpu_adam" / "binding.cpp", CSRC / "gpu_adam" / "gpu_adam.cu"]
 GPU_HEADERS = [CSRC / "gpu_adam" / "gpu_adam.h", *COMMON_HEADERS]
 
@@ -96,7 +98,7 @@ def _build_cpu() -> tuple[ModuleType | None, str]:
             extra_ldflags=CPU_LDFLAGS,
             verbose=False,
         )
-    except Exception as exc:  # a compiler error, a missing toolchain: fall back, loudly
+    except Exception as exc:  # noqa: BLE001 - a compiler error, a missing toolchain: fall back, loudly
         return None, _short(exc)
     isa = mod.get_isa()
     forced = os.environ.get(ISA_ENV, "")
@@ -121,8 +123,11 @@ def _build_cpu() -> tuple[ModuleType | None, str]:
     return mod, f"native-{isa}"
 
 
-def _load_once(kind: str, build: Callable[[], tuple[ModuleType | None, str]],
-               report: Callable[[ModuleType | None, str], str]) -> ModuleType | None:
+def _load_once(
+    kind: str,
+    build: Callable[[], tuple[ModuleType | None, str]],
+    report: Callable[[ModuleType | None, str], str],
+) -> ModuleType | None:
     """Build or load the `kind` module once per process (thread-safe); `report` logs the outcome
     and returns the status kept for `cpu_status` / `gpu_status`."""
     got = _state.get(kind)
@@ -183,7 +188,7 @@ def _build_gpu() -> tuple[ModuleType | None, str]:
             extra_cuda_cflags=GPU_CUDA_CFLAGS,
             verbose=False,
         )
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - as for the CPU build: fall back, loudly
         return None, _short(exc)
     return mod, "native-cuda"
 

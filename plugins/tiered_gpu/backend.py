@@ -16,7 +16,7 @@ class GPUBackend(ResidentMemoryBackend):
 
     Budget-agnostic on purpose: the tier manager owns the "gpu" budget, and CUDA's caching
     allocator already recycles freed blocks, so no pool sits in between. On a CPU-only host the
-    device is the CPU and "device memory" is ordinary host memory (DESIGN.md section 7).
+    device is the CPU and "device memory" is ordinary host memory (docs/architecture.md, "Without a GPU").
 
     Args:
         device: "cuda", "cuda:1", "cpu" or None for the process's compute device.

@@ -1,6 +1,6 @@
 """`tiered bench`: GB/s of the storage backends against an O_DIRECT ceiling, fio and DeepSpeed.
 
-The measuring code is `tiered.planning.bandwidth_run` ([Note: round-robin measurement]);
+The measuring code is `tiered.bench.runner` ([Note: round-robin measurement]);
 benchmarks/bandwidth.py calls the same code.
 """
 
@@ -48,26 +48,42 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Shared with benchmarks/bandwidth.py."""
-    p.add_argument("--dir", metavar="DIR", default=None,
-                   help="directory on the drive to measure (default: the system temp directory)")
-    p.add_argument("--size", metavar="SIZE", default=None, help="bytes per transfer, e.g. 1GiB (default 1GiB)")
+    p.add_argument(
+        "--dir",
+        metavar="DIR",
+        default=None,
+        help="directory on the drive to measure (default: the system temp directory)",
+    )
+    p.add_argument(
+        "--size", metavar="SIZE", default=None, help="bytes per transfer, e.g. 1GiB (default 1GiB)"
+    )
     p.add_argument("--rounds", type=int, default=None, help="measured rounds (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up rounds (default 1)")
-    p.add_argument("--backends", nargs="+", default=None, metavar="NAME",
-                   help="tiered backends to measure (default: nvme aiofiles tensorstore)")
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="tiered backends to measure (default: nvme aiofiles tensorstore)",
+    )
     p.add_argument("--no-fio", action="store_true", help="skip fio even if installed")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's aio handle")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: 64MiB, 2 rounds, no warm-up, no DeepSpeed (override with --size/--rounds)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 64MiB, 2 rounds, no warm-up, no DeepSpeed (override with --size/--rounds)",
+    )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the full result as JSON to FILE")
     p.add_argument("--quiet", "-q", action="store_true", help="no per-round progress on stderr")
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
-    from tiered.planning.bandwidth_run import DEFAULT_BACKENDS, BenchOptions
+    from tiered.bench.runner import DEFAULT_BACKENDS, BenchOptions
 
     quick = bool(args.quick)
-    size = parse_bytes(args.size, what="--size") if args.size is not None else (64 << 20 if quick else 1 << 30)
+    size = (
+        parse_bytes(args.size, what="--size") if args.size is not None else (64 << 20 if quick else 1 << 30)
+    )
     rounds = args.rounds if args.rounds is not None else (2 if quick else 5)
     return BenchOptions(
         directory=Path(args.dir) if args.dir is not None else Path(tempfile.gettempdir()),
@@ -82,7 +98,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def measure(args: argparse.Namespace) -> Any:
     """Run the benchmark the arguments describe; returns a BenchResult."""
-    from tiered.planning.bandwidth_run import run_bandwidth
+    from tiered.bench.runner import run_bandwidth
 
     def progress(msg: str) -> None:
         if not args.quiet:

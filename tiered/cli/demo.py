@@ -11,8 +11,18 @@ import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
-DEMO_PLAN_ARGS = ["--params", "40B", "--gpu-mem", "80GB", "--cpu-mem", "512GB", "--nvme-mem", "4TB",
-                  "--world-size", "1"]
+DEMO_PLAN_ARGS = [
+    "--params",
+    "40B",
+    "--gpu-mem",
+    "80GB",
+    "--cpu-mem",
+    "512GB",
+    "--nvme-mem",
+    "4TB",
+    "--world-size",
+    "1",
+]
 
 DESCRIPTION = """\
 A tour in about a minute on a laptop-class machine:
@@ -42,11 +52,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--dir", default=None, help="where offload files and the bench go (default: system temp dir)")
+    p.add_argument(
+        "--dir", default=None, help="where offload files and the bench go (default: system temp dir)"
+    )
     p.add_argument("--plan-only", action="store_true", help="only the 40B plan")
     p.add_argument("--quick", action="store_true", help="fewer fine-tuning steps")
     p.add_argument("--bench", action="store_true", help="add a quick bandwidth run of the file backends")
-    p.add_argument("--bench-size", default="64MiB", metavar="SIZE", help="bytes per transfer in part 2 (default 64MiB)")
+    p.add_argument(
+        "--bench-size", default="64MiB", metavar="SIZE", help="bytes per transfer in part 2 (default 64MiB)"
+    )
     return p
 
 
@@ -71,7 +85,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tiered-demo-", dir=args.dir) as tmp:
         out.write(f"\n== 3. tiered bench --quick --dir {tmp}\n\n")
         out.flush()
-        bench_status = bench.run(parser.parse_args(
-            ["bench", "--quick", "--quiet", "--dir", tmp, "--size", args.bench_size]
-        ), out)
+        bench_status = bench.run(
+            parser.parse_args(["bench", "--quick", "--quiet", "--dir", tmp, "--size", args.bench_size]), out
+        )
     return max(demo_status, bench_status)

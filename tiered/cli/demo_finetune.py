@@ -50,8 +50,9 @@ def examples_dir() -> Path:
 
 def plan_verdict(out: TextIO) -> int:
     """The 40B single-GPU plan in a few lines; 0 when a placement fits (as `tiered plan`)."""
-    from tiered.planning.memory import Memories, PlanOptions, gb, make_plan
+    from tiered.planning.accounting import Memories, PlanOptions, gb
     from tiered.planning.model_shape import shape_from_params
+    from tiered.planning.verdict import make_plan
     from tiered.units import parse_bytes
 
     shape = shape_from_params(PLAN_40B["params"])
@@ -62,15 +63,21 @@ def plan_verdict(out: TextIO) -> int:
     )
     plan = make_plan(shape, mem, PlanOptions(world_size=1))
     w = out.write
-    w(f"model state of {shape.total_params / 1e9:.0f}B parameters in bf16 with Adam: "
-      f"{gb(16 * shape.total_params):.0f} GB; one GPU has {gb(mem.gpu_bytes or 0):.0f} GB\n")
+    w(
+        f"model state of {shape.total_params / 1e9:.0f}B parameters in bf16 with Adam: "
+        f"{gb(16 * shape.total_params):.0f} GB; one GPU has {gb(mem.gpu_bytes or 0):.0f} GB\n"
+    )
     for s in plan.strategies:
         mark = "fits" if s.fits_all else "does not fit"
-        w(f"  {s.name:<38} GPU {gb(s.bytes_on('gpu')):>7.1f}  CPU {gb(s.bytes_on('cpu')):>7.1f}  "
-          f"NVMe {gb(s.bytes_on('nvme')):>7.1f} GB  {mark}\n")
+        w(
+            f"  {s.name:<38} GPU {gb(s.bytes_on('gpu')):>7.1f}  CPU {gb(s.bytes_on('cpu')):>7.1f}  "
+            f"NVMe {gb(s.bytes_on('nvme')):>7.1f} GB  {mark}\n"
+        )
     w(plan.message + "\n")
-    w("(the full table and a ready DeepSpeed config: tiered plan --params 40B --gpu-mem 80GB "
-      "--cpu-mem 512GB --nvme-mem 4TB)\n")
+    w(
+        "(the full table and a ready DeepSpeed config: tiered plan --params 40B --gpu-mem 80GB "
+        "--cpu-mem 512GB --nvme-mem 4TB)\n"
+    )
     return 0 if plan.recommended is not None else 1
 
 
@@ -85,8 +92,10 @@ def run_demo(quick: bool, workdir: Path | None, out: TextIO | None = None) -> in
     steps = QUICK_STEPS if quick else FULL_STEPS
     if workdir is not None and not Path(workdir).is_dir():
         raise TieredError(f"demo work folder {workdir} does not exist; create it or omit it")
-    w(f"== 1. fine-tune a tiny Llama on {ex / 'corpus.txt'} for {steps} steps, parameters and Adam "
-      "state offloaded to NVMe files\n")
+    w(
+        f"== 1. fine-tune a tiny Llama on {ex / 'corpus.txt'} for {steps} steps, parameters and Adam "
+        "state offloaded to NVMe files\n"
+    )
     w(f"   (DeepSpeed config {ex / 'ds_config.json'}, unchanged but for nvme_path)\n\n")
     out.flush()
     with tempfile.TemporaryDirectory(prefix="tiered-finetune-demo-", dir=workdir) as tmp:
@@ -107,9 +116,11 @@ def run_demo(quick: bool, workdir: Path | None, out: TextIO | None = None) -> in
         return 130
     went_down = len(r.losses) >= 2 and r.losses[-1] < r.losses[0]
     matched = job.max_rel_diff is not None and job.max_rel_diff <= MATCH_REL
-    w(f"\nloss {'went down' if went_down else 'DID NOT go down'}: {r.losses[0]:.4f} -> {r.losses[-1]:.4f}; "
-      f"tiered {'matches' if matched else 'DOES NOT match'} plain PyTorch AdamW "
-      f"(max rel parameter diff {job.max_rel_diff:.2e}, limit {MATCH_REL:g})\n")
+    w(
+        f"\nloss {'went down' if went_down else 'DID NOT go down'}: {r.losses[0]:.4f} -> {r.losses[-1]:.4f}; "
+        f"tiered {'matches' if matched else 'DOES NOT match'} plain PyTorch AdamW "
+        f"(max rel parameter diff {job.max_rel_diff:.2e}, limit {MATCH_REL:g})\n"
+    )
     if not (went_down and matched):
         status = 1
     w("\n== 2. will a 40B model fit one 80 GB GPU? (tiered plan, 512 GB RAM, 4 TB NVMe)\n\n")

@@ -68,8 +68,10 @@ class HFTokenizer:
 
         try:
             self._tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        except Exception as exc:  # noqa: BLE001 - any failure is the folder's
-            raise ConfigError(f"--model {folder}: transformers cannot load its tokenizer files: {exc}") from exc
+        except Exception as exc:  # any failure is the folder's
+            raise ConfigError(
+                f"--model {folder}: transformers cannot load its tokenizer files: {exc}"
+            ) from exc
         self.name = type(self._tok).__name__
         eos = self._tok.eos_token_id
         self.eos_token_id: int | None = int(eos) if isinstance(eos, int) else None
@@ -113,8 +115,9 @@ def load_tokens(path: str | Path, tokenizer: Tokenizer, vocab_size: int) -> torc
     return ids
 
 
-def batches(ids: torch.Tensor, seq_len: int, batch_size: int, seed: int,
-            source: str = "the data") -> Iterator[dict[str, Any]]:
+def batches(
+    ids: torch.Tensor, seq_len: int, batch_size: int, seed: int, source: str = "the data"
+) -> Iterator[dict[str, Any]]:
     """An endless, seeded stream of {"input_ids", "labels"} of shape (batch_size, seq_len).
 
     Each row is a window starting at a uniformly drawn offset, so a few KB of text yields many
@@ -134,5 +137,5 @@ def batches(ids: torch.Tensor, seq_len: int, batch_size: int, seed: int,
     span = n - seq_len + 1
     while True:
         starts = torch.randint(0, span, (batch_size,), generator=g)
-        x = torch.stack([ids[s: s + seq_len] for s in starts.tolist()])
+        x = torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
         yield {"input_ids": x, "labels": x.clone()}

@@ -100,7 +100,7 @@ def apply_overrides(
             raise ConfigError(f"--lr must be > 0, got {lr}")
         opt = cfg.setdefault("optimizer", {"type": "AdamW"})
         if not isinstance(opt, dict):
-            raise ConfigError("optimizer must be a JSON object with \"type\" and \"params\"")
+            raise ConfigError('optimizer must be a JSON object with "type" and "params"')
         params = opt.setdefault("params", {})
         if not isinstance(params, dict):
             raise ConfigError("optimizer.params must be a JSON object")

@@ -54,14 +54,16 @@ def load_hf_config(source: ModelSource) -> Any:
     try:
         from transformers import AutoConfig
     except ImportError as exc:
-        raise TieredError("tiered finetune needs transformers; install it with pip install 'tiered[hf]'") from exc
+        raise TieredError(
+            "tiered finetune needs transformers; install it with pip install 'tiered[hf]'"
+        ) from exc
     try:
         data = json.loads(source.config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"--model {source.config_path}: not a readable JSON config ({exc})") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ConfigError(
-            f"--model {source.config_path}: config has no \"model_type\" key; is it a Hugging Face config.json?"
+            f'--model {source.config_path}: config has no "model_type" key; is it a Hugging Face config.json?'
         )
     model_type = data.pop("model_type")
     try:
@@ -82,7 +84,7 @@ def _load_weights(model: torch.nn.Module, files: tuple[Path, ...]) -> None:
         except Exception as exc:  # noqa: BLE001 - a corrupt file is the user's to fix
             raise ConfigError(f"--model {f}: cannot read safetensors weights: {exc}") from None
     names = {f.name for f in files}
-    own = dict(model.named_parameters(remove_duplicate=False))
+    own: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     own.update(dict(model.named_buffers()))
     unexpected = sorted(k for k in state if k not in own)
     if unexpected:
@@ -98,7 +100,8 @@ def _load_weights(model: torch.nn.Module, files: tuple[Path, ...]) -> None:
             )
     loaded_ptrs = {own[k].data_ptr() for k in state}
     missing = sorted(
-        n for n, prm in model.named_parameters(remove_duplicate=False)
+        n
+        for n, prm in model.named_parameters(remove_duplicate=False)
         if n not in state and prm.data_ptr() not in loaded_ptrs
     )
     if missing:

@@ -15,8 +15,10 @@ def tier_table(stats: dict[str, Any]) -> str:
     """Peak and current resident bytes, reads, writes and stall seconds per tier; then bytes
     moved, GB/s and operations per link (source->destination); then totals."""
     tiers = stats.get("tiers", {})
-    lines = [f"{'tier':<16} {'budget':>11} {'peak resident':>14} {'resident':>11} {'reads':>7} "
-             f"{'writes':>7} {'stall s':>8}"]
+    lines = [
+        f"{'tier':<16} {'budget':>11} {'peak resident':>14} {'resident':>11} {'reads':>7} "
+        f"{'writes':>7} {'stall s':>8}"
+    ]
     for name, t in tiers.get("tiers", {}).items():
         lines.append(
             f"{name:<16} {_b(t.get('budget_bytes')):>11} {_b(t.get('peak_bytes')):>14} "
@@ -40,5 +42,7 @@ def tier_table(stats: dict[str, Any]) -> str:
     )
     timing = stats.get("timing", {}).get("total")
     if timing:
-        lines.append("engine time: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in timing.items()))
+        lines.append(
+            "engine time: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in timing.items())
+        )
     return "\n".join(lines)

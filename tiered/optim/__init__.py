@@ -1,4 +1,3 @@
-
 """Optimizers and learning-rate schedules for offloaded training."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 
-def global_grad_norm(sq_norm_local: float, *, process_group: object | None = None) -> float:
+def global_grad_norm(sq_norm_local: float, *, process_group: dist.ProcessGroup | None = None) -> float:
     """sqrt(sum over ranks of the local squared L2 norms); inf/nan propagate."""
     total = float(sq_norm_local)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
@@ -37,5 +37,7 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
         # torch would multiply by nan/0; a non-finite norm is handled by the caller (overflow).
         return 1.0
     # torch computes the coefficient in the gradients' dtype (fp32): match its rounding.
-    coef = torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(total_norm, dtype=torch.float32) + 1e-6)
+    coef = torch.tensor(max_norm, dtype=torch.float32) / (
+        torch.tensor(total_norm, dtype=torch.float32) + 1e-6
+    )
     return float(torch.clamp(coef, max=1.0).item())

@@ -107,7 +107,7 @@ class CPUAdam(torch.optim.Optimizer):
             steps = [t[3]["step"] for t in todo]
             torch._foreach_add_(steps, 1.0)
             step_values = torch.stack(steps).tolist()
-            hyper = dict(
+            hyper: dict[str, Any] = dict(
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
             )  # fmt: skip
@@ -134,9 +134,11 @@ class CPUAdam(torch.optim.Optimizer):
             )
         if p.dtype != torch.float32:
             raise ValueError(f"{where} is {p.dtype}; CPUAdam updates float32 (master) parameters")
-        if p.grad.is_sparse:
+        grad = p.grad
+        assert grad is not None, where  # the step checks only parameters that have a gradient
+        if grad.is_sparse:
             raise ValueError(f"{where} has a sparse gradient; CPUAdam needs dense gradients")
-        if not p.is_contiguous() or not p.grad.is_contiguous():
+        if not p.is_contiguous() or not grad.is_contiguous():
             raise ValueError(f"{where} or its gradient is not contiguous; call .contiguous() on it first")
-        if p.grad.dtype != torch.float32:
-            raise ValueError(f"{where} has a {p.grad.dtype} gradient; expected float32")
+        if grad.dtype != torch.float32:
+            raise ValueError(f"{where} has a {grad.dtype} gradient; expected float32")

@@ -46,7 +46,9 @@ class LRSchedule(Protocol):
 
 def _check_step(step: int) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"lr_at: step must be the number of optimizer steps taken (an int >= 0), got {step!r}")
+        raise ValueError(
+            f"lr_at: step must be the number of optimizer steps taken (an int >= 0), got {step!r}"
+        )
     return step
 
 
@@ -141,16 +143,25 @@ def build_scheduler(
     if params.get("total_num_steps") is not None and is_auto(params["total_num_steps"]):
         if total_steps is None:
             raise ConfigError(
-                f"scheduler.params.total_num_steps is \"auto\" for {kind}: pass total_steps= "
+                f'scheduler.params.total_num_steps is "auto" for {kind}: pass total_steps= '
                 "(the number of optimizer steps in the run) to build_scheduler, or write a number"
             )
         params["total_num_steps"] = as_count(total_steps, "build_scheduler(total_steps=)", minimum=1)
     if kind == "WarmupLR":
-        return WarmupLR(params["warmup_min_lr"], params["warmup_max_lr"], params["warmup_num_steps"],
-                        params["warmup_type"])
+        return WarmupLR(
+            params["warmup_min_lr"],
+            params["warmup_max_lr"],
+            params["warmup_num_steps"],
+            params["warmup_type"],
+        )
     if kind == "WarmupDecayLR":
-        return WarmupDecayLR(params["warmup_min_lr"], params["warmup_max_lr"], params["warmup_num_steps"],
-                             params["warmup_type"], total_num_steps=params["total_num_steps"])
+        return WarmupDecayLR(
+            params["warmup_min_lr"],
+            params["warmup_max_lr"],
+            params["warmup_num_steps"],
+            params["warmup_type"],
+            total_num_steps=params["total_num_steps"],
+        )
     return WarmupCosineLR(
         base_lr=float(base_lr),
         total_num_steps=params["total_num_steps"],

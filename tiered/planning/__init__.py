@@ -1,12 +1,13 @@
-"""Planning: the memory model behind `tiered plan` and the bandwidth measurement behind `tiered bench`.
+"""Planning: the memory model behind `tiered plan` (will it fit, and with which placement?).
 
-The bandwidth code (tiered.planning.bandwidth_run) imports torch; import it directly.
+Pure arithmetic over model shapes and memory sizes; the bandwidth harness is `tiered.bench`.
 """
 
 from __future__ import annotations
 
-from tiered.planning.memory import Memories, ModelShape, Plan, PlanOptions, StrategyPlan, make_plan
+from tiered.planning.accounting import Memories, ModelShape, PlanOptions, StrategyPlan
 from tiered.planning.model_shape import parse_count, shape_from_model, shape_from_params
+from tiered.planning.verdict import Plan, make_plan
 
 __all__ = [
     "Memories",

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from tiered.errors import ConfigError, TieredError
-from tiered.planning.memory import ModelShape
+from tiered.planning.accounting import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,9 @@ def parse_count(value: int | float | str, *, what: str = "--params") -> int:
     return count
 
 
-def shape_from_params(params: int | float | str, *, largest_layer: int | float | str | None = None) -> ModelShape:
+def shape_from_params(
+    params: int | float | str, *, largest_layer: int | float | str | None = None
+) -> ModelShape:
     """A ModelShape from a bare count, with the assumptions of [Note: assumed layer sizes]."""
     total = parse_count(params, what="--params")
     assumptions: list[str] = []
@@ -80,7 +82,9 @@ def shape_from_params(params: int | float | str, *, largest_layer: int | float |
         if big > total:
             raise ConfigError(f"--largest-layer ({big:,}) cannot exceed --params ({total:,})")
     persistent = int(total * PERSISTENT_FRACTION)
-    assumptions.append(f"persistent small parameters (norms, biases) assumed {PERSISTENT_FRACTION:.1%} ({persistent:,})")
+    assumptions.append(
+        f"persistent small parameters (norms, biases) assumed {PERSISTENT_FRACTION:.1%} ({persistent:,})"
+    )
     return ModelShape(total, big, persistent, f"--params {params}", tuple(assumptions))
 
 
@@ -104,7 +108,9 @@ def _load_config(path: Path):  # -> transformers.PretrainedConfig
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"--model {path}: not a readable JSON config ({exc})") from exc
     if not isinstance(data, dict) or "model_type" not in data:
-        raise ConfigError(f"--model {path}: config has no \"model_type\" key; is it a Hugging Face config.json?")
+        raise ConfigError(
+            f'--model {path}: config has no "model_type" key; is it a Hugging Face config.json?'
+        )
     model_type = data.pop("model_type")
     try:
         return AutoConfig.for_model(model_type, **data)
@@ -134,8 +140,10 @@ def shape_from_model(path: str | Path, *, persistence_threshold: int = 100_000) 
             except ValueError:
                 # Not a causal LM (an encoder, say): the base model's parameters are what trains.
                 model = AutoModel.from_config(config)
-    except Exception as exc:  # noqa: BLE001 - any failure to build is the config's fault here
-        raise ConfigError(f"--model {path}: transformers could not build the model from its config: {exc}") from exc
+    except Exception as exc:  # any failure to build is the config's fault here
+        raise ConfigError(
+            f"--model {path}: transformers could not build the model from its config: {exc}"
+        ) from exc
     total = sum(param.numel() for param in model.parameters())
     largest = max((sum(q.numel() for q in m.parameters(recurse=False)) for m in model.modules()), default=0)
     persistent = sum(q.numel() for q in model.parameters() if q.numel() <= persistence_threshold)

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tiered.planning.accounting import Memories, ModelShape, PlanOptions, StrategyPlan
 from tiered.units import format_bytes
-
-if TYPE_CHECKING:
-    from tiered.planning.memory import Memories, ModelShape, PlanOptions, StrategyPlan
 
 HEADROOM = 1.10
 _TIER_BACKEND = {"gpu": "gpu", "cpu": "cpu", "nvme": "nvme"}
@@ -58,16 +56,24 @@ def deepspeed_config(s: StrategyPlan, shape: ModelShape, mem: Memories, opts: Pl
         offp: dict[str, Any] = {"device": s.offload_param, "pin_memory": True}
         if s.offload_param == "nvme":
             # buffer_size must hold the largest parameter (DeepSpeed #3506 is the failure otherwise).
-            offp.update(nvme_path=opts.nvme_path, buffer_count=opts.param_buffer_count,
-                        buffer_size=max(100_000_000, big))
+            offp.update(
+                nvme_path=opts.nvme_path,
+                buffer_count=opts.param_buffer_count,
+                buffer_size=max(100_000_000, big),
+            )
         zero["offload_param"] = offp
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
     if opts.precision in ("bf16", "fp16"):
         config[opts.precision] = {"enabled": True}
     config["zero_optimization"] = zero
     if "nvme" in (s.offload_optimizer, s.offload_param):
-        config["aio"] = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1,
-                         "single_submit": False, "overlap_events": True}
+        config["aio"] = {
+            "block_size": 1_048_576,
+            "queue_depth": 8,
+            "thread_count": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        }
     tiers: dict[str, Any] = {}
     for tier in ("gpu", "cpu", "nvme"):
         need = s.bytes_on(tier)
@@ -84,7 +90,9 @@ def deepspeed_config(s: StrategyPlan, shape: ModelShape, mem: Memories, opts: Pl
 def nothing_fits_message(candidates: Sequence[StrategyPlan]) -> str:
     """Name the ZeRO-3 placement closest to fitting and how many bytes each tier lacks."""
     closest = min(candidates, key=lambda s: (sum(s.shortfall_bytes.values()), candidates.index(s)))
-    lacks = ", ".join(f"{_label(tier)} short by {format_bytes(b)}" for tier, b in closest.shortfall_bytes.items())
+    lacks = ", ".join(
+        f"{_label(tier)} short by {format_bytes(b)}" for tier, b in closest.shortfall_bytes.items()
+    )
     return (
         f"nothing fits: even the closest placement, {closest.name}, needs more memory ({lacks}). "
         "Add memory on those tiers, use more ranks (--world-size), or a smaller model."

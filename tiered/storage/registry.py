@@ -5,7 +5,7 @@ As fsspec's ``known_implementations``, the registry maps a name to a *dotted pat
 listing backends (``tiered backends``) never imports a plugin, and a plugin whose optional
 dependency is missing fails only when it is opened, with a `BackendImportError` that carries the
 plugin's install hint. Built-in backends live in ``plugins/`` and arrive through the entry-point
-group like any third-party one (DESIGN.md section 3); ``tiered/`` never imports them.
+group like any third-party one (docs/architecture.md, "Layers"); ``tiered/`` never imports them.
 
 Precedence: a name passed to `register_backend` overrides an entry point of the same name (so a
 user can swap in their own "nvme"); entry points are read once, on first use.

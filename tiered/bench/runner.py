@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from tiered.errors import ConfigError, StorageIOError, TieredError
-from tiered.planning.bandwidth import (
+from tiered.bench.methods import (
     ALIGN,
     MIB,
     BackendMethod,
@@ -41,6 +40,7 @@ from tiered.planning.bandwidth import (
     find_fio,
     sync_files,
 )
+from tiered.errors import ConfigError, StorageIOError, TieredError
 from tiered.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,9 @@ class BenchOptions:
         if self.size_bytes < ALIGN:
             raise ConfigError(f"--size: {self.size_bytes} B is below the {ALIGN} B minimum")
         if self.rounds < 1 or self.warmup_rounds < 0:
-            raise ConfigError(f"--rounds must be >= 1 (got {self.rounds}) and warm-up >= 0 (got {self.warmup_rounds})")
+            raise ConfigError(
+                f"--rounds must be >= 1 (got {self.rounds}) and warm-up >= 0 (got {self.warmup_rounds})"
+            )
         if self.threads < 1 or self.chunk_bytes < ALIGN or self.chunk_bytes % ALIGN:
             raise ConfigError(f"threads must be >= 1 and chunk a multiple of {ALIGN} B")
 
@@ -192,11 +194,17 @@ def build_methods(opts: BenchOptions) -> tuple[list[Method], list[MethodResult]]
         else:
             methods.append(ds)
     else:
-        absent.append(MethodResult("DeepSpeed aio_handle", "peer", "absent", "not requested (--quick or --no-deepspeed)"))
+        absent.append(
+            MethodResult(
+                "DeepSpeed aio_handle", "peer", "absent", "not requested (--quick or --no-deepspeed)"
+            )
+        )
     return methods, absent
 
 
-def _one_round(m: Method, src: torch.Tensor, dst: torch.Tensor, src_mv: memoryview, dst_mv: memoryview) -> tuple[float, float]:
+def _one_round(
+    m: Method, src: torch.Tensor, dst: torch.Tensor, src_mv: memoryview, dst_mv: memoryview
+) -> tuple[float, float]:
     write_s = m.write(src, src_mv)
     if not m.self_timed:
         # [Note: bandwidth methods]: a write counts once it is on the device.
@@ -259,8 +267,10 @@ def run_bandwidth(opts: BenchOptions, progress: Callable[[str], None] | None = N
                 if r >= opts.warmup_rounds:
                     samples[m.name][0].append(w)
                     samples[m.name][1].append(rd)
-                say(f"round {r + 1}/{total} {'(warm-up) ' if r < opts.warmup_rounds else ''}{m.name}: "
-                    f"write {size / w / 1e9:.2f} GB/s, read {size / rd / 1e9:.2f} GB/s")
+                say(
+                    f"round {r + 1}/{total} {'(warm-up) ' if r < opts.warmup_rounds else ''}{m.name}: "
+                    f"write {size / w / 1e9:.2f} GB/s, read {size / rd / 1e9:.2f} GB/s"
+                )
     finally:
         for m in methods:
             try:
@@ -286,8 +296,12 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _summarise(methods: list[Method], samples: dict[str, tuple[list[float], list[float]]],
-               errors: dict[str, str], size: int) -> list[MethodResult]:
+def _summarise(
+    methods: list[Method],
+    samples: dict[str, tuple[list[float], list[float]]],
+    errors: dict[str, str],
+    size: int,
+) -> list[MethodResult]:
     def gbps(ts: list[float]) -> float | None:
         return size / statistics.median(ts) / 1e9 if ts else None
 
@@ -301,10 +315,18 @@ def _summarise(methods: list[Method], samples: dict[str, tuple[list[float], list
             continue
         ws, rs = samples[m.name]
         w, r = gbps(ws), gbps(rs)
-        out.append(MethodResult(
-            m.name, m.kind, "ok", "",
-            tuple(round(x, 6) for x in ws), tuple(round(x, 6) for x in rs), w, r,
-            w / cw if (w is not None and cw) else None,
-            r / cr if (r is not None and cr) else None,
-        ))
+        out.append(
+            MethodResult(
+                m.name,
+                m.kind,
+                "ok",
+                "",
+                tuple(round(x, 6) for x in ws),
+                tuple(round(x, 6) for x in rs),
+                w,
+                r,
+                w / cw if (w is not None and cw) else None,
+                r / cr if (r is not None and cr) else None,
+            )
+        )
     return out

@@ -6,15 +6,15 @@ Symbols: Ψ parameters, N data-parallel ranks, p / g bytes per 16-bit parameter 
 
 * K = 12 in mixed precision (fp32 master copy, exp_avg, exp_avg_sq). In fp32, K = 8 (exp_avg,
   exp_avg_sq) because the fp32 parameter *is* the master, DeepSpeed-style: 4 + 4 + 8 = 16 B.
-* Model states on the GPU, the ZeRO paper's formulas (DESIGN.md section 2):
+* Model states on the GPU, the ZeRO paper's formulas (docs/architecture.md, "Memory model"):
   DP (p+g+K)Ψ;  ZeRO-1 (p+g)Ψ + KΨ/N;  ZeRO-2 pΨ + (g+K)Ψ/N;  ZeRO-3 (p+g+K)Ψ/N.
 * Offloaded ZeRO-3 (ZeRO-Offload / ZeRO-Infinity), per rank:
   - the optimizer's tier holds 12 B per parameter of the shard (fp32 master, m, v) in every
     precision: once the optimizer leaves the GPU its master cannot be the GPU's parameter copy
     (DeepSpeed keeps a separate fp32 partition as well);
   - gradients leave the GPU as each module's backward ends and accumulate in fp32 in host
-    memory: 4 B per parameter of the shard on the CPU, also when the optimizer is on NVMe (the
-    data flow of DESIGN.md section 3; DeepSpeed swaps them to NVMe instead);
+    memory: 4 B per parameter of the shard on the CPU, also when the optimizer is on NVMe (see
+    docs/architecture.md, "The data path of one step"; DeepSpeed swaps them to NVMe instead);
   - offloaded parameters: p B per parameter of the shard on the CPU or NVMe instead of the GPU;
   - pinned staging in host memory for NVMe: optimizer on NVMe = 3 states x 3 pipeline slots
     (read i+1, compute i, write i-1) x sub_group_size x 4 B; parameters on NVMe =
@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from tiered.errors import ConfigError
 
@@ -92,7 +92,9 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         if self.total_params <= 0:
-            raise ConfigError(f"model from {self.source}: parameter count must be positive, got {self.total_params}")
+            raise ConfigError(
+                f"model from {self.source}: parameter count must be positive, got {self.total_params}"
+            )
         if not 0 <= self.largest_layer_params <= self.total_params:
             raise ConfigError(
                 f"model from {self.source}: largest layer ({self.largest_layer_params}) must be between 0 "
@@ -205,11 +207,17 @@ STRATEGIES: tuple[tuple[str, str, int, str, str], ...] = (
     ("zero3_opt_nvme", "ZeRO-3 + optimizer on NVMe", 3, "nvme", "none"),
     ("zero3_opt_param_nvme", "ZeRO-3 + optimizer + params on NVMe", 3, "nvme", "nvme"),
 )
-RECOMMENDATION_ORDER = ("zero3", "zero3_opt_cpu", "zero3_opt_param_cpu", "zero3_opt_nvme", "zero3_opt_param_nvme")
+RECOMMENDATION_ORDER = (
+    "zero3",
+    "zero3_opt_cpu",
+    "zero3_opt_param_cpu",
+    "zero3_opt_nvme",
+    "zero3_opt_param_nvme",
+)
 
 
 def model_state_bytes(stage: int, psi: int, n: int, b: PrecisionBytes) -> int:
-    """GPU bytes per rank of the non-offloaded strategies: DESIGN.md section 2, exactly."""
+    """GPU bytes per rank of the non-offloaded strategies: the formulas of docs/architecture.md, "Memory model", exactly."""
     p, g, k = b.param, b.grad, b.optimizer
     if stage == 0:
         return (p + g + k) * psi
@@ -232,8 +240,11 @@ def working_set(shape: ModelShape, opts: PlanOptions) -> tuple[Term, ...]:
     b = PrecisionBytes.of(opts.precision)
     big = shape.largest_layer_params
     terms = [
-        Term("gpu", f"working: gathered largest layer x (1 + {opts.prefetch_layers} prefetched)",
-             (1 + opts.prefetch_layers) * big * b.param),
+        Term(
+            "gpu",
+            f"working: gathered largest layer x (1 + {opts.prefetch_layers} prefetched)",
+            (1 + opts.prefetch_layers) * big * b.param,
+        ),
         Term("gpu", "working: gradient of the largest layer before reduce/offload", big * b.grad),
         Term("gpu", "working: persistent small parameters (kept whole)", shape.persistent_params * b.param),
     ]
@@ -242,8 +253,10 @@ def working_set(shape: ModelShape, opts: PlanOptions) -> tuple[Term, ...]:
     return tuple(terms)
 
 
-def _strategy(key: str, name: str, stage: int, opt_dev: str, param_dev: str,
-              shape: ModelShape, opts: PlanOptions) -> StrategyPlan:
+def strategy_plan(
+    key: str, name: str, stage: int, opt_dev: str, param_dev: str, shape: ModelShape, opts: PlanOptions
+) -> StrategyPlan:
+    """The bytes one row of `STRATEGIES` needs on each tier, itemised ([Note: plan accounting])."""
     b = PrecisionBytes.of(opts.precision)
     psi, n = shape.total_params, opts.world_size
     shard = _shard(psi, n)
@@ -260,20 +273,26 @@ def _strategy(key: str, name: str, stage: int, opt_dev: str, param_dev: str,
     else:
         # [Note: plan accounting]: offloaded optimizer = 12 B + fp32 host gradients 4 B.
         if param_dev == "none":
-            terms.append(Term("gpu", "16-bit parameter shard" if b.param == 2 else "parameter shard",
-                              shard * b.param))
+            terms.append(
+                Term("gpu", "16-bit parameter shard" if b.param == 2 else "parameter shard", shard * b.param)
+            )
         else:
-            terms.append(Term(param_dev, "parameter shard (offloaded)", shard * b.param))  # type: ignore[arg-type]
+            terms.append(Term(cast(Tier, param_dev), "parameter shard (offloaded)", shard * b.param))
         terms.append(Term("cpu", "fp32 gradient shard (host accumulation)", shard_t * HOST_GRAD_BYTES))
-        terms.append(Term(opt_dev, "optimizer shard: fp32 master + m + v",  # type: ignore[arg-type]
+        terms.append(Term(cast(Tier, opt_dev), "optimizer shard: fp32 master + m + v",
                           shard_t * MIXED_OPTIMIZER_BYTES))
         if opt_dev == "nvme":
             tile = min(opts.sub_group_size, shard_t)
             terms.append(Term("cpu", "pinned staging: optimizer pipeline (3 states x 3 slots x sub-group)",
                               OPTIMIZER_STAGING_SLOTS * tile * 4))
         if param_dev == "nvme":
-            terms.append(Term("cpu", f"pinned staging: {opts.param_buffer_count} parameter buffers x largest layer",
-                              opts.param_buffer_count * shape.largest_layer_params * b.param))
+            terms.append(
+                Term(
+                    "cpu",
+                    f"pinned staging: {opts.param_buffer_count} parameter buffers x largest layer",
+                    opts.param_buffer_count * shape.largest_layer_params * b.param,
+                )
+            )
     if stage == 3:
         terms.extend(working_set(shape, opts))
     elif opts.activation_bytes:
@@ -293,7 +312,8 @@ def _strategy(key: str, name: str, stage: int, opt_dev: str, param_dev: str,
     return StrategyPlan(key, name, stage, opt_dev, param_dev, tuple(terms), comm, host_link, nvme_io)
 
 
-def _check_fit(s: StrategyPlan, mem: Memories) -> StrategyPlan:
+def check_fit(s: StrategyPlan, mem: Memories) -> StrategyPlan:
+    """`s` with `fits` and `shortfall_bytes` filled in against the memories the user gave."""
     fits: dict[str, bool | None] = {}
     short: dict[str, int] = {}
     for tier in TIERS:
@@ -305,60 +325,6 @@ def _check_fit(s: StrategyPlan, mem: Memories) -> StrategyPlan:
             if need > have:
                 short[tier] = need - have
     return dataclasses.replace(s, fits=fits, shortfall_bytes=short)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The whole answer of `tiered plan`, JSON-able via `to_json`."""
-
-    shape: ModelShape
-    memories: Memories
-    options: PlanOptions
-    strategies: tuple[StrategyPlan, ...]
-    recommended: str | None
-    message: str
-    config: dict[str, Any] | None
-
-    def strategy(self, key: str) -> StrategyPlan:
-        for s in self.strategies:
-            if s.key == key:
-                return s
-        raise KeyError(key)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": asdict(self.shape),
-            "memories": asdict(self.memories),
-            "options": asdict(self.options),
-            "bytes_per_param": asdict(PrecisionBytes.of(self.options.precision)),
-            "strategies": [s.to_json() for s in self.strategies],
-            "recommended": self.recommended,
-            "message": self.message,
-            "config": self.config,
-        }
-
-
-def make_plan(shape: ModelShape, memories: Memories, opts: PlanOptions) -> Plan:
-    """Every strategy of [Note: plan accounting], fit-checked, and the cheapest ZeRO-3 that fits."""
-    from tiered.planning.recommend import deepspeed_config, nothing_fits_message
-
-    strategies = tuple(_check_fit(_strategy(*row, shape, opts), memories) for row in STRATEGIES)
-    by_key = {s.key: s for s in strategies}
-    chosen = next((k for k in RECOMMENDATION_ORDER if by_key[k].fits_all), None)
-    if chosen is None:
-        return Plan(shape, memories, opts, strategies, None,
-                    nothing_fits_message([by_key[k] for k in RECOMMENDATION_ORDER]), None)
-    s = by_key[chosen]
-    unchecked = [t for t in TIERS if s.fits[t] is None]
-    note = f"; not checked: {', '.join(unchecked)} (pass --{unchecked[0]}-mem)" if unchecked else ""
-    if s.offload_optimizer == "none":
-        how = "fits without offload"
-    elif any(x.fits_all for x in strategies if x.offload_optimizer == "none"):
-        how = "DP/ZeRO-1/2 without the ZeRO-3 working set would fit too"
-    else:
-        how = "fits only with offload"
-    message = f"recommended: {s.name} (the cheapest ZeRO-3 placement that fits; {how}){note}"
-    return Plan(shape, memories, opts, strategies, chosen, message, deepspeed_config(s, shape, memories, opts))
 
 
 def gb(n: int | float) -> float:

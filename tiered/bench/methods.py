@@ -6,7 +6,7 @@ into the same page-aligned destination buffer, so they differ only in how they m
 
 * the ceiling: a plain O_DIRECT copy, `threads` threads issuing os.pwritev / os.preadv on
   `chunk_bytes` pieces (8 x 8 MiB by default; on this machine kind it beats fio and DeepSpeed's
-  aio, see the shared peer baselines), then fsync;
+  aio, see benchmarks/RESULTS.md), then fsync;
 * tiered's storage backends, opened *only* through `tiered.open_backend` (the same door a user
   has): nvme, aiofiles, tensorstore;
 * peers when present: fio (libaio, O_DIRECT, bs 8 MiB, iodepth 8, --end_fsync=1; fio's own
@@ -140,25 +140,29 @@ class ODirectMethod(Method):
 
     def _run(self, fd: int, mv: memoryview, op: Any) -> None:
         n = len(mv)
-        futures = [self.pool.submit(op, fd, mv, off, min(self.chunk, n - off)) for off in range(0, n, self.chunk)]
+        futures = [
+            self.pool.submit(op, fd, mv, off, min(self.chunk, n - off)) for off in range(0, n, self.chunk)
+        ]
         deadline = time.monotonic() + self.timeout_s
         for f in futures:
             try:
                 f.result(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError as exc:
-                raise TierTimeoutError(f"bench {self.name}: I/O on {self.path} took over {self.timeout_s:.0f} s") from exc
+                raise TierTimeoutError(
+                    f"bench {self.name}: I/O on {self.path} took over {self.timeout_s:.0f} s"
+                ) from exc
 
     @staticmethod
     def _pwrite(fd: int, mv: memoryview, off: int, n: int) -> None:
         done = 0
         while done < n:
-            done += os.pwritev(fd, [mv[off + done: off + n]], off + done)
+            done += os.pwritev(fd, [mv[off + done : off + n]], off + done)
 
     @staticmethod
     def _pread(fd: int, mv: memoryview, off: int, n: int) -> None:
         done = 0
         while done < n:
-            got = os.preadv(fd, [mv[off + done: off + n]], off + done)
+            got = os.preadv(fd, [mv[off + done : off + n]], off + done)
             if got == 0:
                 raise StorageIOError(f"short read at offset {off + done}: file ended early")
             done += got
@@ -261,9 +265,17 @@ class FioMethod(Method):
     def _fio(self, rw: str, size: int) -> float:
         assert self.workdir is not None
         cmd = [
-            self.binary, "--name=seq", f"--filename={self.workdir / 'fio.dat'}", f"--size={size}",
-            f"--rw={rw}", f"--bs={self.bs}", "--direct=1", f"--ioengine={self.ioengine}",
-            f"--iodepth={self.iodepth}", "--numjobs=1", "--output-format=json",
+            self.binary,
+            "--name=seq",
+            f"--filename={self.workdir / 'fio.dat'}",
+            f"--size={size}",
+            f"--rw={rw}",
+            f"--bs={self.bs}",
+            "--direct=1",
+            f"--ioengine={self.ioengine}",
+            f"--iodepth={self.iodepth}",
+            "--numjobs=1",
+            "--output-format=json",
         ] + (["--end_fsync=1"] if rw == "write" else [])
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, check=False)
@@ -272,7 +284,7 @@ class FioMethod(Method):
         if proc.returncode != 0:
             raise StorageIOError(f"fio {rw} failed (exit {proc.returncode}): {proc.stderr.strip()[:300]}")
         # fio may print warnings before the JSON document.
-        report = json.loads(proc.stdout[proc.stdout.index("{"):])
+        report = json.loads(proc.stdout[proc.stdout.index("{") :])
         bw = report["jobs"][0][rw]["bw_bytes"]
         if not bw:
             raise StorageIOError(f"fio {rw} reported 0 bytes/s: {proc.stdout[:300]}")
@@ -341,9 +353,7 @@ def find_deepspeed_aio(block_size: int = MIB, queue_depth: int = 32) -> tuple[De
     return DeepSpeedAioMethod(handle, block_size, queue_depth), "present"
 
 
-_DS_BUILD_HINT = (
-    "build it once with: python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()'"
-)
+_DS_BUILD_HINT = "build it once with: python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()'"
 
 
 def _deepspeed_aio_not_ready() -> str:
