@@ -8,13 +8,21 @@ from pathlib import Path
 from typing import Any
 
 TINY = {
-    "model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 64, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "vocab_size": 300,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
 }
 SPECIALS = ["</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def byte_chars() -> dict[int, str]:
@@ -31,7 +39,9 @@ def byte_chars() -> dict[int, str]:
     return table
 
 
-def write_model(folder: Path, *, tokenizer: bool = True, chat_template: bool = True, **overrides: Any) -> Path:
+def write_model(
+    folder: Path, *, tokenizer: bool = True, chat_template: bool = True, **overrides: Any
+) -> Path:
     """A config-only tiny Llama; with `tokenizer`, a byte-level BPE (no merges: one token per
     byte, ids 0..255) plus the chat special tokens (256..261), EOS `</s>` = 256."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -34,8 +34,13 @@ def _mlp() -> torch.nn.Module:
 def _tiny_llama() -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=64, max_position_embeddings=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=64,
+        max_position_embeddings=32,
     )
     return transformers.LlamaForCausalLM(cfg)
 
@@ -57,19 +62,46 @@ def test_empty_config_has_deepspeed_code_defaults():
     assert z.gather_16bit_weights_on_model_save is False
     p, o = z.offload_param, z.offload_optimizer
     assert (p.device, p.buffer_count, p.buffer_size_numel, p.max_in_cpu_numel, p.pin_memory) == (
-        "none", 5, 100_000_000, 1_000_000_000, True)
-    assert (o.device, o.buffer_count, o.pin_memory, o.ratio, o.pipeline_read, o.pipeline_write, o.fast_init) == (
-        "none", 4, True, 1.0, False, False, False)
+        "none",
+        5,
+        100_000_000,
+        1_000_000_000,
+        True,
+    )
+    assert (
+        o.device,
+        o.buffer_count,
+        o.pin_memory,
+        o.ratio,
+        o.pipeline_read,
+        o.pipeline_write,
+        o.fast_init,
+    ) == ("none", 4, True, 1.0, False, False, False)
     # aio (swap_tensor/constants.py, section 3.4)
     a = cfg.aio
-    assert (a.block_size_bytes, a.queue_depth, a.thread_count, a.single_submit, a.overlap_events, a.use_gds) == (
-        1_048_576, 8, 1, False, True, False)
+    assert (
+        a.block_size_bytes,
+        a.queue_depth,
+        a.thread_count,
+        a.single_submit,
+        a.overlap_events,
+        a.use_gds,
+    ) == (1_048_576, 8, 1, False, True, False)
     # FusedAdam / DeepSpeedCPUAdam defaults
     assert (cfg.optimizer.lr, cfg.optimizer.betas, cfg.optimizer.eps, cfg.optimizer.weight_decay) == (
-        1e-3, (0.9, 0.999), 1e-8, 0.0)
+        1e-3,
+        (0.9, 0.999),
+        1e-8,
+        0.0,
+    )
     assert cfg.precision.dtype == torch.float32
-    assert (cfg.precision.loss_scale, cfg.precision.initial_scale_power, cfg.precision.loss_scale_window,
-            cfg.precision.hysteresis, cfg.precision.min_loss_scale) == (0.0, 16, 1000, 2, 1.0)
+    assert (
+        cfg.precision.loss_scale,
+        cfg.precision.initial_scale_power,
+        cfg.precision.loss_scale_window,
+        cfg.precision.hysteresis,
+        cfg.precision.min_loss_scale,
+    ) == (0.0, 16, 1000, 2, 1.0)
     assert (cfg.gradient_accumulation_steps, cfg.gradient_clipping, cfg.steps_per_print) == (1, 0.0, 10)
     assert cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None
     assert cfg.scheduler is None
@@ -97,27 +129,53 @@ def test_hf_zero3_auto_with_tiny_llama():
     # Every "auto" HF fills from TrainingArguments is unset without a caller: never invented
     # (this test used to assert lr 1e-3, micro batch 1, clipping 1.0 and warmup 1000).
     assert set(cfg.unset) == {
-        "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
-        "scheduler.params.warmup_num_steps", "scheduler.params.warmup_max_lr", "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps", "gradient_clipping", "fp16.enabled", "bf16.enabled",
+        "optimizer.params.lr",
+        "optimizer.params.betas",
+        "optimizer.params.eps",
+        "optimizer.params.weight_decay",
+        "scheduler.params.warmup_num_steps",
+        "scheduler.params.warmup_max_lr",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+        "fp16.enabled",
+        "bf16.enabled",
     }
     assert cfg.train_micro_batch_size_per_gpu is None and cfg.train_batch_size is None
     # ... and filled exactly from the caller's values, as HF's trainer_config_process does
-    hp = Hyperparameters(lr=5e-5, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, warmup_steps=0,
-                         micro_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=0.5,
-                         mixed_precision="no")
+    hp = Hyperparameters(
+        lr=5e-5,
+        betas=(0.9, 0.95),
+        eps=1e-6,
+        weight_decay=0.1,
+        warmup_steps=0,
+        micro_batch_size=8,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.5,
+        mixed_precision="no",
+    )
     cfg = load_config(_fixture("hf_ds_config_zero3.json"), model=model, world_size=2, hyperparameters=hp)
     assert cfg.unset == ()
-    assert (cfg.optimizer.type, cfg.optimizer.lr, cfg.optimizer.betas, cfg.optimizer.eps,
-            cfg.optimizer.weight_decay) == ("AdamW", 5e-5, (0.9, 0.95), 1e-6, 0.1)
+    assert (
+        cfg.optimizer.type,
+        cfg.optimizer.lr,
+        cfg.optimizer.betas,
+        cfg.optimizer.eps,
+        cfg.optimizer.weight_decay,
+    ) == ("AdamW", 5e-5, (0.9, 0.95), 1e-6, 0.1)
     assert cfg.train_micro_batch_size_per_gpu == 8 and cfg.gradient_accumulation_steps == 2
     assert cfg.train_batch_size == 32  # 8 * 2 * world_size
     assert cfg.gradient_clipping == 0.5
     assert cfg.precision.dtype == torch.float32
     assert cfg.scheduler == SchedulerConfig(
         "WarmupLR",
-        {"warmup_min_lr": 0.0, "warmup_max_lr": 5e-5, "warmup_num_steps": 1, "warmup_type": "log",
-         "last_batch_iteration": -1},  # HF: max(1, warmup_steps)
+        {
+            "warmup_min_lr": 0.0,
+            "warmup_max_lr": 5e-5,
+            "warmup_num_steps": 1,
+            "warmup_type": "log",
+            "last_batch_iteration": -1,
+        },  # HF: max(1, warmup_steps)
     )
     assert load_config(dump_config(cfg), world_size=2) == cfg
 
@@ -144,12 +202,18 @@ def test_nvme_configs_derive_nvme_tier_from_aio(tmp_path, name):
     cfg = load_config(data, model=_mlp())
     assert (tmp_path / "nvme").is_dir()  # created, as DeepSpeed's swapper makedirs its folder
     aio = data["aio"]
-    assert cfg.tiered.tiers["nvme"] == TierSpec(backend={
-        "type": "nvme", "path": str(tmp_path / "nvme"), "block_size": aio["block_size"],
-        "queue_depth": aio["queue_depth"], "thread_count": aio["thread_count"],
-        "atomic": False, "fsync": False,  # swap files: the nvme backend's scratch mode,
-        "swap": True,  # in a per-process directory that close() removes
-    })
+    assert cfg.tiered.tiers["nvme"] == TierSpec(
+        backend={
+            "type": "nvme",
+            "path": str(tmp_path / "nvme"),
+            "block_size": aio["block_size"],
+            "queue_depth": aio["queue_depth"],
+            "thread_count": aio["thread_count"],
+            "atomic": False,
+            "fsync": False,  # swap files: the nvme backend's scratch mode,
+            "swap": True,  # in a per-process directory that close() removes
+        }
+    )
     assert cfg.tiered.param_tier == "nvme" and cfg.tiered.optimizer_tier == "nvme"
     assert cfg.zero.offload_param.buffer_size_numel == 100_000_000
     assert cfg.zero.offload_param.max_in_cpu_numel == 1_000_000_000
@@ -176,11 +240,16 @@ def test_deepspeed_zero2_fp16_batch_derivation(caplog):
 
 
 def test_split_nvme_paths_give_two_tiers(tmp_path):
-    cfg = load_config({"zero_optimization": {
-        "stage": 3,
-        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
-        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "b")},
-    }, "aio": {"intra_op_parallelism": 4}})
+    cfg = load_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "b")},
+            },
+            "aio": {"intra_op_parallelism": 4},
+        }
+    )
     assert cfg.tiered.tiers["nvme"].backend["path"] == str(tmp_path / "a")
     assert cfg.tiered.tiers["nvme_optimizer"].backend["path"] == str(tmp_path / "b")
     assert cfg.tiered.tiers["nvme_optimizer"].backend["thread_count"] == 4
@@ -200,11 +269,16 @@ def test_tiered_native_config():
 
 
 def test_custom_tier_as_optimizer_tier():
-    cfg = load_config({
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
-        "tiered": {"tiers": {"remote": {"backend": {"type": "tensorstore", "path": "x"}, "budget": "1TB"}},
-                   "optimizer_tier": "remote", "overlap_step_with_backward": True},
-    })
+    cfg = load_config(
+        {
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+            "tiered": {
+                "tiers": {"remote": {"backend": {"type": "tensorstore", "path": "x"}, "budget": "1TB"}},
+                "optimizer_tier": "remote",
+                "overlap_step_with_backward": True,
+            },
+        }
+    )
     assert cfg.tiered.optimizer_tier == "remote"
     assert cfg.tiered.tiers["remote"].budget_bytes == 10**12
     assert set(cfg.tiered.tiers) == {"gpu", "cpu", "remote"}
@@ -213,15 +287,21 @@ def test_custom_tier_as_optimizer_tier():
 
 
 def test_aliases_and_number_spellings():
-    cfg = load_config({
-        "bfloat16": {"enabled": True},
-        "zero_optimization": {
-            "stage": 3, "prefetch_bucket_size": "5e8", "gather_16bit_weights_on_model_save": True,
-            "max_live_parameters": 2e9, "cpu_offload": True, "cpu_offload_param": True,
-        },
-        "aio": {"thread_count": 3},
-        "communication_data_type": "bf16",
-    })
+    cfg = load_config(
+        {
+            "bfloat16": {"enabled": True},
+            "zero_optimization": {
+                "stage": 3,
+                "prefetch_bucket_size": "5e8",
+                "gather_16bit_weights_on_model_save": True,
+                "max_live_parameters": 2e9,
+                "cpu_offload": True,
+                "cpu_offload_param": True,
+            },
+            "aio": {"thread_count": 3},
+            "communication_data_type": "bf16",
+        }
+    )
     assert cfg.precision.dtype == torch.bfloat16
     assert cfg.zero.prefetch_bucket_size_numel == 500_000_000
     assert cfg.zero.max_live_parameters_numel == 2_000_000_000
@@ -232,20 +312,30 @@ def test_aliases_and_number_spellings():
 
 
 def test_adam_l2_mode_and_disabled_unsupported_section_accepted():
-    cfg = load_config({"optimizer": {"type": "adam", "params": {"adam_w_mode": False, "torch_adam": True}},
-                       "elasticity": {"enabled": False, "max_train_batch_size": 10}})
+    cfg = load_config(
+        {
+            "optimizer": {"type": "adam", "params": {"adam_w_mode": False, "torch_adam": True}},
+            "elasticity": {"enabled": False, "max_train_batch_size": 10},
+        }
+    )
     assert cfg.optimizer.type == "Adam" and cfg.optimizer.adamw_mode is False
 
 
 def test_batch_rules():
-    assert load_config({"train_batch_size": 32, "gradient_accumulation_steps": 4}, world_size=2
-                       ).train_micro_batch_size_per_gpu == 4
+    assert (
+        load_config(
+            {"train_batch_size": 32, "gradient_accumulation_steps": 4}, world_size=2
+        ).train_micro_batch_size_per_gpu
+        == 4
+    )
     cfg = load_config({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5}, world_size=2)
     assert cfg.train_batch_size == 30
     cfg = load_config({"train_batch_size": 12}, world_size=3)
     assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (4, 1)
-    cfg = load_config({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4,
-                       "gradient_accumulation_steps": 3}, world_size=2)
+    cfg = load_config(
+        {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3},
+        world_size=2,
+    )
     assert cfg.train_batch_size == 24
 
 
@@ -263,17 +353,26 @@ def test_round_trip_dump_then_load_is_equal(tmp_path, name):
 
 
 def test_round_trip_with_split_nvme_and_scheduler(tmp_path):
-    cfg = load_config({
-        "optimizer": {"type": "AdamW", "params": {"lr": 2e-4}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 500, "warmup_type": "linear"}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "p")},
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "o"),
-                                  "pipeline_read": True, "pipeline_write": True},
-        },
-        "fp16": {"enabled": True, "auto_cast": True, "consecutive_hysteresis": True},
-    })
+    cfg = load_config(
+        {
+            "optimizer": {"type": "AdamW", "params": {"lr": 2e-4}},
+            "scheduler": {
+                "type": "WarmupCosineLR",
+                "params": {"total_num_steps": 500, "warmup_type": "linear"},
+            },
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "p")},
+                "offload_optimizer": {
+                    "device": "nvme",
+                    "nvme_path": str(tmp_path / "o"),
+                    "pipeline_read": True,
+                    "pipeline_write": True,
+                },
+            },
+            "fp16": {"enabled": True, "auto_cast": True, "consecutive_hysteresis": True},
+        }
+    )
     assert cfg.zero.offload_optimizer.pipeline_read and cfg.zero.offload_optimizer.pipeline_write
     assert load_config(dump_config(cfg)) == cfg
     shutil.rmtree(tmp_path / "p")  # reload recreates the swap directory
@@ -284,8 +383,13 @@ _DS_ZERO_SECTIONS = [
     {},
     {"stage": 3},
     {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-    {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False}, "stage3_prefetch_bucket_size": 2e7,
-     "gather_16bit_weights_on_model_save": True, "offload_optimizer": {"device": "cpu", "ratio": 0.3}},
+    {
+        "stage": 3,
+        "offload_param": {"device": "cpu", "pin_memory": False},
+        "stage3_prefetch_bucket_size": 2e7,
+        "gather_16bit_weights_on_model_save": True,
+        "offload_optimizer": {"device": "cpu", "ratio": 0.3},
+    },
 ]
 
 
@@ -308,29 +412,52 @@ def test_zero_section_matches_deepspeed_parser(section):
     assert z.gather_16bit_weights_on_model_save == ds.gather_16bit_weights_on_model_save
     if ds.offload_param is not None:
         p = ds.offload_param
-        assert (z.offload_param.device, z.offload_param.buffer_count, z.offload_param.buffer_size_numel,
-                z.offload_param.max_in_cpu_numel, z.offload_param.pin_memory) == (
-            p.device, p.buffer_count, p.buffer_size, p.max_in_cpu, p.pin_memory)
+        assert (
+            z.offload_param.device,
+            z.offload_param.buffer_count,
+            z.offload_param.buffer_size_numel,
+            z.offload_param.max_in_cpu_numel,
+            z.offload_param.pin_memory,
+        ) == (p.device, p.buffer_count, p.buffer_size, p.max_in_cpu, p.pin_memory)
     if ds.offload_optimizer is not None:
         o = ds.offload_optimizer
-        assert (z.offload_optimizer.device, z.offload_optimizer.buffer_count, z.offload_optimizer.pin_memory,
-                z.offload_optimizer.ratio, z.offload_optimizer.pipeline_read, z.offload_optimizer.fast_init) == (
-            o.device, o.buffer_count, o.pin_memory, o.ratio, o.pipeline_read, o.fast_init)
+        assert (
+            z.offload_optimizer.device,
+            z.offload_optimizer.buffer_count,
+            z.offload_optimizer.pin_memory,
+            z.offload_optimizer.ratio,
+            z.offload_optimizer.pipeline_read,
+            z.offload_optimizer.fast_init,
+        ) == (o.device, o.buffer_count, o.pin_memory, o.ratio, o.pipeline_read, o.fast_init)
 
 
 def test_aio_defaults_match_deepspeed():
     aio_config = pytest.importorskip("deepspeed.runtime.swap_tensor.aio_config")
     ds = aio_config.get_aio_config({})
     a = load_config({}).aio
-    assert (a.block_size_bytes, a.queue_depth, a.thread_count, a.single_submit, a.overlap_events, a.use_gds) == (
-        ds["block_size"], ds["queue_depth"], ds["intra_op_parallelism"], ds["single_submit"],
-        ds["overlap_events"], ds["use_gds"])
+    assert (
+        a.block_size_bytes,
+        a.queue_depth,
+        a.thread_count,
+        a.single_submit,
+        a.overlap_events,
+        a.use_gds,
+    ) == (
+        ds["block_size"],
+        ds["queue_depth"],
+        ds["intra_op_parallelism"],
+        ds["single_submit"],
+        ds["overlap_events"],
+        ds["use_gds"],
+    )
 
 
 def test_user_nvme_backend_for_offload_tier_inherits_derived_keys(tmp_path):
     nvme = str(tmp_path / "nvme")
-    base = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
-            "aio": {"block_size": 262144, "queue_depth": 4}}
+    base = {
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
+        "aio": {"block_size": 262144, "queue_depth": 4},
+    }
     cfg = load_config({**base, "tiered": {"tiers": {"nvme": {"backend": {"type": "nvme", "path": nvme}}}}})
     spec = cfg.tiered.tiers["nvme"].backend
     assert spec["block_size"] == 262144 and spec["queue_depth"] == 4
@@ -343,9 +470,14 @@ def test_user_nvme_backend_for_offload_tier_inherits_derived_keys(tmp_path):
 
 
 def test_user_declared_nvme_tier_is_not_a_swap_tier(tmp_path):
-    cfg = load_config({
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "a")}},
-        "tiered": {"tiers": {"disk": {"backend": {"type": "nvme", "path": str(tmp_path / "b")}}}},
-    })
+    cfg = load_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
+            },
+            "tiered": {"tiers": {"disk": {"backend": {"type": "nvme", "path": str(tmp_path / "b")}}}},
+        }
+    )
     assert cfg.tiered.tiers["nvme"].backend["swap"] is True  # derived from nvme_path: swap files
     assert cfg.tiered.tiers["disk"].backend == {"type": "nvme", "path": str(tmp_path / "b")}  # the user's own

@@ -24,32 +24,51 @@ def _raises(config, *fragments, exc=ConfigError, **kwargs):
 
 
 def test_unknown_zero_key_names_path_and_nearest():
-    err = _raises({ZP: {"stage": 3, "stage3_prefetch_bucket_sze": 1}},
-                  "'zero_optimization.stage3_prefetch_bucket_sze'",
-                  "did you mean 'zero_optimization.stage3_prefetch_bucket_size'")
+    err = _raises(
+        {ZP: {"stage": 3, "stage3_prefetch_bucket_sze": 1}},
+        "'zero_optimization.stage3_prefetch_bucket_sze'",
+        "did you mean 'zero_optimization.stage3_prefetch_bucket_size'",
+    )
     assert not isinstance(err, UnsupportedConfigError)
 
 
 def test_unknown_top_level_key():
-    _raises({"gradient_acumulation_steps": 2}, "'gradient_acumulation_steps'",
-            "did you mean 'gradient_accumulation_steps'")
+    _raises(
+        {"gradient_acumulation_steps": 2},
+        "'gradient_acumulation_steps'",
+        "did you mean 'gradient_accumulation_steps'",
+    )
 
 
 def test_unknown_nested_offload_key():
-    _raises({ZP: {"stage": 3, "offload_param": {"device": "cpu", "nvme_pth": "/x"}}},
-            "'zero_optimization.offload_param.nvme_pth'", "'zero_optimization.offload_param.nvme_path'")
+    _raises(
+        {ZP: {"stage": 3, "offload_param": {"device": "cpu", "nvme_pth": "/x"}}},
+        "'zero_optimization.offload_param.nvme_pth'",
+        "'zero_optimization.offload_param.nvme_path'",
+    )
 
 
 def test_unknown_aio_optimizer_and_tier_keys():
     _raises({"aio": {"queue_dept": 4}}, "'aio.queue_dept'", "'aio.queue_depth'")
-    _raises({"optimizer": {"type": "Adam", "params": {"betas1": 0.9}}}, "'optimizer.params.betas1'", "'optimizer.params.betas'")
-    _raises({"tiered": {"tiers": {"gpu": {"budgit": "1GB"}}}}, "'tiered.tiers.gpu.budgit'", "'tiered.tiers.gpu.budget'")
+    _raises(
+        {"optimizer": {"type": "Adam", "params": {"betas1": 0.9}}},
+        "'optimizer.params.betas1'",
+        "'optimizer.params.betas'",
+    )
+    _raises(
+        {"tiered": {"tiers": {"gpu": {"budgit": "1GB"}}}},
+        "'tiered.tiers.gpu.budgit'",
+        "'tiered.tiers.gpu.budget'",
+    )
     _raises({"tiered": {"timeout": 3}}, "'tiered.timeout'", "'tiered.timeout_s'")
 
 
 def test_unknown_scheduler_param():
-    _raises({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_l": 1}}},
-            "'scheduler.params.warmup_max_l'", "'scheduler.params.warmup_max_lr'")
+    _raises(
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_l": 1}}},
+        "'scheduler.params.warmup_max_l'",
+        "'scheduler.params.warmup_max_lr'",
+    )
 
 
 def test_unknown_key_without_close_match_lists_valid_keys():
@@ -60,20 +79,30 @@ def test_unknown_key_without_close_match_lists_valid_keys():
 
 
 def test_zero_plus_plus_quantized_weights_unsupported():
-    _raises({ZP: {"stage": 3, "zero_quantized_weights": True}},
-            "zero_optimization.zero_quantized_weights", "not supported", "set false",
-            exc=UnsupportedConfigError)
+    _raises(
+        {ZP: {"stage": 3, "zero_quantized_weights": True}},
+        "zero_optimization.zero_quantized_weights",
+        "not supported",
+        "set false",
+        exc=UnsupportedConfigError,
+    )
     load_config({ZP: {"stage": 3, "zero_quantized_weights": False, "zero_hpz_partition_size": 1}})
 
 
 @pytest.mark.parametrize("name", ["Lamb", "OneBitAdam", "SGD", "lion"])
 def test_other_deepspeed_optimizers_unsupported(name):
-    _raises({"optimizer": {"type": name, "params": {}}}, f"optimizer.type = {name!r}", "\"Adam\" or \"AdamW\"",
-            exc=UnsupportedConfigError)
+    _raises(
+        {"optimizer": {"type": name, "params": {}}},
+        f"optimizer.type = {name!r}",
+        '"Adam" or "AdamW"',
+        exc=UnsupportedConfigError,
+    )
 
 
 def test_unknown_optimizer_type_unsupported():
-    _raises({"optimizer": {"type": "Adamm"}}, "optimizer.type = 'Adamm'", "\"AdamW\"", exc=UnsupportedConfigError)
+    _raises(
+        {"optimizer": {"type": "Adamm"}}, "optimizer.type = 'Adamm'", '"AdamW"', exc=UnsupportedConfigError
+    )
 
 
 def test_optimizer_missing_type():
@@ -81,21 +110,35 @@ def test_optimizer_missing_type():
 
 
 def test_amsgrad_and_adamw_contradiction():
-    _raises({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad",
-            exc=UnsupportedConfigError)
-    _raises({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}},
-            "optimizer.params.adam_w_mode", "\"type\": \"Adam\"")
+    _raises(
+        {"optimizer": {"type": "Adam", "params": {"amsgrad": True}}},
+        "optimizer.params.amsgrad",
+        exc=UnsupportedConfigError,
+    )
+    _raises(
+        {"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}},
+        "optimizer.params.adam_w_mode",
+        '"type": "Adam"',
+    )
 
 
 def test_unsupported_scheduler_type():
-    _raises({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type = 'OneCycle'", "WarmupLR",
-            exc=UnsupportedConfigError)
+    _raises(
+        {"scheduler": {"type": "OneCycle", "params": {}}},
+        "scheduler.type = 'OneCycle'",
+        "WarmupLR",
+        exc=UnsupportedConfigError,
+    )
     _raises({"scheduler": {"type": "Cosine"}}, "scheduler.type", "WarmupCosineLR")
 
 
 def test_enabled_unsupported_section():
-    _raises({"elasticity": {"enabled": True}}, "elasticity is enabled", "\"enabled\": false",
-            exc=UnsupportedConfigError)
+    _raises(
+        {"elasticity": {"enabled": True}},
+        "elasticity is enabled",
+        '"enabled": false',
+        exc=UnsupportedConfigError,
+    )
     _raises({"amp": {"enabled": True}}, "amp is enabled", "bf16", exc=UnsupportedConfigError)
 
 
@@ -104,14 +147,18 @@ def test_use_gds():
     if torch.cuda.is_available():
         assert load_config(config).aio.use_gds is True
     else:
-        _raises(config, "aio.use_gds", "CUDA is not available", "\"use_gds\": false", exc=UnsupportedConfigError)
+        _raises(
+            config, "aio.use_gds", "CUDA is not available", '"use_gds": false', exc=UnsupportedConfigError
+        )
 
 
 # --- consistency checks --------------------------------------------------------------------------
 
 
 def test_bf16_and_fp16_both_enabled():
-    _raises({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16.enabled", "fp16.enabled", "only one")
+    _raises(
+        {"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16.enabled", "fp16.enabled", "only one"
+    )
 
 
 def test_bf16_alias_twice():
@@ -119,34 +166,58 @@ def test_bf16_alias_twice():
 
 
 def test_batch_size_mismatch_names_all_keys():
-    _raises({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
-            "train_batch_size (10)", "train_micro_batch_size_per_gpu (2)", "gradient_accumulation_steps (2)",
-            "world_size (2)", "= 8", world_size=2)
+    _raises(
+        {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
+        "train_batch_size (10)",
+        "train_micro_batch_size_per_gpu (2)",
+        "gradient_accumulation_steps (2)",
+        "world_size (2)",
+        "= 8",
+        world_size=2,
+    )
 
 
 def test_batch_size_not_divisible():
-    _raises({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
-            "train_batch_size (10)", "train_micro_batch_size_per_gpu (4)")
-    _raises({"train_batch_size": 10, "gradient_accumulation_steps": 3},
-            "train_batch_size (10)", "gradient_accumulation_steps (3)")
+    _raises(
+        {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
+        "train_batch_size (10)",
+        "train_micro_batch_size_per_gpu (4)",
+    )
+    _raises(
+        {"train_batch_size": 10, "gradient_accumulation_steps": 3},
+        "train_batch_size (10)",
+        "gradient_accumulation_steps (3)",
+    )
     _raises({"train_batch_size": 7}, "train_batch_size (7)", "world_size (2)", world_size=2)
 
 
 def test_nvme_without_path():
-    _raises({ZP: {"stage": 3, "offload_param": {"device": "nvme"}}},
-            "zero_optimization.offload_param.nvme_path is not set")
-    _raises({ZP: {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
-            "zero_optimization.offload_optimizer.nvme_path is not set")
+    _raises(
+        {ZP: {"stage": 3, "offload_param": {"device": "nvme"}}},
+        "zero_optimization.offload_param.nvme_path is not set",
+    )
+    _raises(
+        {ZP: {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+        "zero_optimization.offload_optimizer.nvme_path is not set",
+    )
 
 
 def test_nvme_path_cannot_be_created(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     bad = blocker / "swap"
-    _raises({ZP: {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(bad)}}},
-            "zero_optimization.offload_param.nvme_path", str(bad), "cannot create")
-    _raises({ZP: {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(blocker)}}},
-            "zero_optimization.offload_optimizer.nvme_path", str(blocker), "not a directory")
+    _raises(
+        {ZP: {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(bad)}}},
+        "zero_optimization.offload_param.nvme_path",
+        str(bad),
+        "cannot create",
+    )
+    _raises(
+        {ZP: {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(blocker)}}},
+        "zero_optimization.offload_optimizer.nvme_path",
+        str(blocker),
+        "not a directory",
+    )
 
 
 def test_nvme_path_not_writable(tmp_path, monkeypatch):
@@ -154,35 +225,55 @@ def test_nvme_path_not_writable(tmp_path, monkeypatch):
     import tiered.config.sections as sections
 
     monkeypatch.setattr(sections.os, "access", lambda path, mode: False)
-    _raises({ZP: {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}},
-            "zero_optimization.offload_param.nvme_path", str(tmp_path), "not writable")
+    _raises(
+        {ZP: {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}},
+        "zero_optimization.offload_param.nvme_path",
+        str(tmp_path),
+        "not writable",
+    )
 
 
 def test_offload_param_needs_stage3():
-    _raises({ZP: {"stage": 2, "offload_param": {"device": "cpu"}}},
-            "zero_optimization.offload_param.device", "zero_optimization.stage 3 (got 2)")
+    _raises(
+        {ZP: {"stage": 2, "offload_param": {"device": "cpu"}}},
+        "zero_optimization.offload_param.device",
+        "zero_optimization.stage 3 (got 2)",
+    )
     _raises({ZP: {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer", "got 0")
     _raises({ZP: {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, "ratio", "stage 3")
 
 
 @pytest.mark.parametrize("ratio", [0, -0.1, 1.5])
 def test_ratio_out_of_range(ratio):
-    _raises({ZP: {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": ratio}}},
-            "zero_optimization.offload_optimizer.ratio", "out of range")
+    _raises(
+        {ZP: {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": ratio}}},
+        "zero_optimization.offload_optimizer.ratio",
+        "out of range",
+    )
 
 
-@pytest.mark.parametrize(("key", "value"), [
-    ("reduce_bucket_size", -1), ("stage3_prefetch_bucket_size", "-5e8"), ("stage3_max_live_parameters", -2e9),
-])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("reduce_bucket_size", -1),
+        ("stage3_prefetch_bucket_size", "-5e8"),
+        ("stage3_max_live_parameters", -2e9),
+    ],
+)
 def test_negative_sizes(key, value):
     _raises({ZP: {"stage": 3, key: value}}, f"zero_optimization.{key}", "negative")
 
 
 def test_buffer_count_and_sub_group_size_minimums():
-    _raises({ZP: {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 0}}},
-            "zero_optimization.offload_param.buffer_count", "minimum 1")
-    _raises({ZP: {"stage": 3, "offload_optimizer": {"device": "cpu", "buffer_count": 0}}},
-            "zero_optimization.offload_optimizer.buffer_count")
+    _raises(
+        {ZP: {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 0}}},
+        "zero_optimization.offload_param.buffer_count",
+        "minimum 1",
+    )
+    _raises(
+        {ZP: {"stage": 3, "offload_optimizer": {"device": "cpu", "buffer_count": 0}}},
+        "zero_optimization.offload_optimizer.buffer_count",
+    )
     # sub_group_size 0 is valid in DeepSpeed (one parameter per sub-group): see test_config_zoo
     _raises({ZP: {"stage": 3, "sub_group_size": -1}}, "zero_optimization.sub_group_size", "negative")
 
@@ -193,25 +284,40 @@ def test_bad_numbers():
     _raises({ZP: {"reduce_bucket_size": True}}, "zero_optimization.reduce_bucket_size")
     _raises({ZP: {"stage": 4}}, "zero_optimization.stage", "0, 1, 2 or 3")
     _raises({ZP: {"overlap_comm": "yes"}}, "zero_optimization.overlap_comm", "true or false")
-    _raises({ZP: {"stage": 3, "offload_param": {"device": "disk"}}}, "zero_optimization.offload_param.device",
-            "'nvme'")
+    _raises(
+        {ZP: {"stage": 3, "offload_param": {"device": "disk"}}},
+        "zero_optimization.offload_param.device",
+        "'nvme'",
+    )
     _raises({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "optimizer.params.betas", "pair")
     _raises({"communication_data_type": "fp8"}, "communication_data_type", "'bf16'")
 
 
 def test_aliases_given_twice():
-    _raises({ZP: {"stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 2}},
-            "zero_optimization.stage3_prefetch_bucket_size and zero_optimization.prefetch_bucket_size",
-            "keep only one")
-    _raises({"aio": {"thread_count": 1, "intra_op_parallelism": 2}}, "aio.thread_count", "aio.intra_op_parallelism")
+    _raises(
+        {ZP: {"stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 2}},
+        "zero_optimization.stage3_prefetch_bucket_size and zero_optimization.prefetch_bucket_size",
+        "keep only one",
+    )
+    _raises(
+        {"aio": {"thread_count": 1, "intra_op_parallelism": 2}},
+        "aio.thread_count",
+        "aio.intra_op_parallelism",
+    )
 
 
 def test_auto_without_model():
-    _raises({ZP: {"stage": 3, "reduce_bucket_size": "auto"}}, "zero_optimization.reduce_bucket_size",
-            "pass model=")
-    _raises({ZP: {"stage": 3, "stage3_param_persistence_threshold": "auto"}},
-            "zero_optimization.stage3_param_persistence_threshold", "hidden size",
-            model=torch.nn.Sequential(torch.nn.ReLU()))
+    _raises(
+        {ZP: {"stage": 3, "reduce_bucket_size": "auto"}},
+        "zero_optimization.reduce_bucket_size",
+        "pass model=",
+    )
+    _raises(
+        {ZP: {"stage": 3, "stage3_param_persistence_threshold": "auto"}},
+        "zero_optimization.stage3_param_persistence_threshold",
+        "hidden size",
+        model=torch.nn.Sequential(torch.nn.ReLU()),
+    )
 
 
 # --- the tiered section --------------------------------------------------------------------------
@@ -232,15 +338,23 @@ def test_nvme_tier_without_backend_and_no_nvme_offload():
 
 
 def test_nvme_tier_path_contradicts_offload_path(tmp_path):
-    _raises({ZP: {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")}},
-             "tiered": {"tiers": {"nvme": {"backend": {"type": "nvme", "path": str(tmp_path / "b")}}}}},
-            "tiered.tiers.nvme.backend.path", "contradicts")
+    _raises(
+        {
+            ZP: {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")}},
+            "tiered": {"tiers": {"nvme": {"backend": {"type": "nvme", "path": str(tmp_path / "b")}}}},
+        },
+        "tiered.tiers.nvme.backend.path",
+        "contradicts",
+    )
 
 
 def test_offload_tier_names():
-    _raises({ZP: {"stage": 3, "offload_optimizer": {"device": "cpu"}}, "tiered": {"optimizer_tier": "nope"}},
-            "tiered.optimizer_tier = 'nope' names no tier", "cpu, gpu")
-    _raises({"tiered": {"param_tier": "cpu"}}, "tiered.param_tier", "offload_param.device is \"none\"")
+    _raises(
+        {ZP: {"stage": 3, "offload_optimizer": {"device": "cpu"}}, "tiered": {"optimizer_tier": "nope"}},
+        "tiered.optimizer_tier = 'nope' names no tier",
+        "cpu, gpu",
+    )
+    _raises({"tiered": {"param_tier": "cpu"}}, "tiered.param_tier", 'offload_param.device is "none"')
 
 
 def test_tiered_scalar_checks():

@@ -27,12 +27,15 @@ def _fresh_logs() -> None:
 
 
 def test_underscore_keys_are_comments_at_any_depth() -> None:
-    cfg = load_config({
-        "_comment": "from LLaMA-Factory", "_note": {"any": "thing"},
-        ZP: {"_comment": "z3", "stage": 3, "offload_param": {"_why": "ram", "device": "cpu"}},
-        "scheduler": {"type": "WarmupLR", "params": {"_c": 1, "warmup_num_steps": 5}},
-        "optimizer": {"type": "AdamW", "_c": 0, "params": {"lr": 1e-3, "_c": 0}},
-    })
+    cfg = load_config(
+        {
+            "_comment": "from LLaMA-Factory",
+            "_note": {"any": "thing"},
+            ZP: {"_comment": "z3", "stage": 3, "offload_param": {"_why": "ram", "device": "cpu"}},
+            "scheduler": {"type": "WarmupLR", "params": {"_c": 1, "warmup_num_steps": 5}},
+            "optimizer": {"type": "AdamW", "_c": 0, "params": {"lr": 1e-3, "_c": 0}},
+        }
+    )
     assert cfg.zero.offload_param.device == "cpu" and cfg.scheduler is not None
 
 
@@ -55,8 +58,18 @@ def test_known_key_in_the_wrong_section_says_where_it_belongs() -> None:
         load_config({ZP: {"stage3_prefetch_bucket_sz": 1}})
 
 
-@pytest.mark.parametrize("key", ["comms_config", "monitor_config", "tensorboard", "wandb", "csv_monitor",
-                                 "flops_profiler", "comms_logger"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "comms_config",
+        "monitor_config",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "flops_profiler",
+        "comms_logger",
+    ],
+)
 def test_deepspeed_sections_reported_once_as_ignored(key: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="tiered.config"):
         load_config({key: {"enabled": True}})
@@ -79,7 +92,9 @@ def test_settings_that_change_what_runs_are_refused_by_name() -> None:
         load_config({"tensor_parallel": {"autotp_size": 2}})
     with pytest.raises(UnsupportedConfigError, match=r"tensor_parallel\.tp\.tp_size = 4"):
         load_config({"tensor_parallel": {"tp": {"tp_size": 4}}})
-    load_config({"compile": {"deepcompile": False, "free_activation": True}, "tensor_parallel": {"autotp_size": 0}})
+    load_config(
+        {"compile": {"deepcompile": False, "free_activation": True}, "tensor_parallel": {"autotp_size": 0}}
+    )
     with pytest.raises(ConfigError, match=r"unknown configuration key 'compile.deepcompil'"):
         load_config({"compile": {"deepcompil": True}})
 
@@ -87,19 +102,44 @@ def test_settings_that_change_what_runs_are_refused_by_name() -> None:
 def test_zeros_keep_deepspeeds_meaning() -> None:
     z = load_config({ZP: {"stage": 3, "sub_group_size": 0}}).zero
     assert z.sub_group_size_numel == 1  # DeepSpeed: every parameter its own sub-group
-    z = load_config({ZP: {"stage": 3, "stage3_max_live_parameters": 0, "stage3_prefetch_bucket_size": 5e7}}).zero
-    assert z.prefetch_bucket_size_numel == 0 and z.max_live_parameters_numel == sys.maxsize  # prefetch-only limit
-    z = load_config({ZP: {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0,
-                          "stage3_param_persistence_threshold": 0}}).zero
-    assert (z.prefetch_bucket_size_numel, z.max_reuse_distance_numel, z.param_persistence_threshold_numel) == (0, 0, 0)
+    z = load_config(
+        {ZP: {"stage": 3, "stage3_max_live_parameters": 0, "stage3_prefetch_bucket_size": 5e7}}
+    ).zero
+    assert (
+        z.prefetch_bucket_size_numel == 0 and z.max_live_parameters_numel == sys.maxsize
+    )  # prefetch-only limit
+    z = load_config(
+        {
+            ZP: {
+                "stage": 3,
+                "stage3_prefetch_bucket_size": 0,
+                "stage3_max_reuse_distance": 0,
+                "stage3_param_persistence_threshold": 0,
+            }
+        }
+    ).zero
+    assert (
+        z.prefetch_bucket_size_numel,
+        z.max_reuse_distance_numel,
+        z.param_persistence_threshold_numel,
+    ) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("path", [
-    "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size", "zero_optimization.contiguous_gradients",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save", "zero_optimization.offload_param.buffer_size",
-    "zero_optimization.offload_param.buffer_count", "zero_optimization.offload_optimizer.fast_init",
-    "communication_data_type", "aio.single_submit", "aio.overlap_events",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "zero_optimization.overlap_comm",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.contiguous_gradients",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.offload_param.buffer_size",
+        "zero_optimization.offload_param.buffer_count",
+        "zero_optimization.offload_optimizer.fast_init",
+        "communication_data_type",
+        "aio.single_submit",
+        "aio.overlap_events",
+    ],
+)
 def test_keys_nothing_reads_are_classed_accepted_with_a_reason(path: str) -> None:
     rule = config_keys.RULES[path]
     assert rule.kind == "accepted" and len(rule.note) > 20
@@ -126,14 +166,25 @@ class _Multimodal(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.config = SimpleNamespace(text_config=SimpleNamespace(hidden_size=16), vision_config=SimpleNamespace())
+        self.config = SimpleNamespace(
+            text_config=SimpleNamespace(hidden_size=16), vision_config=SimpleNamespace()
+        )
         self.vision = torch.nn.Linear(64, 64)
         self.text = torch.nn.Linear(16, 16)
 
 
 def test_auto_for_multimodal_uses_text_config() -> None:
-    cfg = load_config({ZP: {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                            "stage3_param_persistence_threshold": "auto"}}, model=_Multimodal())
+    cfg = load_config(
+        {
+            ZP: {
+                "stage": 3,
+                "reduce_bucket_size": "auto",
+                "stage3_prefetch_bucket_size": "auto",
+                "stage3_param_persistence_threshold": "auto",
+            }
+        },
+        model=_Multimodal(),
+    )
     assert cfg.zero.reduce_bucket_size_numel == 16 * 16
     assert cfg.zero.prefetch_bucket_size_numel == int(0.9 * 16 * 16)
     assert cfg.zero.param_persistence_threshold_numel == 160
@@ -148,14 +199,24 @@ def test_steps_per_print_and_wall_clock_breakdown_are_honoured(caplog: pytest.Lo
         g = torch.Generator().manual_seed(seed)
         return {"x": torch.randn(4, 16, generator=g), "y": torch.randn(4, 8, generator=g)}
 
-    config = {ZP: {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "steps_per_print": 2, "wall_clock_breakdown": True}
+    config = {
+        ZP: {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "steps_per_print": 2,
+        "wall_clock_breakdown": True,
+    }
     with caplog.at_level(logging.INFO, logger="tiered.engine"), tiered.initialize(MLP(), config) as engine:
         for i in range(4):
             engine.backward(engine(**mlp_batch(seed=i)))
             engine.step()
-    progress = [r.getMessage() for r in caplog.records if r.name == "tiered.engine" and ": lr " in r.getMessage()]
-    timing = [r.getMessage() for r in caplog.records if r.name == "tiered.engine" and " time: forward " in r.getMessage()]
+    progress = [
+        r.getMessage() for r in caplog.records if r.name == "tiered.engine" and ": lr " in r.getMessage()
+    ]
+    timing = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "tiered.engine" and " time: forward " in r.getMessage()
+    ]
     assert [m.split(":")[0] for m in progress] == ["step 2", "step 4"]
     assert "lr 0.001" in progress[0] and "grad norm" in progress[0]
     assert [m.split(" time")[0] for m in timing] == ["step 2", "step 4"]
@@ -183,8 +244,11 @@ def test_fp16_auto_cast_is_honoured(auto_cast: bool) -> None:
     seen: list[torch.dtype] = []
     model = MLP()
     model.register_forward_pre_hook(lambda _m, args, kwargs: seen.append(kwargs["x"].dtype), with_kwargs=True)
-    config = {ZP: {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "fp16": {"enabled": True, "auto_cast": auto_cast}}
+    config = {
+        ZP: {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "fp16": {"enabled": True, "auto_cast": auto_cast},
+    }
     with tiered.initialize(model, config) as engine:
         try:
             engine(x=torch.randn(4, 16), y=torch.randn(4, 8, dtype=torch.float16))

@@ -25,14 +25,26 @@ INDEX: dict[str, dict[str, Any]] = json.loads((ZOO / "index.json").read_text(enc
 
 # What HF's TrainingArguments would hold (its defaults, except a small batch and 1 step).
 _TRAINER = {
-    "lr": 5e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "warmup_steps": 0, "total_steps": 1,
-    "micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_grad_norm": 1.0,
+    "lr": 5e-5,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "warmup_steps": 0,
+    "total_steps": 1,
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": 1,
+    "max_grad_norm": 1.0,
 }
 _KEY_OF = {
-    "lr": "optimizer.params.lr", "betas": "optimizer.params.betas", "eps": "optimizer.params.eps",
-    "weight_decay": "optimizer.params.weight_decay", "warmup_steps": "scheduler.params.warmup_num_steps",
-    "total_steps": "scheduler.params.total_num_steps", "micro_batch_size": "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps": "gradient_accumulation_steps", "max_grad_norm": "gradient_clipping",
+    "lr": "optimizer.params.lr",
+    "betas": "optimizer.params.betas",
+    "eps": "optimizer.params.eps",
+    "weight_decay": "optimizer.params.weight_decay",
+    "warmup_steps": "scheduler.params.warmup_num_steps",
+    "total_steps": "scheduler.params.total_num_steps",
+    "micro_batch_size": "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "max_grad_norm": "gradient_clipping",
 }
 
 
@@ -78,8 +90,15 @@ def tiny_llama() -> torch.nn.Module:
     """One Llama block, hidden 16 (built once; each test trains a deep copy): the zoo is about
     configs, and 37 of them must run in seconds."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
@@ -97,7 +116,9 @@ def test_the_zoo_is_big_and_indexed() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(INDEX))
-def test_zoo_config(name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, tiny_llama: torch.nn.Module) -> None:
+def test_zoo_config(
+    name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, tiny_llama: torch.nn.Module
+) -> None:
     entry = INDEX[name]
     config = _with_tmp_nvme(json.loads((ZOO / name).read_text(encoding="utf-8")), tmp_path / "nvme")
     kw = trainer_keywords(config)

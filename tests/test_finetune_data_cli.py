@@ -17,8 +17,12 @@ from tiered.errors import CapacityError
 from tiered.finetune import build_model, eval_loss, resolve_model
 from tiered.finetune.activations import estimate_activations
 
-CHAT = {"messages": [{"role": "user", "content": "what is fast?"},
-                     {"role": "assistant", "content": "the small place is fast."}]}
+CHAT = {
+    "messages": [
+        {"role": "user", "content": "what is fast?"},
+        {"role": "assistant", "content": "the small place is fast."},
+    ]
+}
 
 
 @pytest.fixture
@@ -31,12 +35,25 @@ def files(tmp_path: Path) -> dict[str, Path]:
 
 
 def cli(files: dict[str, Path], *extra: str) -> list[str]:
-    return ["finetune", "--model", str(files["model"]), "--config", str(files["config"]),
-            "--data", str(files["data"]), "--seq-len", "16", "--steps", "3", *extra]
+    return [
+        "finetune",
+        "--model",
+        str(files["model"]),
+        "--config",
+        str(files["config"]),
+        "--data",
+        str(files["data"]),
+        "--seq-len",
+        "16",
+        "--steps",
+        "3",
+        *extra,
+    ]
 
 
-def test_jsonl_with_eval_split_prints_and_records_eval_loss(files: dict[str, Path],
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_jsonl_with_eval_split_prints_and_records_eval_loss(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     stats = files["tmp"] / "s.json"
     assert main(cli(files, "--eval-fraction", "0.2", "--eval-every", "2", "--stats-json", str(stats))) == 0
     out = capsys.readouterr().out
@@ -67,8 +84,11 @@ def test_eval_loss_weights_by_trained_tokens(tmp_path: Path) -> None:
     batches = [{"input_ids": ids[:1], "labels": labels[:1]}, {"input_ids": ids[1:], "labels": labels[1:]}]
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, :-1]
-        want = float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                       labels[:, 1:].reshape(-1), ignore_index=-100))
+        want = float(
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
+        )
     assert model.training
     assert math.isclose(eval_loss(model, model, batches), want, rel_tol=1e-6)
     assert model.training  # restored
@@ -78,8 +98,9 @@ def test_eval_loss_weights_by_trained_tokens(tmp_path: Path) -> None:
 def test_activation_estimate_is_the_megatron_formula() -> None:
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=100,
-                      intermediate_size=128)
+    cfg = LlamaConfig(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=100, intermediate_size=128
+    )
     e = estimate_activations(cfg, batch=2, seq_len=32, dtype=torch.bfloat16, checkpointing=False)
     per_layer = 32 * 2 * 64 * (34 + 5 * 4 * 32 / 64)  # s b h (34 + 5 a s / h), 16-bit bytes
     assert e.per_layer_bytes == int(per_layer)
@@ -90,8 +111,9 @@ def test_activation_estimate_is_the_megatron_formula() -> None:
     assert c.total_bytes == 3 * 32 * 2 * 64 * 2 + e.per_layer_bytes + e.logits_bytes < e.total_bytes
 
 
-def test_huge_batch_is_refused_before_training_leaving_nothing(files: dict[str, Path],
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_huge_batch_is_refused_before_training_leaving_nothing(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     # ~75 TB of activations (2 layers, fp32): no machine has that much memory free
     assert main(cli(files, "--batch-size", "100000000", "--seq-len", "64")) == 2
     captured = capsys.readouterr()
@@ -107,8 +129,14 @@ def test_activation_check_uses_the_free_memory(files: dict[str, Path], tmp_path:
 
     from tiered.cli.finetune import finetune_job
 
-    kw: dict[str, Any] = {"model_path": files["model"], "config": files["config"], "data_path": files["data"],
-                          "seq_len": 16, "steps": 1, "out": io.StringIO()}
+    kw: dict[str, Any] = {
+        "model_path": files["model"],
+        "config": files["config"],
+        "data_path": files["data"],
+        "seq_len": 16,
+        "steps": 1,
+        "out": io.StringIO(),
+    }
     with pytest.raises(CapacityError, match=r"exceed the test memory, 1000 B"):
         finetune_job(**kw, free_memory=(1000, "test memory"))
     assert not (files["tmp"] / "nvme").exists()
@@ -117,14 +145,21 @@ def test_activation_check_uses_the_free_memory(files: dict[str, Path], tmp_path:
 
 
 # ---- bad input through the CLI: before training, nothing left behind --------------------------------
-@pytest.mark.parametrize(("content", "message"), [
-    ("", r"d\.jsonl: the file is empty"),
-    ('{"text": "a"}\n{"txt": "b"}\n', r"d\.jsonl:2: row has no 'text' field"),
-    ('{"text": "a"}\n{oops\n', r"d\.jsonl:2: malformed JSON"),
-    ('{"messages": [{"role": "wizard", "content": "x"}]}\n', r"d\.jsonl:1: message 0 has unknown role 'wizard'"),
-])
-def test_bad_data_is_one_line_before_training(files: dict[str, Path], capsys: pytest.CaptureFixture[str],
-                                              content: str, message: str) -> None:
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", r"d\.jsonl: the file is empty"),
+        ('{"text": "a"}\n{"txt": "b"}\n', r"d\.jsonl:2: row has no 'text' field"),
+        ('{"text": "a"}\n{oops\n', r"d\.jsonl:2: malformed JSON"),
+        (
+            '{"messages": [{"role": "wizard", "content": "x"}]}\n',
+            r"d\.jsonl:1: message 0 has unknown role 'wizard'",
+        ),
+    ],
+)
+def test_bad_data_is_one_line_before_training(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str], content: str, message: str
+) -> None:
     files["data"].write_text(content)
     assert main(cli(files)) == 2
     captured = capsys.readouterr()
@@ -133,8 +168,9 @@ def test_bad_data_is_one_line_before_training(files: dict[str, Path], capsys: py
     assert "step " not in captured.out and not (files["tmp"] / "nvme").exists()
 
 
-def test_empty_data_folder_and_eval_every_without_eval(files: dict[str, Path],
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_empty_data_folder_and_eval_every_without_eval(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     (files["tmp"] / "empty").mkdir()
     assert main(cli({**files, "data": files["tmp"] / "empty"})) == 2
     assert "the folder has no usable files" in capsys.readouterr().err
@@ -143,8 +179,9 @@ def test_empty_data_folder_and_eval_every_without_eval(files: dict[str, Path],
     assert not (files["tmp"] / "nvme").exists()
 
 
-def test_torchrun_world_size_is_refused_not_replicated(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_torchrun_world_size_is_refused_not_replicated(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(cli(files)) == 2
     captured = capsys.readouterr()

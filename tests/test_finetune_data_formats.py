@@ -94,9 +94,15 @@ def test_saved_dataset_and_parquet(tmp_path: Path, tok) -> None:  # type: ignore
 
 
 # ---- chat ---------------------------------------------------------------------------------------
-CHAT = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-                     {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"},
-                     {"role": "assistant", "content": "ciao"}]}
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "ciao"},
+    ]
+}
 
 
 def test_chat_trains_on_assistant_turns_only(tmp_path: Path, tok) -> None:  # type: ignore[no-untyped-def]
@@ -113,10 +119,14 @@ def test_chat_trains_on_assistant_turns_only(tmp_path: Path, tok) -> None:  # ty
 def test_chat_errors(tmp_path: Path, tok) -> None:  # type: ignore[no-untyped-def]
     bad_role = {"messages": [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}]}
     f = write_jsonl(tmp_path / "c.jsonl", [CHAT, bad_role])
-    with pytest.raises(ConfigError, match=r"c\.jsonl:2: message 1 has unknown role 'robot'; roles are system, user"):
+    with pytest.raises(
+        ConfigError, match=r"c\.jsonl:2: message 1 has unknown role 'robot'; roles are system, user"
+    ):
         docs_of(f, tok)
     g = write_jsonl(tmp_path / "g.jsonl", [CHAT])
-    with pytest.raises(ConfigError, match=r"g\.jsonl:1: a chat row .*tokenizer \(bytes\) has no chat template"):
+    with pytest.raises(
+        ConfigError, match=r"g\.jsonl:1: a chat row .*tokenizer \(bytes\) has no chat template"
+    ):
         load_documents(g, ByteTokenizer(300), vocab_size=300, eos_id=None)
     no_template = tokenizer_for(write_model(tmp_path / "m2", chat_template=False), 300)
     with pytest.raises(ConfigError, match=r"g\.jsonl:1: a chat row .*has no chat template"):
@@ -145,7 +155,9 @@ def test_bad_files_name_file_and_line(tmp_path: Path, tok) -> None:  # type: ign
     with pytest.raises(ConfigError, match=r"broken\.jsonl:3: malformed JSON"):
         docs_of(broken, tok)
     nofield = write_jsonl(tmp_path / "nofield.jsonl", [{"text": "a"}, {"body": "b"}])
-    with pytest.raises(ConfigError, match=r"nofield\.jsonl:2: row has no 'text' field \(its keys: body\); pass --text-field"):
+    with pytest.raises(
+        ConfigError, match=r"nofield\.jsonl:2: row has no 'text' field \(its keys: body\); pass --text-field"
+    ):
         docs_of(nofield, tok)
     notobj = write_jsonl(tmp_path / "list.jsonl", [[1, 2]])
     with pytest.raises(ConfigError, match=r"list\.jsonl:1: a row must be a JSON object"):

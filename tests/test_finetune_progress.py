@@ -44,8 +44,9 @@ def test_finetune_on_a_terminal_draws_the_bar(tmp_path: Path) -> None:
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(ds_config(tmp_path / "nvme")))
     term = Terminal()
-    job = finetune_job(model_path=model, config=cfg, data_path=data, seq_len=16, steps=3, out=term,
-                       eval_fraction=0.2)
+    job = finetune_job(
+        model_path=model, config=cfg, data_path=data, seq_len=16, steps=3, out=term, eval_fraction=0.2
+    )
     text = term.getvalue()
     assert job.result.steps_done == 3
     assert "3/3" in text and "tok/s" in text and "GB/s" in text  # nvme offload: links moved bytes

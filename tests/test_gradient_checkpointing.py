@@ -47,7 +47,9 @@ def _count_layer_calls(model: torch.nn.Module) -> list[int]:
     return calls
 
 
-def _run_pair(tmp_path: Path, model: torch.nn.Module, param: str, steps: int = 3) -> tuple[Any, Any, list[int]]:
+def _run_pair(
+    tmp_path: Path, model: torch.nn.Module, param: str, steps: int = 3
+) -> tuple[Any, Any, list[int]]:
     ref = copy.deepcopy(model)
     calls = _count_layer_calls(model)
     cfg = load_config(ds_config(tmp_path / "nvme", param=param, opt="cpu"), model=model)
@@ -82,8 +84,10 @@ def test_without_checkpointing_the_layer_runs_once(tmp_path: Path) -> None:
 
 def test_lora_with_reentrant_checkpointing_equals_plain_pytorch(tmp_path: Path) -> None:
     pytest.importorskip("peft")
-    model = apply_lora(build_model(resolve_model(write_model(tmp_path / "m", tokenizer=False)), seed=2),
-                       parse_lora_spec("r=4,alpha=8,dropout=0.0,targets=q_proj,v_proj"))
+    model = apply_lora(
+        build_model(resolve_model(write_model(tmp_path / "m", tokenizer=False)), seed=2),
+        parse_lora_spec("r=4,alpha=8,dropout=0.0,targets=q_proj,v_proj"),
+    )
     enable_gradient_checkpointing(model, reentrant=True)
     result, want, calls = _run_pair(tmp_path, model, "nvme")
     assert calls[0] == 2 * 3
@@ -93,16 +97,21 @@ def test_lora_with_reentrant_checkpointing_equals_plain_pytorch(tmp_path: Path) 
 
 def test_non_reentrant_with_frozen_parameters_is_refused(tmp_path: Path) -> None:
     pytest.importorskip("peft")
-    model = apply_lora(build_model(resolve_model(write_model(tmp_path / "m", tokenizer=False))),
-                       parse_lora_spec("r=4,targets=q_proj"))
+    model = apply_lora(
+        build_model(resolve_model(write_model(tmp_path / "m", tokenizer=False))),
+        parse_lora_spec("r=4,targets=q_proj"),
+    )
     with pytest.raises(ConfigError, match=r"parameters are frozen .* add --gradient-checkpointing-reentrant"):
         enable_gradient_checkpointing(model, reentrant=False)
 
 
-@pytest.mark.xfail(strict=True, raises=torch.utils.checkpoint.CheckpointError,
-                   reason="tiered/zero's release empties a frozen Parameter that torch's non-reentrant recomputation "
-                          "kept by reference ([Note: checkpointing and frozen parameters]); when zero/ fixes it, "
-                          "this passes: drop the refusal in enable_gradient_checkpointing")
+@pytest.mark.xfail(
+    strict=True,
+    raises=torch.utils.checkpoint.CheckpointError,
+    reason="tiered/zero's release empties a frozen Parameter that torch's non-reentrant recomputation "
+    "kept by reference ([Note: checkpointing and frozen parameters]); when zero/ fixes it, "
+    "this passes: drop the refusal in enable_gradient_checkpointing",
+)
 def test_non_reentrant_with_frozen_parameters_through_zero(tmp_path: Path) -> None:
     model = build_model(resolve_model(write_model(tmp_path / "m", tokenizer=False)), seed=2)
     for n, p in model.named_parameters():
@@ -126,8 +135,19 @@ def test_cli_gradient_checkpointing(tmp_path: Path, capsys: pytest.CaptureFixtur
     data.write_text("the fast place is small. " * 40)
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(ds_config(tmp_path / "nvme")))
-    base = ["finetune", "--model", str(folder), "--config", str(cfg), "--data", str(data), "--seq-len", "16",
-            "--steps", "2"]
+    base = [
+        "finetune",
+        "--model",
+        str(folder),
+        "--config",
+        str(cfg),
+        "--data",
+        str(data),
+        "--seq-len",
+        "16",
+        "--steps",
+        "2",
+    ]
     assert main([*base, "--gradient-checkpointing", "--compare-torch"]) == 0
     out = capsys.readouterr().out
     assert "gradient checkpointing" in out and "checkpointed: layer inputs + one layer" in out

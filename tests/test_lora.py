@@ -42,17 +42,20 @@ def test_parse_full_spec_and_bare_rank() -> None:
     assert parse_lora_spec("targets=q_proj, v_proj ,r=4") == LoraSpec(4, targets=("q_proj", "v_proj"))
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    ("alpha=32", r"r \(the adapter rank\) is required"),
-    ("r=16,rank=2", r"unknown key 'rank'; keys are r, alpha, dropout, targets"),
-    ("r=sixteen", r"r='sixteen' is not an integer"),
-    ("r=0", r"r must be >= 1"),
-    ("r=4,,alpha=2", r"an empty item"),
-    ("r=4,q_proj", r"'q_proj' is not key=value"),
-    ("r=4,dropout=1.5", r"dropout must be in \[0, 1\)"),
-    ("r=4,r=5", r"r given twice"),
-    ("r=4,alpha=x", r"alpha='x' is not a number"),
-])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("alpha=32", r"r \(the adapter rank\) is required"),
+        ("r=16,rank=2", r"unknown key 'rank'; keys are r, alpha, dropout, targets"),
+        ("r=sixteen", r"r='sixteen' is not an integer"),
+        ("r=0", r"r must be >= 1"),
+        ("r=4,,alpha=2", r"an empty item"),
+        ("r=4,q_proj", r"'q_proj' is not key=value"),
+        ("r=4,dropout=1.5", r"dropout must be in \[0, 1\)"),
+        ("r=4,r=5", r"r given twice"),
+        ("r=4,alpha=x", r"alpha='x' is not a number"),
+    ],
+)
 def test_malformed_specs(spec: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_lora_spec(spec)
@@ -60,8 +63,11 @@ def test_malformed_specs(spec: str, message: str) -> None:
 
 def test_unknown_targets_name_the_models_layers(tmp_path: Path) -> None:
     model = build_model(resolve_model(write_model(tmp_path / "m", tokenizer=False)))
-    with pytest.raises(ConfigError, match=r"--lora targets qkv_proj: the model has no such modules; its linear "
-                                          r"layers are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--lora targets qkv_proj: the model has no such modules; its linear "
+        r"layers are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj",
+    ):
         apply_lora(model, parse_lora_spec("r=4,targets=q_proj,qkv_proj"))
 
 
@@ -101,15 +107,27 @@ def test_lora_through_tiered_equals_plain_pytorch_peft(tmp_path: Path, param: st
     assert result.stats["tiers"]["links"][f"{home}->gpu"]["bytes"] > 0
 
 
-def test_cli_lora_reports_trainable_and_refuses_bad_targets(tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_lora_reports_trainable_and_refuses_bad_targets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = write_model(tmp_path / "m")
     data = tmp_path / "d.txt"
     data.write_text("the fast place is small. " * 40)
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(ds_config(tmp_path / "nvme")))
-    base = ["finetune", "--model", str(folder), "--config", str(cfg), "--data", str(data), "--seq-len", "16",
-            "--steps", "2"]
+    base = [
+        "finetune",
+        "--model",
+        str(folder),
+        "--config",
+        str(cfg),
+        "--data",
+        str(data),
+        "--seq-len",
+        "16",
+        "--steps",
+        "2",
+    ]
     assert main([*base, "--lora", "r=4,targets=q_proj,v_proj", "--compare-torch"]) == 0
     out = capsys.readouterr().out
     assert "trainable: LoRA r=4, alpha=peft default, dropout=peft default, targets=q_proj,v_proj" in out
@@ -125,8 +143,9 @@ def test_cli_lora_reports_trainable_and_refuses_bad_targets(tmp_path: Path,
 
 
 # ---- tiered plan --lora ----------------------------------------------------------------------------
-def test_plan_lora_counts_frozen_at_2_bytes_plus_adapter_state(tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_lora_counts_frozen_at_2_bytes_plus_adapter_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = write_model(tmp_path / "m", tokenizer=False)
     assert main(["plan", "--model", str(folder), "--json"]) in (0, 1)
     full = json.loads(capsys.readouterr().out)

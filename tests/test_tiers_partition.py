@@ -55,7 +55,11 @@ def test_a_write_stales_every_other_copy_and_clears_home_checksum():
     stale = p.wrote("gpu")
     assert p.version == v + 1
     assert stale == ["cpu"], "home goes stale but is never freed; other valid copies are returned to free"
-    assert (p.state("gpu"), p.state("cpu"), p.state("nvme")) == (CopyState.DIRTY, CopyState.STALE, CopyState.STALE)
+    assert (p.state("gpu"), p.state("cpu"), p.state("nvme")) == (
+        CopyState.DIRTY,
+        CopyState.STALE,
+        CopyState.STALE,
+    )
     assert p.checksum("nvme") is None
     assert p.valid_in() == frozenset({"gpu"}) and p.dirty_in() == frozenset({"gpu"})
 

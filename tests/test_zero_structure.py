@@ -18,7 +18,9 @@ def test_zero_modules_import_one_way() -> None:
     graph = _graph()
     modules = sorted(graph.find_descendants("tiered.zero") | {"tiered.zero"})
     circles = [
-        (a, b) for i, a in enumerate(modules) for b in modules[i + 1 :]
+        (a, b)
+        for i, a in enumerate(modules)
+        for b in modules[i + 1 :]
         if graph.chain_exists(a, b) and graph.chain_exists(b, a)
     ]
     assert circles == [], f"import circles in tiered.zero: {circles}"

@@ -61,7 +61,9 @@ def open_inner(spec: Any, forward: dict[str, Any], *, where: str) -> StorageBack
     if isinstance(spec, StorageBackend):
         return spec
     if not isinstance(spec, (dict, str)):
-        raise ConfigError(f"{where}: expected a backend spec such as {{'type': 'nvme', 'path': ...}}, got {spec!r}")
+        raise ConfigError(
+            f"{where}: expected a backend spec such as {{'type': 'nvme', 'path': ...}}, got {spec!r}"
+        )
     try:
         return tiered.open_backend(spec, **forward)
     except (ConfigError, KeyError, ImportError) as exc:
@@ -104,8 +106,13 @@ class _RuleState:
         return hit
 
     def json(self) -> dict[str, Any]:
-        return {"index": self.index, "kind": self.rule.kind, "matched": self.matched,
-                "fired": self.fired, "injected": self.injected}
+        return {
+            "index": self.index,
+            "kind": self.rule.kind,
+            "matched": self.matched,
+            "fired": self.fired,
+            "injected": self.injected,
+        }
 
 
 class FaultsBackend(StorageBackend):
@@ -152,8 +159,12 @@ class FaultsBackend(StorageBackend):
         return Capacity(total_bytes=total, free_bytes=free)
 
     def spec(self) -> dict[str, Any]:
-        return {"type": self.name, "inner": self.inner.spec(), "faults": [r.to_json() for r in self.rules],
-                "seed": self.seed}
+        return {
+            "type": self.name,
+            "inner": self.inner.spec(),
+            "faults": [r.to_json() for r in self.rules],
+            "seed": self.seed,
+        }
 
     def stats(self) -> dict[str, Any]:
         """Operations seen, faults injected per kind, per-rule counters, bytes moved."""
@@ -245,7 +256,10 @@ class FaultsBackend(StorageBackend):
                 st.fired += 1
                 self._record(st, "write", key, f"ENOSPC at {st.used_bytes} of {r.after_bytes} bytes")
                 raise self._error(
-                    errno_mod.ENOSPC, st, "write", key,
+                    errno_mod.ENOSPC,
+                    st,
+                    "write",
+                    key,
                     f": {nbytes} more bytes do not fit, {st.used_bytes} of its {r.after_bytes} bytes "
                     f"{r.count}; free space (delete keys) or raise after_bytes",
                 )
@@ -293,7 +307,10 @@ class FaultsBackend(StorageBackend):
         self._record(st, "write", key, f"stored {keep} of {n} bytes ({r.mode})")
         if r.mode == "error":
             raise self._error(
-                r.errno, st, "write", key,
+                r.errno,
+                st,
+                "write",
+                key,
                 f": torn write, {keep} of {n} bytes reached the store and the previous copy is gone",
             )
 

@@ -35,7 +35,8 @@ _KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
     "hang": (TRIGGER_KEYS, OPS, True),
     "enospc": (("key", "after_bytes", "count"), ("write",), False),
     "torn_write": (
-        tuple(k for k in TRIGGER_KEYS if k != "op") + ("mode", "keep_fraction", "keep_bytes", "sector_bytes", "errno"),
+        tuple(k for k in TRIGGER_KEYS if k != "op")
+        + ("mode", "keep_fraction", "keep_bytes", "sector_bytes", "errno"),
         ("write",),
         False,
     ),
@@ -131,7 +132,9 @@ def _fraction(value: Any, where: str, *, open_low: bool = False) -> float:
 def _parse_ops(value: Any, kind: str, allowed: tuple[str, ...], where: str) -> tuple[str, ...]:
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-        raise ConfigError(f"{where}.op: expected one of {', '.join(allowed)} (or a list of them), got {value!r}")
+        raise ConfigError(
+            f"{where}.op: expected one of {', '.join(allowed)} (or a list of them), got {value!r}"
+        )
     if names == ["any"] and allowed == OPS:
         return OPS
     for n in names:
@@ -147,7 +150,9 @@ def parse_rule(raw: Any, index: int) -> FaultRule:
     """Validate one ``"faults"`` entry; ConfigError naming ``faults[index].<option>``."""
     where = f"faults[{index}]"
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a dict like {{'kind': 'error', 'op': 'read', 'nth': 3}}, got {raw!r}")
+        raise ConfigError(
+            f"{where}: expected a dict like {{'kind': 'error', 'op': 'read', 'nth': 3}}, got {raw!r}"
+        )
     kind = raw.get("kind")
     if kind not in _KINDS:
         if kind is None:
@@ -168,7 +173,9 @@ def parse_rule(raw: Any, index: int) -> FaultRule:
     v["ops"] = _parse_ops(raw["op"], kind, allowed_ops, where) if "op" in raw else allowed_ops
     if "key" in raw:
         if not isinstance(raw["key"], str) or not raw["key"]:
-            raise ConfigError(f"{where}.key: expected a key or a glob such as '*.exp_avg_sq', got {raw['key']!r}")
+            raise ConfigError(
+                f"{where}.key: expected a key or a glob such as '*.exp_avg_sq', got {raw['key']!r}"
+            )
         v["key"] = raw["key"]
     triggers = [n for n in ("nth", "every", "probability") if n in raw]
     if len(triggers) > 1:
@@ -229,7 +236,9 @@ def _parse_torn(raw: Mapping[str, Any], where: str, v: dict[str, Any]) -> None:
     if "sector_bytes" in raw:
         v["sector_bytes"] = _count(raw["sector_bytes"], f"{where}.sector_bytes", minimum=1)
     if "errno" in raw and v.get("mode", "error") == "silent":
-        raise ConfigError(f"{where}.errno: a 'silent' torn write raises nothing; drop errno or use mode 'error'")
+        raise ConfigError(
+            f"{where}.errno: a 'silent' torn write raises nothing; drop errno or use mode 'error'"
+        )
 
 
 def _parse_bitflip(raw: Mapping[str, Any], where: str, v: dict[str, Any]) -> None:

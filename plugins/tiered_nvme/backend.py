@@ -363,7 +363,9 @@ class NVMeBackend(StorageBackend):
         except BaseException as exc:
             _close_all(fds)  # a cancel may land after the open returned
             if isinstance(exc, FileNotFoundError):
-                raise StorageKeyError(f"key {key!r} not found in nvme backend (no file {str(path)!r})") from None
+                raise StorageKeyError(
+                    f"key {key!r} not found in nvme backend (no file {str(path)!r})"
+                ) from None
             if isinstance(exc, OSError):
                 raise StorageIOError(
                     f"nvme backend: cannot open {str(path)!r} for key {key!r}: {exc.strerror or exc}"
@@ -431,7 +433,9 @@ class NVMeBackend(StorageBackend):
         try:
             freed = self._swap_dir.remove()
         except OSError as exc:  # the lock is released anyway: the next swap backend here reclaims it
-            log.warning("nvme backend: could not remove swap directory %s: %s", self.directory, exc.strerror or exc)
+            log.warning(
+                "nvme backend: could not remove swap directory %s: %s", self.directory, exc.strerror or exc
+            )
             return
         log.debug("nvme backend: removed swap directory %s (%d bytes)", self.directory, freed)
 
@@ -491,8 +495,15 @@ def _log_reclaimed(root: Path, removed: list[tuple[Path, int]]) -> None:
     if not removed:
         return
     freed = sum(n for _, n in removed)
-    names = ", ".join(p.name for p, _ in removed[:3]) + (f" and {len(removed) - 3} more" if len(removed) > 3 else "")
+    names = ", ".join(p.name for p, _ in removed[:3]) + (
+        f" and {len(removed) - 3} more" if len(removed) > 3 else ""
+    )
     log.info(
         "nvme backend: removed %d stale swap director%s of dead processes under %s (%s): %d bytes (%s) freed",
-        len(removed), "y" if len(removed) == 1 else "ies", root, names, freed, format_bytes(freed),
+        len(removed),
+        "y" if len(removed) == 1 else "ies",
+        root,
+        names,
+        freed,
+        format_bytes(freed),
     )

@@ -86,7 +86,8 @@ def _create_lock(directory: Path) -> int:
             log.warning(
                 "nvme backend: cannot lock %s (%s); if this process crashes, remove that directory "
                 "by hand, as no later run can tell that it is stale",
-                directory, exc.strerror or exc,
+                directory,
+                exc.strerror or exc,
             )
         os.write(fd, f"pid {os.getpid()} host {socket.gethostname()}\n".encode())  # for humans
         os.rename(pending, directory / LOCK_NAME)
@@ -104,8 +105,11 @@ def reclaim_stale(parent: Path) -> list[tuple[Path, int]]:
     pattern = re.compile(re.escape(f"{SWAP_PREFIX}{host_tag()}-") + r"(\d+)-" + _RANDOM_PART)
     try:
         with os.scandir(parent) as it:
-            candidates = [(Path(e.path), int(m[1])) for e in it
-                          if (m := pattern.fullmatch(e.name)) and e.is_dir(follow_symlinks=False)]
+            candidates = [
+                (Path(e.path), int(m[1]))
+                for e in it
+                if (m := pattern.fullmatch(e.name)) and e.is_dir(follow_symlinks=False)
+            ]
     except OSError:
         return []
     removed = []
@@ -113,7 +117,9 @@ def reclaim_stale(parent: Path) -> list[tuple[Path, int]]:
         try:
             freed = _remove_if_dead(path, pid)
         except OSError as exc:
-            log.warning("nvme backend: could not remove stale swap directory %s: %s", path, exc.strerror or exc)
+            log.warning(
+                "nvme backend: could not remove stale swap directory %s: %s", path, exc.strerror or exc
+            )
             continue
         if freed is not None:
             removed.append((path, freed))

@@ -50,15 +50,16 @@ def _member_specs(members: Any, paths: Any, member_options: Any) -> tuple[list[A
     if (members is None) == (paths is None):
         raise ConfigError(
             "backend 'stripe': give exactly one of 'members' (a list of backend specs) or 'paths' "
-            "(a list of directories, one nvme member each)"
-            + ("" if members is None else ", not both")
+            "(a list of directories, one nvme member each)" + ("" if members is None else ", not both")
         )
     source = "members" if members is not None else "paths"
     items = members if members is not None else paths
     if not isinstance(items, (list, tuple)) or not items:
         raise ConfigError(f"backend 'stripe': {source} must be a non-empty list, got {items!r}")
     if member_options is not None and source != "paths":
-        raise ConfigError("backend 'stripe': member_options applies to 'paths'; put options in each member spec")
+        raise ConfigError(
+            "backend 'stripe': member_options applies to 'paths'; put options in each member spec"
+        )
     if not isinstance(member_options, (dict, type(None))) or {"type", "path"} & set(member_options or {}):
         raise ConfigError(
             f"backend 'stripe': member_options must be a dict of nvme options without 'type' or 'path', got {member_options!r}"
@@ -79,7 +80,9 @@ def _member_specs(members: Any, paths: Any, member_options: Any) -> tuple[list[A
     for i, spec in enumerate(items):
         for j in range(i):
             if isinstance(spec, dict) and spec == items[j]:
-                raise ConfigError(f"backend 'stripe': members[{j}] and members[{i}] are the same spec {spec!r}")
+                raise ConfigError(
+                    f"backend 'stripe': members[{j}] and members[{i}] are the same spec {spec!r}"
+                )
     return list(items), source
 
 
@@ -212,23 +215,32 @@ class StripeBackend(StorageBackend):
         """`exc` with `what` (key, stripe, member) prefixed, keeping its type and errno."""
         if not isinstance(exc, Exception):
             return exc
-        if reading and isinstance(exc, (StorageKeyError, ValueError)):  # a stripe the record names is gone or short
-            return StorageIOError(f"{what}: {exc}; the stripe set is inconsistent - restore it from a checkpoint")
+        if reading and isinstance(
+            exc, (StorageKeyError, ValueError)
+        ):  # a stripe the record names is gone or short
+            return StorageIOError(
+                f"{what}: {exc}; the stripe set is inconsistent - restore it from a checkpoint"
+            )
         try:
             new = type(exc)(f"{what}: {exc}")
-        except Exception:
+        except Exception:  # noqa: BLE001 - an error type that cannot be rebuilt from a message is returned as it came
             return exc
         if isinstance(exc, OSError):
             new.errno = exc.errno
         return new
 
-    async def _stripe_io(self, op: str, key: str, index: int, member: int, name: str, buf: torch.Tensor) -> None:
+    async def _stripe_io(
+        self, op: str, key: str, index: int, member: int, name: str, buf: torch.Tensor
+    ) -> None:
         m = self.members[member]
         try:
             await (m.write(name, buf) if op == "write" else m.read(name, buf))
         except Exception as exc:
-            err = self._context(exc, f"stripe backend: {op} of key {key!r} stripe {index} ({name!r}) on "
-                                     f"{self._describe(member)}", reading=op == "read")
+            err = self._context(
+                exc,
+                f"stripe backend: {op} of key {key!r} stripe {index} ({name!r}) on {self._describe(member)}",
+                reading=op == "read",
+            )
             if err is exc:
                 raise
             raise err from exc
@@ -244,8 +256,12 @@ class StripeBackend(StorageBackend):
             except StorageKeyError:
                 pass  # never written (a cancelled write) or already gone
             except Exception as exc:  # noqa: BLE001 - the data is safe either way; only space leaks
-                log.warning("stripe backend: could not delete stale stripe %r on %s: %s",
-                            name, self._describe(member), exc)
+                log.warning(
+                    "stripe backend: could not delete stale stripe %r on %s: %s",
+                    name,
+                    self._describe(member),
+                    exc,
+                )
 
         await run_all([drop(i, m) for i, m, _, _ in stripes(rec.nbytes, rec.stripe_bytes, rec.members, home)])
 
@@ -275,10 +291,12 @@ class StripeBackend(StorageBackend):
         """Stripes first, then the record: [Note: stripe commit]."""
         plan = stripes(rec.nbytes, rec.stripe_bytes, rec.members, home)
         try:
-            await run_all([
-                self._stripe_io("write", key, i, m, stripe_key(key, rec.generation, i), flat[a:b])
-                for i, m, a, b in plan
-            ])
+            await run_all(
+                [
+                    self._stripe_io("write", key, i, m, stripe_key(key, rec.generation, i), flat[a:b])
+                    for i, m, a, b in plan
+                ]
+            )
         except BaseException:
             await self._discard(key, rec)
             raise
@@ -298,7 +316,9 @@ class StripeBackend(StorageBackend):
             else:
                 self._records[key] = rec
             if isinstance(exc, Exception):
-                err = self._context(exc, f"stripe backend: write of key {key!r} record on {self._describe(home)}")
+                err = self._context(
+                    exc, f"stripe backend: write of key {key!r} record on {self._describe(home)}"
+                )
                 if err is not exc:
                     raise err from exc
             raise
@@ -314,10 +334,12 @@ class StripeBackend(StorageBackend):
             assert rec is not None
             check_out_size(key, rec.nbytes, dst.numel(), where="stripe backend")
             home = home_member(key, rec.members)
-            await run_all([
-                self._stripe_io("read", key, i, m, stripe_key(key, rec.generation, i), dst[a:b])
-                for i, m, a, b in stripes(rec.nbytes, rec.stripe_bytes, rec.members, home)
-            ])
+            await run_all(
+                [
+                    self._stripe_io("read", key, i, m, stripe_key(key, rec.generation, i), dst[a:b])
+                    for i, m, a, b in stripes(rec.nbytes, rec.stripe_bytes, rec.members, home)
+                ]
+            )
 
     async def delete(self, key: str) -> None:
         self._check_open()

@@ -81,5 +81,7 @@ class StripeRecord:
                 f"stored {crc:#010x}); the object is lost - restore it from a checkpoint"
             )
         if version != VERSION:
-            raise StorageIOError(f"{where}: stripe record version {version}, this tiered reads version {VERSION}")
+            raise StorageIOError(
+                f"{where}: stripe record version {version}, this tiered reads version {VERSION}"
+            )
         return cls(members, stripe_bytes, nbytes, generation)

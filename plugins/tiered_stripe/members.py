@@ -46,13 +46,15 @@ def open_member(spec: Any, forward: dict[str, Any], *, where: str) -> StorageBac
     if isinstance(spec, StorageBackend):
         return spec
     if not isinstance(spec, (dict, str)):
-        raise ConfigError(f"{where}: expected a backend spec such as {{'type': 'nvme', 'path': ...}}, got {spec!r}")
+        raise ConfigError(
+            f"{where}: expected a backend spec such as {{'type': 'nvme', 'path': ...}}, got {spec!r}"
+        )
     try:
         return tiered.open_backend(spec, **forward)
     except (ConfigError, KeyError, ImportError, OSError) as exc:
         try:
             err = type(exc)(f"{where}: {exc}")
-        except Exception:  # a type that cannot be rebuilt from a message is raised as it came
+        except Exception:  # noqa: BLE001 - a type that cannot be rebuilt from a message is raised as it came
             raise exc from None
         raise err from exc
 
@@ -60,12 +62,13 @@ def open_member(spec: Any, forward: dict[str, Any], *, where: str) -> StorageBac
 def close_now(backends: Sequence[StorageBackend]) -> None:
     """Close backends from synchronous code (a constructor that failed half way): on a thread with
     its own loop, because the caller may itself run inside one."""
+
     def main() -> None:
         async def close_all() -> None:
             for b in backends:
                 try:
                     await b.close()
-                except Exception:  # noqa: BLE001 - the constructor's own error is the one to raise
+                except Exception:
                     log.exception("closing %r after a failed stripe set-up failed", b)
 
         asyncio.run(close_all())

@@ -65,27 +65,60 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, metavar="PATH", help="local HF model folder or config.json")
-    p.add_argument("--config", required=True, metavar="JSON", help="DeepSpeed ds_config.json or tiered config")
-    p.add_argument("--data", required=True, metavar="PATH",
-                   help="text/JSONL/parquet file, folder of them, or a saved HF dataset (see above)")
+    p.add_argument(
+        "--config", required=True, metavar="JSON", help="DeepSpeed ds_config.json or tiered config"
+    )
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="PATH",
+        help="text/JSONL/parquet file, folder of them, or a saved HF dataset (see above)",
+    )
     p.add_argument("--seq-len", type=int, default=128, metavar="N", help="tokens per row (default 128)")
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help="rows per micro-batch (default: train_micro_batch_size_per_gpu of the config, else 1)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rows per micro-batch (default: train_micro_batch_size_per_gpu of the config, else 1)",
+    )
     p.add_argument("--steps", type=int, default=10, metavar="N", help="optimizer steps (default 10)")
-    p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (overrides optimizer.params.lr; required when the config has none or \"auto\")")
-    p.add_argument("--weight-decay", type=float, default=None,
-                   help="AdamW weight decay (overrides optimizer.params.weight_decay; without it and without "
-                        "the key: none)")
-    p.add_argument("--warmup-steps", type=int, default=None, metavar="N",
-                   help="lr warmup steps (overrides scheduler.params.warmup_num_steps)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help='learning rate (overrides optimizer.params.lr; required when the config has none or "auto")',
+    )
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=None,
+        help="AdamW weight decay (overrides optimizer.params.weight_decay; without it and without "
+        "the key: none)",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="lr warmup steps (overrides scheduler.params.warmup_num_steps)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the model init and the batch order (default 0)")
-    p.add_argument("--log-every", type=int, default=1, metavar="N", help="print the loss every N steps (default 1)")
-    p.add_argument("--nvme-path", default=None, metavar="DIR",
-                   help="overrides nvme_path of offload_param/offload_optimizer with device nvme")
+    p.add_argument(
+        "--log-every", type=int, default=1, metavar="N", help="print the loss every N steps (default 1)"
+    )
+    p.add_argument(
+        "--nvme-path",
+        default=None,
+        metavar="DIR",
+        help="overrides nvme_path of offload_param/offload_optimizer with device nvme",
+    )
     p.add_argument("--stats-json", default=None, metavar="FILE", help="write losses and engine stats as JSON")
-    p.add_argument("--compare-torch", action="store_true",
-                   help="also run the same steps with plain PyTorch AdamW (fp32) and print the difference")
+    p.add_argument(
+        "--compare-torch",
+        action="store_true",
+        help="also run the same steps with plain PyTorch AdamW (fp32) and print the difference",
+    )
     add_data_arguments(p)
     add_model_arguments(p)
     return p
@@ -94,26 +127,50 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
     """The data-format and eval options ([Note: data formats], [Note: packing rule])."""
     g = p.add_argument_group("data")
-    g.add_argument("--text-field", default="text", metavar="NAME",
-                   help="JSONL/parquet/dataset field holding the text (default \"text\")")
+    g.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help='JSONL/parquet/dataset field holding the text (default "text")',
+    )
     ev = g.add_mutually_exclusive_group()
-    ev.add_argument("--eval-fraction", type=float, default=None, metavar="F",
-                    help="hold out a seeded fraction F of the packed rows for eval")
+    ev.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="hold out a seeded fraction F of the packed rows for eval",
+    )
     ev.add_argument("--eval-data", default=None, metavar="PATH", help="eval data, in any --data format")
-    g.add_argument("--eval-every", type=int, default=None, metavar="K",
-                   help="eval loss every K steps and after the last (default: only after the last)")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="eval loss every K steps and after the last (default: only after the last)",
+    )
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """LoRA and gradient checkpointing ([Note: LoRA through tiered], [Note: activation estimate])."""
     g = p.add_argument_group("LoRA and memory")
-    g.add_argument("--lora", default=None, metavar="SPEC",
-                   help="train LoRA adapters only (peft), e.g. r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj; "
-                        "omitted keys take peft's defaults")
-    g.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute each layer's activations in backward (Hugging Face's; non-reentrant)")
-    g.add_argument("--gradient-checkpointing-reentrant", action="store_true",
-                   help="with --gradient-checkpointing: torch's reentrant variant (needed with --lora)")
+    g.add_argument(
+        "--lora",
+        default=None,
+        metavar="SPEC",
+        help="train LoRA adapters only (peft), e.g. r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj; "
+        "omitted keys take peft's defaults",
+    )
+    g.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each layer's activations in backward (Hugging Face's; non-reentrant)",
+    )
+    g.add_argument(
+        "--gradient-checkpointing-reentrant",
+        action="store_true",
+        help="with --gradient-checkpointing: torch's reentrant variant (needed with --lora)",
+    )
 
 
 @dataclass(frozen=True)
@@ -144,7 +201,9 @@ def _check_output(path: str | None, option: str) -> None:
         return
     parent = Path(path).resolve().parent
     if not parent.is_dir():
-        raise ConfigError(f"{option} {path}: folder {parent} does not exist; create it or choose another path")
+        raise ConfigError(
+            f"{option} {path}: folder {parent} does not exist; create it or choose another path"
+        )
 
 
 @dataclass(frozen=True)
@@ -157,8 +216,15 @@ class PreparedData:
 
 
 def prepare_data(
-    *, data_path: str | Path, tokenizer: Any, hf_config: Any, seq_len: int, seed: int,
-    text_field: str = "text", eval_fraction: float | None = None, eval_data: str | Path | None = None,
+    *,
+    data_path: str | Path,
+    tokenizer: Any,
+    hf_config: Any,
+    seq_len: int,
+    seed: int,
+    text_field: str = "text",
+    eval_fraction: float | None = None,
+    eval_data: str | Path | None = None,
 ) -> PreparedData:
     """Read, tokenize and pack the data, and split or read the eval rows ([Note: data formats],
     [Note: packing rule], [Note: batch order and its state]); every error names file and line."""
@@ -175,14 +241,19 @@ def prepare_data(
     if eval_fraction is not None:
         rows, held = split_eval(rows, eval_fraction, seed)
     elif eval_data is not None:
-        held = pack(load_documents(eval_data, tokenizer, vocab_size=vocab, eos_id=eos, text_field=text_field),
-                    seq_len, str(eval_data))
+        held = pack(
+            load_documents(eval_data, tokenizer, vocab_size=vocab, eos_id=eos, text_field=text_field),
+            seq_len,
+            str(eval_data),
+        )
     eos_text = f"EOS id {eos}" if eos is not None else "no EOS id (neither tokenizer nor config has one)"
-    summary = (f"{rows.documents:,} documents, {rows.tokens:,} tokens ({tokenizer.name} tokenizer, {eos_text}); "
-               f"{rows.rows:,} train rows of {seq_len}"
-               f"{f', {rows.dropped} tail tokens dropped' if rows.dropped else ''}"
-               f"{f', {held.rows:,} eval rows' if held is not None else ''}; "
-               f"{rows.trained_label_fraction:.0%} of labels trained")
+    summary = (
+        f"{rows.documents:,} documents, {rows.tokens:,} tokens ({tokenizer.name} tokenizer, {eos_text}); "
+        f"{rows.rows:,} train rows of {seq_len}"
+        f"{f', {rows.dropped} tail tokens dropped' if rows.dropped else ''}"
+        f"{f', {held.rows:,} eval rows' if held is not None else ''}; "
+        f"{rows.trained_label_fraction:.0%} of labels trained"
+    )
     return PreparedData(rows, held, summary)
 
 
@@ -259,12 +330,16 @@ def finetune_job(
         raw = config
     else:
         if not Path(config).is_file():
-            raise ConfigError(f"--config {config}: no such file; pass a DeepSpeed ds_config.json or a tiered config")
+            raise ConfigError(
+                f"--config {config}: no such file; pass a DeepSpeed ds_config.json or a tiered config"
+            )
         raw = read_config_file(config)
     for option, path in (("--data", data_path), ("--eval-data", eval_data)):
         if path is not None and not Path(path).exists():
-            raise ConfigError(f"{option} {path}: no such file or folder; pass a text/JSONL/parquet file, "
-                              "a folder of them or a saved Hugging Face dataset")
+            raise ConfigError(
+                f"{option} {path}: no such file or folder; pass a text/JSONL/parquet file, "
+                "a folder of them or a saved Hugging Face dataset"
+            )
     if eval_every is not None and eval_fraction is None and eval_data is None:
         raise ConfigError("--eval-every needs --eval-fraction or --eval-data (what to evaluate on)")
     if lora is not None:
@@ -279,10 +354,22 @@ def finetune_job(
     if isinstance(max_pos, int) and seq_len > max_pos:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings {max_pos}")
     tokenizer = tokenizer_for(source.folder, vocab)
-    data = prepare_data(data_path=data_path, tokenizer=tokenizer, hf_config=hf, seq_len=seq_len, seed=seed,
-                        text_field=text_field, eval_fraction=eval_fraction, eval_data=eval_data)
-    model = prepare_model(model, lora=lora, gradient_checkpointing=gradient_checkpointing,
-                          reentrant=gradient_checkpointing_reentrant)
+    data = prepare_data(
+        data_path=data_path,
+        tokenizer=tokenizer,
+        hf_config=hf,
+        seq_len=seq_len,
+        seed=seed,
+        text_field=text_field,
+        eval_fraction=eval_fraction,
+        eval_data=eval_data,
+    )
+    model = prepare_model(
+        model,
+        lora=lora,
+        gradient_checkpointing=gradient_checkpointing,
+        reentrant=gradient_checkpointing_reentrant,
+    )
     new_dirs = _missing_dirs(raw)
     try:  # validating the config creates nvme_path (as DeepSpeed does): undo that on a refusal
         cfg = load_config(raw, model=model, hyperparameters=hp)
@@ -294,60 +381,83 @@ def finetune_job(
                 f"{config if not isinstance(config, dict) else ''} enables bf16/fp16; drop --compare-torch or "
                 "the bf16/fp16 section"
             )
-        act = estimate_activations(hf, batch=micro, seq_len=seq_len, dtype=cfg.precision.dtype,
-                                   checkpointing=gradient_checkpointing)
+        act = estimate_activations(
+            hf, batch=micro, seq_len=seq_len, dtype=cfg.precision.dtype, checkpointing=gradient_checkpointing
+        )
         check_activations(act, torch.device("cuda" if torch.cuda.is_available() else "cpu"), free_memory)
     except BaseException:
         _remove_empty(new_dirs)
         raise
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    w(f"model: {type(model).__name__} from {source.config_path}, {n_params:,} parameters"
-      f"{f' ({n_train:,} trainable: LoRA {parse_lora_spec(lora).describe()})' if lora is not None else ''}"
-      f"{' (weights from ' + str(len(source.weight_files)) + ' safetensors files)' if source.weight_files else ''}\n")
+    w(
+        f"model: {type(model).__name__} from {source.config_path}, {n_params:,} parameters"
+        f"{f' ({n_train:,} trainable: LoRA {parse_lora_spec(lora).describe()})' if lora is not None else ''}"
+        f"{' (weights from ' + str(len(source.weight_files)) + ' safetensors files)' if source.weight_files else ''}\n"
+    )
     w(f"data: {data_path}, {data.summary}\n")
-    w(f"batch: seq_len {seq_len}, micro-batch {micro}, gradient accumulation {cfg.gradient_accumulation_steps}, "
-      f"{steps} steps; {act.describe()}"
-      f"{'; gradient checkpointing' + (' (reentrant)' if gradient_checkpointing_reentrant else '') if gradient_checkpointing else ''}\n")
+    w(
+        f"batch: seq_len {seq_len}, micro-batch {micro}, gradient accumulation {cfg.gradient_accumulation_steps}, "
+        f"{steps} steps; {act.describe()}"
+        f"{'; gradient checkpointing' + (' (reentrant)' if gradient_checkpointing_reentrant else '') if gradient_checkpointing else ''}\n"
+    )
     z = cfg.zero
-    w(f"placement: params on {z.offload_param.device if z.offload_param.device != 'none' else 'gpu'}, "
-      f"optimizer state on {z.offload_optimizer.device if z.offload_optimizer.device != 'none' else 'gpu'}, "
-      f"{str(cfg.precision.dtype).removeprefix('torch.')}; lr {cfg.optimizer.lr:g} ({cfg.optimizer.type})\n")
+    w(
+        f"placement: params on {z.offload_param.device if z.offload_param.device != 'none' else 'gpu'}, "
+        f"optimizer state on {z.offload_optimizer.device if z.offload_optimizer.device != 'none' else 'gpu'}, "
+        f"{str(cfg.precision.dtype).removeprefix('torch.')}; lr {cfg.optimizer.lr:g} ({cfg.optimizer.type})\n"
+    )
     reference = copy.deepcopy(model) if compare_torch else None
 
     held = data.eval
     eval_rows = held.rows if held is not None else 0
     progress = make_progress(out, steps)  # [Note: progress output]
     try:
-        result = train(model, cfg, _train_stream(data.train, micro, seed), opts, on_log=progress.step,
-                       keep_state=compare_torch,
-                       eval_data=(lambda: eval_batches(held, micro)) if held is not None else None,
-                       eval_every=eval_every or steps, on_eval=lambda st, loss: progress.eval(st, loss, eval_rows),
-                       link_rates=isinstance(progress, BarProgress))
+        result = train(
+            model,
+            cfg,
+            _train_stream(data.train, micro, seed),
+            opts,
+            on_log=progress.step,
+            keep_state=compare_torch,
+            eval_data=(lambda: eval_batches(held, micro)) if held is not None else None,
+            eval_every=eval_every or steps,
+            on_eval=lambda st, loss: progress.eval(st, loss, eval_rows),
+            link_rates=isinstance(progress, BarProgress),
+        )
     finally:
         progress.close()
     if result.interrupted:
         w(f"interrupted after {result.steps_done} of {steps} steps; engine closed\n")
-    w(f"\n{result.steps_done} steps, {result.tokens:,} tokens in {result.train_s:.2f} s: "
-      f"{result.tokens_per_s:,.0f} tokens/s (engine set-up {result.init_s:.2f} s)\n")
+    w(
+        f"\n{result.steps_done} steps, {result.tokens:,} tokens in {result.train_s:.2f} s: "
+        f"{result.tokens_per_s:,.0f} tokens/s (engine set-up {result.init_s:.2f} s)\n"
+    )
     if result.losses:
         w(f"loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}\n")
     w("\n" + tier_table(result.stats) + "\n")
     job = JobResult(result)
     if reference is not None and not result.interrupted:
-        w(f"\nplain PyTorch ({'AdamW' if cfg.optimizer.adamw_mode else 'Adam'}, fp32), same data and init, "
-          f"{result.steps_done} steps...\n")
+        w(
+            f"\nplain PyTorch ({'AdamW' if cfg.optimizer.adamw_mode else 'Adam'}, fp32), same data and init, "
+            f"{result.steps_done} steps...\n"
+        )
         t0 = time.perf_counter()
-        ref_losses, ref_state = reference_train(reference, cfg, _train_stream(data.train, micro, seed),
-                                                result.steps_done)
+        ref_losses, ref_state = reference_train(
+            reference, cfg, _train_stream(data.train, micro, seed), result.steps_done
+        )
         ref_s = time.perf_counter() - t0
         diff, name = max_rel_diff(result.state or {}, ref_state)
         job = JobResult(result, tuple(ref_losses), diff, name)
-        w(f"final loss: tiered {result.losses[-1]:.6f}, plain PyTorch {ref_losses[-1]:.6f} "
-          f"(rel diff {abs(result.losses[-1] - ref_losses[-1]) / max(abs(ref_losses[-1]), 1e-12):.2e})\n")
+        w(
+            f"final loss: tiered {result.losses[-1]:.6f}, plain PyTorch {ref_losses[-1]:.6f} "
+            f"(rel diff {abs(result.losses[-1] - ref_losses[-1]) / max(abs(ref_losses[-1]), 1e-12):.2e})\n"
+        )
         w(f"max relative parameter difference: {diff:.2e} ({name})\n")
-        w(f"plain PyTorch (everything in memory, no offload): {result.tokens / ref_s:,.0f} tokens/s "
-          f"in {ref_s:.2f} s\n")
+        w(
+            f"plain PyTorch (everything in memory, no offload): {result.tokens / ref_s:,.0f} tokens/s "
+            f"in {ref_s:.2f} s\n"
+        )
     return job
 
 
@@ -383,8 +493,13 @@ def _train_stream(rows: Any, micro: int, seed: int) -> Any:
 
 
 # The flag that supplies each hyper-parameter keyword (for "tiered never invents" errors).
-_FLAGS = {"lr": "--lr", "weight_decay": "--weight-decay", "warmup_steps": "--warmup-steps",
-          "total_steps": "--steps", "micro_batch_size": "--batch-size"}
+_FLAGS = {
+    "lr": "--lr",
+    "weight_decay": "--weight-decay",
+    "warmup_steps": "--warmup-steps",
+    "total_steps": "--steps",
+    "micro_batch_size": "--batch-size",
+}
 
 
 def _hyperparameter_flags(
@@ -408,10 +523,15 @@ def _hyperparameter_flags(
         warmup_steps = None
     total = sched_params.get("total_num_steps") if isinstance(sched_params, dict) else None
     try:
-        hp = Hyperparameters(weight_decay=weight_decay, warmup_steps=warmup_steps,
-                             total_steps=steps if total is not None and is_auto(total) else None)
+        hp = Hyperparameters(
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            total_steps=steps if total is not None and is_auto(total) else None,
+        )
     except ConfigError as exc:
-        raise ConfigError(str(exc).replace("weight_decay=", "--weight-decay").replace("warmup_steps=", "--warmup-steps")) from None
+        raise ConfigError(
+            str(exc).replace("weight_decay=", "--weight-decay").replace("warmup_steps=", "--warmup-steps")
+        ) from None
     return raw, hp
 
 

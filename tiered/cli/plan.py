@@ -53,31 +53,58 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", metavar="COUNT", help="number of parameters, e.g. 40B or 7.5e9")
-    what.add_argument("--model", metavar="PATH", help="local Hugging Face model folder or config.json "
-                      "(counted exactly on the meta device, nothing is allocated)")
-    p.add_argument("--largest-layer", metavar="COUNT",
-                   help="parameters of the largest single module (default with --params: 2%% of them)")
+    what.add_argument(
+        "--model",
+        metavar="PATH",
+        help="local Hugging Face model folder or config.json "
+        "(counted exactly on the meta device, nothing is allocated)",
+    )
+    p.add_argument(
+        "--largest-layer",
+        metavar="COUNT",
+        help="parameters of the largest single module (default with --params: 2%% of them)",
+    )
     p.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory per rank, e.g. 80GB")
     p.add_argument("--cpu-mem", metavar="SIZE", help="host memory per rank, e.g. 512GB")
     p.add_argument("--nvme-mem", metavar="SIZE", help="NVMe space per rank, e.g. 4TB")
-    p.add_argument("--world-size", "-N", type=int, default=1, metavar="N", help="data-parallel ranks (default 1)")
+    p.add_argument(
+        "--world-size", "-N", type=int, default=1, metavar="N", help="data-parallel ranks (default 1)"
+    )
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16", help="default bf16")
-    p.add_argument("--prefetch-layers", type=int, default=1, metavar="L",
-                   help="layers gathered ahead of the one computing (default 1)")
-    p.add_argument("--sub-group-size", default="1e8", metavar="COUNT",
-                   help="optimizer pipeline tile in elements (default 1e8)")
-    p.add_argument("--activation-mem", default="0", metavar="SIZE",
-                   help="activation memory per rank to add to the GPU working set (default 0: not counted)")
-    p.add_argument("--nvme-path", default="./tiered_offload", help="nvme_path written into the recommended config")
+    p.add_argument(
+        "--prefetch-layers",
+        type=int,
+        default=1,
+        metavar="L",
+        help="layers gathered ahead of the one computing (default 1)",
+    )
+    p.add_argument(
+        "--sub-group-size",
+        default="1e8",
+        metavar="COUNT",
+        help="optimizer pipeline tile in elements (default 1e8)",
+    )
+    p.add_argument(
+        "--activation-mem",
+        default="0",
+        metavar="SIZE",
+        help="activation memory per rank to add to the GPU working set (default 0: not counted)",
+    )
+    p.add_argument(
+        "--nvme-path", default="./tiered_offload", help="nvme_path written into the recommended config"
+    )
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
     add_lora_argument(p)
     return p
 
 
 def add_lora_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lora", metavar="SPEC",
-                   help="plan a LoRA fine-tune (needs --model): R or r=R,targets=q_proj,v_proj (as tiered finetune "
-                        "--lora); frozen parameters count p bytes only (2 in bf16), the adapters the full state")
+    p.add_argument(
+        "--lora",
+        metavar="SPEC",
+        help="plan a LoRA fine-tune (needs --model): R or r=R,targets=q_proj,v_proj (as tiered finetune "
+        "--lora); frozen parameters count p bytes only (2 in bf16), the adapters the full state",
+    )
 
 
 def lora_shape(shape: Any, model_path: str, spec_text: str) -> Any:
@@ -94,9 +121,15 @@ def lora_shape(shape: Any, model_path: str, spec_text: str) -> Any:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_hf_config(resolve_model(model_path)))
     adapters = adapter_params(model, spec)
-    return replace(shape, total_params=shape.total_params + adapters, trainable_params=adapters,
-                   assumptions=(*shape.assumptions, f"LoRA {spec.describe()}: {adapters:,} adapter parameters "
-                                "trainable, the rest frozen"))
+    return replace(
+        shape,
+        total_params=shape.total_params + adapters,
+        trainable_params=adapters,
+        assumptions=(
+            *shape.assumptions,
+            f"LoRA {spec.describe()}: {adapters:,} adapter parameters trainable, the rest frozen",
+        ),
+    )
 
 
 def _size(value: str | None, option: str) -> int | None:
@@ -124,7 +157,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         if args.largest_layer is not None:
             from dataclasses import replace
 
-            shape = replace(shape, largest_layer_params=parse_count(args.largest_layer, what="--largest-layer"))
+            shape = replace(
+                shape, largest_layer_params=parse_count(args.largest_layer, what="--largest-layer")
+            )
     else:
         shape = shape_from_params(args.params, largest_layer=args.largest_layer)
     if getattr(args, "lora", None) is not None:
@@ -149,42 +184,62 @@ def render(plan: Plan, out: TextIO) -> None:
     sh, o, m = plan.shape, plan.options, plan.memories
     b = PrecisionBytes.of(o.precision)
     w = out.write
-    w(f"model: {sh.total_params:,} parameters from {sh.source}; largest layer {sh.largest_layer_params:,}; "
-      f"persistent {sh.persistent_params:,}\n")
+    w(
+        f"model: {sh.total_params:,} parameters from {sh.source}; largest layer {sh.largest_layer_params:,}; "
+        f"persistent {sh.persistent_params:,}\n"
+    )
     for a in sh.assumptions:
         w(f"  assumed: {a}\n")
-    w(f"precision {o.precision}: {b.param} B param + {b.grad} B grad + K={b.optimizer} B optimizer per parameter; "
-      f"world size N={o.world_size}\n")
-    w("memory per rank: " + ", ".join(f"{_label(t)} {_fmt(m.of(t))} GB" if m.of(t) is not None
-                                      else f"{_label(t)} not given" for t in TIERS) + "\n\n")
-    head = f"{'strategy (GB per rank, GB = 1e9 B)':<38} {'GPU state':>9} {'GPU work':>8} {'GPU':>8} " \
-           f"{'CPU':>8} {'NVMe':>8} {'comm/step':>9}  fits"
+    w(
+        f"precision {o.precision}: {b.param} B param + {b.grad} B grad + K={b.optimizer} B optimizer per parameter; "
+        f"world size N={o.world_size}\n"
+    )
+    w(
+        "memory per rank: "
+        + ", ".join(
+            f"{_label(t)} {_fmt(m.of(t))} GB" if m.of(t) is not None else f"{_label(t)} not given"
+            for t in TIERS
+        )
+        + "\n\n"
+    )
+    head = (
+        f"{'strategy (GB per rank, GB = 1e9 B)':<38} {'GPU state':>9} {'GPU work':>8} {'GPU':>8} "
+        f"{'CPU':>8} {'NVMe':>8} {'comm/step':>9}  fits"
+    )
     w(head + "\n" + "-" * len(head) + "\n")
     for s in plan.strategies:
-        w(f"{s.name:<38} {_fmt(s.bytes_on('gpu', working=False)):>9} {_fmt(s.bytes_on('gpu', working=True)):>8} "
-          f"{_fmt(s.bytes_on('gpu')):>8} {_fmt(s.bytes_on('cpu')):>8} {_fmt(s.bytes_on('nvme')):>8} "
-          f"{_fmt(s.comm_bytes_per_step):>9}  {_fits(s)}\n")
-    w("\ncomm/step: DP/ZeRO-1/2 all-reduce 2*Psi elements, ZeRO-3 3*Psi (1.5x DP), 0 when N=1. "
-      "'yes?' = fits the tiers you gave, others not checked.\n")
+        w(
+            f"{s.name:<38} {_fmt(s.bytes_on('gpu', working=False)):>9} {_fmt(s.bytes_on('gpu', working=True)):>8} "
+            f"{_fmt(s.bytes_on('gpu')):>8} {_fmt(s.bytes_on('cpu')):>8} {_fmt(s.bytes_on('nvme')):>8} "
+            f"{_fmt(s.comm_bytes_per_step):>9}  {_fits(s)}\n"
+        )
+    w(
+        "\ncomm/step: DP/ZeRO-1/2 all-reduce 2*Psi elements, ZeRO-3 3*Psi (1.5x DP), 0 when N=1. "
+        "'yes?' = fits the tiers you gave, others not checked.\n"
+    )
     w("GPU working set of ZeRO-3 (counted above under 'GPU work'):\n")
     z3 = plan.strategy("zero3")
     for t in z3.terms:
         if t.what.startswith("working:"):
             w(f"  {gb(t.bytes):>8.1f} GB  {t.what.removeprefix('working: ')}\n")
     if not o.activation_bytes:
-        w("  activations: NOT counted (depend on batch, sequence length, checkpointing); add --activation-mem\n")
+        w(
+            "  activations: NOT counted (depend on batch, sequence length, checkpointing); add --activation-mem\n"
+        )
     w("per-step traffic of the offloaded placements (per rank):\n")
     for s in plan.strategies:
         if s.offload_optimizer != "none":
-            w(f"  {s.name:<38} host link {gb(s.host_link_bytes_per_step):.1f} GB, "
-              f"NVMe {gb(s.nvme_io_bytes_per_step):.1f} GB\n")
+            w(
+                f"  {s.name:<38} host link {gb(s.host_link_bytes_per_step):.1f} GB, "
+                f"NVMe {gb(s.nvme_io_bytes_per_step):.1f} GB\n"
+            )
     w("\n" + plan.message + "\n")
     if plan.recommended:
         s = plan.strategy(plan.recommended)
         for t in s.terms:
             if t.tier != "gpu" or not t.what.startswith("working:"):
                 w(f"  {_label(t.tier):<4} {gb(t.bytes):>8.1f} GB  {t.what}\n")
-        w("\nrecommended config (DeepSpeed format + \"tiered\" tier budgets):\n")
+        w('\nrecommended config (DeepSpeed format + "tiered" tier budgets):\n')
         w(json.dumps(plan.config, indent=2) + "\n")
 
 

@@ -31,8 +31,14 @@ def hidden_size_of(model: torch.nn.Module) -> int | None:
     config = getattr(model, "config", None)
     if config is not None:
         text = getattr(config, "text_config", None)
-        sources = [(config, "hidden_size"), (config, "hidden_sizes"), (text, "hidden_size"), (text, "hidden_sizes"),
-                   (config, "n_embd"), (config, "d_model")]
+        sources = [
+            (config, "hidden_size"),
+            (config, "hidden_sizes"),
+            (text, "hidden_size"),
+            (text, "hidden_sizes"),
+            (config, "n_embd"),
+            (config, "d_model"),
+        ]
         for owner, attr in sources:
             value = getattr(owner, attr, None) if owner is not None else None
             if isinstance(value, (list, tuple)) and value:
@@ -47,13 +53,13 @@ def resolve_from_model(path: str, model: torch.nn.Module | None) -> int:
     """The value of the model-dependent "auto" key `path`."""
     if model is None:
         raise ConfigError(
-            f"{path} is \"auto\", which is computed from the model's hidden size: pass model= to "
+            f'{path} is "auto", which is computed from the model\'s hidden size: pass model= to '
             "load_config (tiered.initialize does), or write a number"
         )
     hidden = hidden_size_of(model)
     if hidden is None:
         raise ConfigError(
-            f"{path} is \"auto\" but the hidden size of {type(model).__name__} cannot be found "
+            f'{path} is "auto" but the hidden size of {type(model).__name__} cannot be found '
             "(no config.hidden_size / n_embd / d_model and no nn.Linear layer); write a number"
         )
     return HIDDEN_SIZE_KEYS[path](hidden)

@@ -19,14 +19,22 @@ def dump_config(cfg: TieredConfig) -> dict[str, Any]:
     """JSON-able dict that `load_config` turns back into an equal `TieredConfig`."""
     z, p, o, a = cfg.zero, cfg.zero.offload_param, cfg.zero.offload_optimizer, cfg.aio
     offload_param: dict[str, Any] = {
-        "device": p.device, "pin_memory": p.pin_memory, "buffer_count": p.buffer_count,
-        "buffer_size": p.buffer_size_numel, "max_in_cpu": p.max_in_cpu_numel,
+        "device": p.device,
+        "pin_memory": p.pin_memory,
+        "buffer_count": p.buffer_count,
+        "buffer_size": p.buffer_size_numel,
+        "max_in_cpu": p.max_in_cpu_numel,
     }
     if p.nvme_path is not None:
         offload_param["nvme_path"] = p.nvme_path
     offload_opt: dict[str, Any] = {
-        "device": o.device, "pin_memory": o.pin_memory, "buffer_count": o.buffer_count, "ratio": o.ratio,
-        "pipeline_read": o.pipeline_read, "pipeline_write": o.pipeline_write, "fast_init": o.fast_init,
+        "device": o.device,
+        "pin_memory": o.pin_memory,
+        "buffer_count": o.buffer_count,
+        "ratio": o.ratio,
+        "pipeline_read": o.pipeline_read,
+        "pipeline_write": o.pipeline_write,
+        "fast_init": o.fast_init,
     }
     if o.nvme_path is not None:
         offload_opt["nvme_path"] = o.nvme_path
@@ -47,14 +55,21 @@ def dump_config(cfg: TieredConfig) -> dict[str, Any]:
             "contiguous_gradients": z.contiguous_gradients,
         },
         "aio": {
-            "block_size": a.block_size_bytes, "queue_depth": a.queue_depth, "thread_count": a.thread_count,
-            "single_submit": a.single_submit, "overlap_events": a.overlap_events, "use_gds": a.use_gds,
+            "block_size": a.block_size_bytes,
+            "queue_depth": a.queue_depth,
+            "thread_count": a.thread_count,
+            "single_submit": a.single_submit,
+            "overlap_events": a.overlap_events,
+            "use_gds": a.use_gds,
         },
         "optimizer": {
             "type": cfg.optimizer.type,
             "params": {
-                "lr": cfg.optimizer.lr, "betas": list(cfg.optimizer.betas), "eps": cfg.optimizer.eps,
-                "weight_decay": cfg.optimizer.weight_decay, "adam_w_mode": cfg.optimizer.adamw_mode,
+                "lr": cfg.optimizer.lr,
+                "betas": list(cfg.optimizer.betas),
+                "eps": cfg.optimizer.eps,
+                "weight_decay": cfg.optimizer.weight_decay,
+                "adam_w_mode": cfg.optimizer.adamw_mode,
             },
         },
         "bf16": {"enabled": cfg.precision.dtype == torch.bfloat16},

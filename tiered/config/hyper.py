@@ -81,7 +81,7 @@ class Hyperparameters:
         if self.max_grad_norm is not None:
             as_float(self.max_grad_norm, kw("max_grad_norm"), minimum=0.0)
         if self.mixed_precision is not None and self.mixed_precision not in ("no", "fp16", "bf16"):
-            raise ConfigError(f"mixed_precision={self.mixed_precision!r}: use \"no\", \"fp16\" or \"bf16\"")
+            raise ConfigError(f'mixed_precision={self.mixed_precision!r}: use "no", "fp16" or "bf16"')
 
     def given(self) -> bool:
         return any(getattr(self, f.name) is not None for f in dataclasses.fields(self))
@@ -127,15 +127,24 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
 
 
-def apply_hyperparameters(config: dict[str, Any], hp: Hyperparameters) -> tuple[dict[str, Any], tuple[str, ...]]:
+def apply_hyperparameters(
+    config: dict[str, Any], hp: Hyperparameters
+) -> tuple[dict[str, Any], tuple[str, ...]]:
     """A copy of raw `config` with `hp` filled in ([Note: caller-supplied hyper-parameters]),
     and the key paths still unset. Raises ConfigError for a value that contradicts the caller."""
     cfg = copy.deepcopy(config)
     mismatches: list[str] = []
     unset: list[str] = []
 
-    def fill(path: str, value: Any, keyword: str, *, insert: bool = False, shown: Any = None,
-             must_match: bool = True) -> None:
+    def fill(
+        path: str,
+        value: Any,
+        keyword: str,
+        *,
+        insert: bool = False,
+        shown: Any = None,
+        must_match: bool = True,
+    ) -> None:
         node, leaf = _node(cfg, path)
         if node is None:
             return
@@ -166,8 +175,11 @@ def apply_hyperparameters(config: dict[str, Any], hp: Hyperparameters) -> tuple[
             cfg["optimizer"] = {"type": "AdamW", "params": params}
             log.info(
                 "no optimizer section in the config: building AdamW(lr=%g, betas=%s, eps=%g, weight_decay=%g) "
-                "from the caller's values%s", hp.lr, tuple(hp.betas or (0.9, 0.999)),
-                1e-8 if hp.eps is None else hp.eps, params["weight_decay"],
+                "from the caller's values%s",
+                hp.lr,
+                tuple(hp.betas or (0.9, 0.999)),
+                1e-8 if hp.eps is None else hp.eps,
+                params["weight_decay"],
                 "" if hp.weight_decay is not None else " (weight_decay not supplied: no weight decay)",
             )
     elif isinstance(cfg["optimizer"], dict):
@@ -200,27 +212,44 @@ def apply_hyperparameters(config: dict[str, Any], hp: Hyperparameters) -> tuple[
     elif sched is None and hp.warmup_steps:
         log.warning(
             "warmup_steps=%d was given but the config has no scheduler section: the lr stays constant; "
-            "add a scheduler (e.g. WarmupLR) to warm up", hp.warmup_steps,
+            "add a scheduler (e.g. WarmupLR) to warm up",
+            hp.warmup_steps,
         )
 
     # --- batch, clipping, precision ---------------------------------------------------------
     fill("train_micro_batch_size_per_gpu", hp.micro_batch_size, "micro_batch_size", insert=True)
-    fill("gradient_accumulation_steps", hp.gradient_accumulation_steps, "gradient_accumulation_steps", insert=True)
+    fill(
+        "gradient_accumulation_steps",
+        hp.gradient_accumulation_steps,
+        "gradient_accumulation_steps",
+        insert=True,
+    )
     fill("gradient_clipping", hp.max_grad_norm, "max_grad_norm", insert=True)
     precision = hp.mixed_precision
     if precision == "fp16" and cfg.get("fp16") is None:
         cfg["fp16"] = {"enabled": True}  # the caller asked for it; the file has no section to fill
     if precision == "bf16" and cfg.get("bf16") is None and cfg.get("bfloat16") is None:
         cfg["bf16"] = {"enabled": True}
-    fill("fp16.enabled", None if precision is None else precision == "fp16", "mixed_precision", insert=True,
-         shown=precision)
+    fill(
+        "fp16.enabled",
+        None if precision is None else precision == "fp16",
+        "mixed_precision",
+        insert=True,
+        shown=precision,
+    )
     for key in ("bf16", "bfloat16"):
-        fill(f"{key}.enabled", None if precision is None else precision == "bf16", "mixed_precision", insert=True,
-             shown=precision)
+        fill(
+            f"{key}.enabled",
+            None if precision is None else precision == "bf16",
+            "mixed_precision",
+            insert=True,
+            shown=precision,
+        )
     if mismatches:
         raise ConfigError(
             "the config contradicts the caller's hyper-parameters (as Hugging Face's Trainer, tiered "
-            "refuses rather than pick one): " + "; ".join(mismatches)
+            "refuses rather than pick one): "
+            + "; ".join(mismatches)
             + ". Set the key to \"auto\" to take the caller's value, or pass the config's value"
         )
     return cfg, tuple(dict.fromkeys(unset))
@@ -242,11 +271,13 @@ def check_complete(unset: tuple[str, ...], *, flags: Mapping[str, str] | None = 
         if path == "optimizer":
             lines.append(
                 f"the config has no optimizer section, so no learning rate: {via} (and weight_decay=, "
-                "betas=, eps= as your trainer would), or add \"optimizer\": {\"type\": \"AdamW\", "
-                "\"params\": {\"lr\": ...}}"
+                'betas=, eps= as your trainer would), or add "optimizer": {"type": "AdamW", '
+                '"params": {"lr": ...}}'
             )
         elif path == "scheduler.params.total_num_steps":
-            lines.append(f"{path} is \"auto\": {via} (the number of optimizer steps), or write a number")
+            lines.append(f'{path} is "auto": {via} (the number of optimizer steps), or write a number')
         else:
-            lines.append(f"{path} is \"auto\" or missing and nobody supplied it: {via}, or write a value in the config")
+            lines.append(
+                f'{path} is "auto" or missing and nobody supplied it: {via}, or write a value in the config'
+            )
     raise ConfigError("tiered never invents a hyper-parameter; " + "; ".join(lines))

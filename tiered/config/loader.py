@@ -45,6 +45,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {name!r} does not exist; pass a JSON file path or a dict") from None
     except OSError as exc:
         raise ConfigError(f"config file {name!r} cannot be read: {exc.strerror or exc}") from None
+
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         # json.loads keeps the last of two equal keys; a silently dropped setting is worse than an error.
         out: dict[str, Any] = {}
@@ -113,7 +114,9 @@ def load_config(
         check_section(raw, "scheduler")
         if "type" not in raw:
             raise ConfigError("scheduler.type is missing; use WarmupLR, WarmupDecayLR or WarmupCosineLR")
-        params = normalize_scheduler(raw["type"], raw.get("params"), base_lr=None if lr_unset else optimizer.lr)
+        params = normalize_scheduler(
+            raw["type"], raw.get("params"), base_lr=None if lr_unset else optimizer.lr
+        )
         scheduler = SchedulerConfig(type=scheduler_type(raw["type"]), params=params)
         if params.get("warmup_max_lr") == AUTO:
             unset = (*unset, "scheduler.params.warmup_max_lr")
@@ -132,11 +135,15 @@ def load_config(
         train_micro_batch_size_per_gpu=micro,
         steps_per_print=_count_key(config, "steps_per_print", 10, minimum=1),
         wall_clock_breakdown=(
-            False if config.get("wall_clock_breakdown") is None
-            else as_bool(config["wall_clock_breakdown"], "wall_clock_breakdown")),
+            False
+            if config.get("wall_clock_breakdown") is None
+            else as_bool(config["wall_clock_breakdown"], "wall_clock_breakdown")
+        ),
         communication_data_type=(
-            None if config.get("communication_data_type") is None
-            else as_choice(config["communication_data_type"], "communication_data_type", _COMM_DTYPES)),
+            None
+            if config.get("communication_data_type") is None
+            else as_choice(config["communication_data_type"], "communication_data_type", _COMM_DTYPES)
+        ),
         unset=unset,
     )
 
@@ -224,8 +231,10 @@ def config_for_training(
     valid = [f.name for f in dataclasses.fields(Hyperparameters)]
     unknown = sorted(set(hyperparameters) - set(valid))
     if unknown:
-        raise TypeError(f"tiered.initialize: unknown keyword {', '.join(unknown)}; hyper-parameter keywords: "
-                        f"{', '.join(valid)}")
+        raise TypeError(
+            f"tiered.initialize: unknown keyword {', '.join(unknown)}; hyper-parameter keywords: "
+            f"{', '.join(valid)}"
+        )
     hp = Hyperparameters(**hyperparameters)
     if isinstance(config, TieredConfig):
         if not hp.given():

@@ -32,11 +32,19 @@ WARMUP_TYPES = ("log", "linear")
 _PARAMS: dict[str, tuple[str, ...]] = {
     "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"),
     "WarmupDecayLR": (
-        "total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+        "total_num_steps",
+        "warmup_min_lr",
+        "warmup_max_lr",
+        "warmup_num_steps",
+        "warmup_type",
         "last_batch_iteration",
     ),
     "WarmupCosineLR": (
-        "total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
+        "total_num_steps",
+        "warmup_min_ratio",
+        "warmup_num_steps",
+        "cos_min_ratio",
+        "warmup_type",
         "last_batch_iteration",
     ),
 }
@@ -54,9 +62,7 @@ def scheduler_type(value: Any, path: str = "scheduler.type") -> str:
                     f"{path} = {value!r} is a DeepSpeed scheduler tiered does not support; "
                     f"use one of {', '.join(SCHEDULER_TYPES)}, or drive the lr yourself"
                 )
-    raise ConfigError(
-        f"{path}: unknown scheduler {value!r}; use one of {', '.join(SCHEDULER_TYPES)}"
-    )
+    raise ConfigError(f"{path}: unknown scheduler {value!r}; use one of {', '.join(SCHEDULER_TYPES)}")
 
 
 def normalize_scheduler(
@@ -81,13 +87,17 @@ def normalize_scheduler(
         if "total_num_steps" not in params:
             raise ConfigError(
                 f"{where}.total_num_steps is required for {type_}; set the number of optimizer steps, "
-                f"or \"auto\" and pass total_steps= to tiered.initialize"
+                f'or "auto" and pass total_steps= to tiered.initialize'
             )
         total = params["total_num_steps"]
-        out["total_num_steps"] = AUTO if is_auto(total) else as_count(total, f"{where}.total_num_steps", minimum=1)
+        out["total_num_steps"] = (
+            AUTO if is_auto(total) else as_count(total, f"{where}.total_num_steps", minimum=1)
+        )
     if type_ in ("WarmupLR", "WarmupDecayLR"):
         min_lr = get("warmup_min_lr", 0.0)
-        out["warmup_min_lr"] = 0.0 if is_auto(min_lr) else as_float(min_lr, f"{where}.warmup_min_lr", minimum=0.0)
+        out["warmup_min_lr"] = (
+            0.0 if is_auto(min_lr) else as_float(min_lr, f"{where}.warmup_min_lr", minimum=0.0)
+        )
         max_default: Any = (AUTO if base_lr is None else base_lr) if type_ == "WarmupLR" else 0.001
         max_lr = get("warmup_max_lr", max_default)
         if is_auto(max_lr):
@@ -96,16 +106,22 @@ def normalize_scheduler(
             out["warmup_max_lr"] = as_float(max_lr, f"{where}.warmup_max_lr", minimum=0.0)
     else:
         min_ratio = get("warmup_min_ratio", 0.0)
-        out["warmup_min_ratio"] = 0.0 if is_auto(min_ratio) else as_float(
-            min_ratio, f"{where}.warmup_min_ratio", minimum=0.0, maximum=1.0
+        out["warmup_min_ratio"] = (
+            0.0
+            if is_auto(min_ratio)
+            else as_float(min_ratio, f"{where}.warmup_min_ratio", minimum=0.0, maximum=1.0)
         )
         cos_min = get("cos_min_ratio", 0.0001)
-        out["cos_min_ratio"] = 0.0001 if is_auto(cos_min) else as_float(
-            cos_min, f"{where}.cos_min_ratio", minimum=0.0, maximum=1.0
+        out["cos_min_ratio"] = (
+            0.0001
+            if is_auto(cos_min)
+            else as_float(cos_min, f"{where}.cos_min_ratio", minimum=0.0, maximum=1.0)
         )
     steps = get("warmup_num_steps", 1000)
     # DeepSpeed raises for warmup_num_steps <= 0 and then uses max(2, n); keep both rules.
-    out["warmup_num_steps"] = AUTO if is_auto(steps) else as_count(steps, f"{where}.warmup_num_steps", minimum=1)
+    out["warmup_num_steps"] = (
+        AUTO if is_auto(steps) else as_count(steps, f"{where}.warmup_num_steps", minimum=1)
+    )
     out["warmup_type"] = as_choice(get("warmup_type", "log"), f"{where}.warmup_type", WARMUP_TYPES)
     last = get("last_batch_iteration", -1)
     if as_count(last, f"{where}.last_batch_iteration", minimum=-1) != -1:

@@ -44,8 +44,21 @@ log = logging.getLogger(__name__)
 ZP = "zero_optimization"
 _DEVICES = ("none", "cpu", "nvme")
 _DS_OPTIMIZERS = (
-    "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "Lion", "Adagrad", "SGD", "MuAdam",
-    "MuAdamW", "MuSGD", "Muon", "FusedAdam", "CPUAdam", "DeepSpeedCPUAdam", "Adam8bit",
+    "OneBitAdam",
+    "ZeroOneAdam",
+    "OneBitLamb",
+    "Lamb",
+    "Lion",
+    "Adagrad",
+    "SGD",
+    "MuAdam",
+    "MuAdamW",
+    "MuSGD",
+    "Muon",
+    "FusedAdam",
+    "CPUAdam",
+    "DeepSpeedCPUAdam",
+    "Adam8bit",
 )
 
 
@@ -58,8 +71,14 @@ def pick(section: dict[str, Any], prefix: str, names: tuple[str, ...]) -> tuple[
     return (present[0], section[present[0]]) if present else None
 
 
-def _count(section: dict[str, Any], prefix: str, names: tuple[str, ...], default: int,
-           model: torch.nn.Module | None = None, minimum: int = 0) -> int:
+def _count(
+    section: dict[str, Any],
+    prefix: str,
+    names: tuple[str, ...],
+    default: int,
+    model: torch.nn.Module | None = None,
+    minimum: int = 0,
+) -> int:
     found = pick(section, prefix, names)
     if found is None:
         return default
@@ -102,7 +121,9 @@ def check_nvme_path(value: Any, path: str) -> str:
             "point it at a directory on a local NVMe drive that you can write"
         ) from None
     if not os.access(target, os.W_OK | os.X_OK):
-        raise ConfigError(f"{path} = {text!r} is not writable by this user; fix its permissions or choose another")
+        raise ConfigError(
+            f"{path} = {text!r} is not writable by this user; fix its permissions or choose another"
+        )
     return text
 
 
@@ -119,7 +140,9 @@ def _offload_common(raw: Any, prefix: str) -> tuple[dict[str, Any], str, str | N
     nvme_path = section.get("nvme_path")
     if device == "nvme":
         if nvme_path is None:
-            raise ConfigError(f"{prefix}.device is \"nvme\" but {prefix}.nvme_path is not set; give a directory on an NVMe drive")
+            raise ConfigError(
+                f'{prefix}.device is "nvme" but {prefix}.nvme_path is not set; give a directory on an NVMe drive'
+            )
         nvme_path = check_nvme_path(nvme_path, f"{prefix}.nvme_path")
     elif nvme_path is not None:
         nvme_path = as_str(nvme_path, f"{prefix}.nvme_path")
@@ -167,13 +190,23 @@ def parse_zero(raw: Any, model: torch.nn.Module | None) -> ZeroConfig:
 
     opt_raw = section.get("offload_optimizer")
     if _flag(section, ZP, "cpu_offload", False):
-        if opt_raw is not None and _device(as_section(opt_raw, f"{ZP}.offload_optimizer"), f"{ZP}.offload_optimizer") != "cpu":
-            raise ConfigError(f"{ZP}.cpu_offload is true but {ZP}.offload_optimizer.device is not \"cpu\"; keep only offload_optimizer")
+        if (
+            opt_raw is not None
+            and _device(as_section(opt_raw, f"{ZP}.offload_optimizer"), f"{ZP}.offload_optimizer") != "cpu"
+        ):
+            raise ConfigError(
+                f'{ZP}.cpu_offload is true but {ZP}.offload_optimizer.device is not "cpu"; keep only offload_optimizer'
+            )
         opt_raw = {**(opt_raw or {}), "device": "cpu"}
     param_raw = section.get("offload_param")
     if _flag(section, ZP, "cpu_offload_param", False):
-        if param_raw is not None and _device(as_section(param_raw, f"{ZP}.offload_param"), f"{ZP}.offload_param") != "cpu":
-            raise ConfigError(f"{ZP}.cpu_offload_param is true but {ZP}.offload_param.device is not \"cpu\"; keep only offload_param")
+        if (
+            param_raw is not None
+            and _device(as_section(param_raw, f"{ZP}.offload_param"), f"{ZP}.offload_param") != "cpu"
+        ):
+            raise ConfigError(
+                f'{ZP}.cpu_offload_param is true but {ZP}.offload_param.device is not "cpu"; keep only offload_param'
+            )
         param_raw = {**(param_raw or {}), "device": "cpu"}
     offload_param = parse_offload_param(param_raw, f"{ZP}.offload_param", pin_default)
     offload_opt = parse_offload_optimizer(opt_raw, f"{ZP}.offload_optimizer", pin_default)
@@ -183,7 +216,7 @@ def parse_zero(raw: Any, model: torch.nn.Module | None) -> ZeroConfig:
     if offload_param.device != "none" and stage != 3:
         raise ConfigError(
             f"{ZP}.offload_param.device = {offload_param.device!r} needs {ZP}.stage 3 (got {stage}), as in "
-            f"DeepSpeed; set \"stage\": 3 or remove offload_param"
+            f'DeepSpeed; set "stage": 3 or remove offload_param'
         )
     if offload_opt.device != "none" and stage == 0:
         raise ConfigError(
@@ -191,10 +224,12 @@ def parse_zero(raw: Any, model: torch.nn.Module | None) -> ZeroConfig:
         )
     if offload_opt.device == "nvme" and stage != 3:
         raise ConfigError(
-            f"{ZP}.offload_optimizer.device \"nvme\" needs {ZP}.stage 3 (got {stage}), as in DeepSpeed"
+            f'{ZP}.offload_optimizer.device "nvme" needs {ZP}.stage 3 (got {stage}), as in DeepSpeed'
         )
     if offload_opt.ratio < 1.0 and stage != 3:
-        raise ConfigError(f"{ZP}.offload_optimizer.ratio < 1 needs {ZP}.stage 3 (got {stage}), as in DeepSpeed")
+        raise ConfigError(
+            f"{ZP}.offload_optimizer.ratio < 1 needs {ZP}.stage 3 (got {stage}), as in DeepSpeed"
+        )
 
     # [Note: zeros keep DeepSpeed's meaning]
     # sub_group_size 0: DeepSpeed closes a sub-group once its size >= 0, i.e. after every
@@ -207,28 +242,40 @@ def parse_zero(raw: Any, model: torch.nn.Module | None) -> ZeroConfig:
     prefetch = _count(section, ZP, ("stage3_prefetch_bucket_size", "prefetch_bucket_size"), 50_000_000, model)
     max_live = _count(section, ZP, ("stage3_max_live_parameters", "max_live_parameters"), 1_000_000_000)
     if max_live == 0:
-        log.info("%s.stage3_max_live_parameters 0: as in DeepSpeed, no prefetch and no cap on a module's fetch", ZP)
+        log.info(
+            "%s.stage3_max_live_parameters 0: as in DeepSpeed, no prefetch and no cap on a module's fetch", ZP
+        )
         prefetch, max_live = 0, sys.maxsize
-    gather = pick(section, ZP, (
-        "stage3_gather_16bit_weights_on_model_save",
-        "gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save",
-    ))
+    gather = pick(
+        section,
+        ZP,
+        (
+            "stage3_gather_16bit_weights_on_model_save",
+            "gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+        ),
+    )
     return ZeroConfig(
         stage=stage,
         offload_param=offload_param,
         offload_optimizer=offload_opt,
         prefetch_bucket_size_numel=prefetch,
         param_persistence_threshold_numel=_count(
-            section, ZP, ("stage3_param_persistence_threshold", "param_persistence_threshold"), 100_000, model),
+            section, ZP, ("stage3_param_persistence_threshold", "param_persistence_threshold"), 100_000, model
+        ),
         model_persistence_threshold_numel=_count(
-            section, ZP, ("stage3_model_persistence_threshold", "model_persistence_threshold"),
-            ZeroConfig.model_persistence_threshold_numel),
+            section,
+            ZP,
+            ("stage3_model_persistence_threshold", "model_persistence_threshold"),
+            ZeroConfig.model_persistence_threshold_numel,
+        ),
         max_live_parameters_numel=max_live,
         max_reuse_distance_numel=_count(
-            section, ZP, ("stage3_max_reuse_distance", "max_reuse_distance"), 1_000_000_000),
+            section, ZP, ("stage3_max_reuse_distance", "max_reuse_distance"), 1_000_000_000
+        ),
         gather_16bit_weights_on_model_save=(
-            False if gather is None or is_auto(gather[1]) else as_bool(gather[1], f"{ZP}.{gather[0]}")),
+            False if gather is None or is_auto(gather[1]) else as_bool(gather[1], f"{ZP}.{gather[0]}")
+        ),
         sub_group_size_numel=max(1, _count(section, ZP, ("sub_group_size",), 1_000_000_000)),
         reduce_bucket_size_numel=_count(section, ZP, ("reduce_bucket_size",), 500_000_000, model),
         # DeepSpeed: overlap_comm None -> True for stage 3 only (overlap_comm_valid).
@@ -244,7 +291,7 @@ def parse_aio(raw: Any) -> AioConfig:
     if use_gds and not torch.cuda.is_available():
         raise UnsupportedConfigError(
             "aio.use_gds is true but CUDA is not available here; GPUDirect Storage needs a CUDA GPU "
-            "and cuFile. Set \"use_gds\": false"
+            'and cuFile. Set "use_gds": false'
         )
     return AioConfig(
         block_size_bytes=_count(section, "aio", ("block_size",), 1_048_576, minimum=1),
@@ -257,7 +304,7 @@ def parse_aio(raw: Any) -> AioConfig:
 
 
 def optimizer_type(value: Any) -> str:
-    """"Adam" or "AdamW" (any case); every other optimizer is UnsupportedConfigError."""
+    """ "Adam" or "AdamW" (any case); every other optimizer is UnsupportedConfigError."""
     if isinstance(value, str):
         for name in ("Adam", "AdamW"):
             if value.strip().lower() == name.lower():
@@ -266,10 +313,10 @@ def optimizer_type(value: Any) -> str:
         if known:
             raise UnsupportedConfigError(
                 f"optimizer.type = {value!r} is a DeepSpeed optimizer tiered does not support; "
-                "tiered offloads Adam and AdamW only: use \"Adam\" or \"AdamW\""
+                'tiered offloads Adam and AdamW only: use "Adam" or "AdamW"'
             )
     raise UnsupportedConfigError(
-        f"optimizer.type = {value!r} is not supported; tiered offloads Adam and AdamW only: use \"Adam\" or \"AdamW\""
+        f'optimizer.type = {value!r} is not supported; tiered offloads Adam and AdamW only: use "Adam" or "AdamW"'
     )
 
 
@@ -279,7 +326,7 @@ def parse_optimizer(raw: Any) -> OptimizerConfig:
     section = as_section(raw, "optimizer")
     check_section(section, "optimizer")
     if "type" not in section:
-        raise ConfigError("optimizer.type is missing; set \"Adam\" or \"AdamW\"")
+        raise ConfigError('optimizer.type is missing; set "Adam" or "AdamW"')
     type_ = optimizer_type(section["type"])
     params = as_section(section.get("params") or {}, "optimizer.params")
     check_section(params, "optimizer.params")
@@ -294,8 +341,8 @@ def parse_optimizer(raw: Any) -> OptimizerConfig:
     adam_w_mode = True if adam_w_mode is None else as_bool(adam_w_mode, f"{p}.adam_w_mode")
     if type_ == "AdamW" and not adam_w_mode:
         raise ConfigError(
-            f"{p}.adam_w_mode is false but optimizer.type is \"AdamW\" (DeepSpeed would silently run AdamW); "
-            "use \"type\": \"Adam\" with adam_w_mode false for L2 weight decay"
+            f'{p}.adam_w_mode is false but optimizer.type is "AdamW" (DeepSpeed would silently run AdamW); '
+            'use "type": "Adam" with adam_w_mode false for L2 weight decay'
         )
     lr, betas, eps, wd = value("lr"), value("betas"), value("eps"), value("weight_decay")
     return OptimizerConfig(

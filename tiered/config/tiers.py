@@ -44,7 +44,9 @@ def _same_path(a: str, b: str) -> bool:
     return os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
 
 
-def _derived_tiers(zero: ZeroConfig, aio: AioConfig) -> tuple[dict[str, dict[str, Any]], str | None, str | None]:
+def _derived_tiers(
+    zero: ZeroConfig, aio: AioConfig
+) -> tuple[dict[str, dict[str, Any]], str | None, str | None]:
     """Default backend specs, and the default param / optimizer tier names."""
     backends: dict[str, dict[str, Any]] = {"gpu": {"type": "gpu"}, "cpu": {"type": "cpu"}}
     # offload_*.pin_memory: the "cpu" tier is the one host pool both offloads use, so it is
@@ -87,7 +89,7 @@ def _derived_tiers(zero: ZeroConfig, aio: AioConfig) -> tuple[dict[str, dict[str
 def _backend(raw: Any, path: str, derived: dict[str, Any] | None) -> dict[str, Any]:
     spec = dict(as_section(raw, path))
     if "type" not in spec:
-        raise ConfigError(f"{path}.type is missing; name a registered backend, e.g. \"cpu\", \"nvme\"")
+        raise ConfigError(f'{path}.type is missing; name a registered backend, e.g. "cpu", "nvme"')
     spec["type"] = as_str(spec["type"], f"{path}.type")
     if derived is not None and derived.get("type") == "nvme" and spec["type"] == "nvme":
         user_path = spec.get("path")
@@ -124,10 +126,12 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
         else:
             raise ConfigError(
                 f"{path}.backend is missing; a custom tier needs a backend spec such as "
-                "{\"type\": \"tensorstore\", ...} (see `tiered backends`)"
+                '{"type": "tensorstore", ...} (see `tiered backends`)'
             )
         budget = tier.get("budget")
-        budget_bytes = None if budget is None or is_auto(budget) else parse_bytes(budget, what=f"{path}.budget")
+        budget_bytes = (
+            None if budget is None or is_auto(budget) else parse_bytes(budget, what=f"{path}.budget")
+        )
         tiers[name] = TierSpec(backend=backend, budget_bytes=budget_bytes)
     for name, backend in derived.items():
         tiers.setdefault(name, TierSpec(backend=dict(backend)))
@@ -141,11 +145,13 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
         name = as_str(section[key], f"tiered.{key}")
         if device == "none":
             raise ConfigError(
-                f"tiered.{key} = {name!r} but zero_optimization.{what}.device is \"none\"; "
+                f'tiered.{key} = {name!r} but zero_optimization.{what}.device is "none"; '
                 f"set the offload device or remove tiered.{key}"
             )
         if name not in tiers:
-            raise ConfigError(f"tiered.{key} = {name!r} names no tier; defined tiers: {', '.join(sorted(tiers))}")
+            raise ConfigError(
+                f"tiered.{key} = {name!r} names no tier; defined tiers: {', '.join(sorted(tiers))}"
+            )
         if key == "param_tier":
             param_tier = name
         else:
@@ -159,9 +165,12 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
     return TieredSection(
         tiers=tiers,
         trace_path=None if trace_path is None else as_str(trace_path, "tiered.trace_path"),
-        timeout_s=defaults.timeout_s if timeout is None else as_float(
-            timeout, "tiered.timeout_s", minimum=0.0, min_exclusive=True),
-        io_threads=defaults.io_threads if threads is None else as_count(threads, "tiered.io_threads", minimum=1),
+        timeout_s=defaults.timeout_s
+        if timeout is None
+        else as_float(timeout, "tiered.timeout_s", minimum=0.0, min_exclusive=True),
+        io_threads=defaults.io_threads
+        if threads is None
+        else as_count(threads, "tiered.io_threads", minimum=1),
         param_tier=param_tier,
         optimizer_tier=opt_tier,
     ), (False if overlap is None else as_bool(overlap, "tiered.overlap_step_with_backward"))

@@ -35,7 +35,7 @@ def _number(value: Any, path: str, kind: str) -> float:
             return float(text)
         except ValueError:
             raise ConfigError(
-                f"{path}: cannot read {value!r} as {kind}; write a number such as 1e9, \"5e8\" or 100000"
+                f'{path}: cannot read {value!r} as {kind}; write a number such as 1e9, "5e8" or 100000'
             ) from None
     raise ConfigError(f"{path}: expected {kind}, got {type(value).__name__} {value!r}")
 

@@ -47,7 +47,9 @@ def initialize(
     from tiered.zero import ZeroParameters
 
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"tiered.initialize(model, config): model must be a torch.nn.Module, got {type(model).__name__}")
+        raise TypeError(
+            f"tiered.initialize(model, config): model must be a torch.nn.Module, got {type(model).__name__}"
+        )
     distributed = dist.is_available() and dist.is_initialized()
     world_size = dist.get_world_size(process_group) if distributed else 1
     rank = dist.get_rank(process_group) if distributed else 0
@@ -71,8 +73,12 @@ def initialize(
             process_group=process_group,
         )
         trainable = [g for g in zp.groups if g.trainable]  # frozen groups are never stepped
-        plans = plan_optimizer_placement(trainable, cfg, placement.optimizer_tier, gpu_is_host=tier_is_host(tm, "gpu"))
-        pipe = pipeline_bytes(trainable, plans, cfg.zero.offload_optimizer.buffer_count, placement.compute_dtype)
+        plans = plan_optimizer_placement(
+            trainable, cfg, placement.optimizer_tier, gpu_is_host=tier_is_host(tm, "gpu")
+        )
+        pipe = pipeline_bytes(
+            trainable, plans, cfg.zero.offload_optimizer.buffer_count, placement.compute_dtype
+        )
         needs = capacity_needs(zp.groups, plans, zp.gpu_need, pipeline=pipe)
         check_capacity(tm, needs)
         optimizer = OffloadedAdam(
@@ -91,8 +97,12 @@ def initialize(
         raise
     log.info(
         "tiered engine: %d groups, params in %s, grads in %s, optimizer in %s, %s, world %d",
-        len(zp.groups), placement.param_tier, placement.grad_tier, placement.optimizer_tier,
-        placement.compute_dtype, world_size,
+        len(zp.groups),
+        placement.param_tier,
+        placement.grad_tier,
+        placement.optimizer_tier,
+        placement.compute_dtype,
+        world_size,
     )
     return Engine(
         model,

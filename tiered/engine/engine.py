@@ -51,8 +51,10 @@ def overlap_step_applies(cfg: TieredConfig) -> bool:
     if cfg.precision.dtype == torch.float16:
         blockers.append("fp16 needs the overflow check over every gradient first")
     if blockers:
-        log.warning("tiered.overlap_step_with_backward has no effect: %s; the step runs after backward",
-                    "; ".join(blockers))
+        log.warning(
+            "tiered.overlap_step_with_backward has no effect: %s; the step runs after backward",
+            "; ".join(blockers),
+        )
         return False
     return True
 
@@ -156,7 +158,9 @@ class Engine:
                 f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
             )
         if not loss.requires_grad:
-            raise ValueError("engine.backward(loss): loss does not require grad; was it computed by engine(...)?")
+            raise ValueError(
+                "engine.backward(loss): loss does not require grad; was it computed by engine(...)?"
+            )
         t0 = time.perf_counter()
         scaled = loss.float() if loss.dtype != torch.float32 else loss
         if self.gas != 1:
@@ -193,7 +197,9 @@ class Engine:
         if self.micro_steps % self.gas != 0:
             return
         if not self._backward_since_step:
-            raise RuntimeError("engine.step() at an accumulation boundary without engine.backward(loss) first")
+            raise RuntimeError(
+                "engine.step() at an accumulation boundary without engine.backward(loss) first"
+            )
         t0 = time.perf_counter()
         self.global_steps += 1
         overflow = self._any_rank(self._found_inf)
@@ -203,12 +209,17 @@ class Engine:
             self.loss_scaler.update(True)
             log.info(
                 "fp16 overflow at step %d: step skipped, loss scale %g -> %g",
-                self.global_steps, scale, self.loss_scaler.scale,
+                self.global_steps,
+                scale,
+                self.loss_scaler.scale,
             )
             self.last_grad_norm = float("inf")
         else:
-            norm = global_grad_norm(self._sq_norm_local, process_group=self.process_group) / scale \
-                if self._needs_grad_norm else float("nan")
+            norm = (
+                global_grad_norm(self._sq_norm_local, process_group=self.process_group) / scale
+                if self._needs_grad_norm
+                else float("nan")
+            )
             self.last_grad_norm = norm
             coef = clip_coefficient(norm, float(self.config.gradient_clipping))
             lr = self.get_lr()[0]
@@ -252,7 +263,8 @@ class Engine:
             "global_steps": self.global_steps,
             "skipped_steps": self.skipped_steps,
             "micro_steps": self.micro_steps,
-            "last_grad_norm": None if self.last_grad_norm is None or not math.isfinite(self.last_grad_norm)
+            "last_grad_norm": None
+            if self.last_grad_norm is None or not math.isfinite(self.last_grad_norm)
             else self.last_grad_norm,
         }
 
@@ -293,7 +305,7 @@ class Engine:
                 if trace_path:
                     try:
                         self.tm.write_trace(trace_path)
-                    except Exception:  # noqa: BLE001 - a trace must never mask the close
+                    except Exception:
                         log.exception("could not write the trace to %s", trace_path)
                 self.tm.close()
 

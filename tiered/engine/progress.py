@@ -24,12 +24,18 @@ def report_step(engine: Any) -> None:
     norm = engine.last_grad_norm
     log.info(
         "step %d: lr %.6g, loss scale %g, grad norm %s, skipped steps %d",
-        engine.global_steps, engine.get_lr()[0], engine.loss_scale,
-        "n/a" if norm is None or norm != norm else f"{norm:.6g}", engine.skipped_steps,
+        engine.global_steps,
+        engine.get_lr()[0],
+        engine.loss_scale,
+        "n/a" if norm is None or norm != norm else f"{norm:.6g}",
+        engine.skipped_steps,
     )
     if cfg.wall_clock_breakdown:
         last = getattr(engine, "_last_step", {})
         log.info(
             "step %d time: forward %.4f s, backward %.4f s, step %.4f s",
-            engine.global_steps, last.get("forward_s", 0.0), last.get("backward_s", 0.0), last.get("step_s", 0.0),
+            engine.global_steps,
+            last.get("forward_s", 0.0),
+            last.get("backward_s", 0.0),
+            last.get("step_s", 0.0),
         )

@@ -64,14 +64,18 @@ class ActivationEstimate:
 
     def describe(self) -> str:
         how = "checkpointed: layer inputs + one layer" if self.checkpointing else f"{self.layers} layers"
-        return (f"~{format_bytes(self.total_bytes, binary=True)} of activations for batch {self.batch} x seq "
-                f"{self.seq_len} ({how}; {format_bytes(self.per_layer_bytes, binary=True)} per layer, logits "
-                f"{format_bytes(self.logits_bytes, binary=True)})")
+        return (
+            f"~{format_bytes(self.total_bytes, binary=True)} of activations for batch {self.batch} x seq "
+            f"{self.seq_len} ({how}; {format_bytes(self.per_layer_bytes, binary=True)} per layer, logits "
+            f"{format_bytes(self.logits_bytes, binary=True)})"
+        )
 
 
-def estimate_activations(hf_config: Any, *, batch: int, seq_len: int, dtype: torch.dtype,
-                         checkpointing: bool) -> ActivationEstimate:
+def estimate_activations(
+    hf_config: Any, *, batch: int, seq_len: int, dtype: torch.dtype, checkpointing: bool
+) -> ActivationEstimate:
     """[Note: activation estimate] from a transformers config (Llama-style or GPT-2 names)."""
+
     def get(*names: str) -> int:
         for n in names:
             v = getattr(hf_config, n, None)
@@ -80,9 +84,15 @@ def estimate_activations(hf_config: Any, *, batch: int, seq_len: int, dtype: tor
         raise ConfigError(f"--model: config has none of {names}; cannot estimate the activation memory")
 
     return ActivationEstimate(
-        layers=get("num_hidden_layers", "n_layer"), hidden=get("hidden_size", "n_embd"),
-        heads=get("num_attention_heads", "n_head"), vocab=get("vocab_size"), batch=batch, seq_len=seq_len,
-        bytes_per_value=4 if dtype == torch.float32 else 2, checkpointing=checkpointing)
+        layers=get("num_hidden_layers", "n_layer"),
+        hidden=get("hidden_size", "n_embd"),
+        heads=get("num_attention_heads", "n_head"),
+        vocab=get("vocab_size"),
+        batch=batch,
+        seq_len=seq_len,
+        bytes_per_value=4 if dtype == torch.float32 else 2,
+        checkpointing=checkpointing,
+    )
 
 
 def compute_free_bytes(device: torch.device) -> tuple[int, str]:
@@ -94,14 +104,18 @@ def compute_free_bytes(device: torch.device) -> tuple[int, str]:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "host memory available (MemAvailable; the gpu tier is host memory here)"
+                    return int(
+                        line.split()[1]
+                    ) * 1024, "host memory available (MemAvailable; the gpu tier is host memory here)"
     except OSError:
         pass
     pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     return int(pages * size), "host physical memory (the gpu tier is host memory here)"
 
 
-def check_activations(est: ActivationEstimate, device: torch.device, free: tuple[int, str] | None = None) -> None:
+def check_activations(
+    est: ActivationEstimate, device: torch.device, free: tuple[int, str] | None = None
+) -> None:
     """CapacityError with the numbers when the batch's activations cannot fit, before training."""
     have, what = free if free is not None else compute_free_bytes(device)
     if est.total_bytes > have:
@@ -135,7 +149,9 @@ def enable_gradient_checkpointing(model: torch.nn.Module, *, reentrant: bool) ->
     if not hasattr(base, "gradient_checkpointing_enable") and hasattr(base, "get_base_model"):
         base = base.get_base_model()
     if not getattr(base, "supports_gradient_checkpointing", False):
-        raise ConfigError(f"--gradient-checkpointing: {type(base).__name__} does not support gradient checkpointing")
+        raise ConfigError(
+            f"--gradient-checkpointing: {type(base).__name__} does not support gradient checkpointing"
+        )
     kwargs = {"use_reentrant": reentrant}
     # transformers >= 5.x names it activation_checkpointing_enable (the old name warns)
     if hasattr(base, "activation_checkpointing_enable"):

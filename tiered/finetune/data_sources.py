@@ -97,11 +97,15 @@ def _row_record(row: Any, where: str, text_field: str) -> Record:
     if "messages" in row and text_field not in row:
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
-            raise ConfigError(f"--data {where}: \"messages\" must be a non-empty list of {{role, content}}")
+            raise ConfigError(f'--data {where}: "messages" must be a non-empty list of {{role, content}}')
         for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
                 raise ConfigError(
-                    f"--data {where}: message {j} must be an object with string \"role\" and \"content\""
+                    f'--data {where}: message {j} must be an object with string "role" and "content"'
                 )
             if m["role"] not in CHAT_ROLES:
                 raise ConfigError(
@@ -112,7 +116,7 @@ def _row_record(row: Any, where: str, text_field: str) -> Record:
         keys = ", ".join(sorted(map(str, row))) or "none"
         raise ConfigError(
             f"--data {where}: row has no {text_field!r} field (its keys: {keys}); pass --text-field NAME "
-            "or a \"messages\" list for chat"
+            'or a "messages" list for chat'
         )
     text = row[text_field]
     if not isinstance(text, str):
@@ -127,7 +131,9 @@ def _read_jsonl_file(path: Path, text_field: str) -> Iterator[Record]:
             try:
                 rows = json.loads(recs.text)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"--data {path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+                raise ConfigError(
+                    f"--data {path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno})"
+                ) from None
             for i, row in enumerate(rows):
                 yield _row_record(row, f"{path} row {i}", text_field)
             if not rows:
@@ -140,7 +146,9 @@ def _read_jsonl_file(path: Path, text_field: str) -> Iterator[Record]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"--data {path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+                raise ConfigError(
+                    f"--data {path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})"
+                ) from None
             n += 1
             yield _row_record(row, f"{path}:{lineno}", text_field)
         if n == 0:
@@ -171,7 +179,7 @@ def _read_rows_table(path: Path, text_field: str) -> Iterator[Record]:
         raise ConfigError(f"--data {path}: cannot be read as a dataset: {exc}") from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise ConfigError(f"--data {path}: a DatasetDict without a \"train\" split (has {', '.join(ds)})")
+            raise ConfigError(f'--data {path}: a DatasetDict without a "train" split (has {", ".join(ds)})')
         ds = ds["train"]
     if len(ds) == 0:
         raise ConfigError(f"--data {path}: the dataset has no rows")
@@ -274,7 +282,7 @@ def tokenize_record(rec: Record, tokenizer: Any, eos_id: int | None) -> Document
     hf = getattr(tokenizer, "hf_tokenizer", None)
     if hf is None or not getattr(hf, "chat_template", None):
         raise ConfigError(
-            f"--data {rec.where}: a chat row (\"messages\"), but the tokenizer ({tokenizer.name}) has no chat "
+            f'--data {rec.where}: a chat row ("messages"), but the tokenizer ({tokenizer.name}) has no chat '
             "template; put a tokenizer with a chat_template (tokenizer_config.json) in the model folder, "
             "or use text rows"
         )

@@ -192,7 +192,9 @@ def train(
     def rates() -> dict[str, float]:
         nonlocal last_links, last_t
         now = time.perf_counter()
-        links = {k: int(v.get("bytes", 0)) for k, v in engine.stats().get("tiers", {}).get("links", {}).items()}
+        links = {
+            k: int(v.get("bytes", 0)) for k, v in engine.stats().get("tiers", {}).get("links", {}).items()
+        }
         dt = now - last_t
         got = {k: (b - last_links.get(k, 0)) / dt / 1e9 for k, b in links.items()} if dt > 0 else {}
         last_links, last_t = links, now
@@ -216,8 +218,16 @@ def train(
                 losses.append(loss)
                 train_s = time.perf_counter() - t_start
                 if on_log is not None and (step % opts.log_every == 0 or step == opts.steps):
-                    on_log(StepLog(step, loss, lr, tokens / train_s if train_s > 0 else 0.0, train_s,
-                                   rates() if link_rates else {}))
+                    on_log(
+                        StepLog(
+                            step,
+                            loss,
+                            lr,
+                            tokens / train_s if train_s > 0 else 0.0,
+                            train_s,
+                            rates() if link_rates else {},
+                        )
+                    )
                 if eval_data is not None and (step % eval_every == 0 or step == opts.steps):
                     evals.append((step, eval_loss(model, engine, eval_data())))
                     if on_eval is not None:
@@ -229,8 +239,9 @@ def train(
         stats = engine.stats()
         if keep_state and not interrupted:
             state = {k: v.detach().float().clone() for k, v in engine.state_dict_fp32().items()}
-    return TrainResult(tuple(losses), len(losses), tokens, init_s, train_s, interrupted, stats, state,
-                       tuple(evals))
+    return TrainResult(
+        tuple(losses), len(losses), tokens, init_s, train_s, interrupted, stats, state, tuple(evals)
+    )
 
 
 def reference_train(

@@ -37,9 +37,11 @@ class LoraSpec:
     targets: tuple[str, ...] | None = None
 
     def describe(self) -> str:
-        return (f"r={self.r}, alpha={'peft default' if self.alpha is None else f'{self.alpha:g}'}, "
-                f"dropout={'peft default' if self.dropout is None else f'{self.dropout:g}'}, "
-                f"targets={'peft default' if self.targets is None else ','.join(self.targets)}")
+        return (
+            f"r={self.r}, alpha={'peft default' if self.alpha is None else f'{self.alpha:g}'}, "
+            f"dropout={'peft default' if self.dropout is None else f'{self.dropout:g}'}, "
+            f"targets={'peft default' if self.targets is None else ','.join(self.targets)}"
+        )
 
 
 def parse_lora_spec(spec: str, option: str = "--lora") -> LoraSpec:
@@ -74,7 +76,9 @@ def parse_lora_spec(spec: str, option: str = "--lora") -> LoraSpec:
         try:
             return kind(raw)
         except ValueError:
-            raise ConfigError(f"{option} {spec!r}: {key}={raw!r} is not a{'n integer' if kind is int else ' number'}") from None
+            raise ConfigError(
+                f"{option} {spec!r}: {key}={raw!r} is not a{'n integer' if kind is int else ' number'}"
+            ) from None
 
     r = number("r", int)
     if r < 1:
@@ -130,8 +134,11 @@ def resolve_targets(model: nn.Module, spec: LoraSpec) -> tuple[str, ...]:
 def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
     """`model` wrapped by peft with `spec` ([Note: LoRA through tiered]): base frozen, adapters trainable."""
     peft = _peft()
-    kwargs: dict[str, Any] = {"r": spec.r, "target_modules": list(resolve_targets(model, spec)),
-                              "task_type": "CAUSAL_LM"}
+    kwargs: dict[str, Any] = {
+        "r": spec.r,
+        "target_modules": list(resolve_targets(model, spec)),
+        "task_type": "CAUSAL_LM",
+    }
     if spec.alpha is not None:
         kwargs["lora_alpha"] = spec.alpha
     if spec.dropout is not None:

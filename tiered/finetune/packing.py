@@ -55,8 +55,13 @@ class PackedRows:
         return float((self.labels != IGNORE_INDEX).sum()) / n if n else 0.0
 
     def take(self, index: torch.Tensor) -> PackedRows:
-        return PackedRows(self.input_ids[index], self.labels[index], self.documents,
-                          int(index.numel()) * int(self.input_ids.shape[1]), 0)
+        return PackedRows(
+            self.input_ids[index],
+            self.labels[index],
+            self.documents,
+            int(index.numel()) * int(self.input_ids.shape[1]),
+            0,
+        )
 
 
 def pack(docs: Sequence[Document], seq_len: int, source: str) -> PackedRows:
@@ -73,7 +78,9 @@ def pack(docs: Sequence[Document], seq_len: int, source: str) -> PackedRows:
             "use more data or a smaller --seq-len"
         )
     keep = rows * seq_len
-    return PackedRows(ids[:keep].view(rows, seq_len), labels[:keep].view(rows, seq_len), len(docs), n, n - keep)
+    return PackedRows(
+        ids[:keep].view(rows, seq_len), labels[:keep].view(rows, seq_len), len(docs), n, n - keep
+    )
 
 
 def split_eval(rows: PackedRows, fraction: float, seed: int) -> tuple[PackedRows, PackedRows]:
@@ -134,7 +141,9 @@ class PackedBatches:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = [k for k in ("epoch", "offset", "seed", "rows") if k not in state]
         if missing:
-            raise ConfigError(f"data state: missing keys {missing}; was it written by tiered's data iterator?")
+            raise ConfigError(
+                f"data state: missing keys {missing}; was it written by tiered's data iterator?"
+            )
         if int(state["seed"]) != self.seed or int(state["rows"]) != self.rows.rows:
             raise ConfigError(
                 f"data state: made for seed {state['seed']} and {state['rows']} rows, but this run has seed "
@@ -142,7 +151,9 @@ class PackedBatches:
             )
         epoch, offset = int(state["epoch"]), int(state["offset"])
         if epoch < 0 or not 0 <= offset < self.rows.rows:
-            raise ConfigError(f"data state: epoch {epoch} / offset {offset} out of range for {self.rows.rows} rows")
+            raise ConfigError(
+                f"data state: epoch {epoch} / offset {offset} out of range for {self.rows.rows} rows"
+            )
         self.epoch, self.offset = epoch, offset
         self._perm = self._permutation(epoch)
 
@@ -150,5 +161,7 @@ class PackedBatches:
 def eval_batches(rows: PackedRows, batch_size: int) -> Iterator[Batch]:
     """Every eval row once, in order, `batch_size` at a time (the last batch may be smaller)."""
     for start in range(0, rows.rows, batch_size):
-        yield {"input_ids": rows.input_ids[start : start + batch_size],
-               "labels": rows.labels[start : start + batch_size]}
+        yield {
+            "input_ids": rows.input_ids[start : start + batch_size],
+            "labels": rows.labels[start : start + batch_size],
+        }

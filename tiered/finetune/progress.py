@@ -30,8 +30,10 @@ class LineProgress:
         self._out, self._steps = out, steps
 
     def step(self, s: StepLog) -> None:
-        self._out.write(f"step {s.step:>5}/{self._steps}  loss {s.loss:.4f}  lr {s.lr:.3g}  "
-                        f"{s.tokens_per_s:,.0f} tokens/s\n")
+        self._out.write(
+            f"step {s.step:>5}/{self._steps}  loss {s.loss:.4f}  lr {s.lr:.3g}  "
+            f"{s.tokens_per_s:,.0f} tokens/s\n"
+        )
         self._out.flush()
 
     def eval(self, step: int, loss: float, rows: int) -> None:
@@ -54,8 +56,11 @@ class BarProgress:
 
     def step(self, s: StepLog) -> None:
         links = "  ".join(f"{k} {v:.2f} GB/s" for k, v in s.link_gbps.items() if v > 0)
-        self._bar.set_postfix_str(f"loss {s.loss:.4f}  lr {s.lr:.3g}  {s.tokens_per_s:,.0f} tok/s"
-                                  + (f"  {links}" if links else ""), refresh=False)
+        self._bar.set_postfix_str(
+            f"loss {s.loss:.4f}  lr {s.lr:.3g}  {s.tokens_per_s:,.0f} tok/s"
+            + (f"  {links}" if links else ""),
+            refresh=False,
+        )
         self._bar.update(s.step - self._done)
         self._done = s.step
 

@@ -99,6 +99,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["GroupPlan", "OffloadedAdam", "StatePartitions", "pipeline_bytes", "plan_optimizer_placement"]
 
+
 class _Arrivals:
     """Group indices in the order they became ready to step; each index once. `get(k)` blocks
     until the k-th arrived (or returns None once closed with fewer)."""
@@ -188,15 +189,21 @@ class OffloadedAdam:
         self._index = {g.name: i for i, g in enumerate(groups)}
         self._timeout_s = float(getattr(cfg.tiered, "timeout_s", 600.0))
         if plans is None:
-            plans = plan_optimizer_placement(self.groups, cfg, optimizer_tier, gpu_is_host=tier_is_host(tm, "gpu"))
+            plans = plan_optimizer_placement(
+                self.groups, cfg, optimizer_tier, gpu_is_host=tier_is_host(tm, "gpu")
+            )
         if len(plans) != len(self.groups):
-            raise ValueError(f"{len(plans)} optimizer plans for {len(self.groups)} groups: one per trainable group")
+            raise ValueError(
+                f"{len(plans)} optimizer plans for {len(self.groups)} groups: one per trainable group"
+            )
         self.plans: list[GroupPlan] = list(plans)
         self._grads: list[Partition] = []
         """Per group, by position: its fp32 gradient partition (every stepped group has one)."""
         for g in self.groups:
             if g.grad is None:
-                raise ValueError(f"OffloadedAdam steps trainable groups only; group {g.name} is frozen (no gradient)")
+                raise ValueError(
+                    f"OffloadedAdam steps trainable groups only; group {g.name} is frozen (no gradient)"
+                )
             self._grads.append(g.grad)
         """Per group, by position: where its step runs and its state lives."""
         self._keep_in_cpu = self._params_kept_in_cpu()
@@ -214,21 +221,34 @@ class OffloadedAdam:
             if alias:
                 self._param_is_master.add(i)
             parts = StatePartitions(
-                g.param if alias else tm.create(f"{g.name}.master", g.shard_numel, torch.float32, plan.state_home,
-                                                init=master),
+                g.param
+                if alias
+                else tm.create(
+                    f"{g.name}.master", g.shard_numel, torch.float32, plan.state_home, init=master
+                ),
                 tm.create(f"{g.name}.exp_avg", g.shard_numel, torch.float32, plan.state_home),
                 tm.create(f"{g.name}.exp_avg_sq", g.shard_numel, torch.float32, plan.state_home),
             )
             del master
             self.states.append(parts)
-        self._totals = {"read_wait_s": 0.0, "compute_s": 0.0, "write_wait_s": 0.0, "steps": 0, "overlapped_steps": 0}
+        self._totals = {
+            "read_wait_s": 0.0,
+            "compute_s": 0.0,
+            "write_wait_s": 0.0,
+            "steps": 0,
+            "overlapped_steps": 0,
+        }
         self.last_step: dict[str, float] = {}
 
     def _params_kept_in_cpu(self) -> set[int]:
         keep, total = set(), 0
         limit = int(self.cfg.zero.offload_param.max_in_cpu_numel)
         for i, (g, p) in enumerate(zip(self.groups, self.plans, strict=True)):
-            if p.stage_tier == "cpu" and g.param.home not in ("cpu", "gpu") and total + g.shard_numel <= limit:
+            if (
+                p.stage_tier == "cpu"
+                and g.param.home not in ("cpu", "gpu")
+                and total + g.shard_numel <= limit
+            ):
                 keep.add(i)
                 total += g.shard_numel
         return keep
@@ -263,7 +283,9 @@ class OffloadedAdam:
         """One Adam step over every group. The last write-backs (at most buffer_count groups)
         stay in flight and overlap the next forward; see [Note: write-back after the step]."""
         if self._overlap is not None:
-            raise RuntimeError("OffloadedAdam.step() while an overlapped step is running; call finish_overlapped_step()")
+            raise RuntimeError(
+                "OffloadedAdam.step() while an overlapped step is running; call finish_overlapped_step()"
+            )
         self.wait_writes()
         self.step_count += 1
         arrivals = _Arrivals(self._timeout_s)
@@ -307,8 +329,12 @@ class OffloadedAdam:
             for i in range(len(self.groups)):
                 arrivals.put(i)  # ignored if already queued
         arrivals.close()
-        self._record({**fut.result(timeout=self._timeout_s * max(1, len(self.groups))),
-                      "groups_ready_in_backward": in_backward})
+        self._record(
+            {
+                **fut.result(timeout=self._timeout_s * max(1, len(self.groups))),
+                "groups_ready_in_backward": in_backward,
+            }
+        )
         self._totals["overlapped_steps"] += 1
 
     def _record(self, timings: dict[str, float]) -> None:
@@ -331,8 +357,10 @@ class OffloadedAdam:
                     t_write += self._retire_oldest()
                 reads[k] = self._issue_reads(i)
                 next_read += 1
-            while next_read < arrivals.available() and (next_read - k) + bound_writes * len(self._pending) < \
-                    self.buffer_count:
+            while (
+                next_read < arrivals.available()
+                and (next_read - k) + bound_writes * len(self._pending) < self.buffer_count
+            ):
                 reads[next_read] = self._issue_reads(arrivals.at(next_read))
                 next_read += 1
             t0 = time.perf_counter()
@@ -341,8 +369,10 @@ class OffloadedAdam:
             self._update(i, master, exp_avg, exp_avg_sq, grad, lr, grad_scale)
             t2 = time.perf_counter()
             self._pending.append((i, self._writer.submit(self._issue_writes, i)))
-            while self._pending and self._pending[0][1].done() and all(
-                f.done() for f in self._pending[0][1].result()
+            while (
+                self._pending
+                and self._pending[0][1].done()
+                and all(f.done() for f in self._pending[0][1].result())
             ):
                 t_write += self._retire_oldest()
             t_read += t1 - t0
@@ -393,7 +423,9 @@ class OffloadedAdam:
         if plan.side == "cpu":
             ext.adam_step(master, grad, exp_avg, exp_avg_sq, out_lowp=out if lowp else None, **kw)
         else:
-            ext.gpu_adam_step([master], [grad], [exp_avg], [exp_avg_sq], out_lowp=[out] if lowp else None, **kw)
+            ext.gpu_adam_step(
+                [master], [grad], [exp_avg], [exp_avg_sq], out_lowp=[out] if lowp else None, **kw
+            )
         if not lowp:
             out.copy_(master)
 

@@ -268,8 +268,13 @@ def strategy_plan(
         terms.append(Term("gpu", "model states (ZeRO formula)", model_state_bytes(stage, psi_t, n, b)))
         if psi_t < psi:
             frozen = psi - psi_t
-            terms.append(Term("gpu", "frozen parameters (no gradient or optimizer state)",
-                              _shard(frozen * b.param, n) if stage == 3 else frozen * b.param))
+            terms.append(
+                Term(
+                    "gpu",
+                    "frozen parameters (no gradient or optimizer state)",
+                    _shard(frozen * b.param, n) if stage == 3 else frozen * b.param,
+                )
+            )
     else:
         # [Note: plan accounting]: offloaded optimizer = 12 B + fp32 host gradients 4 B.
         if param_dev == "none":
@@ -279,12 +284,18 @@ def strategy_plan(
         else:
             terms.append(Term(cast(Tier, param_dev), "parameter shard (offloaded)", shard * b.param))
         terms.append(Term("cpu", "fp32 gradient shard (host accumulation)", shard_t * HOST_GRAD_BYTES))
-        terms.append(Term(cast(Tier, opt_dev), "optimizer shard: fp32 master + m + v",
-                          shard_t * MIXED_OPTIMIZER_BYTES))
+        terms.append(
+            Term(cast(Tier, opt_dev), "optimizer shard: fp32 master + m + v", shard_t * MIXED_OPTIMIZER_BYTES)
+        )
         if opt_dev == "nvme":
             tile = min(opts.sub_group_size, shard_t)
-            terms.append(Term("cpu", "pinned staging: optimizer pipeline (3 states x 3 slots x sub-group)",
-                              OPTIMIZER_STAGING_SLOTS * tile * 4))
+            terms.append(
+                Term(
+                    "cpu",
+                    "pinned staging: optimizer pipeline (3 states x 3 slots x sub-group)",
+                    OPTIMIZER_STAGING_SLOTS * tile * 4,
+                )
+            )
         if param_dev == "nvme":
             terms.append(
                 Term(

@@ -164,7 +164,9 @@ class StorageBackend(abc.ABC):
     def use_bridge(self, bridge: IOBridge | None) -> None:
         """Send this backend's blocking calls through `bridge` from now on (None: the default)."""
         if bridge is not None and not isinstance(bridge, IOBridge):
-            raise TypeError(f"backend {self.name!r}: use_bridge expects a tiered.storage.IOBridge, got {bridge!r}")
+            raise TypeError(
+                f"backend {self.name!r}: use_bridge expects a tiered.storage.IOBridge, got {bridge!r}"
+            )
         self._io_bridge = bridge
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most backends have nothing to free

@@ -53,7 +53,9 @@ class CapacityLimiter:
         self.name = name
         self._lock = threading.Lock()
         self._running = 0
-        self._queue: collections.deque[tuple[concurrent.futures.Future[Any], Callable[[], None]]] = collections.deque()
+        self._queue: collections.deque[tuple[concurrent.futures.Future[Any], Callable[[], None]]] = (
+            collections.deque()
+        )
 
     @property
     def borrowed_tokens(self) -> int:
@@ -90,7 +92,9 @@ class IOBridge:
 
     def __init__(self, max_concurrency: int = 8, *, name: str = "tiered-io") -> None:
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
-            raise ValueError(f"io bridge {name!r}: max_concurrency must be a positive int, got {max_concurrency!r}")
+            raise ValueError(
+                f"io bridge {name!r}: max_concurrency must be a positive int, got {max_concurrency!r}"
+            )
         self.max_concurrency = max_concurrency
         self.name = name
         self._lock = threading.Lock()
@@ -108,11 +112,14 @@ class IOBridge:
             if self._closed:
                 raise StorageIOError(f"io bridge {self.name!r} is closed")
             if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix=self.name)
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.max_concurrency, thread_name_prefix=self.name
+                )
             return self._pool
 
-    def submit(self, fn: Callable[..., T], *args: Any, limiter: CapacityLimiter | None = None
-               ) -> concurrent.futures.Future[T]:
+    def submit(
+        self, fn: Callable[..., T], *args: Any, limiter: CapacityLimiter | None = None
+    ) -> concurrent.futures.Future[T]:
         """Start `fn(*args)` on the pool (after a token of `limiter`, if given); any thread."""
         pool = self.executor
         if limiter is None:
@@ -122,7 +129,7 @@ class IOBridge:
         def start() -> None:
             try:
                 inner = pool.submit(fn, *args)
-            except BaseException as exc:  # the pool shut down meanwhile: fail this call, free the token
+            except BaseException as exc:  # noqa: BLE001 - the pool shut down meanwhile: fail this call, free the token
                 limiter._release()
                 outer.set_exception(exc)
                 return
@@ -140,8 +147,13 @@ class IOBridge:
         """``fn(*args)`` off the loop; a cancelled caller returns only once the call stopped."""
         return (await self.run_all([(fn, *args)], limiter=limiter))[0]
 
-    async def run_all(self, calls: Sequence[tuple[Any, ...]], *, limiter: CapacityLimiter | None = None,
-                      drain_s: float = DRAIN_S) -> list[Any]:
+    async def run_all(
+        self,
+        calls: Sequence[tuple[Any, ...]],
+        *,
+        limiter: CapacityLimiter | None = None,
+        drain_s: float = DRAIN_S,
+    ) -> list[Any]:
         """Run ``fn(*args)`` for each ``(fn, *args)`` of `calls` concurrently; their results.
 
         On the first failure, or a cancel, the calls not yet started are cancelled and this
@@ -154,7 +166,12 @@ class IOBridge:
                 f.cancel()
             _, pending = concurrent.futures.wait(futures, timeout=drain_s)
             if pending:
-                log.error("io bridge %r: %d blocking calls still running after %.0f s", self.name, len(pending), drain_s)
+                log.error(
+                    "io bridge %r: %d blocking calls still running after %.0f s",
+                    self.name,
+                    len(pending),
+                    drain_s,
+                )
             raise
 
     def close(self, *, wait: bool = False) -> None:

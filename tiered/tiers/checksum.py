@@ -25,8 +25,10 @@ def crc32_of(t: torch.Tensor) -> int:
 def check_crc(got: int, want: int, context: str, dst: str) -> None:
     """StorageIOError naming the copy when the bytes read are not the bytes written."""
     if got != want:
-        raise mark(StorageIOError(
-            f"{context}: checksum mismatch reading into tier {dst!r} "
-            f"(crc32 {got:#010x}, expected {want:#010x}); the stored copy is corrupt - "
-            "restore it from a checkpoint"
-        ))
+        raise mark(
+            StorageIOError(
+                f"{context}: checksum mismatch reading into tier {dst!r} "
+                f"(crc32 {got:#010x}, expected {want:#010x}); the stored copy is corrupt - "
+                "restore it from a checkpoint"
+            )
+        )

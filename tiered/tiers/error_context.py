@@ -29,7 +29,7 @@ def with_context(exc: BaseException, context: str) -> BaseException:
     msg = f"{context}: {exc}"
     try:
         new = type(exc)(msg)
-    except Exception:
+    except Exception:  # noqa: BLE001 - an error type that cannot be rebuilt from a message becomes a StorageIOError
         new = StorageIOError(msg)
     new.__cause__ = exc
     return mark(new)

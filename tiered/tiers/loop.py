@@ -84,8 +84,9 @@ class EventLoopThread:
     def in_loop_thread(self) -> bool:
         return self._thread is not None and threading.current_thread() is self._thread
 
-    def close(self, timeout_s: float = 30.0,
-              final: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
+    def close(
+        self, timeout_s: float = 30.0, final: Callable[[], Coroutine[Any, Any, None]] | None = None
+    ) -> None:
         """Cancel every task still running, run `final()` (if given), stop the loop, join the
         thread. Idempotent."""
         with self._lock:
@@ -110,7 +111,7 @@ class EventLoopThread:
 
         try:
             asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(timeout=timeout_s)
-        except Exception as exc:  # a stuck task must not keep close() from stopping the loop
+        except Exception as exc:  # noqa: BLE001 - a stuck task must not keep close() from stopping the loop
             log.warning("%s: closing did not finish cleanly within %.1f s: %r", self._name, timeout_s, exc)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=timeout_s)
@@ -142,7 +143,7 @@ class EventLoopThread:
                 return
             try:
                 fut.set_result(fn(*args))
-            except BaseException as exc:  # re-raised in the caller
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
                 fut.set_exception(exc)
 
         loop.call_soon_threadsafe(_do)

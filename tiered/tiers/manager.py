@@ -55,7 +55,7 @@ def _close_open_managers() -> None:
     for tm in left:
         try:
             tm.close()
-        except Exception:  # noqa: BLE001 - exiting: close the rest regardless
+        except Exception:
             log.exception("closing a tier manager at exit failed")
 
 
@@ -98,8 +98,15 @@ class TierManager:
         self._stats = ManagerStats(tiers={t.name: TierCounters() for t in tiers})
         self._trace = TraceRecorder(record_trace)
         budgets = {t.name: TierBudget.of(t) for t in tiers}
-        transfers = Transfers(budgets, self._loop, timeout_s=self.timeout_s, max_inflight_per_link=max_inflight_per_link,
-                              verify=verify, stats=self._stats, trace=self._trace)
+        transfers = Transfers(
+            budgets,
+            self._loop,
+            timeout_s=self.timeout_s,
+            max_inflight_per_link=max_inflight_per_link,
+            verify=verify,
+            stats=self._stats,
+            trace=self._trace,
+        )
         self._machine = TierStateMachine(budgets, transfers, self.timeout_s)
         _close_at_exit(self)
 
@@ -130,7 +137,9 @@ class TierManager:
     def set_eviction_policy(self, tier: str, policy: EvictionPolicy) -> None:
         self.tier(tier)
         if not callable(getattr(policy, "choose", None)):
-            raise TypeError(f"eviction policy for tier {tier!r} must have choose(tier, candidates, need_bytes)")
+            raise TypeError(
+                f"eviction policy for tier {tier!r} must have choose(tier, candidates, need_bytes)"
+            )
         self._machine.set_policy(tier, policy)
 
     # ---- partitions ------------------------------------------------------------------------
@@ -143,14 +152,17 @@ class TierManager:
         except KeyError:
             raise ValueError(f"no partition named {name!r} in this manager") from None
 
-    def create(self, name: str, numel: int, dtype: torch.dtype, home: str,
-               init: torch.Tensor | None = None) -> Partition:
+    def create(
+        self, name: str, numel: int, dtype: torch.dtype, home: str, init: torch.Tensor | None = None
+    ) -> Partition:
         """Register a partition whose authoritative copy lives in `home`; blocks until written."""
         _check_name(name)
         self.tier(home)
         init = _checked_init(name, numel, dtype, init)
         part = Partition(name, numel, dtype, home)
-        self._run(self._machine.create(part, init), f"create of partition {name!r} in tier {home!r}", home).result()
+        self._run(
+            self._machine.create(part, init), f"create of partition {name!r} in tier {home!r}", home
+        ).result()
         return part
 
     # ---- moves (each one call into the state machine) --------------------------------------
@@ -169,13 +181,18 @@ class TierManager:
     def prefetch(self, part: Partition, tier: str) -> TierFuture[None]:
         """Start making `part` resident in `tier`, without a pin (it may be evicted later)."""
         self._check(part, tier, "prefetch", memory_like=True)
-        return self._run(_discard(self._machine.ensure(part, tier, pin=False, op="prefetch")),
-                         f"prefetch of partition {part.name!r} to tier {tier!r}", tier)
+        return self._run(
+            _discard(self._machine.ensure(part, tier, pin=False, op="prefetch")),
+            f"prefetch of partition {part.name!r} to tier {tier!r}",
+            tier,
+        )
 
     def allocate(self, part: Partition, tier: str) -> TierFuture[torch.Tensor]:
         """A pinned resident buffer in `tier` the caller will fully overwrite: no read; it is dirty."""
         self._check(part, tier, "allocate", memory_like=True)
-        return self._run(self._machine.allocate(part, tier), f"allocate of partition {part.name!r} in tier {tier!r}", tier)
+        return self._run(
+            self._machine.allocate(part, tier), f"allocate of partition {part.name!r} in tier {tier!r}", tier
+        )
 
     def release(self, part: Partition, tier: str) -> None:
         """Unpin one fetch/allocate of `part` in `tier`."""
@@ -195,7 +212,9 @@ class TierManager:
                 f"evict of partition {part.name!r} from tier {tier!r}: that is its home, where it lives until "
                 "drop(); evict it from a faster tier instead"
             )
-        return self._run(self._machine.evict(part, tier), f"evict of partition {part.name!r} from tier {tier!r}", tier)
+        return self._run(
+            self._machine.evict(part, tier), f"evict of partition {part.name!r} from tier {tier!r}", tier
+        )
 
     def flush(self, part: Partition | None = None) -> TierFuture[None]:
         """Write dirty copies (of `part`, or of every partition) back to their home."""
@@ -224,7 +243,9 @@ class TierManager:
     def write_trace(self, path: str | os.PathLike[str]) -> None:
         """Write the recorded moves as Chrome-trace JSON (needs record_trace=True)."""
         if not self._trace.enabled:
-            raise ValueError("write_trace: this manager was created with record_trace=False; pass record_trace=True")
+            raise ValueError(
+                "write_trace: this manager was created with record_trace=False; pass record_trace=True"
+            )
         self._trace.write(path)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -238,10 +259,12 @@ class TierManager:
         if close_backends:
             try:
                 self._loop.loop()  # backends close on the loop, even if nothing else ever ran
-            except Exception:  # already closing in another thread
+            except Exception:  # noqa: BLE001 - already closing in another thread
                 pass
-        self._loop.close(timeout_s=min(self.timeout_s, 60.0),
-                         final=self._machine.close_backends if close_backends else None)
+        self._loop.close(
+            timeout_s=min(self.timeout_s, 60.0),
+            final=self._machine.close_backends if close_backends else None,
+        )
 
     def __enter__(self) -> TierManager:
         return self
@@ -303,7 +326,9 @@ def _check_name(name: str) -> None:
         raise ValueError(f"partition name {name!r}: {exc}") from None
 
 
-def _checked_init(name: str, numel: int, dtype: torch.dtype, init: torch.Tensor | None) -> torch.Tensor | None:
+def _checked_init(
+    name: str, numel: int, dtype: torch.dtype, init: torch.Tensor | None
+) -> torch.Tensor | None:
     """`create`'s arguments checked in the caller's thread; the flat init tensor."""
     if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
         raise ValueError(f"partition {name!r}: numel must be a positive int, got {numel!r}")

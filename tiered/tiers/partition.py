@@ -118,8 +118,20 @@ class Partition:
     transition. See [Note: copy states].
     """
 
-    __slots__ = ("_copies", "_pins", "_checksums", "_last_use", "_version", "moves", "name", "numel", "dtype",
-                 "nbytes", "home", "__weakref__")
+    __slots__ = (
+        "_copies",
+        "_pins",
+        "_checksums",
+        "_last_use",
+        "_version",
+        "moves",
+        "name",
+        "numel",
+        "dtype",
+        "nbytes",
+        "home",
+        "__weakref__",
+    )
 
     def __init__(self, name: str, numel: int, dtype: torch.dtype, home: str) -> None:
         self.name = name
@@ -175,12 +187,18 @@ class Partition:
 
     def can_free(self, tier: str) -> bool:
         """A non-home copy nobody pins, moves or reads: an eviction may claim it now."""
-        return (tier != self.home and self.pin_count(tier) == 0 and self.moves.busy(tier) is None
-                and self.moves.readers(tier) == 0)
+        return (
+            tier != self.home
+            and self.pin_count(tier) == 0
+            and self.moves.busy(tier) is None
+            and self.moves.readers(tier) == 0
+        )
 
     def __repr__(self) -> str:
         states = ", ".join(f"{t}={s.value}" for t, s in self._copies.items())
-        return f"Partition({self.name!r}, numel={self.numel}, dtype={self.dtype}, home={self.home!r}, {states})"
+        return (
+            f"Partition({self.name!r}, numel={self.numel}, dtype={self.dtype}, home={self.home!r}, {states})"
+        )
 
     # ---- transitions (state machine, loop thread only) -------------------------------------
     def pin(self, tier: str, delta: int, tick: int) -> int:
@@ -230,7 +248,10 @@ class Partition:
     def claim_eviction(self, tier: str, fut: asyncio.Future[None]) -> CopyState:
         """Claim an idle, unpinned, non-home copy for eviction; the state it had."""
         prev = self.state(tier)
-        assert prev in (CopyState.VALID, CopyState.DIRTY, CopyState.STALE) and self.can_free(tier), (self, tier)
+        assert prev in (CopyState.VALID, CopyState.DIRTY, CopyState.STALE) and self.can_free(tier), (
+            self,
+            tier,
+        )
         self.moves.claim(tier, fut, evicting_version=self._version)
         self._set(tier, CopyState.EVICTING)
         return prev

@@ -45,8 +45,9 @@ ABSENT, VALID, DIRTY, STALE = CopyState.ABSENT, CopyState.VALID, CopyState.DIRTY
 
 def check_managed(parts: dict[str, Partition], part: Partition) -> None:
     if parts.get(part.name) is not part:
-        raise ValueError(f"partition {part.name!r} is not managed here (it was dropped, or belongs to "
-                         "another manager)")
+        raise ValueError(
+            f"partition {part.name!r} is not managed here (it was dropped, or belongs to another manager)"
+        )
 
 
 class TierStateMachine:
@@ -84,12 +85,14 @@ class TierStateMachine:
                 await self.transfers.loop.run_blocking(_fill, buf, init)
             else:
                 src = init.contiguous() if init is not None else torch.zeros(part.numel, dtype=part.dtype)
-                await self.transfers.io(ts.backend.write(part.name, src), self.transfers.ctx(part, home, "create"))
+                await self.transfers.io(
+                    ts.backend.write(part.name, src), self.transfers.ctx(part, home, "create")
+                )
                 if ts.persistent:
                     part.set_checksum(home, await self.transfers.checksum(src))
             self.stats.tiers[home].writes += 1
             part.end_load(home, version)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - undo the creation whatever stopped it, then re-raise
             part.fail_load(home, reused=False)
             self.parts.pop(part.name, None)
             if reserved:
@@ -122,8 +125,14 @@ class TierStateMachine:
                 return self.tiers[tier].backend.view(part.name)
             busy = part.moves.busy(tier)
             if busy is not None:
-                await wait_done(busy, deadline, lambda: f"{op} of partition {part.name!r} to tier {tier!r}: a move "
-                                                        f"in flight there ran past {self.timeout_s} s")
+                await wait_done(
+                    busy,
+                    deadline,
+                    lambda: (
+                        f"{op} of partition {part.name!r} to tier {tier!r}: a move "
+                        f"in flight there ran past {self.timeout_s} s"
+                    ),
+                )
                 continue
             if tier == part.home:  # home is stale: a faster copy is dirty; bring it home
                 await self._writeback(part, op=f"{op} (home refresh)")
@@ -135,11 +144,17 @@ class TierStateMachine:
         deadline = deadline_after(self.timeout_s)
         while (busy := part.moves.busy(tier)) is not None:
             try:
-                await wait_done(busy, deadline, lambda: f"allocate of partition {part.name!r} in tier {tier!r}: a "
-                                                        f"move in flight there ran past {self.timeout_s} s")
+                await wait_done(
+                    busy,
+                    deadline,
+                    lambda: (
+                        f"allocate of partition {part.name!r} in tier {tier!r}: a "
+                        f"move in flight there ran past {self.timeout_s} s"
+                    ),
+                )
             except TimeoutError:
                 raise
-            except Exception:
+            except Exception:  # noqa: BLE001 - a failed load left the copy absent: allocate it ourselves
                 pass  # a failed load left the copy absent: allocate it ourselves
         check_managed(self.parts, part)
         if part.state(tier) is ABSENT:
@@ -152,7 +167,7 @@ class TierStateMachine:
                 except BaseException:
                     self._unreserve(tier, part.nbytes)
                     raise
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - undo the load whatever stopped it, then re-raise in context
                 part.fail_load(tier, reused=False)
                 raise_in_context(exc, self.transfers.ctx(part, tier, "allocate"))
             finally:
@@ -188,14 +203,21 @@ class TierStateMachine:
         while True:
             check_managed(self.parts, part)
             if part.pin_count(tier):
-                raise mark(PinnedError(
-                    f"evict of partition {part.name!r} from tier {tier!r}: it is pinned "
-                    f"({part.pin_count(tier)} fetch/allocate not yet released); release() it first"
-                ))
+                raise mark(
+                    PinnedError(
+                        f"evict of partition {part.name!r} from tier {tier!r}: it is pinned "
+                        f"({part.pin_count(tier)} fetch/allocate not yet released); release() it first"
+                    )
+                )
             if part.moves.busy(tier) is None and part.moves.readers(tier) == 0:
                 break
-            await self._changed.wait(deadline, lambda: f"evict of partition {part.name!r} from tier {tier!r}: "
-                                                       f"a move on that copy ran past {self.timeout_s} s")
+            await self._changed.wait(
+                deadline,
+                lambda: (
+                    f"evict of partition {part.name!r} from tier {tier!r}: "
+                    f"a move on that copy ran past {self.timeout_s} s"
+                ),
+            )
         if part.state(tier) is ABSENT:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -204,7 +226,8 @@ class TierStateMachine:
     async def flush(self, part: Partition | None) -> None:
         parts = [part] if part is not None else list(self.parts.values())
         results = await asyncio.gather(
-            *[self._writeback(p, op="flush") for p in parts if p.state(p.home) is STALE], return_exceptions=True
+            *[self._writeback(p, op="flush") for p in parts if p.state(p.home) is STALE],
+            return_exceptions=True,
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -215,20 +238,26 @@ class TierStateMachine:
     async def drop(self, part: Partition) -> None:
         deadline = deadline_after(self.timeout_s)
         while part.moves.any():
-            await self._changed.wait(deadline, lambda: f"drop of partition {part.name!r}: moves still in flight "
-                                                       f"after {self.timeout_s} s")
+            await self._changed.wait(
+                deadline,
+                lambda: f"drop of partition {part.name!r}: moves still in flight after {self.timeout_s} s",
+            )
         check_managed(self.parts, part)
         pinned = {t: n for t, n in part.pins().items() if n}
         if pinned:
-            raise mark(PinnedError(f"drop of partition {part.name!r}: still pinned in {pinned}; release() first"))
+            raise mark(
+                PinnedError(f"drop of partition {part.name!r}: still pinned in {pinned}; release() first")
+            )
         self.parts.pop(part.name, None)
         errors = []
         for t, st in list(part.copies().items()):
             if st is ABSENT:
                 continue
             try:
-                await self.transfers.io(self.tiers[t].backend.delete(part.name), self.transfers.ctx(part, t, "drop"))
-            except Exception as exc:  # keep going: the budget must come back even if a file lingers
+                await self.transfers.io(
+                    self.tiers[t].backend.delete(part.name), self.transfers.ctx(part, t, "drop")
+                )
+            except Exception as exc:  # noqa: BLE001 - keep going: the budget must come back even if a file lingers
                 errors.append(with_context(exc, self.transfers.ctx(part, t, "drop")))
             part.end_eviction(t, ABSENT)
             self._unreserve(t, part.nbytes)
@@ -318,7 +347,9 @@ class TierStateMachine:
             deadline = deadline_after(self.timeout_s)
             while (src := self._source_of(part, tier)) is None:
                 # the newest bytes are mid write-back (an eviction in flight): wait for it to land
-                await self._changed.wait(deadline, lambda: f"{op} of partition {part.name!r}: no valid copy appeared")
+                await self._changed.wait(
+                    deadline, lambda: f"{op} of partition {part.name!r}: no valid copy appeared"
+                )
             version = part.version
             if reused:
                 buf = backend.view(part.name)
@@ -328,15 +359,21 @@ class TierStateMachine:
             await self._move(part, src, lambda: self.transfers.read_into(part, src, tier, buf, op))
             part.end_load(tier, version)  # STALE if a writer moved on: the caller retries
             fut.set_result(None)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - undo the load whatever stopped it (cancellation too), then re-raise
             err = with_context(exc, self.transfers.ctx(part, tier, op))
             part.fail_load(tier, reused)
             if not reused:
                 if allocated:
                     try:
-                        await self.transfers.io(backend.delete(part.name), self.transfers.ctx(part, tier, "cleanup"))
-                    except Exception:
-                        log.warning("could not free %s after a failed %s", self.transfers.ctx(part, tier, "buffer"), op)
+                        await self.transfers.io(
+                            backend.delete(part.name), self.transfers.ctx(part, tier, "cleanup")
+                        )
+                    except Exception:  # noqa: BLE001 - the original failure is the one to report
+                        log.warning(
+                            "could not free %s after a failed %s",
+                            self.transfers.ctx(part, tier, "buffer"),
+                            op,
+                        )
                 if reserved:
                     self._unreserve(tier, part.nbytes)
             if isinstance(exc, asyncio.CancelledError):
@@ -356,8 +393,14 @@ class TierStateMachine:
         while True:
             busy = part.moves.busy(home)
             if busy is not None:
-                await wait_done(busy, deadline, lambda: f"{op} of partition {part.name!r}: a write-back to home "
-                                                        f"{home!r} ran past {self.timeout_s} s")
+                await wait_done(
+                    busy,
+                    deadline,
+                    lambda: (
+                        f"{op} of partition {part.name!r}: a write-back to home "
+                        f"{home!r} ran past {self.timeout_s} s"
+                    ),
+                )
                 continue
             if part.state(home) is not STALE:
                 return False
@@ -366,7 +409,9 @@ class TierStateMachine:
             if src is not None:
                 break
             # the newest bytes are in a copy being evicted, whose own write-back is about to start
-            await self._changed.wait(deadline, lambda: f"{op} of partition {part.name!r}: no dirty copy to write back")
+            await self._changed.wait(
+                deadline, lambda: f"{op} of partition {part.name!r}: no dirty copy to write back"
+            )
         fut = asyncio.get_running_loop().create_future()
         part.moves.claim(home, fut)
         try:
@@ -377,14 +422,16 @@ class TierStateMachine:
             self.stats.writebacks += 1
             fut.set_result(None)
             return True
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - wake the waiters whatever stopped it, then re-raise in context
             fut.set_result(None)  # waiters re-check the state; the error goes to this caller
             raise_in_context(exc, self.transfers.ctx(part, home, op))
         finally:
             part.moves.end(home)
             self._changed.notify()
 
-    async def _finish_evict(self, part: Partition, tier: str, prev: CopyState, fut: asyncio.Future[None]) -> None:
+    async def _finish_evict(
+        self, part: Partition, tier: str, prev: CopyState, fut: asyncio.Future[None]
+    ) -> None:
         """Write the claimed copy back if it is dirty, then delete it and return its budget."""
         try:
             if prev is DIRTY:
@@ -393,19 +440,24 @@ class TierStateMachine:
                 # another), so while another one stays it carries the write-back: a gpu copy
                 # gathered from a dirty cpu copy is then dropped, not written to NVMe as well
                 others_dirty = any(st is DIRTY for t, st in part.copies().items() if t != tier)
-                if (part.state(part.home) is STALE and not others_dirty
-                        and part.version == part.moves.eviction_version(tier)):
+                if (
+                    part.state(part.home) is STALE
+                    and not others_dirty
+                    and part.version == part.moves.eviction_version(tier)
+                ):
                     await self._writeback(part, src=tier, op="evict write-back")
                 elif others_dirty:
                     self.stats.clean_drops += 1
                 prev = VALID
             else:
                 self.stats.clean_drops += 1
-            await self.transfers.io(self.tiers[tier].backend.delete(part.name), self.transfers.ctx(part, tier, "evict"))
+            await self.transfers.io(
+                self.tiers[tier].backend.delete(part.name), self.transfers.ctx(part, tier, "evict")
+            )
             part.end_eviction(tier, ABSENT)
             self.stats.evictions += 1
             self._unreserve(tier, part.nbytes)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - restore the copy's state whatever stopped it, then re-raise in context
             part.end_eviction(tier, prev)
             raise_in_context(exc, self.transfers.ctx(part, tier, "evict"))
         finally:

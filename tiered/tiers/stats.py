@@ -84,7 +84,12 @@ class ManagerStats:
         with self._lock:
             return {
                 "tiers": {
-                    name: {**tier_extra.get(name, {}), "reads": c.reads, "writes": c.writes, "stall_s": c.stall_s}
+                    name: {
+                        **tier_extra.get(name, {}),
+                        "reads": c.reads,
+                        "writes": c.writes,
+                        "stall_s": c.stall_s,
+                    }
                     for name, c in self.tiers.items()
                 },
                 "links": {k: v.to_json() for k, v in list(self.links.items())},

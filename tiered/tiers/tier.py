@@ -32,7 +32,9 @@ class Tier:
                 f"got {type(self.backend).__name__} (open one with tiered.open_backend)"
             )
         if self.budget_bytes is not None and (
-            isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes < 0
+            isinstance(self.budget_bytes, bool)
+            or not isinstance(self.budget_bytes, int)
+            or self.budget_bytes < 0
         ):
             raise ValueError(
                 f"tier {self.name!r}: budget_bytes must be a non-negative int or None, got {self.budget_bytes!r} "
@@ -45,5 +47,5 @@ class Tier:
             return self.budget_bytes
         try:
             return self.backend.capacity().free_bytes
-        except Exception:  # a backend that cannot tell is unbounded, as documented
+        except Exception:  # noqa: BLE001 - a backend that cannot tell is unbounded, as documented
             return None

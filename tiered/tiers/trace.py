@@ -31,16 +31,18 @@ class TraceRecorder:
         if not self.enabled:
             return
         with self._lock:
-            self._events.append({
-                "name": name,
-                "cat": cat,
-                "ph": "X",
-                "ts": (start_s - self._t0) * 1e6,
-                "dur": max(0.0, (end_s - start_s) * 1e6),
-                "pid": os.getpid(),
-                "tid": self._tid(cat),
-                "args": args,
-            })
+            self._events.append(
+                {
+                    "name": name,
+                    "cat": cat,
+                    "ph": "X",
+                    "ts": (start_s - self._t0) * 1e6,
+                    "dur": max(0.0, (end_s - start_s) * 1e6),
+                    "pid": os.getpid(),
+                    "tid": self._tid(cat),
+                    "args": args,
+                }
+            )
 
     def events(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -37,8 +37,17 @@ T = TypeVar("T")
 class Transfers:
     """Moves bytes between the tiers' backends; see the module docstring."""
 
-    def __init__(self, tiers: dict[str, TierBudget], loop: EventLoopThread, *, timeout_s: float,
-                 max_inflight_per_link: int, verify: bool, stats: ManagerStats, trace: TraceRecorder) -> None:
+    def __init__(
+        self,
+        tiers: dict[str, TierBudget],
+        loop: EventLoopThread,
+        *,
+        timeout_s: float,
+        max_inflight_per_link: int,
+        verify: bool,
+        stats: ManagerStats,
+        trace: TraceRecorder,
+    ) -> None:
         self._tiers = tiers
         self.loop = loop
         self.timeout_s = timeout_s
@@ -53,7 +62,9 @@ class Transfers:
 
     async def io(self, aw: Awaitable[T], what: str) -> T:
         """A backend call, bounded by the manager's timeout."""
-        return await bounded(aw, self.timeout_s, lambda: f"{what}: the backend did not answer within {self.timeout_s} s")
+        return await bounded(
+            aw, self.timeout_s, lambda: f"{what}: the backend did not answer within {self.timeout_s} s"
+        )
 
     async def checksum(self, buf: torch.Tensor) -> int:
         return await self.loop.run_blocking(crc32_of, buf)
@@ -68,8 +79,11 @@ class Transfers:
     async def run(self, part: Partition, src: str, dst: str, op: str, fill: Callable[[], Awaitable[T]]) -> T:
         """Run `fill` as one move on link src->dst: bounded concurrency, stats, trace, context."""
         sem = self._link_sem(src, dst)
-        await bounded(sem.acquire(), self.timeout_s,
-                      lambda: f"{op} of partition {part.name!r}: link {src}->{dst} stayed busy for {self.timeout_s} s")
+        await bounded(
+            sem.acquire(),
+            self.timeout_s,
+            lambda: f"{op} of partition {part.name!r}: link {src}->{dst} stayed busy for {self.timeout_s} s",
+        )
         link = self.stats.link(src, dst)
         link.begin()
         t0 = time.perf_counter()
@@ -78,12 +92,15 @@ class Transfers:
             out = await fill()
             ok = True
             return out
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised with the move's context
             sb, db = self._tiers[src].backend, self._tiers[dst].backend
-            raise_in_context(exc, (
-                f"{op} of partition {part.name!r}: move {src}->{dst} failed (key {part.name!r}; "
-                f"source backend {sb.name!r}, destination backend {db.name!r})"
-            ))
+            raise_in_context(
+                exc,
+                (
+                    f"{op} of partition {part.name!r}: move {src}->{dst} failed (key {part.name!r}; "
+                    f"source backend {sb.name!r}, destination backend {db.name!r})"
+                ),
+            )
         finally:
             t1 = time.perf_counter()
             link.end(part.nbytes, ok)
@@ -128,7 +145,9 @@ class Transfers:
             if dts.memory_like:
                 await self.mem_copy(dts.backend.view(part.name), srcbuf, self.ctx(part, dst, op))
                 return None
-            jobs: list[Awaitable[Any]] = [self.io(dts.backend.write(part.name, srcbuf), self.ctx(part, dst, op))]
+            jobs: list[Awaitable[Any]] = [
+                self.io(dts.backend.write(part.name, srcbuf), self.ctx(part, dst, op))
+            ]
             if dts.persistent:
                 jobs.append(self.checksum(srcbuf))
             res = await asyncio.gather(*jobs)

@@ -88,7 +88,9 @@ class LiveBudget:
         total = sum(self.live.values())
         if total + need <= self.max_live:
             return True
-        victims = [i for i in self.live if i != keep and self._members[i].pins == 0 and self.distance(i) > beyond]
+        victims = [
+            i for i in self.live if i != keep and self._members[i].pins == 0 and self.distance(i) > beyond
+        ]
         for i in sorted(victims, key=self.distance, reverse=True):
             self._members[i].evict()
             total = sum(self.live.values())

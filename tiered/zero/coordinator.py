@@ -51,8 +51,18 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ALIGNMENT_NUMEL", "GradSummary", "ZeroParameters"]
 
-_COUNTERS = ("fetches", "prefetch_hits", "cache_hits", "misses", "prefetches", "evictions", "external_gathers",
-             "backward_on_demand", "grad_flushes", "saved_refs")
+_COUNTERS = (
+    "fetches",
+    "prefetch_hits",
+    "cache_hits",
+    "misses",
+    "prefetches",
+    "evictions",
+    "external_gathers",
+    "backward_on_demand",
+    "grad_flushes",
+    "saved_refs",
+)
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,9 @@ class ZeroParameters:
         self.world_size, self.rank = comm.world(process_group)
         for t in (param_tier, grad_tier, "gpu"):
             if t not in tm.tier_names:
-                raise ConfigError(f"tier {t!r} is not configured (tiers: {tm.tier_names}); add it under tiered.tiers")
+                raise ConfigError(
+                    f"tier {t!r} is not configured (tiers: {tm.tier_names}); add it under tiered.tiers"
+                )
         self.device = torch.device(tm.tier("gpu").backend.capabilities.device)
         if self.device.type == "cuda" and self.device.index is None:  # compare equal to tensors' devices
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -101,8 +113,9 @@ class ZeroParameters:
         ws = self.world_size
         is_meta = check_no_meta_mix(model)
         gpu_budget = tm.tier("gpu").budget_bytes
-        planned = plan_model_groups(model, z, gpu_budget_bytes=tm.budget_bytes("gpu"), compute_dtype=compute_dtype,
-                                    world_size=ws)
+        planned = plan_model_groups(
+            model, z, gpu_budget_bytes=tm.budget_bytes("gpu"), compute_dtype=compute_dtype, world_size=ws
+        )
         needs_fetch = ws > 1 or param_tier != "gpu"
         self.managed: dict[int, tuple[int, int]] = {  # id(param) -> (group index, entry index)
             id(p): (i, j) for i, pg in enumerate(planned) for j, (_, p) in enumerate(pg.params)
@@ -110,24 +123,52 @@ class ZeroParameters:
         self._modules = map_modules(model, self.managed)
         self._extra_groups: dict[int, list[int]] = {}  # module -> groups it used from elsewhere
         self.gpu_need: GpuGatherNeed = check_gather_budgets(  # before any partition is written: fail fast
-            [PlannedSize(pg.numel, padded_numel(pg.numel, ws, ALIGNMENT_NUMEL), pg.persistent) for pg in planned],
+            [
+                PlannedSize(pg.numel, padded_numel(pg.numel, ws, ALIGNMENT_NUMEL), pg.persistent)
+                for pg in planned
+            ],
             [(self._modules.names[mid], idxs) for mid, idxs in self._modules.groups.items()],
-            max_live=z.max_live_parameters_numel, gpu_budget_bytes=gpu_budget,
-            param_itemsize=placeholder.element_size(), world_size=ws, param_tier=param_tier, grad_tier=grad_tier,
+            max_live=z.max_live_parameters_numel,
+            gpu_budget_bytes=gpu_budget,
+            param_itemsize=placeholder.element_size(),
+            world_size=ws,
+            param_tier=param_tier,
+            grad_tier=grad_tier,
             needs_fetch=needs_fetch,
         )
         """Bytes the schedule holds in "gpu" at its peak (the engine's capacity check uses it)."""
         written = write_group_partitions(
-            model, planned, tm, param_tier=param_tier, grad_tier=grad_tier, compute_dtype=compute_dtype,
-            world_size=ws, rank=self.rank, is_meta=is_meta, placeholder=placeholder,
+            model,
+            planned,
+            tm,
+            param_tier=param_tier,
+            grad_tier=grad_tier,
+            compute_dtype=compute_dtype,
+            world_size=ws,
+            rank=self.rank,
+            is_meta=is_meta,
+            placeholder=placeholder,
         )
         del planned
         self.groups: list[ShardGroup] = [w.group for w in written]
         """Every group, in (initial) execution order: the interface to the optimizer and checkpoints."""
         self.trace = Trace([g.numel for g in self.groups])
-        self.budget = LiveBudget(z.max_live_parameters_numel, [g.numel for g in self.groups], self.trace.next_use_distance)
-        ctx = GroupContext(tm, self.budget, self.counters, self.device, compute_dtype, placeholder, ws,
-                           process_group, param_tier, z.max_reuse_distance_numel, self.trace.next_use_distance)
+        self.budget = LiveBudget(
+            z.max_live_parameters_numel, [g.numel for g in self.groups], self.trace.next_use_distance
+        )
+        ctx = GroupContext(
+            tm,
+            self.budget,
+            self.counters,
+            self.device,
+            compute_dtype,
+            placeholder,
+            ws,
+            process_group,
+            param_tier,
+            z.max_reuse_distance_numel,
+            self.trace.next_use_distance,
+        )
         self.runtimes: list[GroupRuntime] = [
             GroupRuntime(ctx, w.group, w.params, needs_fetch=needs_fetch, initial_fp32=w.initial_fp32)
             for w in written
@@ -138,16 +179,25 @@ class ZeroParameters:
         move_buffers(model, self.device, is_meta=is_meta)
 
         part_group = {g.param.name: g.index for g in self.groups}
-        tm.set_eviction_policy("gpu", BeladyPolicy(part_group.get, self.trace, lambda i: self.groups[i].persistent))
+        tm.set_eviction_policy(
+            "gpu", BeladyPolicy(part_group.get, self.trace, lambda i: self.groups[i].persistent)
+        )
         self._fw_stack: list[nn.Module] = []
         self._fw_pins: dict[int, list[list[int]]] = {}
         self._bw = BackwardHolds(self._gather, self._release, self.runtimes)
-        saved = SavedTensorRefs(self.runtimes, self.managed, self.budget, self.counters, self.device, self._bw.gather)
+        saved = SavedTensorRefs(
+            self.runtimes, self.managed, self.budget, self.counters, self.device, self._bw.gather
+        )
         self._pass = PassState(self.trace, self.runtimes, self._bw, self, saved)
         self._grad_callbacks: list[Callable[[ShardGroup], None]] = []
         self._hooks = HookSet(self, model, [p for rt in self.runtimes for p in rt.params])
-        log.info("partitioned %d parameters into %d groups (%d persistent), world_size=%d",
-                 sum(g.numel for g in self.groups), len(self.groups), sum(g.persistent for g in self.groups), ws)
+        log.info(
+            "partitioned %d parameters into %d groups (%d persistent), world_size=%d",
+            sum(g.numel for g in self.groups),
+            len(self.groups),
+            sum(g.persistent for g in self.groups),
+            ws,
+        )
 
     @property
     def _st(self) -> list[GroupRuntime]:
@@ -196,8 +246,11 @@ class ZeroParameters:
                     out_by_id[id(p)] = p.detach().to("cpu", dtype or p.dtype, copy=True)
             finally:
                 self._release(rt.index)
-        return {n: out_by_id[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
-                if id(p) in out_by_id}
+        return {
+            n: out_by_id[id(p)]
+            for n, p in self.model.named_parameters(remove_duplicate=False)
+            if id(p) in out_by_id
+        }
 
     # ---- gradients: see [Note: gradient flush] in tiered/zero/group.py -------------------------
     def on_group_grads_complete(self, callback: Callable[[ShardGroup], None]) -> None:
@@ -280,7 +333,9 @@ class ZeroParameters:
     def _reserve_live(self, rt: GroupRuntime) -> None:
         """Room in the live budget for `rt`, or CapacityError. See [Note: the live budget]."""
         b, i, n = self.budget, rt.index, rt.numel
-        if b.make_room(n, keep=i) or (self._pass.in_backward and self._bw.release_for_room(i) and b.make_room(n, keep=i)):
+        if b.make_room(n, keep=i) or (
+            self._pass.in_backward and self._bw.release_for_room(i) and b.make_room(n, keep=i)
+        ):
             return
         mod = self._modules.names[id(self._fw_stack[-1])] if self._fw_stack else "<backward>"
         raise CapacityError(
@@ -344,6 +399,7 @@ class ZeroParameters:
             self._bw.current = idxs
             for i in idxs:
                 self._bw.gather(i)
+
         return cb
 
     def _gather_external(self, p: nn.Parameter) -> None:

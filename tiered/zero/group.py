@@ -80,7 +80,12 @@ class GroupRuntime:
     """The run-time state and moves of one shard group. See the module docstring."""
 
     def __init__(
-        self, ctx: GroupContext, group: ShardGroup, params: list[nn.Parameter], *, needs_fetch: bool,
+        self,
+        ctx: GroupContext,
+        group: ShardGroup,
+        params: list[nn.Parameter],
+        *,
+        needs_fetch: bool,
         initial_fp32: torch.Tensor | None = None,
     ) -> None:
         self.ctx = ctx
@@ -232,15 +237,21 @@ class GroupRuntime:
 
     def wants_prefetch(self) -> bool:
         """Not gathered, not on its way and not already in "gpu"."""
-        return (self.needs_fetch and self.pins == 0 and self.inflight is None
-                and not self.group.param.is_resident("gpu"))
+        return (
+            self.needs_fetch
+            and self.pins == 0
+            and self.inflight is None
+            and not self.group.param.is_resident("gpu")
+        )
 
     def prefetch(self, *, keep: int, beyond: float) -> bool:
         """Start moving the shard into "gpu" ahead of its use, within the live budget (evicting
         only groups used after `beyond` elements, never `keep`); False when it does not fit."""
         ctx = self.ctx
         if not self.group.persistent:
-            if not ctx.budget.is_live(self.index) and not ctx.budget.make_room(self.numel, keep=keep, beyond=beyond):
+            if not ctx.budget.is_live(self.index) and not ctx.budget.make_room(
+                self.numel, keep=keep, beyond=beyond
+            ):
                 return False
             ctx.budget.add(self.index)
         self.inflight = ctx.tm.prefetch(self.group.param, "gpu")

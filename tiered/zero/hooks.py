@@ -79,7 +79,6 @@ class _PreBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-
 def map_tensors(obj: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]], module_name: str) -> Any:
     """Apply `fn` to every grad-requiring tensor found in `obj` (tuples, lists, dicts, HF
     ModelOutput, dataclasses, namedtuples), all at once, and rebuild `obj` around the results."""
@@ -167,9 +166,13 @@ class HookSet:
     def __init__(self, zp: HookTarget, model: nn.Module, params: list[nn.Parameter]) -> None:
         self._handles: list[Any] = []
         for name, module in model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._make_pre(zp, module, name), with_kwargs=True))
             self._handles.append(
-                module.register_forward_hook(self._make_post(zp, module, name), with_kwargs=True, always_call=True)
+                module.register_forward_pre_hook(self._make_pre(zp, module, name), with_kwargs=True)
+            )
+            self._handles.append(
+                module.register_forward_hook(
+                    self._make_post(zp, module, name), with_kwargs=True, always_call=True
+                )
             )
         for p in params:
             if p.requires_grad:

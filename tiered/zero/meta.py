@@ -30,7 +30,9 @@ def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
     return out
 
 
-def materialize_group(model: nn.Module, params: Sequence[tuple[str, nn.Parameter]], device: torch.device) -> None:
+def materialize_group(
+    model: nn.Module, params: Sequence[tuple[str, nn.Parameter]], device: torch.device
+) -> None:
     """Give the meta parameters in `params` real, initialised storage on `device`."""
     owners = _owners(model)
     init_fn = getattr(model, "_init_weights", None)
@@ -47,8 +49,12 @@ def materialize_group(model: nn.Module, params: Sequence[tuple[str, nn.Parameter
             if q.device.type == "meta":
                 # a meta tensor cannot take host storage through .data; swap_tensors keeps the
                 # Parameter object (so groups, tied owners and optimizers still refer to it)
-                torch.utils.swap_tensors(q, nn.Parameter(torch.empty(q.shape, dtype=q.dtype, device=device),
-                                                         requires_grad=q.requires_grad))
+                torch.utils.swap_tensors(
+                    q,
+                    nn.Parameter(
+                        torch.empty(q.shape, dtype=q.dtype, device=device), requires_grad=q.requires_grad
+                    ),
+                )
         _empty_buffers(module, device)
         _init_module(mname, module, init_fn)
 

@@ -25,8 +25,9 @@ class BackwardHolds:
     """The groups gathered for the running backward, held until their gradients are flushed;
     frozen groups (no gradient will say when they are done) until `_FROZEN_KEEP` newer ones were."""
 
-    def __init__(self, gather: Callable[[int], None], release: Callable[[int], None],
-                 runtimes: Sequence[GroupRuntime]) -> None:
+    def __init__(
+        self, gather: Callable[[int], None], release: Callable[[int], None], runtimes: Sequence[GroupRuntime]
+    ) -> None:
         self._gather = gather
         self._release = release
         self._runtimes = runtimes
@@ -69,8 +70,14 @@ class BackwardHolds:
 class PassState:
     """The bookkeeping of the running pass. See the module docstring."""
 
-    def __init__(self, trace: Trace, runtimes: Sequence[GroupRuntime], holds: BackwardHolds,
-                 target: HookTarget, saved: SavedTensorRefs) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        runtimes: Sequence[GroupRuntime],
+        holds: BackwardHolds,
+        target: HookTarget,
+        saved: SavedTensorRefs,
+    ) -> None:
         self._trace = trace
         self._runtimes = runtimes
         self.holds = holds
@@ -104,8 +111,10 @@ class PassState:
         if not torch.is_grad_enabled():
             modes: list[Any] = [ExternalParamMode(self._target)]
         else:
-            modes = [torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack),
-                     ExternalParamMode(self._target)]
+            modes = [
+                torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack),
+                ExternalParamMode(self._target),
+            ]
         for m in modes:
             m.__enter__()
             self._modes.append(m)

@@ -90,7 +90,10 @@ def plan_param_groups(
             seen.add(id(p))
             qual = f"{mname}.{pname}" if mname else pname
             n = p.numel()
-            if n <= param_persistence_threshold_numel and persistent_total + n <= model_persistence_threshold_numel:
+            if (
+                n <= param_persistence_threshold_numel
+                and persistent_total + n <= model_persistence_threshold_numel
+            ):
                 persistent_total += n
                 if persistent is None or persistent.numel + n > sub_group_size_numel:
                     persistent = PlannedGroup(persistent=True)

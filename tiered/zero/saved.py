@@ -44,8 +44,10 @@ class SavedTensorRefs:
             if f is None or f.dtype != t.dtype:
                 continue
             base = f.data_ptr()
-            if base <= ptr < base + f.numel() * f.element_size() and f.untyped_storage().data_ptr() == \
-                    t.untyped_storage().data_ptr():
+            if (
+                base <= ptr < base + f.numel() * f.element_size()
+                and f.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+            ):
                 self._counters["saved_refs"] += 1
                 return ("v", i, t.storage_offset() - f.storage_offset(), tuple(t.shape), t.stride())
         return t

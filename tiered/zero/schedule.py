@@ -149,7 +149,9 @@ class Trace:
 class BeladyPolicy:
     """EvictionPolicy for the "gpu" tier. See [Note: Belady eviction]."""
 
-    def __init__(self, group_of: Callable[[str], int | None], trace: Trace, persistent: Callable[[int], bool]):
+    def __init__(
+        self, group_of: Callable[[str], int | None], trace: Trace, persistent: Callable[[int], bool]
+    ):
         self._group_of = group_of
         self._trace = trace
         self._persistent = persistent
@@ -171,6 +173,6 @@ class BeladyPolicy:
 
         try:
             return [p for _, p in sorted(enumerate(candidates), key=key)]
-        except Exception:  # noqa: BLE001 - a policy must never fail an eviction: fall back to LRU
+        except Exception:
             log.exception("Belady policy failed; using the manager's order")
             return list(candidates)

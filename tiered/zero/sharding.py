@@ -28,7 +28,12 @@ ALIGNMENT_NUMEL = 64
 
 
 def plan_model_groups(
-    model: nn.Module, z: ZeroConfig, *, gpu_budget_bytes: int | None, compute_dtype: torch.dtype, world_size: int
+    model: nn.Module,
+    z: ZeroConfig,
+    *,
+    gpu_budget_bytes: int | None,
+    compute_dtype: torch.dtype,
+    world_size: int,
 ) -> list[PlannedGroup]:
     """The model's groups, blocks capped so that two fit the budgets (see [Note: group planning])."""
     # A block is one group only while two of them (the current and the prefetched next) fit
@@ -61,7 +66,9 @@ class ModuleMaps:
 def map_modules(model: nn.Module, managed: dict[int, tuple[int, int]]) -> ModuleMaps:
     maps = ModuleMaps({}, {}, {})
     for mname, m in model.named_modules():
-        maps.groups[id(m)] = sorted({managed[id(p)][0] for p in m.parameters(recurse=False) if id(p) in managed})
+        maps.groups[id(m)] = sorted(
+            {managed[id(p)][0] for p in m.parameters(recurse=False) if id(p) in managed}
+        )
         maps.names[id(m)] = mname or type(m).__name__
         maps.params[id(m)] = tuple(id(p) for p in m.parameters(recurse=False))
     return maps

@@ -34,8 +34,12 @@ class TestFaultsDelayOverStripeConformance(BackendConformance):
         dirs = [tmp_path / "a", tmp_path / "b"]
         for d in dirs:
             d.mkdir(exist_ok=True)
-        inner = {"type": "stripe", "stripe_bytes": 300_001, "paths": [str(d) for d in dirs],
-                 "member_options": {"fsync": False}}
+        inner = {
+            "type": "stripe",
+            "stripe_bytes": 300_001,
+            "paths": [str(d) for d in dirs],
+            "member_options": {"fsync": False},
+        }
         return FaultsBackend(inner, faults=[{"kind": "delay", "delay_s": 0.001, "every": 3}])
 
 
@@ -44,7 +48,9 @@ def _run(coro):
 
 
 def _faults(*rules, inner=None, seed=0) -> FaultsBackend:
-    return open_backend({"type": "faults", "inner": inner or {"type": "cpu"}, "faults": list(rules), "seed": seed})
+    return open_backend(
+        {"type": "faults", "inner": inner or {"type": "cpu"}, "faults": list(rules), "seed": seed}
+    )
 
 
 def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> list[tuple[int, int]]:
@@ -61,7 +67,9 @@ def test_the_nth_read_fails_with_the_chosen_errno_and_nothing_else_does() -> Non
             out = torch.empty(8)
             for i in range(1, 6):
                 if i == 3:
-                    with pytest.raises(StorageIOError, match=r"injected EAGAIN .* on read #3 of key 'w' by faults\[0\]") as info:
+                    with pytest.raises(
+                        StorageIOError, match=r"injected EAGAIN .* on read #3 of key 'w' by faults\[0\]"
+                    ) as info:
                         await b.read("w", out)
                     assert info.value.errno == errno.EAGAIN and isinstance(info.value, OSError)
                     assert "'cpu'" in str(info.value)  # names the wrapped backend
@@ -72,14 +80,18 @@ def test_the_nth_read_fails_with_the_chosen_errno_and_nothing_else_does() -> Non
             assert s["injected"]["error"] == 1 and s["injected_total"] == 1
             assert s["rules"] == [{"index": 0, "kind": "error", "matched": 5, "fired": 1, "injected": 1}]
             assert s["ops"] == {"read": 5, "write": 1, "delete": 0, "exists": 0}
-            assert list(b.history) == [{"rule": 0, "kind": "error", "op": "read", "key": "w", "detail": "raised EAGAIN"}]
+            assert list(b.history) == [
+                {"rule": 0, "kind": "error", "op": "read", "key": "w", "detail": "raised EAGAIN"}
+            ]
 
     _run(main())
 
 
 def test_a_failed_write_leaves_the_old_copy(tmp_path: Path) -> None:
     async def main() -> None:
-        async with _faults({"kind": "error", "op": "write", "nth": 2}, inner={"type": "nvme", "path": str(tmp_path)}) as b:
+        async with _faults(
+            {"kind": "error", "op": "write", "nth": 2}, inner={"type": "nvme", "path": str(tmp_path)}
+        ) as b:
             old = random_bytes(5000, seed=1)
             await b.write("k", old)
             with pytest.raises(StorageIOError, match="injected EIO") as info:
@@ -94,7 +106,14 @@ def test_a_failed_write_leaves_the_old_copy(tmp_path: Path) -> None:
 
 def test_key_globs_ops_every_after_and_max_fires() -> None:
     async def main() -> None:
-        rule = {"kind": "error", "op": ["delete", "exists"], "key": "*.exp_avg", "every": 2, "after": 1, "max_fires": 2}
+        rule = {
+            "kind": "error",
+            "op": ["delete", "exists"],
+            "key": "*.exp_avg",
+            "every": 2,
+            "after": 1,
+            "max_fires": 2,
+        }
         async with _faults(rule) as b:
             await b.write("g0.exp_avg", torch.ones(2))
             await b.write("g0.param", torch.ones(2))
@@ -108,7 +127,13 @@ def test_key_globs_ops_every_after_and_max_fires() -> None:
                 assert await b.exists("g0.param")  # another key: never
             # match 1 is skipped (after), then every 2nd of the rest fires, twice at most
             assert outcomes == ["ok", "ok", "EIO", "ok", "EIO", "ok", "ok", "ok"]
-            assert b.stats()["rules"][0] == {"index": 0, "kind": "error", "matched": 8, "fired": 2, "injected": 2}
+            assert b.stats()["rules"][0] == {
+                "index": 0,
+                "kind": "error",
+                "matched": 8,
+                "fired": 2,
+                "injected": 2,
+            }
 
     _run(main())
 
@@ -176,7 +201,10 @@ def test_enospc_after_k_bytes_written() -> None:
         async with _faults({"kind": "enospc", "after_bytes": 10_000}) as b:
             await b.write("a", torch.zeros(4000, dtype=torch.uint8))
             await b.write("a", torch.zeros(4000, dtype=torch.uint8))  # written counts overwrites too
-            with pytest.raises(StorageIOError, match=r"injected ENOSPC .*write #3 of key 'b'.*8000 of its 10000 bytes written") as info:
+            with pytest.raises(
+                StorageIOError,
+                match=r"injected ENOSPC .*write #3 of key 'b'.*8000 of its 10000 bytes written",
+            ) as info:
                 await b.write("b", torch.zeros(4000, dtype=torch.uint8))
             assert info.value.errno == errno.ENOSPC
             assert not await b.exists("b")
@@ -209,7 +237,9 @@ def test_torn_write_stores_a_sector_aligned_prefix_then_fails(tmp_path: Path) ->
         async with _faults({"kind": "torn_write", "nth": 2}, inner=inner) as b:
             await b.write("k", random_bytes(10_000, seed=1))
             new = random_bytes(10_000, seed=2)
-            with pytest.raises(StorageIOError, match=r"injected EIO .*torn write, 4608 of 10000 bytes") as info:
+            with pytest.raises(
+                StorageIOError, match=r"injected EIO .*torn write, 4608 of 10000 bytes"
+            ) as info:
                 await b.write("k", new)
             assert info.value.errno == errno.EIO
             assert (tmp_path / "k").stat().st_size == 4608  # 5000 rounded down to 512-byte sectors
@@ -243,7 +273,9 @@ def test_bitflip_on_write_corrupts_the_stored_copy_for_good(tmp_path: Path) -> N
             before = t.clone()
             await b.write("k", t)
             assert torch.equal(t, before), "the caller's tensor must not change"
-            assert _bits_differ(torch.frombuffer(bytearray((tmp_path / "k").read_bytes()), dtype=torch.uint8), t) == [(100, 6)]
+            assert _bits_differ(
+                torch.frombuffer(bytearray((tmp_path / "k").read_bytes()), dtype=torch.uint8), t
+            ) == [(100, 6)]
             for _ in range(2):
                 out = torch.empty_like(t)
                 await b.read("k", out)
@@ -274,7 +306,13 @@ def test_bitflip_past_the_end_fires_but_injects_nothing() -> None:
         async with _faults({"kind": "bitflip", "op": "read", "offset": 10}) as b:
             await b.write("k", torch.ones(2, dtype=torch.uint8))
             await b.read("k", torch.empty(2, dtype=torch.uint8))
-            assert b.stats()["rules"][0] == {"index": 0, "kind": "bitflip", "matched": 1, "fired": 1, "injected": 0}
+            assert b.stats()["rules"][0] == {
+                "index": 0,
+                "kind": "bitflip",
+                "matched": 1,
+                "fired": 1,
+                "injected": 0,
+            }
 
     _run(main())
 
@@ -326,7 +364,12 @@ def test_spec_round_trips_every_kind(tmp_path: Path) -> None:
     async def main() -> None:
         async with _faults(*rules, seed=3) as b:
             spec = b.spec()
-            assert spec["faults"][0] == {"kind": "error", "op": ["read", "write", "delete", "exists"], "nth": [2, 5], "errno": "ENOSPC"}
+            assert spec["faults"][0] == {
+                "kind": "error",
+                "op": ["read", "write", "delete", "exists"],
+                "nth": [2, 5],
+                "errno": "ENOSPC",
+            }
             assert spec["faults"][1:] == rules[1:]
             async with open_backend(spec) as again:
                 assert again.spec() == spec
@@ -348,25 +391,46 @@ def test_use_after_close_is_a_storage_error() -> None:
 @pytest.mark.parametrize(
     ("rule", "match"),
     [
-        ({"kind": "bitfip", "op": "read"}, r"faults\[0\]: unknown fault kind 'bitfip'. Did you mean 'bitflip'"),
+        (
+            {"kind": "bitfip", "op": "read"},
+            r"faults\[0\]: unknown fault kind 'bitfip'. Did you mean 'bitflip'",
+        ),
         ({"op": "read"}, r"faults\[0\]: missing 'kind'"),
-        ({"kind": "error", "op": "read", "nht": 2}, r"unknown option 'nht' for a 'error' fault. Did you mean 'nth'"),
+        (
+            {"kind": "error", "op": "read", "nht": 2},
+            r"unknown option 'nht' for a 'error' fault. Did you mean 'nth'",
+        ),
         ({"kind": "error", "nth": 2}, r"a 'error' fault needs 'op'"),
         ({"kind": "error", "op": "red"}, r"faults\[0\].op: 'red' is not an operation .* Did you mean 'read'"),
         ({"kind": "bitflip", "op": "delete"}, r"'delete' is not an operation a 'bitflip' fault applies to"),
-        ({"kind": "error", "op": "read", "errno": "EIOO"}, r"errno: 'EIOO' is not an errno name. Did you mean 'EIO'"),
+        (
+            {"kind": "error", "op": "read", "errno": "EIOO"},
+            r"errno: 'EIOO' is not an errno name. Did you mean 'EIO'",
+        ),
         ({"kind": "error", "op": "read", "errno": 99999}, r"errno: expected an errno name"),
-        ({"kind": "error", "op": "read", "nth": 2, "probability": 0.5}, r"at most one of nth, every, probability"),
+        (
+            {"kind": "error", "op": "read", "nth": 2, "probability": 0.5},
+            r"at most one of nth, every, probability",
+        ),
         ({"kind": "error", "op": "read", "probability": 1.5}, r"probability: expected a number in \[0, 1\]"),
         ({"kind": "error", "op": "read", "nth": 0}, r"nth: expected an integer >= 1"),
         ({"kind": "delay"}, r"a 'delay' fault needs 'delay_s'"),
         ({"kind": "delay", "delay_s": -1}, r"delay_s: expected seconds > 0"),
         ({"kind": "enospc"}, r"needs 'after_bytes'"),
-        ({"kind": "enospc", "after_bytes": "1 GiB", "count": "live"}, r"count: 'live' is not one of written, stored"),
+        (
+            {"kind": "enospc", "after_bytes": "1 GiB", "count": "live"},
+            r"count: 'live' is not one of written, stored",
+        ),
         ({"kind": "enospc", "after_bytes": "lots"}, r"faults\[0\].after_bytes"),
         ({"kind": "torn_write", "op": "write"}, r"unknown option 'op' for a 'torn_write' fault"),
-        ({"kind": "torn_write", "mode": "slient"}, r"mode: 'slient' is not one of error, silent. Did you mean 'silent'"),
-        ({"kind": "torn_write", "keep_fraction": 0.5, "keep_bytes": 10}, r"keep_fraction or keep_bytes, not both"),
+        (
+            {"kind": "torn_write", "mode": "slient"},
+            r"mode: 'slient' is not one of error, silent. Did you mean 'silent'",
+        ),
+        (
+            {"kind": "torn_write", "keep_fraction": 0.5, "keep_bytes": 10},
+            r"keep_fraction or keep_bytes, not both",
+        ),
         ({"kind": "torn_write", "mode": "silent", "errno": "EIO"}, r"a 'silent' torn write raises nothing"),
         ({"kind": "bitflip", "op": "read", "bit": 3}, r"give 'offset' too"),
         ({"kind": "bitflip", "op": "read", "offset": 0, "bit": 8}, r"bit: expected 0..7"),
@@ -385,7 +449,9 @@ def test_bad_top_level_options() -> None:
         open_backend({"type": "faults"})
     with pytest.raises(ConfigError, match="seed must be an integer"):
         open_backend({"type": "faults", "inner": "cpu", "seed": "x"})
-    with pytest.raises(BackendNotFoundError, match=r"option 'inner': unknown storage backend 'nvmee'. Did you mean 'nvme'"):
+    with pytest.raises(
+        BackendNotFoundError, match=r"option 'inner': unknown storage backend 'nvmee'. Did you mean 'nvme'"
+    ):
         open_backend({"type": "faults", "inner": {"type": "nvmee", "path": "/x"}})
     with pytest.raises(ConfigError, match=r"option 'inner': backend 'cpu': unknown option 'max_byte'"):
         open_backend({"type": "faults", "inner": {"type": "cpu", "max_byte": 1}})
@@ -395,8 +461,10 @@ def test_bad_top_level_options() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bitflip_on_cuda_tensors(tmp_path: Path) -> None:
     async def main() -> None:
-        rules = [{"kind": "bitflip", "op": "read", "offset": 7, "bit": 1},
-                 {"kind": "bitflip", "op": "write", "offset": 3, "bit": 0}]
+        rules = [
+            {"kind": "bitflip", "op": "read", "offset": 7, "bit": 1},
+            {"kind": "bitflip", "op": "write", "offset": 3, "bit": 0},
+        ]
         async with _faults(*rules, inner={"type": "nvme", "path": str(tmp_path)}) as b:
             src = random_bytes(1 << 20, seed=9).cuda()
             await b.write("dev", src)

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))  # the engine tests' helpers
 
-from engine_support import (  # noqa: E402
+from engine_support import (
     CASES,
     REL,
     assert_losses_close,
@@ -25,28 +25,39 @@ from engine_support import (  # noqa: E402
     reference_train,
 )
 
-import tiered  # noqa: E402
-from tiered.errors import StorageIOError  # noqa: E402
+import tiered
+from tiered.errors import StorageIOError
 
 
 def _config(tmp_path: Path, fault: dict[str, Any]) -> dict[str, Any]:
     (tmp_path / "flaky").mkdir()
     cfg = ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme"))
     cfg["tiered"] = {
-        "tiers": {"flaky": {"backend": {"type": "faults", "inner": {"type": "nvme", "path": str(tmp_path / "flaky")},
-                                        "faults": [fault]}}},
+        "tiers": {
+            "flaky": {
+                "backend": {
+                    "type": "faults",
+                    "inner": {"type": "nvme", "path": str(tmp_path / "flaky")},
+                    "faults": [fault],
+                }
+            }
+        },
         "param_tier": "flaky",
         "optimizer_tier": "flaky",
     }
     return cfg
 
 
-@pytest.mark.parametrize("fault", [
-    # transient: one read of a parameter in the first step's forward, with an errno a retry could cure
-    {"kind": "error", "op": "read", "key": "*.param", "after": 4, "nth": 1, "errno": "EAGAIN"},
-    # optimizer state that can no longer be read
-    {"kind": "error", "op": "read", "key": "*.exp_avg_sq", "errno": "EIO"},
-], ids=["transient-EAGAIN", "persistent-EIO"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        # transient: one read of a parameter in the first step's forward, with an errno a retry could cure
+        {"kind": "error", "op": "read", "key": "*.param", "after": 4, "nth": 1, "errno": "EAGAIN"},
+        # optimizer state that can no longer be read
+        {"kind": "error", "op": "read", "key": "*.exp_avg_sq", "errno": "EIO"},
+    ],
+    ids=["transient-EAGAIN", "persistent-EIO"],
+)
 def test_an_injected_read_error_reaches_the_user_naming_backend_and_partition(tmp_path: Path, fault) -> None:
     case = CASES["mlp"]
     engine = tiered.initialize(build(case), _config(tmp_path, fault))
@@ -94,7 +105,9 @@ def test_a_hung_read_becomes_a_timeout_naming_partition_tier_and_backend(tmp_pat
     cfg["tiered"]["timeout_s"] = 2
     case = CASES["mlp"]
     t0 = time.perf_counter()
-    with pytest.raises(tiered.TierTimeoutError, match=r"partition 'g\d+\.param' in tier 'flaky' \(backend 'faults'"):
+    with pytest.raises(
+        tiered.TierTimeoutError, match=r"partition 'g\d+\.param' in tier 'flaky' \(backend 'faults'"
+    ):
         with tiered.initialize(build(case), cfg) as engine:
             for b in make_batches(case, 2, 4):
                 engine.backward(case.loss(engine(**b)))

@@ -164,8 +164,12 @@ _CHILD = textwrap.dedent("""
 
 def test_a_crashed_process_leftovers_are_reclaimed_but_a_live_process_is_not(tmp_path: Path) -> None:
     def child(mode: str) -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path), mode],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(tmp_path), mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     crashed = child("crash")
     crashed_dir = Path(crashed.stdout.readline().strip())

@@ -11,8 +11,9 @@ from importlib import metadata
 import pytest
 
 
-@pytest.mark.parametrize(("name", "target"), [("faults", "tiered_faults:FaultsBackend"),
-                                              ("stripe", "tiered_stripe:StripeBackend")])
+@pytest.mark.parametrize(
+    ("name", "target"), [("faults", "tiered_faults:FaultsBackend"), ("stripe", "tiered_stripe:StripeBackend")]
+)
 def test_backend_is_an_installed_entry_point(name: str, target: str) -> None:
     installed = {ep.name: ep.value for ep in metadata.entry_points(group="tiered.backends")}
     assert installed.get(name) == target, (

@@ -43,7 +43,9 @@ class TestStripeOddStripeConformance(BackendConformance):
     """An odd, unaligned stripe size: every stripe boundary lands mid-page."""
 
     def make_backend(self, tmp_path):
-        return StripeBackend(paths=_dirs(tmp_path, 3), stripe_bytes=1_000_003, member_options={"fsync": False})
+        return StripeBackend(
+            paths=_dirs(tmp_path, 3), stripe_bytes=1_000_003, member_options={"fsync": False}
+        )
 
 
 class TestStripeTinyStripeMixedMembersConformance(BackendConformance):
@@ -133,7 +135,10 @@ def test_a_failed_stripe_write_keeps_the_old_object_and_leaves_no_stripes(tmp_pa
         async with StripeBackend(members=members, stripe_bytes=1000) as b:
             await b.write("k", old)
             names_before = sorted(p.name for d in dirs for p in Path(d).iterdir())
-            with pytest.raises(StorageIOError, match=r"write of key 'k' stripe [0-5] .*on member \d \('faults'\).*injected EIO") as info:
+            with pytest.raises(
+                StorageIOError,
+                match=r"write of key 'k' stripe [0-5] .*on member \d \('faults'\).*injected EIO",
+            ) as info:
                 await b.write("k", new)
             assert info.value.errno == 5  # the member's errno survives the added context
             assert sum(m.stats()["injected"]["error"] for m in b.members) == 3
@@ -202,7 +207,9 @@ def test_another_member_count_is_refused_by_name(tmp_path: Path) -> None:
             for key in (same, moved):
                 await b.write(key, torch.ones(10))
         async with StripeBackend(paths=dirs) as b:
-            with pytest.raises(StorageIOError, match=rf"key '{same}'.*striped over 2 members but this backend has 3"):
+            with pytest.raises(
+                StorageIOError, match=rf"key '{same}'.*striped over 2 members but this backend has 3"
+            ):
                 await b.read(same, torch.empty(10))
             with pytest.raises(StorageKeyError, match=rf"key '{moved}' not found in stripe backend"):
                 await b.read(moved, torch.empty(10))
@@ -213,7 +220,9 @@ def test_another_member_count_is_refused_by_name(tmp_path: Path) -> None:
 # ---- description --------------------------------------------------------------------------
 def test_capacity_is_the_raid0_bound() -> None:
     async def main() -> None:
-        async with StripeBackend(members=[{"type": "cpu", "max_bytes": "1MiB"}, {"type": "cpu", "max_bytes": "3MiB"}]) as b:
+        async with StripeBackend(
+            members=[{"type": "cpu", "max_bytes": "1MiB"}, {"type": "cpu", "max_bytes": "3MiB"}]
+        ) as b:
             cap = b.capacity()
             assert cap.total_bytes == 2 << 20  # min(1, 3) MiB x 2
             assert cap.free_bytes is not None and cap.free_bytes <= cap.total_bytes
@@ -242,7 +251,11 @@ def test_spec_round_trips_members_and_paths(tmp_path: Path) -> None:
     async def main() -> None:
         for spec in (
             {"type": "stripe", "stripe_bytes": 65536, "paths": d, "member_options": {"fsync": False}},
-            {"type": "stripe", "stripe_bytes": 4096, "members": [{"type": "nvme", "path": d[0]}, {"type": "cpu"}]},
+            {
+                "type": "stripe",
+                "stripe_bytes": 4096,
+                "members": [{"type": "nvme", "path": d[0]}, {"type": "cpu"}],
+            },
         ):
             async with open_backend(spec) as b:
                 assert b.spec() == spec
@@ -262,7 +275,10 @@ def test_spec_round_trips_members_and_paths(tmp_path: Path) -> None:
         ({"members": "cpu"}, "members must be a non-empty list"),
         ({"paths": [""]}, r"paths\[0\] must be a directory"),
         ({"members": [{"type": "cpu"}, {"type": "cpu"}]}, r"members\[0\] and members\[1\] are the same spec"),
-        ({"members": [{"type": "cpu"}], "member_options": {"fsync": False}}, "member_options applies to 'paths'"),
+        (
+            {"members": [{"type": "cpu"}], "member_options": {"fsync": False}},
+            "member_options applies to 'paths'",
+        ),
         ({"paths": ["/a"], "member_options": {"path": "/b"}}, "without 'type' or 'path'"),
         ({"paths": ["/a"], "stripe_bytes": "lots"}, "stripe_bytes"),
         ({"paths": ["/a"], "stripe_bytes": 0}, "at least 1 byte"),
@@ -284,9 +300,13 @@ def test_same_directory_twice_is_refused(tmp_path: Path) -> None:
 def test_a_bad_member_names_its_index_and_closes_the_ones_opened(tmp_path: Path) -> None:
     root = Path(_dirs(tmp_path, 1)[0])
     with pytest.raises(BackendNotFoundError, match=r"members\[1\]: unknown storage backend 'nvmee'.*'nvme'"):
-        StripeBackend(members=[{"type": "nvme", "path": str(root), "swap": True}, {"type": "nvmee", "path": "/x"}])
+        StripeBackend(
+            members=[{"type": "nvme", "path": str(root), "swap": True}, {"type": "nvmee", "path": "/x"}]
+        )
     assert list(root.iterdir()) == [], "member 0's swap directory outlived the failed stripe set-up"
-    with pytest.raises(ConfigError, match=r"paths\[0\]: backend .nvme.: unknown option .fsinc.. Did you mean .fsync."):
+    with pytest.raises(
+        ConfigError, match=r"paths\[0\]: backend .nvme.: unknown option .fsinc.. Did you mean .fsync."
+    ):
         StripeBackend(paths=[str(root), str(tmp_path)], member_options={"fsinc": False})
 
 

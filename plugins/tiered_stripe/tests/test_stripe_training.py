@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))  # the engine tests' helpers
 
-from engine_support import (  # noqa: E402
+from engine_support import (
     CASES,
     REL,
     assert_losses_close,
@@ -27,8 +27,16 @@ def test_mlp_trains_through_a_stripe_tier_over_two_directories(tmp_path: Path) -
     cfg = ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme"))
     # an odd stripe far below the partition sizes: every partition is cut over both drives
     cfg["tiered"] = {
-        "tiers": {"striped": {"backend": {"type": "stripe", "stripe_bytes": 1001, "paths": [str(d) for d in drives],
-                                          "member_options": {"fsync": False}}}},
+        "tiers": {
+            "striped": {
+                "backend": {
+                    "type": "stripe",
+                    "stripe_bytes": 1001,
+                    "paths": [str(d) for d in drives],
+                    "member_options": {"fsync": False},
+                }
+            }
+        },
         "param_tier": "striped",
         "optimizer_tier": "striped",
     }
