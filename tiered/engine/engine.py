@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import Any
 
@@ -256,6 +257,96 @@ class Engine:
                 f"engine.{what}() between backward and step: with tiered.overlap_step_with_backward the "
                 "optimizer step began in backward and is still updating parameters; call engine.step() first"
             )
+
+    # ---- checkpoints: see [Note: checkpoint layout] in tiered/checkpoint/engine_state.py -----
+    def save_checkpoint(
+        self, save_dir: str | os.PathLike[str], tag: str | None = None, client_state: dict[str, Any] | None = None
+    ) -> str:
+        """Write the full training state to ``<save_dir>/<tag>/`` (tag default ``global_step<N>``)
+        atomically, then point ``<save_dir>/latest`` at it; returns the checkpoint's path. As
+        DeepSpeed's; `client_state` must be JSON-able. Every rank calls it (a collective)."""
+        from tiered.checkpoint.engine_state import check_json, parameter_specs, save_engine_state
+        from tiered.config.dump import dump_config
+
+        self._check_checkpoint_point("save_checkpoint")
+        check_json(client_state)
+        self.optimizer.wait_writes()  # (their errors surface here, not inside the save)
+        groups = self._checkpoint_groups()
+        body = {
+            "config": dump_config(self.config),
+            "compute_dtype": str(self.placement.compute_dtype),
+            "training": self._training_state(),
+            "client_state": client_state if client_state is not None else {},
+            "parameter_specs": parameter_specs(groups),
+        }
+        return save_engine_state(self.tm, groups, save_dir, tag if tag is not None else f"global_step{self.global_steps}",
+                                 body=body, comm=self._collective())
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[str, Any]:
+        """Restore the training state saved by `save_checkpoint` (tag None: the one ``latest``
+        names) on any world size; returns ``(path, client_state)`` as DeepSpeed does. A missing,
+        half-written, corrupt or incompatible checkpoint raises (DeepSpeed returns None)."""
+        from tiered.checkpoint.engine_state import (
+            check_compatible,
+            load_engine_state,
+            open_checkpoint,
+            parameter_specs,
+        )
+        from tiered.config.dump import dump_config
+
+        self._check_checkpoint_point("load_checkpoint")
+        self.optimizer.wait_writes()
+        path, manifest = open_checkpoint(load_dir, tag)
+        groups = self._checkpoint_groups()
+        check_compatible(manifest, parameter_specs(groups), str(self.placement.compute_dtype),
+                         dump_config(self.config), path)
+        load_engine_state(self.tm, groups, path, manifest, comm=self._collective())
+        self._apply_training_state(manifest["training"])
+        self.zero.params_updated()
+        log.info("loaded checkpoint %s (global step %d)", path, self.global_steps)
+        return path, manifest.get("client_state")
+
+    def _check_checkpoint_point(self, what: str) -> None:
+        self._check_open()
+        self._check_no_step_in_flight(what)
+        if self._backward_since_step or self.micro_steps % self.gas:
+            raise RuntimeError(
+                f"engine.{what}() inside a gradient accumulation window (micro step {self.micro_steps}, "
+                f"gradient_accumulation_steps={self.gas}): the accumulated gradients are not part of a "
+                "checkpoint; call it after the engine.step() that ends the window"
+            )
+
+    def _checkpoint_groups(self) -> list[Any]:
+        from tiered.checkpoint.engine_state import GroupState
+
+        states = self.optimizer.checkpoint_partitions()
+        return [GroupState(g, {"param": g.param, **states.get(g.name, {})}) for g in self.zero.groups]
+
+    def _collective(self) -> Any:
+        from tiered.checkpoint.engine_state import Collective
+
+        return Collective(self.rank, self.world_size, self.process_group)
+
+    def _training_state(self) -> dict[str, Any]:
+        return {
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps,
+            # every group steps together: one bias-correction count; the lr schedule's position
+            "optimizer_step": self.optimizer.step_count,
+            "scheduler": None if self.config.scheduler is None else self.config.scheduler.type,
+            "loss_scaler": self.loss_scaler.state_dict(),
+        }
+
+    def _apply_training_state(self, state: dict[str, Any]) -> None:
+        self.global_steps = int(state["global_steps"])
+        self.micro_steps = int(state["micro_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.optimizer.step_count = int(state["optimizer_step"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.last_grad_norm = None
+        self._found_inf = False
+        self._sq_norm_local = 0.0
 
     # ---- lifetime --------------------------------------------------------------------------
     def flush(self) -> None:
