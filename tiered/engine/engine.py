@@ -306,6 +306,28 @@ class Engine:
         log.info("loaded checkpoint %s (global step %d)", path, self.global_steps)
         return path, manifest.get("client_state")
 
+    def save_pretrained(
+        self, save_directory: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
+        max_shard_size: int | str = "5GB",
+    ) -> str:
+        """The trained weights, consolidated, as a Hugging Face directory (config.json, safetensors
+        shards, model.safetensors.index.json) that ``from_pretrained`` loads; streamed group by
+        group (see [Note: streamed export]). Every rank calls it; rank 0 writes."""
+        from tiered.checkpoint.export import save_pretrained
+
+        self._check_open()
+        self._check_no_step_in_flight("save_pretrained")
+        self.optimizer.wait_writes()
+        out = save_pretrained(self._module, self.zero.iter_full_groups(), self.zero.groups, save_directory,
+                              dtype=dtype, max_shard_size=max_shard_size, writer=self.rank == 0)
+        self._collective().barrier()
+        return out
+
+    def save_16bit_model(self, save_dir: str | os.PathLike[str]) -> str:
+        """DeepSpeed's name: `save_pretrained` in the compute dtype when it is 16-bit, else bf16."""
+        dt = self.placement.compute_dtype
+        return self.save_pretrained(save_dir, dtype=dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16)
+
     def _check_checkpoint_point(self, what: str) -> None:
         self._check_open()
         self._check_no_step_in_flight(what)

@@ -29,7 +29,7 @@ holds a copy (which the write makes stale), so the manager's view stays exact.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -277,6 +277,17 @@ class ZeroParameters(DispatchMixin, GradMixin):
                 self._release(g.index)
         return {n: out_by_id[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
                 if id(p) in out_by_id}
+
+    def iter_full_groups(self) -> Iterator[tuple[ShardGroup, list[tuple[str, torch.Tensor]]]]:
+        """For exports (tiered/checkpoint/export.py): each group gathered in turn (a collective
+        with several ranks), its parameters as (name, full tensor) views into the gathered
+        buffer, valid until the next iteration, then released. Never more than one group."""
+        for g in self.groups:
+            self._gather(g.index, record=False)
+            try:
+                yield g, [(e.name, p.detach()) for e, p in zip(g.entries, self._st[g.index].params, strict=True)]
+            finally:
+                self._release(g.index)
 
     # ---- budgets -----------------------------------------------------------------------------
     def _check_budgets(self, sizes: list[tuple[int, int, bool]]) -> None:

@@ -1,0 +1,61 @@
+"""engine.save_pretrained: a Hugging Face directory that from_pretrained loads with identical weights."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_support import train
+from engine_support import CASES, build, ds_config, make_batches
+from safetensors import safe_open
+
+import tiered
+
+
+def _trained(tmp_path: Path, case_name: str, **kw: object) -> tiered.Engine:
+    case = CASES[case_name]
+    e = tiered.initialize(build(case), ds_config(param="nvme", opt="cpu", nvme_path=str(tmp_path / "nvme"), **kw))
+    train(e, case, make_batches(case, 2, 4))
+    return e
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_from_pretrained_loads_the_trained_weights(tmp_path: Path, dtype: torch.dtype) -> None:
+    from transformers import AutoModelForCausalLM
+
+    with _trained(tmp_path, "llama") as e:
+        want = e.state_dict_fp32()
+        out = e.save_pretrained(tmp_path / "hf", dtype=dtype, max_shard_size="40KB")
+    files = sorted(os.listdir(out))
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert "config.json" in files and "model.safetensors.index.json" in files and len(shards) >= 2
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) >= set(want) and set(index["weight_map"].values()) == set(shards)
+    for f in shards:
+        with safe_open(os.path.join(out, f), "pt") as fh:
+            assert fh.metadata() == {"format": "pt"}
+            # max_shard_size holds unless one tensor alone is larger (the embedding: 64x32x4 B)
+            assert sum(fh.get_tensor(k).nbytes for k in fh.keys()) <= max(40_000, 64 * 32 * 4)  # noqa: SIM118
+    loaded = AutoModelForCausalLM.from_pretrained(out, torch_dtype=dtype)
+    got = dict(loaded.named_parameters())
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k].detach(), v.to(dtype)), k
+
+
+def test_one_shard_and_a_reexport_replaces_the_old_shards(tmp_path: Path) -> None:
+    with _trained(tmp_path, "gpt2") as e:  # tied embeddings: written once, tied again on load
+        e.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+        assert len([f for f in os.listdir(tmp_path / "hf") if f.startswith("model-")]) > 1
+        e.save_16bit_model(tmp_path / "hf")
+        want = e.state_dict_fp32()
+    files = sorted(os.listdir(tmp_path / "hf"))
+    assert [f for f in files if "safetensors" in f] == ["model.safetensors"], files
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.bfloat16)
+    for k, v in loaded.named_parameters():
+        assert torch.equal(v.detach(), want[k].to(torch.bfloat16)), k
