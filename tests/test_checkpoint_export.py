@@ -59,3 +59,43 @@ def test_one_shard_and_a_reexport_replaces_the_old_shards(tmp_path: Path) -> Non
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.bfloat16)
     for k, v in loaded.named_parameters():
         assert torch.equal(v.detach(), want[k].to(torch.bfloat16)), k
+
+
+def test_gathered_parameters_reads_and_modifies_every_copy(tmp_path: Path) -> None:
+    case = CASES["llama"]
+    with _trained(tmp_path, "llama", dtype="bf16") as e:
+        head = e.module.lm_head.weight
+        assert head.numel() == 0  # partitioned outside forward
+        want = e.state_dict_fp32()["lm_head.weight"]
+        with e.gathered_parameters(e.module.lm_head):
+            assert torch.equal(head.detach(), want) and float(head.detach().sum()) != 0.0
+        assert head.numel() == 0
+        with e.gathered_parameters([head], modify=True):
+            head.data.fill_(0.5)
+        with e.gathered_parameters(head):
+            assert bool((head == 0.5).all())
+        # the fp32 master was written too: one more step starts from 0.5, not from the old values
+        train(e, case, make_batches(case, 1, 4, seed=5))
+        after = e.state_dict_fp32()["lm_head.weight"].float()
+        assert float((after - 0.5).abs().max()) < 0.01
+        with pytest.raises(ValueError, match="not parameters this engine manages"):
+            with e.gathered_parameters([torch.nn.Parameter(torch.zeros(2))]):
+                pass
+
+
+def test_close_gives_the_module_its_trained_weights_back(tmp_path: Path) -> None:
+    case = CASES["llama"]
+    model = build(case)
+    e = tiered.initialize(model, ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme")))
+    train(e, case, make_batches(case, 2, 4))
+    want = e.state_dict_fp32()
+    e.close()
+    got = dict(model.named_parameters())
+    assert all(torch.equal(got[k].detach(), v) for k, v in want.items())
+    batch = make_batches(case, 1, 2)[0]
+    assert torch.isfinite(model(**batch).loss)  # plain PyTorch use again
+    model.save_pretrained(tmp_path / "plain")  # and HF's own export
+    model2 = build(case)
+    e2 = tiered.initialize(model2, ds_config(param="cpu", opt="cpu"))
+    e2.close(restore_weights=False)  # the opt-out for models that do not fit in memory
+    assert all(p.numel() == 0 for p in model2.parameters())

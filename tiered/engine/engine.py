@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tiered.config.schema import TieredConfig
+from tiered.errors import TieredError
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
 
@@ -328,6 +329,18 @@ class Engine:
         dt = self.placement.compute_dtype
         return self.save_pretrained(save_dir, dtype=dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16)
 
+    def gathered_parameters(self, params_or_module: Any, modify: bool = False) -> Any:
+        """``with engine.gathered_parameters(module_or_params, modify=False):`` the parameters hold
+        their full values inside; with `modify`, what they hold at exit is written back to every
+        tier (and the fp32 master). See [Note: gathered parameters]. Every rank enters it."""
+        from tiered.checkpoint.gathered import gathered_parameters, parameters_of
+
+        self._check_open()
+        self._check_no_step_in_flight("gathered_parameters")
+        return gathered_parameters(self.zero, self.tm, self.optimizer.checkpoint_partitions(),
+                                   parameters_of(params_or_module), modify=modify, world_size=self.world_size,
+                                   process_group=self.process_group)
+
     def _check_checkpoint_point(self, what: str) -> None:
         self._check_open()
         self._check_no_step_in_flight(what)
@@ -378,15 +391,34 @@ class Engine:
         self.optimizer.wait_writes()
         self.tm.flush().result()
 
-    def close(self) -> None:
-        """Wait for the optimizer's write-backs in flight, remove the hooks, stop the tier manager
-        and close its backends (offload swap files are deleted). Dirty copies are not written
-        home: call `flush()` first where a tier of your own must hold the final values. Idempotent."""
+    def close(self, restore_weights: bool = True) -> None:
+        """Wait for the optimizer's write-backs in flight, give the module its trained weights
+        back (`restore_weights`), remove the hooks, stop the tier manager and close its backends
+        (offload swap files are deleted). Dirty copies are not written home: call `flush()`
+        first where a tier of your own must hold the final values. Idempotent.
+
+        With `restore_weights` every parameter becomes an ordinary CPU tensor again holding its
+        trained values in the compute dtype (gathered group by group; with several ranks a
+        collective), so ``generate``, ``save_pretrained`` and plain PyTorch use just work. That
+        needs the whole model in host memory once: pass ``restore_weights=False`` for a model
+        that does not fit (its parameters then stay empty; export with `save_pretrained` first).
+        A close from the garbage collector, or from a ``with`` block left by an exception,
+        does not restore."""
         if self._closed:
             return
         self._closed = True
+        restored: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         try:
             self.optimizer.close()
+            if restore_weights:
+                by_name = dict(self._module.named_parameters(remove_duplicate=False))
+                try:
+                    restored = [(by_name[name], t.to("cpu", copy=True))
+                                for _, params in self.zero.iter_full_groups() for name, t in params]
+                except TieredError as e:  # (a model that broke its parameters): still close
+                    log.warning("close(): the module's parameters stay empty, its weights could not be "
+                                "gathered back: %s", e)
+                    restored = []
         finally:
             try:
                 self.zero.remove_hooks()
@@ -398,6 +430,8 @@ class Engine:
                     except Exception:  # noqa: BLE001 - a trace must never mask the close
                         log.exception("could not write the trace to %s", trace_path)
                 self.tm.close()
+        for p, t in restored:
+            p.data = t
 
     def _check_open(self) -> None:
         if self._closed:
@@ -406,12 +440,12 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(restore_weights=exc_type is None)
 
     def __del__(self) -> None:  # a forgotten close must not leave the loop thread running
         try:
             if not self._closed:
-                self.close()
+                self.close(restore_weights=False)
         except Exception:  # noqa: BLE001
             pass

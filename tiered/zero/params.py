@@ -29,7 +29,8 @@ holds a copy (which the write makes stale), so the manager's view stays exact.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -288,6 +289,29 @@ class ZeroParameters(DispatchMixin, GradMixin):
                 yield g, [(e.name, p.detach()) for e, p in zip(g.entries, self._st[g.index].params, strict=True)]
             finally:
                 self._release(g.index)
+
+    @contextmanager
+    def gathered(self, params: Iterable[nn.Parameter]) -> Iterator[list[tuple[ShardGroup, torch.Tensor]]]:
+        """For engine.gathered_parameters: the groups holding `params` gathered (their ``.data``
+        the full values) until exit; yields (group, full flat buffer) per group."""
+        idxs, unknown = set(), []
+        for p in params:
+            if id(p) in self._managed:
+                idxs.add(self._managed[id(p)][0])
+            else:
+                unknown.append(tuple(p.shape))
+        if unknown:
+            raise ValueError(f"gathered_parameters: {len(unknown)} tensors (shapes {unknown[:3]}) are not parameters "
+                             "this engine manages")
+        done: list[int] = []
+        try:
+            for i in sorted(idxs):
+                self._gather(i, record=False)
+                done.append(i)
+            yield [(self.groups[i], self._st[i].full) for i in done]
+        finally:
+            for i in reversed(done):
+                self._release(i)
 
     # ---- budgets -----------------------------------------------------------------------------
     def _check_budgets(self, sizes: list[tuple[int, int, bool]]) -> None:
