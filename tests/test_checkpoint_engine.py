@@ -45,6 +45,9 @@ def test_manifest_records_layout_counters_config_and_checksums(tmp_path: Path) -
     assert set(m["parameters"]) == set(params) and m["client_state"] == {"note": "x"}
     assert len(m["ranks"][0]["groups"]) > 1 and "python" in m["ranks"][0]["rng"]
     assert read_latest(tmp_path / "ck") == "mine"
+    with _engine(tmp_path) as e:
+        e.save_checkpoint(tmp_path / "ck", tag="side", save_latest=False)
+    assert read_latest(tmp_path / "ck") == "mine" and (tmp_path / "ck" / "side" / "manifest.json").is_file()
     whole = read_parameters(tmp_path / "ck", kind="master")  # consolidated without an engine
     assert all(torch.equal(whole[k], v) for k, v in params.items())
 

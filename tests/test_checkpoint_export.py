@@ -99,3 +99,27 @@ def test_close_gives_the_module_its_trained_weights_back(tmp_path: Path) -> None
     e2 = tiered.initialize(model2, ds_config(param="cpu", opt="cpu"))
     e2.close(restore_weights=False)  # the opt-out for models that do not fit in memory
     assert all(p.numel() == 0 for p in model2.parameters())
+
+
+def _vm_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_export_grows_rss_by_about_one_group(tmp_path: Path) -> None:
+    """64 MiB of fp32 weights on NVMe in 4 MiB groups: the export gathers one group at a time."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(16)])
+    config = ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme"), sub_group_size=1 << 20)
+    with tiered.initialize(model, config) as e:
+        Path("/proc/self/clear_refs").write_text("5")
+        base = _vm_kib("VmRSS")
+        e.save_pretrained(tmp_path / "hf", dtype=torch.float32, max_shard_size="16MiB")
+        growth = (_vm_kib("VmHWM") - base) * 1024
+        e.close(restore_weights=False)
+    assert len([f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]) == 4
+    bound = 4 * (4 << 20) + (16 << 20)  # a few groups + allocator slack, far below the 64 MiB model
+    assert growth <= bound, f"RSS grew by {growth / 2**20:.1f} MiB while exporting (bound {bound / 2**20:.0f} MiB)"

@@ -24,9 +24,9 @@ SCHEDULER = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_m
 
 
 def _resume_equals_uninterrupted(tmp_path: Path, case_name: str, config: dict[str, Any], *, n: int, m: int,
-                                 gas: int = 1) -> dict[str, Any]:
+                                 gas: int = 1, device: str = "cpu") -> dict[str, Any]:
     case = CASES[case_name]
-    batches = make_batches(case, n + m, 4, gas=gas)
+    batches = [{k: v.to(device) for k, v in b.items()} for b in make_batches(case, n + m, 4, gas=gas)]
     with tiered.initialize(build(case), config) as e:
         want_losses = train(e, case, batches)
         want = full_state(e)

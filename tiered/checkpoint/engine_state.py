@@ -125,6 +125,7 @@ def save_engine_state(
     body: dict[str, Any],
     comm: Collective,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    save_latest: bool = True,
 ) -> str:
     """Write checkpoint `tag`: this rank's shards streamed from their tiers, then (rank 0) the
     manifest with `body` (config, counters, client_state, ...). See [Note: checkpoint layout]."""
@@ -175,7 +176,7 @@ def save_engine_state(
     try:
         if rank == 0:
             files = _rank_files(w.staging, comm.world_size)
-            path = w.commit(_manifest(w.staging, body, comm.world_size), files=files)
+            path = w.commit(_manifest(w.staging, body, comm.world_size), files=files, save_latest=save_latest)
     except BaseException as e:  # noqa: BLE001
         failed = e
     if comm.any(failed is not None):

@@ -64,9 +64,10 @@ class CheckpointWriter:
         self.files[filename] = rec
         return rec
 
-    def commit(self, manifest: dict[str, Any], files: Mapping[str, dict[str, Any]] | None = None) -> str:
+    def commit(self, manifest: dict[str, Any], files: Mapping[str, dict[str, Any]] | None = None, *,
+               save_latest: bool = True) -> str:
         """Write manifest.json (with every file's record: this writer's and `files`, those other
-        ranks wrote), publish the directory and move ``latest``. Owner only."""
+        ranks wrote), publish the directory and (`save_latest`) move ``latest``. Owner only."""
         if not self.owner:
             raise RuntimeError("CheckpointWriter.commit: only the owning rank publishes a checkpoint")
         body = dict(manifest)
@@ -77,7 +78,8 @@ class CheckpointWriter:
         body["files"] = {**self.files, **(files or {})}
         d.write_json_durably(os.path.join(self.staging, d.MANIFEST), body)
         final = d.publish(self.save_dir, self.tag, self.staging)
-        d.write_latest(self.save_dir, self.tag)
+        if save_latest:
+            d.write_latest(self.save_dir, self.tag)
         log.info("checkpoint %s written (%d files)", final, len(body["files"]))
         return final
 

@@ -261,11 +261,12 @@ class Engine:
 
     # ---- checkpoints: see [Note: checkpoint layout] in tiered/checkpoint/engine_state.py -----
     def save_checkpoint(
-        self, save_dir: str | os.PathLike[str], tag: str | None = None, client_state: dict[str, Any] | None = None
+        self, save_dir: str | os.PathLike[str], tag: str | None = None, client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
     ) -> str:
         """Write the full training state to ``<save_dir>/<tag>/`` (tag default ``global_step<N>``)
-        atomically, then point ``<save_dir>/latest`` at it; returns the checkpoint's path. As
-        DeepSpeed's; `client_state` must be JSON-able. Every rank calls it (a collective)."""
+        atomically, then (`save_latest`) point ``<save_dir>/latest`` at it; returns the
+        checkpoint's path. As DeepSpeed's; `client_state` must be JSON-able. Every rank calls it."""
         from tiered.checkpoint.engine_state import check_json, parameter_specs, save_engine_state
         from tiered.config.dump import dump_config
 
@@ -281,7 +282,7 @@ class Engine:
             "parameter_specs": parameter_specs(groups),
         }
         return save_engine_state(self.tm, groups, save_dir, tag if tag is not None else f"global_step{self.global_steps}",
-                                 body=body, comm=self._collective())
+                                 body=body, comm=self._collective(), save_latest=save_latest)
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[str, Any]:
         """Restore the training state saved by `save_checkpoint` (tag None: the one ``latest``
