@@ -232,8 +232,8 @@ def find_latest_valid(save_dir: str, *, verify: bool = True) -> str | None:
         except (CheckpointCorruptError, CheckpointNotFoundError, OSError, KeyError, TypeError) as e:
             log.info("skipping %s: %s", path, e)
             continue
-        key = (int(m.get("counters", {}).get("global_steps", -1)), os.path.getmtime(os.path.join(path, MANIFEST)),
-               name)
+        counters = m.get("training") or m.get("counters") or {}  # an engine's, or save_tensors' caller's
+        key = (int(counters.get("global_steps", -1)), os.path.getmtime(os.path.join(path, MANIFEST)), name)
         if best is None or key > best:
             best = key
     return None if best is None else best[2]

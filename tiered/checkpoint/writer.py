@@ -7,6 +7,7 @@ and [Note: streamed safetensors].
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -18,6 +19,7 @@ import torch
 
 from tiered.checkpoint import directory as d
 from tiered.checkpoint.stream import StreamWriter, TensorSpec, chunks_of, file_bytes, verify_file
+from tiered.errors import CheckpointSpaceError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,14 @@ class CheckpointWriter:
         body["tag"] = self.tag
         body.setdefault("created_unix_s", time.time())
         body["files"] = {**self.files, **(files or {})}
-        d.write_json_durably(os.path.join(self.staging, d.MANIFEST), body)
+        mpath = os.path.join(self.staging, d.MANIFEST)
+        try:
+            d.write_json_durably(mpath, body)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise CheckpointSpaceError(errno.ENOSPC, f"no space left on device while writing {mpath}: free "
+                                           "space there or save elsewhere", mpath) from e
+            raise
         final = d.publish(self.save_dir, self.tag, self.staging)
         if save_latest:
             d.write_latest(self.save_dir, self.tag)
