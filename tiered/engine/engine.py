@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from tiered.config.schema import TieredConfig
-from tiered.errors import TieredError
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
 
@@ -416,7 +415,7 @@ class Engine:
                 try:
                     restored = [(by_name[name], t.to("cpu", copy=True))
                                 for _, params in self.zero.iter_full_groups() for name, t in params]
-                except TieredError as e:  # (a model that broke its parameters): still close
+                except Exception as e:  # noqa: BLE001 - a broken model or a failed backward: still close
                     log.warning("close(): the module's parameters stay empty, its weights could not be "
                                 "gathered back: %s", e)
                     restored = []
