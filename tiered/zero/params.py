@@ -282,13 +282,17 @@ class ZeroParameters(DispatchMixin, GradMixin):
     def iter_full_groups(self) -> Iterator[tuple[ShardGroup, list[tuple[str, torch.Tensor]]]]:
         """For exports (tiered/checkpoint/export.py): each group gathered in turn (a collective
         with several ranks), its parameters as (name, full tensor) views into the gathered
-        buffer, valid until the next iteration, then released. Never more than one group."""
+        buffer, valid until the next iteration, then released, and evicted again unless it was
+        resident before (the reuse cache would otherwise keep every group). Never more than one."""
         for g in self.groups:
+            was_resident = g.param.state("gpu").resident
             self._gather(g.index, record=False)
             try:
                 yield g, [(e.name, p.detach()) for e, p in zip(g.entries, self._st[g.index].params, strict=True)]
             finally:
                 self._release(g.index)
+                if self._st[g.index].needs_fetch and not g.persistent and not was_resident:
+                    self._evict(g.index)
 
     @contextmanager
     def gathered(self, params: Iterable[nn.Parameter]) -> Iterator[list[tuple[ShardGroup, torch.Tensor]]]:
