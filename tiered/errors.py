@@ -68,3 +68,19 @@ class LossScaleError(TieredError, FloatingPointError):
 
 class KernelBuildWarning(UserWarning):
     """The native extension could not be built; the pure-torch reference runs instead."""
+
+
+class CheckpointNotFoundError(TieredError, FileNotFoundError):
+    """A checkpoint directory, tag or ``latest`` pointer that was asked for does not exist."""
+
+
+class CheckpointCorruptError(TieredError, ValueError):
+    """A checkpoint is half-written, has no valid manifest, or a file fails its checksum."""
+
+
+class CheckpointMismatchError(ConfigError):
+    """A checkpoint belongs to another model or an incompatible config; the message names what differs."""
+
+
+class CheckpointSpaceError(TieredError, OSError):
+    """Not enough free space for a checkpoint (checked before writing, or the disk filled up)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from tiered.engine.inputs import cast_floating
 from tiered.engine.progress import report_step
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
+from tiered.zero.full_params import gathered, iter_full_groups
 
 if TYPE_CHECKING:
     from tiered.engine.build import Placement
@@ -280,6 +282,164 @@ class Engine:
                 "optimizer step began in backward and is still updating parameters; call engine.step() first"
             )
 
+    # ---- checkpoints: see [Note: checkpoint layout] in tiered/checkpoint/engine_state.py -----
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> str:
+        """Write the full training state to ``<save_dir>/<tag>/`` (tag default ``global_step<N>``)
+        atomically, then (`save_latest`) point ``<save_dir>/latest`` at it; returns the
+        checkpoint's path. As DeepSpeed's; `client_state` must be JSON-able. Every rank calls it."""
+        from tiered.checkpoint.engine_state import check_json, parameter_specs, save_engine_state
+        from tiered.config.dump import dump_config
+
+        self._check_checkpoint_point("save_checkpoint")
+        check_json(client_state)
+        self.optimizer.wait_writes()  # (their errors surface here, not inside the save)
+        groups = self._checkpoint_groups()
+        body = {
+            "config": dump_config(self.config),
+            "compute_dtype": str(self.placement.compute_dtype),
+            "training": self._training_state(),
+            "client_state": client_state if client_state is not None else {},
+            "parameter_specs": parameter_specs(groups),
+        }
+        return save_engine_state(
+            self.tm,
+            groups,
+            save_dir,
+            tag if tag is not None else f"global_step{self.global_steps}",
+            body=body,
+            comm=self._collective(),
+            save_latest=save_latest,
+        )
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[str, Any]:
+        """Restore the training state saved by `save_checkpoint` (tag None: the one ``latest``
+        names) on any world size; returns ``(path, client_state)`` as DeepSpeed does. A missing,
+        half-written, corrupt or incompatible checkpoint raises (DeepSpeed returns None)."""
+        from tiered.checkpoint.engine_state import (
+            check_compatible,
+            load_engine_state,
+            open_checkpoint,
+            parameter_specs,
+        )
+        from tiered.config.dump import dump_config
+
+        self._check_checkpoint_point("load_checkpoint")
+        self.optimizer.wait_writes()
+        path, manifest = open_checkpoint(load_dir, tag)
+        groups = self._checkpoint_groups()
+        check_compatible(
+            manifest,
+            parameter_specs(groups),
+            str(self.placement.compute_dtype),
+            dump_config(self.config),
+            path,
+        )
+        load_engine_state(self.tm, groups, path, manifest, comm=self._collective())
+        self._apply_training_state(manifest["training"])
+        self.zero.params_updated()
+        log.info("loaded checkpoint %s (global step %d)", path, self.global_steps)
+        return path, manifest.get("client_state")
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike[str],
+        dtype: torch.dtype = torch.bfloat16,
+        max_shard_size: int | str = "5GB",
+    ) -> str:
+        """The trained weights, consolidated, as a Hugging Face directory (config.json, safetensors
+        shards, model.safetensors.index.json) that ``from_pretrained`` loads; streamed group by
+        group (see [Note: streamed export]). Every rank calls it; rank 0 writes."""
+        from tiered.checkpoint.export import save_pretrained
+
+        self._check_open()
+        self._check_no_step_in_flight("save_pretrained")
+        self.optimizer.wait_writes()
+        out = save_pretrained(
+            self._module,
+            iter_full_groups(self.zero),
+            self.zero.groups,
+            save_directory,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            writer=self.rank == 0,
+        )
+        self._collective().barrier()
+        return out
+
+    def save_16bit_model(self, save_dir: str | os.PathLike[str]) -> str:
+        """DeepSpeed's name: `save_pretrained` in the compute dtype when it is 16-bit, else bf16."""
+        dt = self.placement.compute_dtype
+        return self.save_pretrained(
+            save_dir, dtype=dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
+        )
+
+    def gathered_parameters(self, params_or_module: Any, modify: bool = False) -> Any:
+        """``with engine.gathered_parameters(module_or_params, modify=False):`` the parameters hold
+        their full values inside; with `modify`, what they hold at exit is written back to every
+        tier (and the fp32 master). See [Note: gathered parameters]. Every rank enters it."""
+        from tiered.checkpoint.gathered import gathered_parameters, parameters_of
+
+        self._check_open()
+        self._check_no_step_in_flight("gathered_parameters")
+        return gathered_parameters(
+            self.zero,
+            self.tm,
+            self.optimizer.checkpoint_partitions(),
+            parameters_of(params_or_module),
+            modify=modify,
+            world_size=self.world_size,
+            process_group=self.process_group,
+            gather=lambda ps: gathered(self.zero, ps),
+        )
+
+    def _check_checkpoint_point(self, what: str) -> None:
+        self._check_open()
+        self._check_no_step_in_flight(what)
+        if self._backward_since_step or self.micro_steps % self.gas:
+            raise RuntimeError(
+                f"engine.{what}() inside a gradient accumulation window (micro step {self.micro_steps}, "
+                f"gradient_accumulation_steps={self.gas}): the accumulated gradients are not part of a "
+                "checkpoint; call it after the engine.step() that ends the window"
+            )
+
+    def _checkpoint_groups(self) -> list[Any]:
+        from tiered.checkpoint.engine_state import GroupState
+
+        states = self.optimizer.checkpoint_partitions()
+        return [GroupState(g, {"param": g.param, **states.get(g.name, {})}) for g in self.zero.groups]
+
+    def _collective(self) -> Any:
+        from tiered.checkpoint.engine_state import Collective
+
+        return Collective(self.rank, self.world_size, self.process_group)
+
+    def _training_state(self) -> dict[str, Any]:
+        return {
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps,
+            # every group steps together: one bias-correction count; the lr schedule's position
+            "optimizer_step": self.optimizer.step_count,
+            "scheduler": None if self.config.scheduler is None else self.config.scheduler.type,
+            "loss_scaler": self.loss_scaler.state_dict(),
+        }
+
+    def _apply_training_state(self, state: dict[str, Any]) -> None:
+        self.global_steps = int(state["global_steps"])
+        self.micro_steps = int(state["micro_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.optimizer.step_count = int(state["optimizer_step"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.last_grad_norm = None
+        self._found_inf = False
+        self._sq_norm_local = 0.0
+
     # ---- lifetime --------------------------------------------------------------------------
     def flush(self) -> None:
         """Finish every write-back in flight and write dirty copies to their homes."""
@@ -288,15 +448,40 @@ class Engine:
         self.optimizer.wait_writes()
         self.tm.flush().result()
 
-    def close(self) -> None:
-        """Wait for the optimizer's write-backs in flight, remove the hooks, stop the tier manager
-        and close its backends (offload swap files are deleted). Dirty copies are not written
-        home: call `flush()` first where a tier of your own must hold the final values. Idempotent."""
+    def close(self, restore_weights: bool = True) -> None:
+        """Wait for the optimizer's write-backs in flight, give the module its trained weights
+        back (`restore_weights`), remove the hooks, stop the tier manager and close its backends
+        (offload swap files are deleted). Dirty copies are not written home: call `flush()`
+        first where a tier of your own must hold the final values. Idempotent.
+
+        With `restore_weights` every parameter becomes an ordinary CPU tensor again holding its
+        trained values in the compute dtype (gathered group by group; with several ranks a
+        collective), so ``generate``, ``save_pretrained`` and plain PyTorch use just work. That
+        needs the whole model in host memory once: pass ``restore_weights=False`` for a model
+        that does not fit (its parameters then stay empty; export with `save_pretrained` first).
+        A close from the garbage collector, or from a ``with`` block left by an exception,
+        does not restore."""
         if self._closed:
             return
         self._closed = True
+        restored: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         try:
             self.optimizer.close()
+            if restore_weights:
+                by_name = dict(self._module.named_parameters(remove_duplicate=False))
+                try:
+                    restored = [
+                        (by_name[name], t.to("cpu", copy=True))
+                        for _, params in iter_full_groups(self.zero)
+                        for name, t in params
+                    ]
+                except Exception as e:  # noqa: BLE001 - a broken model or a failed backward: still close
+                    log.warning(
+                        "close(): the module's parameters stay empty, its weights could not be "
+                        "gathered back: %s",
+                        e,
+                    )
+                    restored = []
         finally:
             try:
                 self.zero.remove_hooks()
@@ -308,6 +493,8 @@ class Engine:
                     except Exception:
                         log.exception("could not write the trace to %s", trace_path)
                 self.tm.close()
+        for p, t in restored:
+            p.data = t
 
     def _check_open(self) -> None:
         if self._closed:
@@ -316,12 +503,12 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(restore_weights=exc_type is None)
 
     def __del__(self) -> None:  # a forgotten close must not leave the loop thread running
         try:
             if not self._closed:
-                self.close()
+                self.close(restore_weights=False)
         except Exception:  # noqa: BLE001
             pass

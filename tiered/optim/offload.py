@@ -494,6 +494,15 @@ class OffloadedAdam:
         finally:
             self.tm.release(part, tier)
 
+    def checkpoint_partitions(self) -> dict[str, dict[str, Any]]:
+        """For checkpoints (tiered/checkpoint): group name -> {"master", "exp_avg", "exp_avg_sq":
+        Partition}; "master" is the group's parameter partition where that partition is the
+        master (see [Note: fp32 master is the parameter])."""
+        return {
+            g.name: dict(zip(STATE_SUFFIXES, parts, strict=True))
+            for g, parts in zip(self.groups, self.states, strict=True)
+        }
+
     def stats(self) -> dict[str, Any]:
         return {
             "groups_cpu": sum(p.side == "cpu" for p in self.plans),

@@ -1,0 +1,419 @@
+"""Saving and loading an engine's full training state, partition by partition, any world size.
+
+[Note: checkpoint layout]
+Each rank writes one file ``rank<r>.safetensors`` holding, per shard group of its own, the
+compute-dtype parameter shard (``<group>.param``) and, for a trainable group, the fp32 master
+(``<group>.master``; absent where the parameter partition is the master, see [Note: fp32 master
+is the parameter]), ``<group>.exp_avg`` and ``<group>.exp_avg_sq``, plus its RNG tensors. The
+manifest maps every parameter, by its qualified name, to the pieces that hold it: (rank, group,
+start in that shard, start in the flattened parameter, length). A load on any world size (and
+any sub_group_size or placement) rebuilds each of its own shards from those pieces with
+``safe_open(...).get_slice``, one shard at a time, so resharding needs no conversion step
+(DeepSpeed's "universal checkpoint"). Padding elements are zero, as at initialisation.
+
+The ranks agree through files, not pickled objects: each writes ``rank<r>.json`` (its layout,
+file record and RNG state) into the shared staging directory, and after an all-reduce that says
+every rank succeeded, rank 0 folds them into manifest.json and publishes (see
+[Note: atomic checkpoint]). A failure on any rank aborts the save on all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tiered.checkpoint import directory as d
+from tiered.checkpoint import rng
+from tiered.checkpoint.partition_io import resident, write_partition
+from tiered.checkpoint.stream import TensorSpec, chunks_of, file_bytes, verify_file
+from tiered.checkpoint.writer import DEFAULT_CHUNK_BYTES, CheckpointWriter
+from tiered.errors import CheckpointCorruptError, CheckpointMismatchError
+
+log = logging.getLogger(__name__)
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+_IGNORED_CONFIG_PREFIXES = ("tiered.tiers", "tiered.trace_path", "tiered.timeout_s", "tiered.io_threads")
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """What a checkpoint needs of one shard group: its layout (a `ShardGroup`) and the
+    partitions holding its bytes, by kind: "param", and for a trainable group "master",
+    "exp_avg", "exp_avg_sq" ("master" may be the "param" partition itself)."""
+
+    group: Any
+    parts: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """The few collectives a multi-rank save and load need (no-ops on one rank)."""
+
+    rank: int = 0
+    world_size: int = 1
+    process_group: Any = None
+
+    def _dev(self) -> str:
+        import torch.distributed as dist
+
+        return "cuda" if dist.get_backend(self.process_group) == "nccl" else "cpu"
+
+    def all_sum(self, n: int) -> int:
+        if self.world_size == 1:
+            return n
+        import torch.distributed as dist
+
+        t = torch.tensor([n], dtype=torch.int64, device=self._dev())
+        dist.all_reduce(t, group=self.process_group)
+        return int(t.item())
+
+    def any(self, flag: bool) -> bool:
+        return self.all_sum(int(bool(flag))) > 0
+
+    def barrier(self) -> None:
+        self.all_sum(0)
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def _tensor_names(gs: GroupState) -> dict[str, str]:
+    g = gs.group
+    names = {"param": f"{g.name}.param"}
+    for kind in STATE_KINDS if "exp_avg" in gs.parts else ():
+        src = "param" if gs.parts[kind] is gs.parts["param"] else kind
+        names[kind] = f"{g.name}.{src}"
+    return names
+
+
+def _written(gs: GroupState) -> list[tuple[str, Any]]:
+    """(tensor name, partition) of each distinct partition of the group, in file order."""
+    out, seen = [], set()
+    for kind, name in _tensor_names(gs).items():
+        if name not in seen:
+            seen.add(name)
+            out.append((name, gs.parts[kind]))
+    return out
+
+
+def _pieces(groups: Sequence[GroupState], rank: int) -> dict[str, list[dict[str, int | str]]]:
+    pieces: dict[str, list[dict[str, int | str]]] = {}
+    for gs in groups:
+        g = gs.group
+        for e in g.entries:
+            sl = g.shard_slice(e)
+            if sl is not None:
+                pieces.setdefault(e.name, []).append(
+                    {
+                        "rank": rank,
+                        "group": g.name,
+                        "start_in_shard": sl[0],
+                        "start_in_param": sl[1],
+                        "length": sl[2],
+                    }
+                )
+    return pieces
+
+
+def save_engine_state(
+    tm: Any,
+    groups: Sequence[GroupState],
+    save_dir: str | os.PathLike[str],
+    tag: str,
+    *,
+    body: dict[str, Any],
+    comm: Collective,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    save_latest: bool = True,
+) -> str:
+    """Write checkpoint `tag`: this rank's shards streamed from their tiers, then (rank 0) the
+    manifest with `body` (config, counters, client_state, ...). See [Note: checkpoint layout]."""
+    rank = comm.rank
+    rng_json, rng_tensors = rng.capture()
+    written = [(n, p) for gs in groups for n, p in _written(gs)]
+    specs = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in rng_tensors.items()]
+    specs += [TensorSpec(n, p.dtype, (p.numel,)) for n, p in written]
+    need = comm.all_sum(file_bytes(specs))
+    w = CheckpointWriter(save_dir, tag, owner=rank == 0)
+    failed: BaseException | None = None
+    try:
+        if rank == 0:
+            w.begin(need)
+    except BaseException as e:  # noqa: BLE001 - every rank must reach the collective below
+        failed = e
+    if comm.any(failed is not None):
+        _raise_or_abort(failed, w, "prepare")
+    try:
+        # a host bounce buffer only where some tier's bytes live on a device (a real GPU)
+        on_device = any(
+            str(tm.tier(t).backend.capabilities.device) != "cpu"
+            for t in tm.tier_names
+            if tm.tier(t).backend.capabilities.memory_like
+        )
+        buf = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) if on_device else None
+
+        def chunks() -> Iterator[torch.Tensor]:
+            for t in rng_tensors.values():
+                yield t
+            for _, part in written:
+                with resident(tm, part) as t:
+                    yield from chunks_of(t, chunk_bytes, buf)
+
+        rec = w.write_file(rank_file(rank), specs, chunks(), {"format": d.FORMAT, "rank": str(rank)})
+        layout = {
+            "rank": rank,
+            "file": rank_file(rank),
+            "record": rec,
+            "rng": rng_json,
+            "groups": [
+                {
+                    "name": gs.group.name,
+                    "full_numel": gs.group.full_numel,
+                    "shard_numel": gs.group.shard_numel,
+                    "shard_offset": gs.group.shard_offset,
+                    "tensors": _tensor_names(gs),
+                }
+                for gs in groups
+            ],
+            "pieces": _pieces(groups, rank),
+        }
+        d.write_json_durably(os.path.join(w.staging, f"rank{rank:05d}.json"), layout)
+    except BaseException as e:  # noqa: BLE001
+        failed = e
+    if comm.any(failed is not None):
+        _raise_or_abort(failed, w, "write")
+    path = None
+    try:
+        if rank == 0:
+            files = _rank_files(w.staging, comm.world_size)
+            path = w.commit(_manifest(w.staging, body, comm.world_size), files=files, save_latest=save_latest)
+    except BaseException as e:  # noqa: BLE001
+        failed = e
+    if comm.any(failed is not None):
+        _raise_or_abort(failed, w, "publish")
+    return path or os.path.join(w.save_dir, w.tag)
+
+
+def _raise_or_abort(failed: BaseException | None, w: CheckpointWriter, stage: str) -> None:
+    w.abort()
+    if failed is not None:
+        raise failed
+    raise RuntimeError(
+        f"checkpoint {w.tag}: another rank failed to {stage} its part of the save (see its log); "
+        "the previous checkpoint and 'latest' are unchanged"
+    )
+
+
+def check_json(obj: Any, what: str = "client_state") -> None:
+    """Raise ValueError naming the first entry of `obj` that JSON cannot hold (no pickle)."""
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{what}: key {k!r} is not a string; checkpoints store client_state as JSON")
+            check_json(v, f"{what}[{k!r}]")
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            check_json(v, f"{what}[{i}]")
+        return
+    raise ValueError(
+        f"{what} holds a {type(obj).__name__}: checkpoints store client_state as JSON (numbers, "
+        "strings, lists, dicts; no pickle); convert it (e.g. tensor.tolist()) or save it yourself"
+    )
+
+
+def _rank_layouts(staging: str, world_size: int) -> list[dict[str, Any]]:
+    out = []
+    for r in range(world_size):
+        with open(os.path.join(staging, f"rank{r:05d}.json"), encoding="utf-8") as f:
+            out.append(json.load(f))
+    return out
+
+
+def _rank_files(staging: str, world_size: int) -> dict[str, dict[str, Any]]:
+    return {lay["file"]: lay["record"] for lay in _rank_layouts(staging, world_size)}
+
+
+def _manifest(staging: str, body: dict[str, Any], world_size: int) -> dict[str, Any]:
+    layouts = _rank_layouts(staging, world_size)
+    params: dict[str, dict[str, Any]] = {}
+    for spec in body.pop("parameter_specs"):
+        params[spec["name"]] = {"shape": spec["shape"], "trainable": spec["trainable"], "pieces": []}
+    for lay in layouts:
+        for name, ps in lay.pop("pieces").items():
+            params[name]["pieces"].extend(ps)
+        lay.pop("record")
+    for r in range(world_size):
+        os.remove(os.path.join(staging, f"rank{r:05d}.json"))
+    return {**body, "world_size": world_size, "ranks": layouts, "parameters": params}
+
+
+def parameter_specs(groups: Sequence[GroupState]) -> list[dict[str, Any]]:
+    """Name, shape and trainability of every parameter, as the manifest records them."""
+    return [
+        {"name": e.name, "shape": list(e.shape), "trainable": bool(gs.group.trainable)}
+        for gs in groups
+        for e in gs.group.entries
+    ]
+
+
+# ---- load ----------------------------------------------------------------------------------
+def check_compatible(
+    manifest: dict[str, Any],
+    specs: list[dict[str, Any]],
+    compute_dtype: str,
+    config: dict[str, Any],
+    path: str,
+) -> None:
+    """Raise CheckpointMismatchError naming what differs between checkpoint `path` and this
+    engine (parameters, shapes, trainability, compute dtype); warn about other config changes."""
+    saved = manifest["parameters"]
+    mine = {s["name"]: s for s in specs}
+    problems = []
+    missing = [n for n in mine if n not in saved]
+    extra = [n for n in saved if n not in mine]
+    if missing:
+        problems.append(f"{len(missing)} parameters of this model are not in it ({', '.join(missing[:5])})")
+    if extra:
+        problems.append(f"it has {len(extra)} parameters this model lacks ({', '.join(extra[:5])})")
+    shapes = [
+        f"{n}: {tuple(saved[n]['shape'])} in the checkpoint, {tuple(s['shape'])} here"
+        for n, s in mine.items()
+        if n in saved and list(saved[n]["shape"]) != list(s["shape"])
+    ]
+    if shapes:
+        problems.append("shapes differ: " + "; ".join(shapes[:5]))
+    frozen = [
+        f"{n} ({'trainable' if saved[n]['trainable'] else 'frozen'} in the checkpoint)"
+        for n, s in mine.items()
+        if n in saved and bool(saved[n]["trainable"]) != s["trainable"]
+    ]
+    if frozen:
+        problems.append("requires_grad differs: " + ", ".join(frozen[:5]))
+    if manifest.get("compute_dtype") != compute_dtype:
+        problems.append(
+            f"compute dtype {manifest.get('compute_dtype')} in the checkpoint, {compute_dtype} here "
+            "(bf16.enabled / fp16.enabled)"
+        )
+    if problems:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not fit this engine: "
+            + "; ".join(problems)
+            + ". Load it into the model and config it was saved from"
+        )
+    for n, info in saved.items():
+        numel = 1
+        for x in info["shape"]:
+            numel *= int(x)
+        if sum(int(p["length"]) for p in info["pieces"]) != numel:
+            raise CheckpointCorruptError(f"checkpoint {path}: the manifest's pieces of {n} do not cover it")
+    diffs = _config_diffs(manifest.get("config", {}), config)
+    if diffs:
+        log.warning(
+            "resuming %s with a config that differs from the saved one: %s", path, "; ".join(diffs[:20])
+        )
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: obj}
+
+
+def _config_diffs(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    a, b = _flatten(saved), _flatten(now)
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if k.startswith(_IGNORED_CONFIG_PREFIXES) or k.endswith("nvme_path"):
+            continue
+        if a.get(k) != b.get(k):
+            out.append(f"{k}: {a.get(k)!r} -> {b.get(k)!r}")
+    return out
+
+
+def open_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[str, dict[str, Any]]:
+    path = d.resolve(os.fspath(load_dir), tag)
+    return path, d.read_manifest(path)
+
+
+def load_engine_state(
+    tm: Any, groups: Sequence[GroupState], path: str, manifest: dict[str, Any], *, comm: Collective
+) -> None:
+    """Fill every partition of `groups` from checkpoint `path` (checked compatible first) and
+    restore this rank's RNG states. See [Note: checkpoint layout]."""
+    from safetensors import safe_open
+
+    ranks = {lay["rank"]: lay for lay in manifest["ranks"]}
+    tensors_of = {(lay["rank"], g["name"]): g["tensors"] for lay in manifest["ranks"] for g in lay["groups"]}
+    plan: list[tuple[Any, str, list[tuple[int, int, int, str, int]]]] = []
+    need_files: set[int] = set()
+    for gs in groups:
+        g = gs.group
+        for kind, part in gs.parts.items():
+            if kind == "master" and part is gs.parts["param"]:
+                continue  # the param partition is the master: filled as "param"
+            copies = []
+            for e in g.entries:
+                sl = g.shard_slice(e)
+                if sl is None:
+                    continue
+                s_shard, s_param, n = sl
+                for p in manifest["parameters"][e.name]["pieces"]:
+                    lo = max(s_param, int(p["start_in_param"]))
+                    hi = min(s_param + n, int(p["start_in_param"]) + int(p["length"]))
+                    if hi <= lo:
+                        continue
+                    src_name = tensors_of[(int(p["rank"]), p["group"])][kind]
+                    src_off = int(p["start_in_shard"]) + lo - int(p["start_in_param"])
+                    copies.append((s_shard + lo - s_param, src_off, hi - lo, src_name, int(p["rank"])))
+                    need_files.add(int(p["rank"]))
+            plan.append((part, kind, copies))
+    own = comm.rank if comm.rank in ranks else None
+    if own is not None:
+        need_files.add(own)
+    for r in sorted(need_files):
+        fname = ranks[r]["file"]
+        verify_file(os.path.join(path, fname), manifest["files"][fname])
+    with ExitStack() as stack:
+        handles = {
+            r: stack.enter_context(safe_open(os.path.join(path, ranks[r]["file"]), "pt"))
+            for r in sorted(need_files)
+        }
+        for part, _kind, copies in plan:
+            buf = torch.zeros(part.numel, dtype=part.dtype)
+            for dst, src_off, n, src_name, r in copies:
+                piece = handles[r].get_slice(src_name)[src_off : src_off + n]
+                if piece.dtype != part.dtype:
+                    raise CheckpointCorruptError(
+                        f"checkpoint {path}: {src_name} is {piece.dtype}, expected {part.dtype}"
+                    )
+                buf[dst : dst + n] = piece
+            write_partition(tm, part, buf)
+            del buf
+        if manifest["world_size"] != comm.world_size:
+            log.warning(
+                "checkpoint %s was saved by %d ranks and loads on %d: %s",
+                path,
+                manifest["world_size"],
+                comm.world_size,
+                f"this rank's RNG states are those of saved rank {comm.rank}"
+                if own is not None
+                else f"rank {comm.rank} keeps its RNG states (none saved)",
+            )
+        if own is not None:
+            lay = ranks[own]
+            f = handles[own]
+            rng.restore(lay["rng"], {k: f.get_tensor(k) for k in lay["rng"]["tensors"]})
