@@ -41,7 +41,7 @@ def test_from_pretrained_loads_the_trained_weights(tmp_path: Path, dtype: torch.
         with safe_open(os.path.join(out, f), "pt") as fh:
             assert fh.metadata() == {"format": "pt"}
             # max_shard_size holds unless one tensor alone is larger (the embedding: 64x32x4 B)
-            assert sum(fh.get_tensor(k).nbytes for k in fh.keys()) <= max(40_000, 64 * 32 * 4)  # noqa: SIM118
+            assert sum(fh.get_tensor(k).nbytes for k in fh.keys()) <= max(40_000, 64 * 32 * 4)
     loaded = AutoModelForCausalLM.from_pretrained(out, torch_dtype=dtype)
     got = dict(loaded.named_parameters())
     assert set(got) == set(want)

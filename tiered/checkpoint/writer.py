@@ -140,6 +140,6 @@ def load_tensors(
         fpath = os.path.join(path, fname)
         verify_file(fpath, rec)
         with safe_open(fpath, "pt") as f:
-            for k in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            for k in f.keys():
                 out[k] = f.get_tensor(k)
     return path, manifest, out

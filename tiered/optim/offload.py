@@ -499,7 +499,7 @@ class OffloadedAdam:
         Partition}; "master" is the group's parameter partition where that partition is the
         master (see [Note: fp32 master is the parameter])."""
         return {
-            g.name: dict(zip(STATE_SUFFIXES, parts, strict=True))
+            g.name: parts._asdict()
             for g, parts in zip(self.groups, self.states, strict=True)
         }
 
