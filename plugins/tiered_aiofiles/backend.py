@@ -67,7 +67,7 @@ class AiofilesBackend(StorageBackend):
         src = tensor_bytes(tensor, what=f"aiofiles write of key {key!r}").detach()
         if src.device.type != "cpu":
             src = src.cpu()
-        mv = memoryview(src.numpy())
+        mv = src.numpy().data
         tmp = temp_path(self.directory, key)
         try:
             async with aiofiles.open(tmp, "wb", executor=self.bridge.executor) as f:
@@ -96,7 +96,7 @@ class AiofilesBackend(StorageBackend):
             async with aiofiles.open(path, "rb", executor=self.bridge.executor) as f:
                 size = (await self.bridge.run(os.fstat, f.fileno())).st_size
                 check_out_size(key, size, host.numel(), where=f"file {str(path)!r}")
-                mv = memoryview(host.numpy())
+                mv = host.numpy().data
                 off = 0
                 while off < len(mv):
                     got = await f.readinto(mv[off : off + self.chunk_bytes])

@@ -187,7 +187,7 @@ class NVMeBackend(StorageBackend):
         try:
             buf = default_device().alloc_host(ALIGN, pin=False)
             buf.zero_()
-            os.pwrite(fd, memoryview(buf.numpy()), 0)
+            os.pwrite(fd, buf.numpy().data, 0)
             return True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
@@ -253,7 +253,7 @@ class NVMeBackend(StorageBackend):
 
     def _write_piece(self, fd: int, src: torch.Tensor, offset: int, length: int, bounce: bool) -> None:
         if not bounce:
-            self._pwrite_all(fd, memoryview(src[offset : offset + length].numpy()), offset)
+            self._pwrite_all(fd, src[offset : offset + length].numpy().data, offset)
             return
         assert self._bounce is not None
         buf = self._bounce.get()
@@ -261,18 +261,18 @@ class NVMeBackend(StorageBackend):
             padded = _align_up(length)
             buf[:length].copy_(src[offset : offset + length])
             buf[length:padded].zero_()
-            self._pwrite_all(fd, memoryview(buf[:padded].numpy()), offset)
+            self._pwrite_all(fd, buf[:padded].numpy().data, offset)
         finally:
             self._bounce.put(buf)
 
     def _read_piece(self, fd: int, dst: torch.Tensor, offset: int, length: int, bounce: bool) -> None:
         if not bounce:
-            got = self._pread_all(fd, memoryview(dst[offset : offset + length].numpy()), offset)
+            got = self._pread_all(fd, dst[offset : offset + length].numpy().data, offset)
         else:
             assert self._bounce is not None
             buf = self._bounce.get()
             try:
-                got = self._pread_all(fd, memoryview(buf[: _align_up(length)].numpy()), offset)
+                got = self._pread_all(fd, buf[: _align_up(length)].numpy().data, offset)
                 dst[offset : offset + min(got, length)].copy_(buf[: min(got, length)])
             finally:
                 self._bounce.put(buf)

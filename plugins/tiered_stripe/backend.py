@@ -158,10 +158,11 @@ class StripeBackend(StorageBackend):
         """RAID-0: stripes spread evenly, so the smallest member bounds it: min x n."""
         caps = [m.capacity() for m in self.members]
         n = len(caps)
-        totals, frees = [c.total_bytes for c in caps], [c.free_bytes for c in caps]
+        totals = [c.total_bytes for c in caps if c.total_bytes is not None]
+        frees = [c.free_bytes for c in caps if c.free_bytes is not None]
         return Capacity(
-            total_bytes=None if None in totals else min(totals) * n,  # type: ignore[type-var]
-            free_bytes=None if None in frees else min(frees) * n,  # type: ignore[type-var]
+            total_bytes=min(totals) * n if len(totals) == n else None,
+            free_bytes=min(frees) * n if len(frees) == n else None,
         )
 
     def spec(self) -> dict[str, Any]:
@@ -225,7 +226,7 @@ class StripeBackend(StorageBackend):
             new = type(exc)(f"{what}: {exc}")
         except Exception:  # noqa: BLE001 - an error type that cannot be rebuilt from a message is returned as it came
             return exc
-        if isinstance(exc, OSError):
+        if isinstance(exc, OSError) and isinstance(new, OSError):
             new.errno = exc.errno
         return new
 

@@ -105,7 +105,7 @@ def _as_bytes(chunk: torch.Tensor) -> memoryview:
     flat = chunk.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 class StreamWriter:

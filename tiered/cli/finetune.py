@@ -348,7 +348,7 @@ def finetune_job(
     raw, hp = _hyperparameter_flags(raw, weight_decay=weight_decay, warmup_steps=warmup_steps, steps=steps)
 
     model = build_model(source, seed=seed)
-    hf = model.config
+    hf: Any = model.config
     vocab = int(hf.vocab_size)
     max_pos = getattr(hf, "max_position_embeddings", None)
     if isinstance(max_pos, int) and seq_len > max_pos:

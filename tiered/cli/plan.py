@@ -1,6 +1,6 @@
 """`tiered plan`: will it fit? Bytes per rank on GPU / CPU / NVMe for every ZeRO strategy.
 
-The model is in `tiered.planning.memory` ([Note: plan accounting]); this module parses options
+The model is in `tiered.planning.accounting` ([Note: plan accounting]); this module parses options
 and prints the answer as tables or JSON.
 """
 
@@ -12,7 +12,8 @@ import sys
 from typing import Any, TextIO
 
 from tiered.errors import ConfigError
-from tiered.planning.memory import TIERS, Memories, Plan, PlanOptions, PrecisionBytes, gb, make_plan
+from tiered.planning.accounting import TIERS, Memories, PlanOptions, PrecisionBytes, gb
+from tiered.planning.verdict import Plan, make_plan
 from tiered.units import parse_bytes
 
 DESCRIPTION = """\

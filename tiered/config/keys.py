@@ -66,7 +66,11 @@ class KeyRule:
     """For default_only: the values that mean "off"."""
 
 
-_S, _I, _D, _E, _SEC = "supported", "ignored", "default_only", "unsupported_if_enabled", "section"
+_S: Kind = "supported"
+_I: Kind = "ignored"
+_D: Kind = "default_only"
+_E: Kind = "unsupported_if_enabled"
+_SEC: Kind = "section"
 _A: Kind = "accepted"
 _R: Kind = "reported"
 

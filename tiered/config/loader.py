@@ -133,7 +133,7 @@ def load_config(
         gradient_clipping=_float_key(config, "gradient_clipping", 0.0),
         train_batch_size=train_batch,
         train_micro_batch_size_per_gpu=micro,
-        steps_per_print=_count_key(config, "steps_per_print", 10, minimum=1),
+        steps_per_print=_count_key(config, "steps_per_print", 10, minimum=1) or 10,
         wall_clock_breakdown=(
             False
             if config.get("wall_clock_breakdown") is None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -21,6 +21,7 @@ from tiered.config.auto import resolve_from_model
 from tiered.config.keys import check_section
 from tiered.config.schema import (
     AioConfig,
+    OffloadDevice,
     OptimizerConfig,
     OptimizerOffloadConfig,
     ParamOffloadConfig,
@@ -127,12 +128,12 @@ def check_nvme_path(value: Any, path: str) -> str:
     return text
 
 
-def _device(section: dict[str, Any], prefix: str) -> str:
+def _device(section: dict[str, Any], prefix: str) -> OffloadDevice:
     value = section.get("device", "none")
-    return "none" if value is None else as_choice(value, f"{prefix}.device", _DEVICES)
+    return "none" if value is None else cast(OffloadDevice, as_choice(value, f"{prefix}.device", _DEVICES))
 
 
-def _offload_common(raw: Any, prefix: str) -> tuple[dict[str, Any], str, str | None]:
+def _offload_common(raw: Any, prefix: str) -> tuple[dict[str, Any], OffloadDevice, str | None]:
     """The checked section, its device and its nvme_path (required, and checked, for nvme)."""
     section = as_section(raw if raw is not None else {}, prefix)
     check_section(section, prefix)

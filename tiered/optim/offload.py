@@ -498,10 +498,7 @@ class OffloadedAdam:
         """For checkpoints (tiered/checkpoint): group name -> {"master", "exp_avg", "exp_avg_sq":
         Partition}; "master" is the group's parameter partition where that partition is the
         master (see [Note: fp32 master is the parameter])."""
-        return {
-            g.name: parts._asdict()
-            for g, parts in zip(self.groups, self.states, strict=True)
-        }
+        return {g.name: parts._asdict() for g, parts in zip(self.groups, self.states, strict=True)}
 
     def stats(self) -> dict[str, Any]:
         return {

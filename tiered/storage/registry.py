@@ -138,7 +138,7 @@ def _import_target(info: BackendInfo) -> type[StorageBackend]:
             obj = getattr(obj, part)
     except ImportError as exc:
         hint = info.install_hint
-        if not hint and getattr(exc, "name", None):
+        if not hint and exc.name:
             hint = f"pip install {exc.name.split('.')[0]}"
         if not hint and info.distribution:
             hint = f"reinstall {info.distribution}"
@@ -175,7 +175,7 @@ def get_backend_class(name: str) -> type[StorageBackend]:
 
 def _constructor_params(cls: type) -> tuple[list[str], list[str], bool]:
     """(accepted keyword names, required names, takes **kwargs) of ``cls.__init__``."""
-    sig = inspect.signature(cls.__init__)
+    sig = inspect.signature(cls.__init__)  # type: ignore[misc]  # the class's own signature, self first
     accepted: list[str] = []
     required: list[str] = []
     var_kw = False

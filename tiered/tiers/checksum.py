@@ -19,7 +19,7 @@ def crc32_of(t: torch.Tensor) -> int:
     b = t.detach().reshape(-1).view(torch.uint8)
     if b.device.type != "cpu":
         b = b.cpu()
-    return zlib.crc32(memoryview(b.numpy()))
+    return zlib.crc32(b.numpy().data)
 
 
 def check_crc(got: int, want: int, context: str, dst: str) -> None:

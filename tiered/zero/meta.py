@@ -72,8 +72,8 @@ def _init_module(mname: str, module: nn.Module, init_fn: object) -> None:
     with torch.no_grad():
         if callable(init_fn):
             init_fn(module)
-        elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
+        elif callable(reset := getattr(module, "reset_parameters", None)):
+            reset()
         else:
             raise MetaInitError(
                 f"module {mname!r} ({type(module).__name__}) has parameters or buffers on the meta device but no "
