@@ -252,3 +252,43 @@ def test_torchrun_without_a_process_group(monkeypatch: pytest.MonkeyPatch) -> No
         tiered.initialize(MLP(), ds_config())
     with pytest.raises(DistributedSetupError, match="dist_init_required=False"):
         deepspeed.initialize(model=MLP(), config=ds_config(), dist_init_required=False)
+
+
+def test_checkpoint_resume_with_a_client_scheduler_is_bit_exact(tmp_path: Any) -> None:
+    def run(steps: int, resume: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = MLP()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.7**s)
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched, config=no_optimizer()
+        )
+        with engine:
+            start = 0
+            if resume:
+                engine.load_checkpoint(tmp_path)
+                start = engine.global_steps
+                assert sched.last_epoch == start and engine.get_lr()[0] == pytest.approx(1e-2 * 0.7**start)
+            for i in range(start, steps):
+                engine.backward(engine(**batch(i)))
+                engine.step()
+            if not resume and steps == 2:
+                engine.save_checkpoint(tmp_path)
+            return engine.zero.gather_full_state_dict()
+
+    run(2, resume=False)
+    full = run(4, resume=False)
+    resumed = run(4, resume=True)
+    for k in full:
+        assert torch.equal(full[k], resumed[k]), k
+
+
+def test_a_schedule_that_moves_groups_apart_is_refused() -> None:
+    from tiered.engine.facade import ClientLR
+
+    groups = [{"lr": 1e-3}, {"lr": 2e-3}]
+    lr = ClientLR(groups, [1.0, 2.0])
+    assert lr.lr_at(0) == pytest.approx(1e-3)
+    groups[1]["lr"] = 1e-3
+    with pytest.raises(ValueError, match="param group 1 has lr 0.001, but group 0's schedule implies 0.002"):
+        lr.lr_at(1)
