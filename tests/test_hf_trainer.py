@@ -226,3 +226,11 @@ def test_trl_sft_trainer_on_a_tiny_chat_dataset(tmp_path: Path) -> None:
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, after[k]), k
+
+
+def test_an_epoch_that_ends_inside_an_accumulation_window(tmp_path: Path) -> None:
+    trainer = TieredTrainer(
+        model=model_at(), args=args(tmp_path), train_dataset=Tokens(n=12), tiered_config=CONFIG
+    )
+    with pytest.raises(ConfigError, match=r"3 batches, not a multiple of gradient_accumulation_steps \(2\)"):
+        trainer.train()
