@@ -84,3 +84,7 @@ class CheckpointMismatchError(ConfigError):
 
 class CheckpointSpaceError(TieredError, OSError):
     """Not enough free space for a checkpoint (checked before writing, or the disk filled up)."""
+
+
+class DistributedSetupError(TieredError, RuntimeError):
+    """A multi-process launch (torchrun: WORLD_SIZE > 1) without a torch.distributed process group."""

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tiered.config.schema import TieredConfig
+from tiered.engine import client
 from tiered.engine.build import (
     Placement,
     build_tier_manager,
@@ -18,6 +19,7 @@ from tiered.engine.build import (
     choose_placement,
 )
 from tiered.engine.engine import Engine
+from tiered.errors import DistributedSetupError
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +31,20 @@ def initialize(
     config: dict[str, Any] | str | os.PathLike[str] | TieredConfig,
     *,
     process_group: Any = None,
+    model_parameters: Any = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    training_data: Any = None,
+    collate_fn: Any = None,
     **hyperparameters: Any,
-) -> Engine:
+) -> Any:
     """Partition `model` into shard groups over the configured tiers and return the Engine.
+
+    With any of DeepSpeed's keywords (`model_parameters`: parameters or param-group dicts;
+    `optimizer`: a client torch Adam/AdamW or DeepSpeed Adam, translated to tiered's offloaded
+    Adam; `lr_scheduler`: a client scheduler driving the lr; `training_data`) it returns
+    DeepSpeed's ``(engine, optimizer, dataloader, lr_scheduler)`` instead (see
+    tiered.deepspeed.initialize, [Note: the optimizer facade]).
 
     `config` is tiered's JSON or an unchanged DeepSpeed JSON (dict or path), or a resolved
     TieredConfig. Under torch.distributed (torchrun) the data-parallel group is the default
@@ -51,9 +64,20 @@ def initialize(
             f"tiered.initialize(model, config): model must be a torch.nn.Module, got {type(model).__name__}"
         )
     distributed = dist.is_available() and dist.is_initialized()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not distributed:
+        raise DistributedSetupError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} (a torchrun launch) but torch.distributed is not "
+            "initialised: every process would train its own replica. Call "
+            "torch.distributed.init_process_group() before tiered.initialize (tiered.deepspeed.initialize "
+            "does it for you, as DeepSpeed does)"
+        )
+    req = client.ClientRequest(model_parameters, optimizer, lr_scheduler, training_data, collate_fn)
+    if req.given:
+        config = client.prepare(model, config, req)
     world_size = dist.get_world_size(process_group) if distributed else 1
     rank = dist.get_rank(process_group) if distributed else 0
     cfg = config_for_training(config, model=model, world_size=world_size, **hyperparameters)
+    hyper, lr_scales = client.param_hyper(cfg, req) if req.given else (None, [1.0])
     placement = choose_placement(cfg)
     scheduler = None
     if cfg.scheduler is not None:
@@ -81,6 +105,8 @@ def initialize(
         )
         needs = capacity_needs(zp.groups, plans, zp.gpu_need, pipeline=pipe)
         check_capacity(tm, needs)
+        # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
+        extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}
         optimizer = OffloadedAdam(
             tm,
             trainable,
@@ -89,6 +115,7 @@ def initialize(
             optimizer_tier=placement.optimizer_tier,
             compute_dtype=placement.compute_dtype,
             plans=plans,
+            **extra,
         )
     except BaseException:
         if zp is not None:
@@ -104,7 +131,7 @@ def initialize(
         placement.compute_dtype,
         world_size,
     )
-    return Engine(
+    engine = Engine(
         model,
         cfg,
         tm,
@@ -117,3 +144,4 @@ def initialize(
         scheduler=scheduler,
         capacity=needs,
     )
+    return client.finish(engine, model, req, lr_scales) if req.given else engine

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tiered.config.schema import TieredConfig
+from tiered.engine.ds_api import DeepSpeedEngineAPI
 from tiered.engine.inputs import cast_floating
 from tiered.engine.progress import report_step
 from tiered.optim.clip import clip_coefficient, global_grad_norm
@@ -69,10 +70,11 @@ class _ConstantLR:
         return self.lr
 
 
-class Engine:
+class Engine(DeepSpeedEngineAPI):
     """Forward, backward, step and stats over a ZeRO-3 partitioned, offloaded model.
 
-    Built by `tiered.initialize`; see [Note: engine step semantics].
+    Built by `tiered.initialize`; see [Note: engine step semantics]. The rest of DeepSpeed's
+    engine API (zero_grad, train, eval, device, ...) is `DeepSpeedEngineAPI`.
     """
 
     def __init__(
@@ -132,7 +134,12 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         """The lr the next optimizer step will use (a list per param group, as DeepSpeed)."""
-        return [float(self.scheduler.lr_at(self.optimizer.step_count))]
+        base = self._base_lr()
+        return [base * s for s in self._lr_scales]
+
+    def _base_lr(self) -> float:
+        """The lr handed to the optimizer (per-group lrs are multiples of it)."""
+        return float(self.scheduler.lr_at(self.optimizer.step_count))
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gas == 0
@@ -151,8 +158,11 @@ class Engine:
         self._last["forward_s"] = self._last.get("forward_s", 0.0) + dt
         return out
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss / gas (x loss scale in fp16), autograd, then flush the gradients to their tier."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        """loss / gas (x loss scale in fp16), autograd, then flush the gradients to their tier.
+
+        As DeepSpeed's: `retain_graph` goes to autograd; ``scale_wrt_gas=False`` skips the division
+        by gradient_accumulation_steps (for a loss already divided, as Hugging Face's Trainer does)."""
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
@@ -165,17 +175,17 @@ class Engine:
             )
         t0 = time.perf_counter()
         scaled = loss.float() if loss.dtype != torch.float32 else loss
-        if self.gas != 1:
+        if self.gas != 1 and scale_wrt_gas:
             scaled = scaled / self.gas
         if self.loss_scaler.scale != 1.0:
             scaled = scaled * self.loss_scaler.scale
         if self.is_gradient_accumulation_boundary():
             if self.overlap_step:  # see [Note: step overlapped with backward]
-                self.optimizer.begin_overlapped_step(self.get_lr()[0], 1.0)
+                self.optimizer.begin_overlapped_step(self._base_lr(), 1.0)
             else:
                 self.optimizer.prefetch_states()
         try:
-            scaled.backward()
+            scaled.backward(retain_graph=retain_graph)
             summary = self.zero.finish_backward(summarize=self._needs_grad_norm)
         except BaseException:
             self.optimizer.finish_overlapped_step(abort=True)
@@ -196,6 +206,7 @@ class Engine:
         """Count a micro-batch; at the accumulation boundary run (or skip) the optimizer step."""
         self._check_open()
         self.micro_steps += 1
+        self._step_applied = False
         if self.micro_steps % self.gas != 0:
             return
         if not self._backward_since_step:
@@ -224,7 +235,7 @@ class Engine:
             )
             self.last_grad_norm = norm
             coef = clip_coefficient(norm, float(self.config.gradient_clipping))
-            lr = self.get_lr()[0]
+            lr = self._base_lr()
             t1 = time.perf_counter()
             if self.optimizer.overlapped_step_running:  # begun in backward with coef 1, scale 1
                 self.optimizer.finish_overlapped_step()
@@ -233,6 +244,8 @@ class Engine:
             self._timing["optimizer_s"] += time.perf_counter() - t1
             self.loss_scaler.update(False)
             self.zero.params_updated()
+            self._step_applied = True
+            self._after_applied_step()  # a client lr scheduler steps, as in DeepSpeed
         self.zero.zero_grads()
         self._found_inf = False
         self._sq_norm_local = 0.0
@@ -428,6 +441,7 @@ class Engine:
             "optimizer_step": self.optimizer.step_count,
             "scheduler": None if self.config.scheduler is None else self.config.scheduler.type,
             "loss_scaler": self.loss_scaler.state_dict(),
+            **self._client_training_state(),
         }
 
     def _apply_training_state(self, state: dict[str, Any]) -> None:
@@ -436,6 +450,7 @@ class Engine:
         self.skipped_steps = int(state["skipped_steps"])
         self.optimizer.step_count = int(state["optimizer_step"])
         self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self._apply_client_training_state(state)
         self.last_grad_norm = None
         self._found_inf = False
         self._sq_norm_local = 0.0

@@ -1,0 +1,98 @@
+"""The optimizer a ported DeepSpeed script (or Hugging Face's Trainer) holds: a thin facade.
+
+[Note: the optimizer facade]
+DeepSpeed returns its ZeRO optimizer, and scripts (and Hugging Face's / accelerate's DeepSpeed
+integration) build an lr scheduler on it: the scheduler writes ``param_groups[i]["lr"]`` and the
+engine steps with it. tiered's optimizer is the engine's `OffloadedAdam`, which has no torch
+param groups, so `TieredOptimizer` is a `torch.optim.Optimizer` holding only the groups (the
+model's parameters and each group's lr and weight decay) and no state. Whoever drives the lr
+writes its groups: a client scheduler (built on this facade, or on the client optimizer it
+replaced, whose groups the engine then reads), or the engine itself after each step when the
+config's ``scheduler`` section drives it. Before every step the engine reads the groups' lrs
+(`ClientLR`), divides each by its group's lr scale and requires them to agree: one base lr per
+step, as the offloaded Adam's per-parameter ``lr_scale`` is fixed (a schedule that moves groups
+by different factors is refused, naming the groups). ``step()`` does nothing once the engine
+stepped (accelerate's wrapper calls it after ``engine.step()``) and is an error otherwise;
+``state_dict()`` holds the groups' hyper-parameters only: the optimizer state is in the engine's
+checkpoint (``engine.save_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class TieredOptimizer(torch.optim.Optimizer):
+    """Param groups without state; see [Note: the optimizer facade]."""
+
+    def __init__(self, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
+        super().__init__(groups, defaults)
+        self.engine: Any = None
+        """The Engine (typed loosely: engine.py imports this module's users)."""
+        self._steps_seen = 0
+
+    def attach(self, engine: Any) -> None:
+        self.engine = engine
+        self._steps_seen = engine.global_steps
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        engine = self.engine
+        if engine is None or engine.global_steps == self._steps_seen:
+            raise RuntimeError(
+                "the optimizer returned by tiered.deepspeed.initialize does not step by itself: call "
+                "engine.step() after every engine.backward(loss) (it steps at the accumulation boundary)"
+            )
+        self._steps_seen = engine.global_steps
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.engine is not None:
+            self.engine.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "state": {},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("param_groups", [])
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"{len(saved)} saved param groups for {len(self.param_groups)}")
+        for g, s in zip(self.param_groups, saved, strict=True):
+            g.update({k: v for k, v in s.items() if k != "params"})
+
+
+class ClientLR:
+    """The lr the engine steps with, read from param groups a client drives (see the Note)."""
+
+    def __init__(self, groups: list[dict[str, Any]], scales: list[float]) -> None:
+        if len(groups) != len(scales):
+            raise ValueError(
+                f"the lr scheduler's optimizer has {len(groups)} param groups, the engine {len(scales)}; "
+                "build the scheduler on the optimizer passed to (or returned by) initialize"
+            )
+        self.groups = groups
+        self.scales = scales
+
+    def lr_at(self, step: int) -> float:
+        base: float | None = None
+        for i, (g, s) in enumerate(zip(self.groups, self.scales, strict=True)):
+            lr = float(g["lr"])
+            if s == 0:
+                continue
+            if base is None:
+                base = lr / s
+            elif not math.isclose(lr / s, base, rel_tol=1e-6, abs_tol=1e-12):
+                raise ValueError(
+                    f"param group {i} has lr {lr:g}, but group 0's schedule implies {base * s:g}: the lr "
+                    "scheduler moves groups by different factors, which tiered's Adam does not support "
+                    "(each group's lr must stay a fixed multiple of the base lr)"
+                )
+        return 0.0 if base is None else base
+
+    def lrs(self) -> list[float]:
+        return [float(g["lr"]) for g in self.groups]

@@ -1,0 +1,2 @@
+"""Integrations with training frameworks (optional extras): `tiered.integrations.hf` for
+Hugging Face's Trainer and TRL."""
