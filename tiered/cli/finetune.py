@@ -635,34 +635,33 @@ def _check_plot_available() -> None:
 def _with_trace(
     raw: dict[str, Any], trace_path: str | Path | None, plot_path: str | Path | None, rank: int
 ) -> tuple[dict[str, Any], Path | None, bool]:
-    """The config with tiered.trace_path set from --trace (or a temporary file for --plot alone);
-    returns (config, trace file or None, whether it is temporary). Other ranks than 0 record no
-    trace; a config's own trace_path is kept when neither flag is given."""
-    import tempfile
+    """The config with tiered.trace_path set from --trace, else from the config's own
+    trace_path, else (--plot alone) a hidden file next to the plot that the engine writes at
+    close and `_report_trace` removes (only a name here: a refusal before training leaves
+    nothing behind). Returns (config, trace file or None, whether it is temporary). Ranks other
+    than 0 record no trace ([Note: ranks in finetune])."""
+    import uuid
 
-    if trace_path is None and plot_path is None:
-        return raw, None, False
-    if rank != 0:
-        raw = copy.deepcopy(raw)
-        if isinstance(raw.get("tiered"), dict):
-            raw["tiered"].pop("trace_path", None)
-        return raw, None, False
-    temp = trace_path is None
-    if temp:
-        fd, name = tempfile.mkstemp(
-            prefix=".trace-", suffix=".json", dir=Path(str(plot_path)).resolve().parent
-        )
-        import os
-
-        os.close(fd)
-        path = Path(name)
-    else:
-        path = Path(str(trace_path))
     raw = copy.deepcopy(raw)
-    section = raw.setdefault("tiered", {})
-    if not isinstance(section, dict):
+    section = raw.get("tiered")
+    if section is not None and not isinstance(section, dict):
         raise ConfigError('the config\'s "tiered" section must be a JSON object')
-    section["trace_path"] = str(path)
+    own = section.get("trace_path") if isinstance(section, dict) else None
+    if rank != 0:
+        if isinstance(section, dict):
+            section.pop("trace_path", None)
+        return raw, None, False
+    temp = False
+    if trace_path is not None:
+        path = Path(str(trace_path))
+    elif isinstance(own, str):
+        path = Path(own)
+    elif plot_path is not None:
+        path = Path(str(plot_path)).resolve().parent / f".trace-{uuid.uuid4().hex}.json"
+        temp = True
+    else:
+        return raw, None, False
+    raw.setdefault("tiered", {})["trace_path"] = str(path)
     return raw, path, temp
 
 
