@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from finetune_support import ds_config, write_jsonl, write_model
 
 from tiered.cli.finetune import finetune_job
