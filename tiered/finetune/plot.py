@@ -72,6 +72,7 @@ def plot_run(
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise ConfigError(
             "--plot needs matplotlib: pip install 'tiered[plot]' (or pip install matplotlib)"
@@ -110,9 +111,11 @@ def plot_run(
             Patch(color=_COLORS["link"], alpha=0.55, label="transfer"),
             Patch(color=_COLORS["adam"], alpha=0.55, label="Adam (per group)"),
         ],
-        loc="upper right",
+        loc="lower right",  # above the lanes, level with the title: it hides no bar
+        bbox_to_anchor=(1.0, 1.0),
         fontsize="small",
         ncols=4,
+        frameon=False,
     )
     lx = fig.add_subplot(grid[1])
     lx.plot(range(1, len(losses) + 1), list(losses), color=_COLORS["forward"], label="train loss")
@@ -124,6 +127,7 @@ def plot_run(
             color=_COLORS["backward"],
             label="eval loss",
         )
+    lx.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     lx.set_xlabel("step")
     lx.set_ylabel("loss")
     lx.grid(alpha=0.3)
