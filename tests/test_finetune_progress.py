@@ -7,6 +7,7 @@ import io
 import json
 from pathlib import Path
 
+import pytest
 from finetune_support import ds_config, write_jsonl, write_model
 
 from tiered.cli.finetune import finetune_job
@@ -52,3 +53,25 @@ def test_finetune_on_a_terminal_draws_the_bar(tmp_path: Path) -> None:
     assert "3/3" in text and "tok/s" in text and "GB/s" in text  # nvme offload: links moved bytes
     assert "step     1/3" not in text  # no plain lines on a terminal
     assert "eval      3  loss" in text
+
+
+def test_bar_draws_on_a_terminal_that_reports_no_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a pty nobody sized (script(1), CI) reports 0 x 0: the bar must still show its fields (tqdm
+    # asks the screen size of sys.stdout itself, so the pty stands in for it)
+    import os
+    import pty
+    import sys
+
+    master, slave = pty.openpty()
+    try:
+        with os.fdopen(slave, "w", closefd=False) as term:
+            assert os.get_terminal_size(term.fileno()).columns == 0
+            monkeypatch.setattr(sys, "stdout", term)
+            bar = BarProgress(term, 4)
+            bar.step(StepLog(2, 1.25, 1e-3, 1234.0, 0.5, {}))
+            bar.close()
+        text = os.read(master, 65536).decode()
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert "2/4" in text and "loss 1.2500" in text

@@ -121,7 +121,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_data_arguments(p)
     add_model_arguments(p)
+    add_observability_arguments(p)
     return p
+
+
+def add_observability_arguments(p: argparse.ArgumentParser) -> None:
+    """--trace and --plot ([Note: compute spans], [Note: step timeline plot])."""
+    g = p.add_argument_group("trace and plot")
+    g.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="write a Chrome-trace JSON (open it in ui.perfetto.dev or chrome://tracing) of module "
+        "compute, the moves per link (NVMe reads and writes included) and the Adam per group; "
+        "overrides tiered.trace_path of the config",
+    )
+    g.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="draw the timeline of the last step (compute, each link, Adam) and the loss curve "
+        "(needs matplotlib: pip install 'tiered[plot]')",
+    )
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
@@ -296,11 +317,17 @@ def finetune_job(
     gradient_checkpointing: bool = False,
     gradient_checkpointing_reentrant: bool = False,
     free_memory: tuple[int, str] | None = None,
+    trace_path: str | Path | None = None,
+    plot_path: str | Path | None = None,
 ) -> JobResult:
     """Build, train, print progress and stats to `out`; see the module doc. Raises ConfigError
     (a TieredError) naming the path or key on bad input, before anything trains. `free_memory`
     overrides the measured free memory of the compute device (bytes, what it is) for the
-    activation check."""
+    activation check. `trace_path` / `plot_path`: --trace / --plot. Under torch.distributed
+    each rank trains its slice of the global batch and only rank 0 writes to `out`, the trace
+    and the plot ([Note: ranks in finetune])."""
+    import io
+
     import torch
 
     from tiered.config.hyper import check_complete
@@ -322,9 +349,19 @@ def finetune_job(
     from tiered.finetune.packing import eval_batches
     from tiered.finetune.progress import BarProgress, make_progress
 
+    rank, world = _rank_world()
     out = out or sys.stdout
+    if rank != 0:
+        out = io.StringIO()  # only rank 0 prints ([Note: ranks in finetune])
     w = out.write
     opts = TrainOptions(steps=steps, log_every=log_every)
+    if compare_torch and world > 1:
+        raise ConfigError(
+            f"--compare-torch runs the plain-PyTorch reference in one process, but WORLD_SIZE={world}: "
+            "compare a 1-process run instead"
+        )
+    if plot_path is not None:
+        _check_plot_available()
     source = resolve_model(model_path)
     if isinstance(config, dict):
         raw = config
@@ -345,6 +382,7 @@ def finetune_job(
     if lora is not None:
         parse_lora_spec(lora)  # a malformed spec fails before the model is built
     raw = apply_overrides(raw, lr=lr, batch_size=batch_size, nvme_path=nvme_path)
+    raw, trace_file, trace_is_temp = _with_trace(raw, trace_path, plot_path, rank)
     raw, hp = _hyperparameter_flags(raw, weight_decay=weight_decay, warmup_steps=warmup_steps, steps=steps)
 
     model = build_model(source, seed=seed)
@@ -411,12 +449,14 @@ def finetune_job(
 
     held = data.eval
     eval_rows = held.rows if held is not None else 0
+    if world > 1:
+        w(f"ranks: {world} (each trains {micro} of the {micro * world} rows of a global micro-batch)\n")
     progress = make_progress(out, steps)  # [Note: progress output]
     try:
         result = train(
             model,
             cfg,
-            _train_stream(data.train, micro, seed),
+            _rank_stream(data.train, micro, seed, rank, world),
             opts,
             on_log=progress.step,
             keep_state=compare_torch,
@@ -424,6 +464,7 @@ def finetune_job(
             eval_every=eval_every or steps,
             on_eval=lambda st, loss: progress.eval(st, loss, eval_rows),
             link_rates=isinstance(progress, BarProgress),
+            trace_compute=trace_file is not None,
         )
     finally:
         progress.close()
@@ -436,6 +477,8 @@ def finetune_job(
     if result.losses:
         w(f"loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}\n")
     w("\n" + tier_table(result.stats) + "\n")
+    if trace_file is not None:
+        _report_trace(w, result, trace_file, trace_is_temp, plot_path)
     job = JobResult(result)
     if reference is not None and not result.interrupted:
         w(
@@ -551,24 +594,118 @@ def _write_json(path: str, doc: dict[str, Any]) -> None:
         raise ConfigError(f"--stats-json {path}: cannot write ({exc.strerror or exc})") from None
 
 
-def refuse_multi_process() -> None:
-    """Under torchrun (WORLD_SIZE > 1) every rank would run the same job on the same data and
-    write the same files: refuse until the command sets up the process group and shards the data
-    itself (issue item "torchrun"), rather than train replicas silently."""
-    import os
+def _rank_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    import torch.distributed as dist
 
-    world = os.environ.get("WORLD_SIZE", "1")
-    if world.strip() not in ("", "1"):
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def setup_distributed() -> bool:
+    """Under torchrun (WORLD_SIZE > 1) set up the default process group from the environment
+    ([Note: process group from torchrun]); True when this call created it (then `run`
+    destroys it at the end)."""
+    from tiered.engine.distributed import ensure_process_group
+
+    return ensure_process_group()
+
+
+def _rank_stream(rows: Any, micro: int, seed: int, rank: int, world: int) -> Any:
+    """This rank's batches: rank r takes rows [r * micro, (r + 1) * micro) of each global
+    micro-batch of micro * world rows of the seeded stream ([Note: ranks in finetune])."""
+    stream = _train_stream(rows, micro * world, seed)
+    if world == 1:
+        return stream
+    from tiered.finetune.ranks import RankSlice
+
+    return RankSlice(stream, rank, world)
+
+
+def _check_plot_available() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
         raise ConfigError(
-            f"WORLD_SIZE={world} in the environment (torchrun?): tiered finetune runs one process for now and "
-            "would train identical replicas; run it without torchrun (or with --nproc_per_node 1)"
-        )
+            "--plot needs matplotlib: pip install 'tiered[plot]' (or pip install matplotlib)"
+        ) from None
+
+
+def _with_trace(
+    raw: dict[str, Any], trace_path: str | Path | None, plot_path: str | Path | None, rank: int
+) -> tuple[dict[str, Any], Path | None, bool]:
+    """The config with tiered.trace_path set from --trace, else from the config's own
+    trace_path, else (--plot alone) a hidden file next to the plot that the engine writes at
+    close and `_report_trace` removes (only a name here: a refusal before training leaves
+    nothing behind). Returns (config, trace file or None, whether it is temporary). Ranks other
+    than 0 record no trace ([Note: ranks in finetune])."""
+    import uuid
+
+    raw = copy.deepcopy(raw)
+    section = raw.get("tiered")
+    if section is not None and not isinstance(section, dict):
+        raise ConfigError('the config\'s "tiered" section must be a JSON object')
+    own = section.get("trace_path") if isinstance(section, dict) else None
+    if rank != 0:
+        if isinstance(section, dict):
+            section.pop("trace_path", None)
+        return raw, None, False
+    temp = False
+    if trace_path is not None:
+        path = Path(str(trace_path))
+    elif isinstance(own, str):
+        path = Path(own)
+    elif plot_path is not None:
+        path = Path(str(plot_path)).resolve().parent / f".trace-{uuid.uuid4().hex}.json"
+        temp = True
+    else:
+        return raw, None, False
+    raw.setdefault("tiered", {})["trace_path"] = str(path)
+    return raw, path, temp
+
+
+def _report_trace(w: Any, result: Any, trace_file: Path, temp: bool, plot_path: str | Path | None) -> None:
+    """The per-lane table of the last step, the plot, and where the trace is."""
+    from tiered.finetune.report import step_table
+
+    try:
+        trace = json.loads(trace_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"--trace {trace_file}: the engine did not write a readable trace ({exc})"
+        ) from None
+    try:
+        if result.steps_done:
+            w("\n" + step_table(trace) + "\n")
+        if plot_path is not None and result.steps_done:
+            from tiered.finetune.plot import plot_run
+
+            step = plot_run(plot_path, trace, result.losses, result.eval_losses, title="tiered finetune")
+            w(f"plot of step {step} and the loss curve written to {plot_path}\n")
+    finally:
+        if temp:
+            trace_file.unlink(missing_ok=True)
+    if not temp:
+        w(f"trace written to {trace_file} (open it in ui.perfetto.dev)\n")
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    refuse_multi_process()
-    _check_output(args.stats_json, "--stats-json")
+    for option in ("stats_json", "trace", "plot"):
+        _check_output(getattr(args, option), "--" + option.replace("_", "-"))
+    created = setup_distributed()
+    try:
+        return _run(args, out)
+    finally:
+        if created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, out: TextIO) -> int:
+    rank, _ = _rank_world()
     job = finetune_job(
         model_path=args.model,
         config=args.config,
@@ -586,7 +723,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         out=out,
         **_data_and_model_kwargs(args),
     )
-    if args.stats_json:
+    if args.stats_json and rank == 0:
         doc = job.to_json()
         doc["args"] = {k: v for k, v in vars(args).items() if k not in ("run",)}
         _write_json(args.stats_json, doc)
@@ -604,4 +741,6 @@ def _data_and_model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "lora": args.lora,
         "gradient_checkpointing": args.gradient_checkpointing,
         "gradient_checkpointing_reentrant": args.gradient_checkpointing_reentrant,
+        "trace_path": args.trace,
+        "plot_path": args.plot,
     }

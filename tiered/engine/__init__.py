@@ -18,6 +18,7 @@ from tiered.engine.build import (
     check_capacity,
     choose_placement,
 )
+from tiered.engine.distributed import ensure_process_group
 from tiered.engine.engine import Engine
 from tiered.errors import DistributedSetupError
 
@@ -48,7 +49,9 @@ def initialize(
 
     `config` is tiered's JSON or an unchanged DeepSpeed JSON (dict or path), or a resolved
     TieredConfig. Under torch.distributed (torchrun) the data-parallel group is the default
-    group unless `process_group` is given. Every budget is checked before training starts
+    group unless `process_group` is given; with WORLD_SIZE > 1 in the environment and no group,
+    the default group is set up from torchrun's variables (see [Note: process group from
+    torchrun]). Every budget is checked before training starts
     (see [Note: capacity check before training]). `hyperparameters` (lr=, betas=, eps=,
     weight_decay=, warmup_steps=, total_steps=, micro_batch_size=, gradient_accumulation_steps=,
     max_grad_norm=, mixed_precision=) fill the config's "auto" as Hugging Face's Trainer does; a
@@ -63,6 +66,8 @@ def initialize(
         raise TypeError(
             f"tiered.initialize(model, config): model must be a torch.nn.Module, got {type(model).__name__}"
         )
+    if process_group is None:
+        ensure_process_group()  # [Note: process group from torchrun]
     distributed = dist.is_available() and dist.is_initialized()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not distributed:
         raise DistributedSetupError(

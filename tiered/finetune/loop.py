@@ -162,6 +162,7 @@ def train(
     eval_every: int = 0,
     on_eval: Callable[[int, float], None] | None = None,
     link_rates: bool = False,
+    trace_compute: bool = False,
 ) -> TrainResult:
     """Fine-tune `model` for opts.steps optimizer steps through tiered's engine.
 
@@ -170,7 +171,10 @@ def train(
     with the steps done so far. `keep_state` gathers the consolidated fp32 parameters. With
     `eval_data` (a fresh iterable of eval batches per call) the eval loss is taken every
     `eval_every` steps and after the last step (`eval_loss`). `link_rates` fills StepLog.link_gbps
-    (it reads engine.stats() at every log, so it is off unless a progress bar shows it)."""
+    (it reads engine.stats() at every log, so it is off unless a progress bar shows it).
+    `trace_compute` adds module compute and step spans to the engine's trace when the config
+    records one (tiered.trace_path; [Note: compute spans]). Under torch.distributed the logged
+    loss is the mean over ranks and tokens count the global batch ([Note: ranks in finetune])."""
     if eval_data is not None and eval_every < 1:
         raise ConfigError(f"--eval-every must be >= 1, got {eval_every}")
     import tiered
@@ -179,6 +183,12 @@ def train(
     engine = tiered.initialize(model, config)
     init_s = time.perf_counter() - t0
     gas = engine.gas
+    world = int(engine.world_size)
+    tracer = None
+    if trace_compute and engine.tm.tracing:
+        from tiered.finetune.trace import ComputeTracer
+
+        tracer = ComputeTracer(model, engine.tm)
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
     tokens = 0
@@ -203,6 +213,7 @@ def train(
     with engine:
         try:
             for step in range(1, opts.steps + 1):
+                t_step = time.perf_counter()
                 lr = engine.get_lr()[0]
                 micro: list[float] = []
                 for _ in range(gas):
@@ -211,8 +222,11 @@ def train(
                     engine.backward(out.loss)
                     engine.step()
                     micro.append(float(out.loss.detach().float()))
-                    tokens += int(batch["input_ids"].numel())
+                    tokens += int(batch["input_ids"].numel()) * world
                 loss = sum(micro) / len(micro)
+                if world > 1:
+                    loss = _mean_over_ranks(loss)
+                engine.tm.record_span(f"step {step}", "step", t_step, time.perf_counter(), loss=loss)
                 if not math.isfinite(loss):
                     log.warning("step %d: loss is %s", step, loss)
                 losses.append(loss)
@@ -236,12 +250,24 @@ def train(
             interrupted = True
             log.warning("interrupted after %d steps; closing the engine", len(losses))
         train_s = time.perf_counter() - t_start
+        if tracer is not None:
+            tracer.remove()
         stats = engine.stats()
         if keep_state and not interrupted:
             state = {k: v.detach().float().clone() for k, v in engine.state_dict_fp32().items()}
     return TrainResult(
         tuple(losses), len(losses), tokens, init_s, train_s, interrupted, stats, state, tuple(evals)
     )
+
+
+def _mean_over_ranks(x: float) -> float:
+    """The mean of `x` over the default process group (every rank's loss of the step)."""
+    import torch.distributed as dist
+
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor([x], dtype=torch.float64, device=on)  # NCCL reduces device tensors only
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
 
 
 def reference_train(

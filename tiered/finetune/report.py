@@ -46,3 +46,25 @@ def tier_table(stats: dict[str, Any]) -> str:
             "engine time: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in timing.items())
         )
     return "\n".join(lines)
+
+
+def step_table(trace: dict[str, Any]) -> str:
+    """Per lane of the last traced step (compute, each link, Adam): events and busy time (the
+    union of its events' intervals, so overlapping moves count once), against the step's length."""
+    from tiered.finetune.plot import step_window, timeline_lanes
+
+    events = trace.get("traceEvents", [])
+    step, start, end = step_window(events)
+    length_ms = (end - start) / 1e3
+    lines = [f"step {step}: {length_ms:.1f} ms", f"{'lane':<16} {'events':>7} {'busy ms':>9} {'of step':>8}"]
+    for lane, bars in timeline_lanes(events, start, end).items():
+        busy, reach = 0.0, float("-inf")
+        for t0, dur, _ in sorted(bars):
+            t1 = min(t0 + dur, length_ms)
+            t0 = max(t0, reach, 0.0)
+            if t1 > t0:
+                busy += t1 - t0
+            reach = max(reach, t1)
+        share = busy / length_ms if length_ms > 0 else 0.0
+        lines.append(f"{lane:<16} {len(bars):>7} {busy:>9.1f} {share:>8.0%}")
+    return "\n".join(lines)

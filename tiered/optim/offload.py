@@ -368,6 +368,7 @@ class OffloadedAdam:
             t1 = time.perf_counter()
             self._update(i, master, exp_avg, exp_avg_sq, grad, lr, grad_scale)
             t2 = time.perf_counter()
+            self.tm.record_span(f"adam {self.groups[i].name}", "adam", t1, t2, step=self.step_count)
             self._pending.append((i, self._writer.submit(self._issue_writes, i)))
             while (
                 self._pending

@@ -240,6 +240,16 @@ class TierManager:
     def trace_events(self) -> list[dict[str, Any]]:
         return self._trace.events()
 
+    @property
+    def tracing(self) -> bool:
+        """Whether moves (and spans) are recorded: record_trace=True (tiered.trace_path)."""
+        return self._trace.enabled
+
+    def record_span(self, name: str, track: str, start_s: float, end_s: float, **args: Any) -> None:
+        """Add a span of other work (compute, the Adam of a group) to the moves' trace, on track
+        `track`, from `time.perf_counter()` readings; a no-op unless tracing."""
+        self._trace.add(name, track, start_s, end_s, **args)
+
     def write_trace(self, path: str | os.PathLike[str]) -> None:
         """Write the recorded moves as Chrome-trace JSON (needs record_trace=True)."""
         if not self._trace.enabled:
