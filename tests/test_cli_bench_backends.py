@@ -165,3 +165,37 @@ def test_method_result_json_has_the_new_fields() -> None:
     fields = MethodResult("x", "backend", "ok").__dataclass_fields__
     assert {"write_cpu_s_per_gb", "read_cpu_s_per_gb", "possibly_cached"} <= set(fields)
     assert BackendMethod("nvme", spec={"type": "nvme", "path": "p"}).name.startswith("tiered spec:")
+
+
+def test_sweep_sizes_bounded_by_max_size() -> None:
+    from tiered.bench.sweep import sweep_sizes
+
+    assert sweep_sizes(1 << 30)[:3] == [4096, 16384, 65536] and sweep_sizes(1 << 30)[-1] == 1 << 30
+    assert sweep_sizes(100 << 10) == [4096, 16384, 65536, 102400]
+    with pytest.raises(Exception, match="below the 4096 B"):
+        sweep_sizes(100)
+
+
+def test_sweep_json_spread_and_plot(tmp_path: Path, capsys) -> None:
+    out_json, png = tmp_path / "s.json", tmp_path / "s.png"
+    work = tmp_path / "w"
+    work.mkdir()
+    argv = ["bench", "--rounds", "2", "--warmup", "1", "--no-fio", "--no-deepspeed", "--quiet"]
+    argv += ["--dir", str(work), "--backends", "nopathstore", "--sweep", "--max-size", "64KiB"]
+    assert main([*argv, "--json", str(out_json), "--plot", str(png)]) == 0
+    doc = json.loads(out_json.read_text())["sweep"]
+    assert [r["size_bytes"] for r in doc] == [4096, 16384, 65536]
+    for r in doc:
+        ceiling, store = r["methods"][0], r["methods"][1]
+        assert len(store["write_s"]) == 2 and len(store["read_s"]) == 2  # warm-up not counted
+        lo, hi = store["read_spread_gbps"]
+        assert lo <= store["read_gbps"] <= hi
+        assert ceiling["status"] == "ok"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| 64.00 KiB | tiered backend: nopathstore |" in capsys.readouterr().out
+    assert list(work.iterdir()) == []
+
+
+def test_plot_without_sweep_is_an_error(tmp_path: Path, capsys) -> None:
+    assert main([*_BASE, "--dir", str(tmp_path), "--plot", str(tmp_path / "x.png")]) == 2
+    assert "add --sweep" in capsys.readouterr().err

@@ -83,6 +83,20 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="smoke test: 64MiB, 2 rounds, no warm-up, no DeepSpeed (override with --size/--rounds)",
     )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="measure every transfer size 4KiB, 16KiB, ... up to --max-size (each round-robin, median and spread)",
+    )
+    p.add_argument(
+        "--max-size", metavar="SIZE", default=None, help="largest size of --sweep (default --size)"
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="with --sweep: GB/s vs size per method and direction, the ceiling drawn (needs matplotlib)",
+    )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the full result as JSON to FILE")
     p.add_argument("--quiet", "-q", action="store_true", help="no per-round progress on stderr")
 
@@ -131,8 +145,46 @@ def measure(args: argparse.Namespace) -> Any:
     return run_bandwidth(opts, progress=progress)
 
 
+def _run_sweep(args: argparse.Namespace, out: TextIO) -> int:
+    from tiered.bench.runner import check_backends
+    from tiered.bench.sweep import run_sweep
+
+    opts = options_from_args(args)
+    check_backends(opts)
+    max_bytes = parse_bytes(args.max_size, what="--max-size") if args.max_size else opts.size_bytes
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"  {msg}", file=sys.stderr, flush=True)
+
+    result = run_sweep(opts, max_bytes, progress=progress)
+    out.write(result.to_markdown())
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        out.write(f"\nJSON written to {args.json}\n")
+    if args.plot:
+        result.plot(Path(args.plot))
+        out.write(f"plot written to {args.plot}\n")
+    failed = sorted(
+        {
+            m.name
+            for r in result.runs
+            for m in r.methods
+            if m.status == "error" and m.kind in ("ceiling", "backend")
+        }
+    )
+    if failed:
+        print(f"tiered bench: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
+    if args.plot and not args.sweep:
+        raise ConfigError("--plot draws GB/s against transfer size: add --sweep (and --max-size)")
+    if args.sweep:
+        return _run_sweep(args, out)
     result = measure(args)
     out.write(result.to_markdown())
     if args.json:
