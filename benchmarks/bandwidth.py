@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         help=f"replace the '{HEADING}' section of FILE (default benchmarks/RESULTS.md)",
     )
     args = parser.parse_args(argv)
+    if args.sweep or args.plot:  # shared flags this one-size report does not draw: never ignored
+        parser.error("--sweep / --plot: run `tiered bench --sweep` (this script reports one --size)")
     try:
         result = measure(args)
     except TieredError as exc:

@@ -257,3 +257,16 @@ def test_capabilities_default_to_the_class_attribute_or_say_what_to_set() -> Non
         Minimal().capabilities  # noqa: B018
     Minimal.static_capabilities = Capabilities(persistent=True, memory_like=False)
     assert Minimal().capabilities.persistent is True
+
+
+def test_registered_under_another_name_round_trips_its_spec() -> None:
+    # the class says "dictmem"; registered as "aliasmem" only, its spec must still reopen it
+    register_backend("aliasmem", DictBackend)
+    try:
+        b = open_backend({"type": "aliasmem", "label": "x"})
+        assert b.spec()["type"] == "aliasmem"
+        again = open_backend(b.spec())
+        assert type(again) is DictBackend and again.spec() == b.spec()
+        assert DictBackend.name == "dictmem"  # the class default is untouched
+    finally:
+        unregister_backend("aliasmem")

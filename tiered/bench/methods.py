@@ -86,6 +86,8 @@ class Method(abc.ABC):
     def __init__(self) -> None:
         self.workdir: Path | None = None
         self.timeout_s = 600.0
+        self.cpu_seconds: tuple[float, float] = (0.0, 0.0)
+        """Process CPU time of the last timed write and read (set by the runner)."""
 
     def setup(self, workdir: Path, timeout_s: float) -> None:
         self.workdir = workdir
@@ -194,11 +196,26 @@ class ODirectMethod(Method):
 def backend_spec(backend_type: str, directory: Path) -> dict[str, Any]:
     """The open_backend spec that puts `backend_type`'s files in `directory`.
 
-    tensorstore takes a kvstore spec (its "file" driver here); every file backend takes "path".
+    tensorstore takes a kvstore spec (its "file" driver here); a backend whose constructor takes
+    "path" gets `directory`, one that takes "paths" (striping) two subdirectories of it, and any
+    other registered backend is opened bare (``{"type": name}``): the bench never invents an
+    option a backend does not accept.
     """
     if backend_type == "tensorstore":
         return {"type": "tensorstore", "kvstore": {"driver": "file", "path": f"{directory}/"}}
-    return {"type": backend_type, "path": str(directory)}
+    from tiered.storage.registry import _constructor_params, get_backend_class
+
+    accepted, _required, _var_kw = _constructor_params(get_backend_class(backend_type))
+    if "path" in accepted:
+        return {"type": backend_type, "path": str(directory)}
+    if "paths" in accepted:
+        return {"type": backend_type, "paths": [str(directory / "s0"), str(directory / "s1")]}
+    return {"type": backend_type}
+
+
+def _short(spec: dict[str, Any]) -> str:
+    text = json.dumps(spec, separators=(",", ":"))
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class BackendMethod(Method):
@@ -206,10 +223,12 @@ class BackendMethod(Method):
 
     KEY = "bench.payload"
 
-    def __init__(self, backend_type: str, **options: Any) -> None:
+    def __init__(self, backend_type: str, *, spec: dict[str, Any] | None = None, **options: Any) -> None:
         super().__init__()
         self.backend_type, self.options = backend_type, options
-        self.name = f"tiered backend: {backend_type}"
+        self.spec = spec
+        """A full user spec (``--spec``): opened as given, its own paths kept."""
+        self.name = f"tiered backend: {backend_type}" if spec is None else f"tiered spec: {_short(spec)}"
         self.backend: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -217,7 +236,12 @@ class BackendMethod(Method):
         super().setup(workdir, timeout_s)
         from tiered.storage.registry import open_backend
 
-        self.backend = open_backend({**backend_spec(self.backend_type, workdir), **self.options})
+        spec = (
+            self.spec
+            if self.spec is not None
+            else {**backend_spec(self.backend_type, workdir), **self.options}
+        )
+        self.backend = open_backend(spec)
         self.loop = asyncio.new_event_loop()
 
     def _await(self, coro: Any, what: str) -> None:
@@ -245,6 +269,9 @@ class BackendMethod(Method):
     def close(self) -> None:
         if self.backend is not None and self.loop is not None:
             try:
+                # a --spec backend writes outside the bench's folder: its object goes too (Ctrl-C too)
+                if self.loop.run_until_complete(self.backend.exists(self.KEY)):
+                    self._await(self.backend.delete(self.KEY), "delete")
                 self._await(self.backend.close(), "close")
             finally:
                 self.loop.close()

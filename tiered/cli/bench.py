@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
+from tiered.errors import ConfigError
 from tiered.units import parse_bytes
 
 DESCRIPTION = """\
@@ -64,7 +65,16 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="NAME",
-        help="tiered backends to measure (default: nvme aiofiles tensorstore)",
+        help="registered tiered backends to measure, by name (default: nvme aiofiles tensorstore); "
+        "files go under --dir",
+    )
+    p.add_argument(
+        "--spec",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='a full backend spec to measure as given, e.g. \'{"type": "stripe", "paths": ["/mnt/a", "/mnt/b"]}\' '
+        "(repeatable; nested specs allowed; its own object is removed afterwards)",
     )
     p.add_argument("--no-fio", action="store_true", help="skip fio even if installed")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's aio handle")
@@ -72,6 +82,20 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help="smoke test: 64MiB, 2 rounds, no warm-up, no DeepSpeed (override with --size/--rounds)",
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="measure every transfer size 4KiB, 16KiB, ... up to --max-size (each round-robin, median and spread)",
+    )
+    p.add_argument(
+        "--max-size", metavar="SIZE", default=None, help="largest size of --sweep (default --size)"
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="with --sweep: GB/s vs size per method and direction, the ceiling drawn (needs matplotlib)",
     )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the full result as JSON to FILE")
     p.add_argument("--quiet", "-q", action="store_true", help="no per-round progress on stderr")
@@ -85,12 +109,23 @@ def options_from_args(args: argparse.Namespace) -> Any:
         parse_bytes(args.size, what="--size") if args.size is not None else (64 << 20 if quick else 1 << 30)
     )
     rounds = args.rounds if args.rounds is not None else (2 if quick else 5)
+    specs = []
+    for text in args.spec:
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--spec {text!r} is not valid JSON: {exc}") from exc
+        if not isinstance(spec, dict) or "type" not in spec:
+            raise ConfigError(f"--spec {text!r}: a backend spec is a JSON object with a 'type' key")
+        specs.append(spec)
+    backends = tuple(args.backends) if args.backends else (() if specs else DEFAULT_BACKENDS)
     return BenchOptions(
         directory=Path(args.dir) if args.dir is not None else Path(tempfile.gettempdir()),
         size_bytes=size,
         rounds=rounds,
         warmup_rounds=0 if quick else args.warmup,
-        backends=tuple(args.backends) if args.backends else DEFAULT_BACKENDS,
+        backends=backends,
+        specs=tuple(specs),
         fio=not args.no_fio,
         deepspeed=not (args.no_deepspeed or quick),
     )
@@ -98,21 +133,67 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def measure(args: argparse.Namespace) -> Any:
     """Run the benchmark the arguments describe; returns a BenchResult."""
-    from tiered.bench.runner import run_bandwidth
+    from tiered.bench.runner import check_backends, run_bandwidth
+
+    opts = options_from_args(args)
+    check_backends(opts)  # a typo is an error (nearest name suggested) before anything is written
 
     def progress(msg: str) -> None:
         if not args.quiet:
             print(f"  {msg}", file=sys.stderr, flush=True)
 
-    return run_bandwidth(options_from_args(args), progress=progress)
+    return run_bandwidth(opts, progress=progress)
+
+
+def _run_sweep(args: argparse.Namespace, out: TextIO) -> int:
+    from tiered.bench.runner import check_backends
+    from tiered.bench.sweep import run_sweep
+
+    opts = options_from_args(args)
+    check_backends(opts)
+    max_bytes = parse_bytes(args.max_size, what="--max-size") if args.max_size else opts.size_bytes
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"  {msg}", file=sys.stderr, flush=True)
+
+    result = run_sweep(opts, max_bytes, progress=progress)
+    out.write(result.to_markdown())
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        out.write(f"\nJSON written to {args.json}\n")
+    if args.plot:
+        result.plot(Path(args.plot))
+        out.write(f"plot written to {args.plot}\n")
+    failed = sorted(
+        {
+            m.name
+            for r in result.runs
+            for m in r.methods
+            if m.status == "error" and m.kind in ("ceiling", "backend")
+        }
+    )
+    if failed:
+        print(f"tiered bench: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
+    if args.plot and not args.sweep:
+        raise ConfigError("--plot draws GB/s against transfer size: add --sweep (and --max-size)")
+    if args.sweep:
+        return _run_sweep(args, out)
     result = measure(args)
     out.write(result.to_markdown())
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n")
         out.write(f"\nJSON written to {args.json}\n")
-    # The run itself failed if even the ceiling could not be measured.
-    return 0 if result.methods and result.methods[0].status == "ok" else 1
+    # The run failed if the ceiling could not be measured or any requested backend failed: a
+    # failing backend is an error the caller (a script, CI) must see, not only a table cell.
+    failed = [m.name for m in result.methods if m.status == "error" and m.kind in ("ceiling", "backend")]
+    if not result.methods or result.methods[0].status != "ok" or failed:
+        print(f"tiered bench: failed: {', '.join(failed) or 'no ceiling measured'}", file=sys.stderr)
+        return 1
+    return 0

@@ -439,10 +439,10 @@ def finetune_job(
         f"{steps} steps; {act.describe()}"
         f"{'; gradient checkpointing' + (' (reentrant)' if gradient_checkpointing_reentrant else '') if gradient_checkpointing else ''}\n"
     )
-    z = cfg.zero
+    from tiered.engine.build import choose_placement  # the tiers the engine really uses
+
     w(
-        f"placement: params on {z.offload_param.device if z.offload_param.device != 'none' else 'gpu'}, "
-        f"optimizer state on {z.offload_optimizer.device if z.offload_optimizer.device != 'none' else 'gpu'}, "
+        f"placement: {choose_placement(cfg).describe(cfg)}, "
         f"{str(cfg.precision.dtype).removeprefix('torch.')}; lr {cfg.optimizer.lr:g} ({cfg.optimizer.type})\n"
     )
     reference = copy.deepcopy(model) if compare_torch else None

@@ -86,6 +86,12 @@ def _derived_tiers(
     return backends, param_tier, opt_tier
 
 
+def derived_tier_names(zero: ZeroConfig, aio: AioConfig) -> set[str]:
+    """The tiers every config gets or the offload devices derive ("gpu", "cpu", "nvme", ...):
+    the others in ``tiered.tiers`` were declared by the user and must receive offload."""
+    return set(_derived_tiers(zero, aio)[0])
+
+
 def _backend(raw: Any, path: str, derived: dict[str, Any] | None) -> dict[str, Any]:
     spec = dict(as_section(raw, path))
     if "type" not in spec:

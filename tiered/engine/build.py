@@ -22,6 +22,7 @@ lower bound: prefetching more than one group is backpressured by the tier manage
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from tiered.tiers import TierManager
     from tiered.zero.budget import GpuGatherNeed
 
+log = logging.getLogger(__name__)
+
 _ORDER = ("gpu", "cpu", "nvme")
 _DEVICE_TIER = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}
 
@@ -51,6 +54,20 @@ class Placement:
     grad_tier: str
     optimizer_tier: str
     compute_dtype: torch.dtype
+
+    def describe(self, cfg: TieredConfig) -> str:
+        """ "params in nvme (nvme), gradients in cpu (cpu), optimizer state in mine (dirstore)":
+        the tiers really used and the backend type behind each."""
+
+        def tier(name: str) -> str:
+            spec = cfg.tiered.tiers.get(name)
+            kind = spec.backend.get("type") if spec is not None else None
+            return f"{name} ({kind})" if kind not in (None, name) else name
+
+        return (
+            f"params in {tier(self.param_tier)}, gradients in {tier(self.grad_tier)}, "
+            f"optimizer state in {tier(self.optimizer_tier)}"
+        )
 
 
 def choose_placement(cfg: TieredConfig) -> Placement:
@@ -76,7 +93,28 @@ def choose_placement(cfg: TieredConfig) -> Placement:
                 f"{key} puts the {what} in tier {tier!r}, but no such tier is configured "
                 f"(tiers: {', '.join(tiers)}); add it under tiered.tiers.{tier} or set an nvme_path"
             )
+    _refuse_unused_tiers(cfg, placement)
+    log.info("tiers used: %s", placement.describe(cfg))
     return placement
+
+
+def _refuse_unused_tiers(cfg: TieredConfig, placement: Placement) -> None:
+    """A tier the user declares that no state is routed to would run with 0 reads and 0 writes:
+    a config error naming the keys that route offload there, never a silent no-op."""
+    from tiered.config.tiers import derived_tier_names
+
+    used = {placement.param_tier, placement.grad_tier, placement.optimizer_tier}
+    derived = derived_tier_names(cfg.zero, cfg.aio)
+    unused = [n for n in cfg.tiered.tiers if n not in used and n not in derived]
+    if unused:
+        name = unused[0]
+        raise ConfigError(
+            f"tiered.tiers.{name} is declared but nothing is routed to it (parameters go to tier "
+            f"{placement.param_tier!r}, optimizer state to {placement.optimizer_tier!r}); set "
+            f'"tiered": {{"param_tier": "{name}"}} (with zero_optimization.offload_param.device) or '
+            f'{{"optimizer_tier": "{name}"}} (with zero_optimization.offload_optimizer.device), '
+            "or remove the tier" + (f"; unused too: {', '.join(unused[1:])}" if len(unused) > 1 else "")
+        )
 
 
 def tier_order(names: Sequence[str]) -> list[str]:

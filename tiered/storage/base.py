@@ -12,7 +12,12 @@ straight into the buffer the compute will use, and the compute can use it with n
 that are not memory-like raise NotImplementedError there.
 
 Writes are atomic per key: a reader never sees a half-written object, and a failed or cancelled
-write leaves the previous good copy (if any) in place.
+write leaves the previous good copy (if any) in place. The full rule book (errors, same-key
+concurrency, cancellation, short objects, capabilities) is docs/backends.md.
+
+Use after close is enforced here, for every backend: a subclass's ``write`` and ``read`` are
+wrapped at class creation (`__init_subclass__`) to raise StorageIOError once its ``close`` ran,
+so no backend hands out bytes from, or writes into, a store it has already released.
 
 Blocking calls (``os.open``, ``pwritev``, ``fsync``, ``unlink``, a large host memcpy) never run on
 the event loop: a backend sends them through ``self.bridge``, the `IOBridge` it was handed
@@ -36,13 +41,16 @@ the first move, sized ``io_threads`` plus the backends' ``io_concurrency``;
 from __future__ import annotations
 
 import abc
+import functools
+import inspect
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from tiered.errors import StorageKeyError
+from tiered.errors import StorageIOError, StorageKeyError
 from tiered.storage.bridge import IOBridge, default_bridge
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -107,8 +115,46 @@ def check_out_size(key: str, stored_nbytes: int, out_nbytes: int, *, where: str 
         )
 
 
+def _refuse_after_close(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    async def guarded(self: StorageBackend, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("_contract_closed"):
+            raise StorageIOError(
+                f"storage backend {self.name!r} ({type(self).__name__}) is closed; "
+                "open a new one with tiered.open_backend(spec)"
+            )
+        return await fn(self, *args, **kwargs)
+
+    guarded._tiered_close_guard = True  # type: ignore[attr-defined]  # wrap once per function
+    return guarded
+
+
+def _mark_closed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    async def closing(self: StorageBackend, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(self, *args, **kwargs)
+        finally:
+            self.__dict__["_contract_closed"] = True
+
+    closing._tiered_close_guard = True  # type: ignore[attr-defined]
+    return closing
+
+
 class StorageBackend(abc.ABC):
     """Abstract core of a storage backend. See [Note: backend contract]."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # use after close (see the Note): guard each write/read/close a subclass defines itself
+        super().__init_subclass__(**kwargs)
+        for attr, wrap in (
+            ("write", _refuse_after_close),
+            ("read", _refuse_after_close),
+            ("close", _mark_closed),
+        ):
+            fn = cls.__dict__.get(attr)
+            if inspect.iscoroutinefunction(fn) and not getattr(fn, "_tiered_close_guard", False):
+                setattr(cls, attr, wrap(fn))
 
     name: ClassVar[str] = "abstract"
     """Registry name, e.g. "nvme"."""
@@ -169,8 +215,10 @@ class StorageBackend(abc.ABC):
             )
         self._io_bridge = bridge
 
-    async def close(self) -> None:  # noqa: B027 - optional hook, most backends have nothing to free
-        """Release files, threads and memory. Idempotent."""
+    async def close(self) -> None:
+        """Release files, threads and memory. Idempotent. (Overrides need not call this: the
+        close guard marks them closed too, see the Note.)"""
+        self.__dict__["_contract_closed"] = True
 
     # ---- memory-like backends only (see the Note) ------------------------------------------
     def allocate(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:

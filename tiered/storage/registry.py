@@ -9,6 +9,13 @@ group like any third-party one (docs/architecture.md, "Layers"); ``tiered/`` nev
 
 Precedence: a name passed to `register_backend` overrides an entry point of the same name (so a
 user can swap in their own "nvme"); entry points are read once, on first use.
+
+The registered name is the spec's type: ``backend.spec()["type"]`` must reopen the same backend, yet a class may be registered (or listed
+as an entry point) under a name other than its ``name`` attribute: a user's own class swapped in
+as "cpu", one class under two names. `open_backend` therefore stamps the name it was opened by
+on the instance (``backend.name``), so ``spec()`` (which writes ``self.name``) names the registry
+entry that made it and ``open_backend(b.spec())`` round-trips. A backend constructed directly,
+not through the registry, keeps its class's ``name``.
 """
 
 from __future__ import annotations
@@ -239,6 +246,8 @@ def open_backend(spec: dict[str, Any] | str, *, bridge: IOBridge | None = None) 
             f"e.g. {{'type': {name!r}, {missing[0]!r}: ...}}"
         )
     backend = cls(**kwargs)
+    if backend.name != name:  # the spec's type ([Note: lazy backend registry])
+        backend.name = name  # type: ignore[misc]  # an instance's registry name shadows the class default
     if bridge is not None:
         backend.use_bridge(bridge)
     return backend

@@ -31,7 +31,7 @@ from typing import TypeVar
 import pytest
 import torch
 
-from tiered.errors import StorageKeyError
+from tiered.errors import StorageIOError, StorageKeyError
 from tiered.storage.base import Capabilities, Capacity, StorageBackend
 from tiered.storage.bridge import IOBridge, default_bridge
 
@@ -98,6 +98,21 @@ class BackendConformance:
 
     timeout_s: float = 120.0
     check_spec_roundtrip: bool = True
+    atomic_writes: bool = True
+    """False for a scratch mode that overwrites in place (nvme ``atomic=False``, swap files): the
+    same-key check then asks only that the next write after a burst is whole (docs/backends.md)."""
+
+    def truncate_stored(self, tmp_path: Path, key: str) -> bool:
+        """Cut the stored bytes of `key` to half, behind the backend's back; False if there is no
+        file to cut. The default truncates every file under `tmp_path` whose name contains the
+        key (one file per key, or one per stripe); a backend that hashes or packs its keys
+        overrides this to damage its own layout."""
+        found = False
+        for f in sorted(tmp_path.rglob("*")):
+            if f.is_file() and key in f.name:
+                f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+                found = True
+        return found
 
     def make_backend(self, tmp_path: Path) -> StorageBackend | Awaitable[StorageBackend]:
         raise NotImplementedError("subclasses of BackendConformance define make_backend(self, tmp_path)")
@@ -273,6 +288,152 @@ class BackendConformance:
                 is_old, is_new = torch.equal(out, old), torch.equal(out, new)
                 assert is_new or (is_old and key == "victim"), f"key {key!r}: a partial object is visible"
             await self.roundtrip(b, "victim", random_bytes(100, seed=9))  # still usable afterwards
+
+        self.run(tmp_path, scenario)
+
+    @pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.02])
+    def test_cancelled_read_leaves_out_alone_once_it_returns(self, tmp_path: Path, delay_s: float) -> None:
+        """docs/backends.md: a cancelled read may have filled part of `out`, but never writes
+        into it after the cancelled call returned (the caller reuses the buffer at once)."""
+
+        async def scenario(b: StorageBackend) -> None:
+            data = random_bytes(16 << 20, seed=31)
+            await b.write("cread", data)
+            for _ in range(3):
+                out = torch.zeros_like(data)
+                task = asyncio.ensure_future(b.read("cread", out))
+                await asyncio.sleep(delay_s)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                seen = out.clone()
+                for _ in range(5):  # let any straggling thread run: it must not touch `out`
+                    await asyncio.sleep(0.01)
+                assert torch.equal(out, seen), "a cancelled read wrote into `out` after it returned"
+            out = torch.empty_like(data)
+            await b.read("cread", out)  # the backend and the object are intact
+            assert torch.equal(out, data)
+
+        self.run(tmp_path, scenario)
+
+    # ---- same-key concurrency ---------------------------------------------------------------
+    def test_same_key_concurrent_writes_and_reads(self, tmp_path: Path) -> None:
+        """Writes of one key at once leave one of them whole; a read beside them returns one whole
+        version (the old one or a new one), never a mix."""
+
+        async def scenario(b: StorageBackend) -> None:
+            n = 2 << 20
+            versions = [random_bytes(n, seed=40 + i) for i in range(6)]
+            if not self.atomic_writes:  # scratch mode: no promise during the burst, only after it
+                await asyncio.gather(*(b.write("hot", v) for v in versions))
+                await self.roundtrip(b, "hot", random_bytes(3000, seed=49))
+                return
+            await b.write("hot", versions[0])
+            outs = [torch.empty(n, dtype=torch.uint8) for _ in range(6)]
+            ops = [b.write("hot", v) for v in versions[1:]] + [b.read("hot", o) for o in outs]
+            await asyncio.gather(*ops)
+            for i, o in enumerate(outs):
+                assert any(torch.equal(o, v) for v in versions), f"read {i} beside writes returned a mix"
+            final = torch.empty(n, dtype=torch.uint8)
+            await b.read("hot", final)
+            assert any(torch.equal(final, v) for v in versions[1:]), "same-key writes left a mix"
+            sized = [random_bytes(1000 * (i + 1), seed=50 + i) for i in range(4)]
+            await asyncio.gather(*(b.write("hot", v) for v in sized))
+            whole = False
+            for v in sized:
+                try:
+                    out = torch.empty_like(v)
+                    await b.read("hot", out)
+                except ValueError:
+                    continue  # another size won: the right ValueError, nothing half-written
+                whole = whole or torch.equal(out, v)
+            assert whole, "writes of different sizes to one key left no whole version"
+
+        self.run(tmp_path, scenario)
+
+    # ---- short and corrupt objects -----------------------------------------------------------
+    def test_truncated_object_is_an_error_not_data(self, tmp_path: Path) -> None:
+        """A stored object cut short behind the backend's back reads as an error naming the key
+        (StorageIOError, or the ValueError giving both sizes), never as success."""
+
+        async def scenario(b: StorageBackend) -> None:
+            if not b.capabilities.persistent:
+                return  # nothing outside the process holds its bytes: nothing to truncate
+            data = random_bytes(1 << 20, seed=60)
+            await b.write("cutshort", data)
+            await b.close()  # let everything reach the medium first
+            if not self.truncate_stored(tmp_path, "cutshort"):
+                pytest.skip(
+                    f"{type(b).__name__} keeps no file named after the key under tmp_path; "
+                    "override truncate_stored to check truncated objects"
+                )
+            reopened = await self._reopen(b, tmp_path)
+            try:
+                out = torch.zeros_like(data)
+                with pytest.raises((StorageIOError, ValueError), match="cutshort"):
+                    await reopened.read("cutshort", out)
+            finally:
+                await reopened.close()
+
+        self.run(tmp_path, scenario)
+
+    async def _reopen(self, b: StorageBackend, tmp_path: Path) -> StorageBackend:
+        made = self.make_backend(tmp_path)
+        again = await made if inspect.isawaitable(made) else made
+        assert isinstance(again, StorageBackend)
+        return again
+
+    # ---- use after close --------------------------------------------------------------------
+    def test_use_after_close_is_an_error(self, tmp_path: Path) -> None:
+        async def scenario(b: StorageBackend) -> None:
+            await b.write("late", random_bytes(100, seed=70))
+            await b.close()
+            with pytest.raises(StorageIOError, match="closed"):
+                await b.write("late", random_bytes(100, seed=71))
+            with pytest.raises(StorageIOError, match="closed"):
+                await b.read("late", torch.empty(100, dtype=torch.uint8))
+            await b.close()  # still idempotent
+
+        self.run(tmp_path, scenario)
+
+    # ---- declared capabilities hold ---------------------------------------------------------
+    def test_declared_capabilities_hold(self, tmp_path: Path) -> None:
+        """What `capabilities` declares is true of the backend (the tier manager plans by it)."""
+
+        async def scenario(b: StorageBackend) -> None:
+            caps = b.capabilities
+            align = caps.alignment_bytes
+            assert isinstance(align, int) and align >= 1 and align & (align - 1) == 0, (
+                f"alignment_bytes must be a power of two, got {align!r}"
+            )
+            conc = getattr(b, "io_concurrency", 0)
+            assert isinstance(conc, int) and conc >= 0, f"io_concurrency must be an int >= 0, got {conc!r}"
+            if caps.memory_like:
+                t = b.allocate("capcheck", 16, torch.float32)
+                assert str(t.device) == str(torch.device(caps.device)), (
+                    f"memory_like tensors declared on {caps.device!r} but allocated on {t.device}"
+                )
+                assert b.view("capcheck").data_ptr() == t.data_ptr()
+            else:
+                with pytest.raises(NotImplementedError):
+                    b.allocate("capcheck", 16, torch.float32)
+            if caps.direct_gpu and torch.cuda.is_available():
+                src = random_bytes(4096, seed=80).cuda()
+                await b.write("gpu-direct", src)
+                out = torch.empty_like(src)
+                await b.read("gpu-direct", out)
+                assert torch.equal(out.cpu(), src.cpu()), (
+                    "direct_gpu declared, but CUDA tensors do not round-trip"
+                )
+            if caps.persistent:  # a second instance on the same place sees the bytes
+                data = random_bytes(3000, seed=81)
+                await b.write("persists", data)
+                again = await self._reopen(b, tmp_path)
+                try:
+                    out = torch.empty_like(data)
+                    await again.read("persists", out)
+                    assert torch.equal(out, data), "persistent declared, but a new instance reads other bytes"
+                finally:
+                    await again.close()
 
         self.run(tmp_path, scenario)
 

@@ -23,6 +23,8 @@ from tiered.testing import BackendConformance, random_bytes
 class TestNVMeSwapConformance(BackendConformance):
     """The engine's offload configuration: in place, unsynced, in a private swap directory."""
 
+    atomic_writes = False  # in-place overwrites: same-key bursts are not promised whole
+
     def make_backend(self, tmp_path):
         return NVMeBackend(tmp_path, atomic=False, fsync=False, swap=True)
 
