@@ -84,3 +84,8 @@ class CheckpointMismatchError(ConfigError):
 
 class CheckpointSpaceError(TieredError, OSError):
     """Not enough free space for a checkpoint (checked before writing, or the disk filled up)."""
+
+
+class WeightsError(ConfigError):
+    """Pretrained weights that cannot be loaded: a missing or unlisted shard, a bad index, a tensor
+    whose shape or values do not fit the model; the message names the file and tensor."""

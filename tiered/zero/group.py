@@ -86,7 +86,7 @@ class GroupRuntime:
         params: list[nn.Parameter],
         *,
         needs_fetch: bool,
-        initial_fp32: torch.Tensor | None = None,
+        initial_fp32: torch.Tensor | Callable[[], torch.Tensor] | None = None,
     ) -> None:
         self.ctx = ctx
         self.group = group
@@ -137,7 +137,8 @@ class GroupRuntime:
         self._initial_taken = True
         if self._initial_fp32 is not None:
             t, self._initial_fp32 = self._initial_fp32, None
-            return t
+            # a function: the shard read again from the weight files ([Note: streaming load])
+            return t if isinstance(t, torch.Tensor) else t()
         was_resident = g.param.state("gpu").resident
         t = tm.fetch(g.param, "gpu").result()
         try:
