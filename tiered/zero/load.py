@@ -167,6 +167,8 @@ class LoadPlan:
         self.key_of = key_of
         """id(param) -> the file tensor holding it; absent: initialised (init_missing)."""
         self.buffer_keys = buffer_keys
+        self.pin = False
+        """Shard buffers in page-locked memory (the gpu tier is a CUDA device: the copy to it is a DMA)."""
 
     def check_buffers_fit(
         self, shard_numels: Sequence[int], compute_dtype: torch.dtype, cpu_budget: int | None
@@ -212,7 +214,7 @@ class LoadPlan:
         numel: int,
         init_missing: Callable[[list[tuple[str, nn.Parameter]]], None],
     ) -> torch.Tensor:
-        out = torch.zeros(numel, dtype=torch.float32)
+        out = torch.zeros(numel, dtype=torch.float32, pin_memory=self.pin)
         hi = lo + numel
         spans, off = [], 0
         for (qual, p), n in zip(params, numels, strict=True):

@@ -111,6 +111,7 @@ def write_group_partitions(
     if weights is not None:  # before anything is written
         cpu_budget = tm.budget_bytes("cpu") if "cpu" in tm.tier_names else None
         weights.check_buffers_fit([s for _, s in sizes], compute_dtype, cpu_budget)
+        weights.pin = placeholder.device.type == "cuda" and param_tier == "gpu"
     out = []
     for i, (pg, (full, shard)) in enumerate(zip(planned, sizes, strict=True)):
         name = group_name(i)
@@ -136,7 +137,13 @@ def write_group_partitions(
             del flat
             if pg.trainable and (compute_dtype != torch.float32 or is_meta):
                 init32 = shard32.clone()
-        ppart = tm.create(f"{name}.param", shard, compute_dtype, param_tier, init=shard32.to(compute_dtype))
+        # for a CUDA gpu tier the pinned fp32 buffer goes to the device and is cast there
+        src = (
+            shard32.to(placeholder.device, non_blocking=True)
+            if weights is not None and weights.pin
+            else shard32
+        )
+        ppart = tm.create(f"{name}.param", shard, compute_dtype, param_tier, init=src.to(compute_dtype))
         gpart = tm.create(f"{name}.grad", shard, torch.float32, grad_tier) if pg.trainable else None
         del shard32
         g = ShardGroup(i, name, tuple(entries), full, shard, rank * shard, ppart, gpart, pg.persistent)
