@@ -47,3 +47,37 @@ def test_grad_tier_needs_an_offloaded_optimizer(tmp_path):
     cfg["tiered"] = {"grad_tier": "nvme"}
     with pytest.raises(tiered.ConfigError, match="tiered.grad_tier"):
         tiered.initialize(build(CASES["mlp"]), cfg)
+
+
+def test_plan_40b_on_64gb_host_recommends_nvme_gradients(capsys):
+    """`tiered plan --params 40e9 --gpu-mem 80GB --cpu-mem 64GB --nvme-mem 4TB` fits only with the
+    gradients on NVMe, and its printed config is one the engine accepts (tiered.grad_tier)."""
+    import json
+
+    from tiered.cli.main import main
+    from tiered.config.loader import load_config
+
+    args = [
+        "plan",
+        "--params",
+        "40e9",
+        "--gpu-mem",
+        "80GB",
+        "--cpu-mem",
+        "64GB",
+        "--nvme-mem",
+        "4TB",
+        "--json",
+    ]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["recommended"] == "zero3_all_nvme"
+    rows = {s["key"]: s for s in doc["strategies"]}
+    assert not rows["zero3_opt_param_nvme"]["fits_all"]  # gradients in host memory: 171.6 GB of CPU
+    assert rows["zero3_all_nvme"]["bytes"]["cpu"] <= 64e9
+    assert rows["zero3_all_nvme"]["grad_tier"] == "nvme"
+    io = {k: rows[k]["nvme_io_bytes_per_step"] for k in ("zero3_all_nvme", "zero3_opt_param_nvme")}
+    assert io["zero3_all_nvme"] - io["zero3_opt_param_nvme"] == 12 * 40_000_000_000
+    cfg = doc["config"]
+    assert cfg["tiered"]["grad_tier"] == "nvme"
+    assert load_config(cfg).tiered.grad_tier == "nvme"
