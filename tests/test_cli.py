@@ -67,8 +67,9 @@ def test_plan_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
         "zero3_opt_param_cpu",
         "zero3_opt_nvme",
         "zero3_opt_param_nvme",
+        "zero3_all_nvme",
     ]
-    both = doc["strategies"][-1]
+    both = doc["strategies"][-2]
     assert both["bytes"] == {"gpu": 4_880_000_000, "cpu": 171_600_000_000, "nvme": 560_000_000_000}
     assert both["fits_all"] is True and doc["recommended"] == "zero3_opt_param_nvme"
     assert doc["strategies"][0]["shortfall_bytes"] == {"gpu": 560_000_000_000}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from tiered.engine import Engine, initialize
+from tiered.engine import Engine, from_pretrained, initialize
 from tiered.errors import (
     BackendImportError,
     BackendNotFoundError,
@@ -25,6 +25,7 @@ from tiered.errors import (
     TieredError,
     TierTimeoutError,
     UnsupportedConfigError,
+    WeightsError,
 )
 from tiered.storage.registry import open_backend, register_backend
 
@@ -55,6 +56,8 @@ __all__ = [
     "TieredError",
     "TierTimeoutError",
     "UnsupportedConfigError",
+    "WeightsError",
+    "from_pretrained",
     "initialize",
     "open_backend",
     "register_backend",

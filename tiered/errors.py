@@ -88,3 +88,8 @@ class CheckpointSpaceError(TieredError, OSError):
 
 class DistributedSetupError(TieredError, RuntimeError):
     """A multi-process launch (torchrun: WORLD_SIZE > 1) without a torch.distributed process group."""
+
+
+class WeightsError(ConfigError):
+    """Pretrained weights that cannot be loaded: a missing or unlisted shard, a bad index, a tensor
+    whose shape or values do not fit the model; the message names the file and tensor."""

@@ -385,7 +385,10 @@ def finetune_job(
     raw, trace_file, trace_is_temp = _with_trace(raw, trace_path, plot_path, rank)
     raw, hp = _hyperparameter_flags(raw, weight_decay=weight_decay, warmup_steps=warmup_steps, steps=steps)
 
-    model = build_model(source, seed=seed)
+    # streamed into the tiers from the shards ([Note: streaming load]) unless LoRA renames the
+    # parameters or --compare-torch needs a real copy: those load the files into the model first
+    streamed = source.folder if source.weight_files and lora is None and not compare_torch else None
+    model = build_model(source, seed=seed, meta=streamed is not None)
     hf: Any = model.config
     vocab = int(hf.vocab_size)
     max_pos = getattr(hf, "max_position_embeddings", None)
@@ -465,6 +468,7 @@ def finetune_job(
             on_eval=lambda st, loss: progress.eval(st, loss, eval_rows),
             link_rates=isinstance(progress, BarProgress),
             trace_compute=trace_file is not None,
+            weights=streamed,
         )
     finally:
         progress.close()

@@ -98,6 +98,7 @@ def dump_config(cfg: TieredConfig) -> dict[str, Any]:
             "overlap_step_with_backward": cfg.zero.overlap_step_with_backward,
             "param_tier": cfg.tiered.param_tier,
             "optimizer_tier": cfg.tiered.optimizer_tier,
+            "grad_tier": cfg.tiered.grad_tier,
         },
     }
     if cfg.scheduler is not None:

@@ -551,6 +551,7 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule("tiered.overlap_step_with_backward", _S),
     KeyRule("tiered.param_tier", _S),
     KeyRule("tiered.optimizer_tier", _S),
+    KeyRule("tiered.grad_tier", _S),
 )
 
 RULES: dict[str, KeyRule] = {rule.path: rule for rule in _RULES}

@@ -140,6 +140,9 @@ class TieredSection:
     """Tier holding offloaded 16-bit parameters ("cpu", "nvme", or a custom tier); None: no offload."""
     optimizer_tier: str | None = None
     """Tier holding offloaded optimizer state ("cpu", "nvme", "nvme_optimizer", custom); None: none."""
+    grad_tier: str | None = None
+    """Tier holding the fp32 gradients when the optimizer is offloaded (default "cpu"; "nvme":
+    [Note: gradients on nvme]); None: the default."""
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,19 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
         else:
             opt_tier = name
 
+    grad_tier = None
+    if section.get("grad_tier") is not None:  # [Note: gradients on nvme]
+        grad_tier = as_str(section["grad_tier"], "tiered.grad_tier")
+        if zero.offload_optimizer.device == "none":
+            raise ConfigError(
+                f'tiered.grad_tier = {grad_tier!r} but zero_optimization.offload_optimizer.device is "none" '
+                "(gradients then stay in gpu with the optimizer); offload the optimizer or remove tiered.grad_tier"
+            )
+        if grad_tier not in tiers or grad_tier == "gpu":
+            raise ConfigError(
+                f"tiered.grad_tier = {grad_tier!r} names no offload tier; defined tiers: "
+                f"{', '.join(sorted(t for t in tiers if t != 'gpu'))}"
+            )
     trace_path = section.get("trace_path")
     timeout = section.get("timeout_s")
     threads = section.get("io_threads")
@@ -179,4 +192,5 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
         else as_count(threads, "tiered.io_threads", minimum=1),
         param_tier=param_tier,
         optimizer_tier=opt_tier,
+        grad_tier=grad_tier,
     ), (False if overlap is None else as_bool(overlap, "tiered.overlap_step_with_backward"))

@@ -20,11 +20,11 @@ from tiered.engine.build import (
 )
 from tiered.engine.distributed import ensure_process_group
 from tiered.engine.engine import Engine
-from tiered.errors import DistributedSetupError
+from tiered.errors import ConfigError, DistributedSetupError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "Placement", "initialize"]
+__all__ = ["Engine", "Placement", "from_pretrained", "initialize"]
 
 
 def initialize(
@@ -37,6 +37,8 @@ def initialize(
     lr_scheduler: Any = None,
     training_data: Any = None,
     collate_fn: Any = None,
+    weights: str | os.PathLike[str] | None = None,
+    init_missing: bool = False,
     **hyperparameters: Any,
 ) -> Any:
     """Partition `model` into shard groups over the configured tiers and return the Engine.
@@ -56,6 +58,11 @@ def initialize(
     weight_decay=, warmup_steps=, total_steps=, micro_batch_size=, gradient_accumulation_steps=,
     max_grad_norm=, mixed_precision=) fill the config's "auto" as Hugging Face's Trainer does; a
     hyper-parameter neither gives is a ConfigError (see tiered.config.hyper).
+
+    `weights`: a Hugging Face model folder whose safetensors shards are streamed into the
+    partitions instead of the model's own values (build `model` on the meta device so it is never
+    on the host); `init_missing=True` initialises parameters the files do not cover instead of
+    refusing. See [Note: streaming load] and `tiered.from_pretrained`.
     """
     from tiered.config.loader import config_for_training
     from tiered.optim.offload import OffloadedAdam
@@ -81,8 +88,20 @@ def initialize(
         config = client.prepare(model, config, req)
     world_size = dist.get_world_size(process_group) if distributed else 1
     rank = dist.get_rank(process_group) if distributed else 0
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            f"tiered.initialize: every parameter of {type(model).__name__} is frozen (requires_grad=False); "
+            "there is nothing to train: unfreeze some parameters (or add LoRA adapters)"
+        )
     cfg = config_for_training(config, model=model, world_size=world_size, **hyperparameters)
     hyper, lr_scales = client.param_hyper(cfg, req) if req.given else (None, [1.0])
+    load_plan = None
+    if weights is not None:  # names, shapes and coverage, before any tier exists
+        from tiered.zero.load import WeightSource
+
+        load_plan = WeightSource(weights).plan(model, init_missing=init_missing)
+    elif init_missing:
+        raise ConfigError("tiered.initialize: init_missing=True needs weights=<model folder>")
     placement = choose_placement(cfg)
     scheduler = None
     if cfg.scheduler is not None:
@@ -100,6 +119,7 @@ def initialize(
             grad_tier=placement.grad_tier,
             compute_dtype=placement.compute_dtype,
             process_group=process_group,
+            weights=load_plan,
         )
         trainable = [g for g in zp.groups if g.trainable]  # frozen groups are never stepped
         plans = plan_optimizer_placement(
@@ -150,3 +170,6 @@ def initialize(
         capacity=needs,
     )
     return client.finish(engine, model, req, lr_scales) if req.given else engine
+
+
+from tiered.engine.pretrained import from_pretrained  # noqa: E402 - it calls initialize, defined above

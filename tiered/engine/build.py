@@ -80,7 +80,7 @@ def choose_placement(cfg: TieredConfig) -> Placement:
         opt_tier = "nvme_optimizer"
     placement = Placement(
         param_tier=cfg.tiered.param_tier or _DEVICE_TIER[cfg.zero.offload_param.device],
-        grad_tier="gpu" if opt_dev == "none" else "cpu",
+        grad_tier="gpu" if opt_dev == "none" else (cfg.tiered.grad_tier or "cpu"),
         optimizer_tier=opt_tier,
         compute_dtype=cfg.precision.dtype,
     )

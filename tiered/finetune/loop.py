@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -163,6 +164,7 @@ def train(
     on_eval: Callable[[int, float], None] | None = None,
     link_rates: bool = False,
     trace_compute: bool = False,
+    weights: str | os.PathLike[str] | None = None,
 ) -> TrainResult:
     """Fine-tune `model` for opts.steps optimizer steps through tiered's engine.
 
@@ -180,7 +182,7 @@ def train(
     import tiered
 
     t0 = time.perf_counter()
-    engine = tiered.initialize(model, config)
+    engine = tiered.initialize(model, config, weights=weights)  # weights: [Note: streaming load]
     init_s = time.perf_counter() - t0
     gas = engine.gas
     world = int(engine.world_size)

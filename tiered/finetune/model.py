@@ -115,9 +115,13 @@ def _load_weights(model: torch.nn.Module, files: tuple[Path, ...]) -> None:
     log.info("loaded %d tensors from %s", len(state), ", ".join(sorted(names)))
 
 
-def build_model(source: ModelSource, *, seed: int = 0, attn_implementation: str = "eager") -> torch.nn.Module:
+def build_model(
+    source: ModelSource, *, seed: int = 0, attn_implementation: str = "eager", meta: bool = False
+) -> torch.nn.Module:
     """An fp32 AutoModelForCausalLM from `source` ([Note: local models only]); weights are
-    initialised from torch.manual_seed(seed) unless the folder has safetensors files.
+    initialised from torch.manual_seed(seed) unless the folder has safetensors files. With
+    `meta`, on the meta device and without weights: the engine streams them from the folder
+    (``initialize(..., weights=source.folder)``, [Note: streaming load]).
 
     Eager attention by default: the same math on every machine, so a run can be compared with
     plain PyTorch to the last digits."""
@@ -126,14 +130,15 @@ def build_model(source: ModelSource, *, seed: int = 0, attn_implementation: str 
     config = load_hf_config(source)
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn_implementation, dtype=torch.float32
-        )
+        with torch.device("meta" if meta else "cpu"):
+            model = AutoModelForCausalLM.from_config(
+                config, attn_implementation=attn_implementation, dtype=torch.float32
+            )
     except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is the user's to fix
         raise ConfigError(
             f"--model {source.config_path}: transformers cannot build a causal LM from it: {exc}"
         ) from None
     model = model.float()
-    if source.weight_files:
+    if source.weight_files and not meta:
         _load_weights(model, source.weight_files)
     return model.train()

@@ -35,6 +35,11 @@ Symbols: Ψ parameters, N data-parallel ranks, p / g bytes per 16-bit parameter 
   parameters up (pΨ/N); parameters offloaded = fetched up in forward and backward (2pΨ/N)
   instead of the upload after the step. NVMe traffic per step: optimizer on NVMe = 12 B read +
   12 B written per parameter of the shard; parameters on NVMe = 2p read + p written.
+* Gradients on NVMe (``tiered.grad_tier: "nvme"``, [Note: gradients on nvme]): the 4 B per
+  parameter leave host memory for NVMe; host memory keeps one sub-group's gradient staged for a
+  flush plus 3 pipeline slots of gradients the optimizer reads (4 x sub-group x 4 B). NVMe
+  traffic adds, per parameter of the shard, 4 B read + 4 B written at every micro-batch's flush
+  (read-add-write) and 4 B read by the optimizer: 12 B per step at one micro-batch per step.
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ HOST_GRAD_BYTES = 4
 """Gradients accumulate in fp32 in host memory once the optimizer is offloaded."""
 OPTIMIZER_STAGING_SLOTS = 3 * 3
 """3 fp32 states x 3 pipeline slots (read i+1, compute i, write i-1)."""
+GRAD_STAGING_SLOTS = 1 + 3
+"""Gradients on NVMe: one sub-group staged for a flush + 3 the optimizer pipeline reads."""
+NVME_GRAD_BYTES_PER_STEP = 12
+"""Gradients on NVMe, per parameter and step (one micro-batch): flush read + write, step read."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +181,8 @@ class StrategyPlan:
     nvme_io_bytes_per_step: int
     fits: dict[str, bool | None] = field(default_factory=dict)
     shortfall_bytes: dict[str, int] = field(default_factory=dict)
+    grad_tier: str = "cpu"
+    """Where the fp32 gradients live when the optimizer is offloaded ("cpu" or "nvme")."""
 
     def bytes_on(self, tier: str, *, working: bool | None = None) -> int:
         """Sum of terms on `tier`; working=True only the working set, False only model states."""
@@ -206,13 +217,17 @@ STRATEGIES: tuple[tuple[str, str, int, str, str], ...] = (
     ("zero3_opt_param_cpu", "ZeRO-3 + optimizer + params on CPU", 3, "cpu", "cpu"),
     ("zero3_opt_nvme", "ZeRO-3 + optimizer on NVMe", 3, "nvme", "none"),
     ("zero3_opt_param_nvme", "ZeRO-3 + optimizer + params on NVMe", 3, "nvme", "nvme"),
+    ("zero3_all_nvme", "ZeRO-3 + opt + params + grads on NVMe", 3, "nvme", "nvme"),
 )
+NVME_GRADIENTS = frozenset({"zero3_all_nvme"})
+"""Strategies whose gradients live on NVMe ([Note: gradients on nvme])."""
 RECOMMENDATION_ORDER = (
     "zero3",
     "zero3_opt_cpu",
     "zero3_opt_param_cpu",
     "zero3_opt_nvme",
     "zero3_opt_param_nvme",
+    "zero3_all_nvme",
 )
 
 
@@ -283,7 +298,19 @@ def strategy_plan(
             )
         else:
             terms.append(Term(cast(Tier, param_dev), "parameter shard (offloaded)", shard * b.param))
-        terms.append(Term("cpu", "fp32 gradient shard (host accumulation)", shard_t * HOST_GRAD_BYTES))
+        if key in NVME_GRADIENTS:
+            terms.append(
+                Term("nvme", "fp32 gradient shard (tiered.grad_tier nvme)", shard_t * HOST_GRAD_BYTES)
+            )
+            terms.append(
+                Term(
+                    "cpu",
+                    "staging: gradients (1 flushing + 3 optimizer slots x sub-group)",
+                    GRAD_STAGING_SLOTS * min(opts.sub_group_size, shard_t) * 4,
+                )
+            )
+        else:
+            terms.append(Term("cpu", "fp32 gradient shard (host accumulation)", shard_t * HOST_GRAD_BYTES))
         terms.append(
             Term(cast(Tier, opt_dev), "optimizer shard: fp32 master + m + v", shard_t * MIXED_OPTIMIZER_BYTES)
         )
@@ -320,7 +347,12 @@ def strategy_plan(
         nvme_io += 2 * shard * MIXED_OPTIMIZER_BYTES
     if param_dev == "nvme":
         nvme_io += 3 * shard * b.param
-    return StrategyPlan(key, name, stage, opt_dev, param_dev, tuple(terms), comm, host_link, nvme_io)
+    grad_tier = "nvme" if key in NVME_GRADIENTS else "cpu"
+    if grad_tier == "nvme":
+        nvme_io += NVME_GRAD_BYTES_PER_STEP * shard_t
+    return StrategyPlan(
+        key, name, stage, opt_dev, param_dev, tuple(terms), comm, host_link, nvme_io, grad_tier=grad_tier
+    )
 
 
 def check_fit(s: StrategyPlan, mem: Memories) -> StrategyPlan:

@@ -84,6 +84,8 @@ def deepspeed_config(s: StrategyPlan, shape: ModelShape, mem: Memories, opts: Pl
             backend["path"] = opts.nvme_path
         tiers[tier] = {"backend": backend, "budget": tier_budget(need, mem.of(tier))}
     config["tiered"] = {"tiers": tiers}
+    if s.grad_tier != "cpu":
+        config["tiered"]["grad_tier"] = s.grad_tier  # [Note: gradients on nvme]
     return config
 
 

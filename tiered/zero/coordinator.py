@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     from tiered.config.schema import TieredConfig
     from tiered.tiers import TierManager
+    from tiered.zero.load import LoadPlan
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class ZeroParameters:
         grad_tier: str,
         compute_dtype: torch.dtype,
         process_group: ProcessGroup | None = None,
+        weights: LoadPlan | None = None,
     ) -> None:
         z = cfg.zero
         self.model = model
@@ -148,6 +150,7 @@ class ZeroParameters:
             rank=self.rank,
             is_meta=is_meta,
             placeholder=placeholder,
+            weights=weights,
         )
         del planned
         self.groups: list[ShardGroup] = [w.group for w in written]
@@ -177,6 +180,8 @@ class ZeroParameters:
         del written
         self.budget.bind(self.runtimes)
         move_buffers(model, self.device, is_meta=is_meta)
+        if weights is not None:
+            weights.load_buffers(model)
 
         part_group = {g.param.name: g.index for g in self.groups}
         tm.set_eviction_policy(

@@ -49,6 +49,7 @@ from tiered.errors import ShapeMutationError
 from tiered.shards import ShardGroup
 from tiered.zero import comm
 from tiered.zero.budget import LiveBudget
+from tiered.zero.grad_home import StagedGradHome, is_staged
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -86,7 +87,7 @@ class GroupRuntime:
         params: list[nn.Parameter],
         *,
         needs_fetch: bool,
-        initial_fp32: torch.Tensor | None = None,
+        initial_fp32: torch.Tensor | Callable[[], torch.Tensor] | None = None,
     ) -> None:
         self.ctx = ctx
         self.group = group
@@ -112,10 +113,17 @@ class GroupRuntime:
         self._home_views: dict[str, torch.Tensor] = {}
         self._initial_fp32 = initial_fp32
         self._initial_taken = False
+        self._staged_grad = (  # a gradient home in storage: [Note: gradients on nvme]
+            StagedGradHome(ctx.tm, group.grad)
+            if group.grad is not None and is_staged(ctx.tm, group.grad)
+            else None
+        )
 
     # ---- home copies -----------------------------------------------------------------------
     def home_view(self, part: Partition) -> torch.Tensor:
         """The stable resident home tensor of `part` (this group's param or grad). See [Note: home views]."""
+        if self._staged_grad is not None and part is self._staged_grad.part:
+            return self._staged_grad.open()
         t = self._home_views.get(part.name)
         if t is None:
             tm = self.ctx.tm
@@ -126,6 +134,9 @@ class GroupRuntime:
 
     def _home_written(self, part: Partition) -> None:
         """The home copy was modified in place: tell the manager if another copy went stale."""
+        if self._staged_grad is not None and part is self._staged_grad.part:
+            self._staged_grad.write_back()
+            return
         if part.valid_in() != frozenset((part.home,)):
             self.ctx.tm.mark_dirty(part, part.home)
 
@@ -137,7 +148,8 @@ class GroupRuntime:
         self._initial_taken = True
         if self._initial_fp32 is not None:
             t, self._initial_fp32 = self._initial_fp32, None
-            return t
+            # a function: the shard read again from the weight files ([Note: streaming load])
+            return t if isinstance(t, torch.Tensor) else t()
         was_resident = g.param.state("gpu").resident
         t = tm.fetch(g.param, "gpu").result()
         try:
@@ -354,6 +366,8 @@ class GroupRuntime:
         """Squared L2 norm of the accumulated fp32 gradient shard (0 for a frozen group)."""
         if self.group.grad is None:
             return 0.0
+        if self._staged_grad is not None:
+            return 0.0 if self.grad_zero_pending else self._staged_grad.sq_norm
         t = self.home_view(self.group.grad)
         return float(torch.dot(t, t).item()) if t.numel() else 0.0
 
@@ -364,4 +378,6 @@ class GroupRuntime:
             raise ValueError(f"group {g.name} is frozen (requires_grad=False): it has no gradient")
         if self.grad_zero_pending:
             return torch.zeros(g.shard_numel, dtype=torch.float32)
+        if self._staged_grad is not None:
+            return self._staged_grad.read_copy()
         return self.home_view(g.grad).detach().to("cpu", copy=True)

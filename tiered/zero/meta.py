@@ -89,3 +89,8 @@ def materialize_buffers(model: nn.Module, device: torch.device) -> None:
     for mname, module in model.named_modules():
         if _empty_buffers(module, device):
             _init_module(mname, module, init_fn)
+
+
+def drop_meta_storage(p: nn.Parameter) -> None:
+    """A meta parameter swapped for an empty host one (same object), so ``.data`` can be set."""
+    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad))

@@ -9,6 +9,7 @@ layout is [Note: flat shard groups] (tiered/shards.py), the grouping [Note: grou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,12 +17,13 @@ import torch
 from torch import nn
 
 from tiered.shards import ParamEntry, ShardGroup, group_name, padded_numel
-from tiered.zero.meta import materialize_buffers, materialize_group
+from tiered.zero.meta import drop_meta_storage, materialize_buffers, materialize_group
 from tiered.zero.plan import PlannedGroup, flat_fp32, plan_param_groups
 
 if TYPE_CHECKING:
     from tiered.config.schema import ZeroConfig
     from tiered.tiers import TierManager
+    from tiered.zero.load import LoadPlan
 
 ALIGNMENT_NUMEL = 64
 """Shards start at multiples of 64 elements (128 B in bf16, 256 B in fp32)."""
@@ -80,8 +82,9 @@ class WrittenGroup:
 
     group: ShardGroup
     params: list[nn.Parameter]
-    initial_fp32: torch.Tensor | None
-    """This rank's fp32 shard where the partition cannot give it back exactly (low precision, meta)."""
+    initial_fp32: torch.Tensor | Callable[[], torch.Tensor] | None
+    """This rank's fp32 shard where the partition cannot give it back exactly (low precision, meta);
+    with a weights source, a function reading it again from the files ([Note: streaming load])."""
 
 
 def write_group_partitions(
@@ -96,29 +99,58 @@ def write_group_partitions(
     rank: int,
     is_meta: bool,
     placeholder: torch.Tensor,
+    weights: LoadPlan | None = None,
 ) -> list[WrittenGroup]:
     """Create each group's param (and grad) partition from the model's values, one group at a
-    time (a meta model is materialised group by group: see [Note: meta materialisation])."""
+    time (a meta model is materialised group by group: see [Note: meta materialisation]); with
+    `weights`, from the files instead ([Note: streaming load])."""
+    sizes = []
+    for pg in planned:
+        full = padded_numel(sum(p.numel() for _, p in pg.params), world_size, ALIGNMENT_NUMEL)
+        sizes.append((full, full // world_size))
+    if weights is not None:  # before anything is written
+        cpu_budget = tm.budget_bytes("cpu") if "cpu" in tm.tier_names else None
+        weights.check_buffers_fit([s for _, s in sizes], compute_dtype, cpu_budget)
+        weights.pin = placeholder.device.type == "cuda" and param_tier == "gpu"
     out = []
-    for i, pg in enumerate(planned):
+    for i, (pg, (full, shard)) in enumerate(zip(planned, sizes, strict=True)):
         name = group_name(i)
         entries, off = [], 0
         for qual, p in pg.params:
             entries.append(ParamEntry(qual, off, p.numel(), tuple(p.shape)))
             off += p.numel()
-        full = padded_numel(off, world_size, ALIGNMENT_NUMEL)
-        shard = full // world_size
-        if is_meta:
-            materialize_group(model, pg.params, torch.device("cpu"))
-        flat = flat_fp32(pg.params, full)
-        shard32 = flat[rank * shard : (rank + 1) * shard]
-        ppart = tm.create(f"{name}.param", shard, compute_dtype, param_tier, init=shard32.to(compute_dtype))
+        init32: torch.Tensor | Callable[[], torch.Tensor] | None = None
+        if weights is not None:
+
+            def init_missing(todo: list[tuple[str, nn.Parameter]]) -> None:
+                materialize_group(model, todo, torch.device("cpu"))
+
+            shard32 = weights.fill_shard(pg.params, rank * shard, shard, init_missing)
+            if pg.trainable and compute_dtype != torch.float32:
+                covered = all(id(p) in weights.key_of for _, p in pg.params)
+                init32 = weights.initial_fp32(pg.params, rank * shard, shard) if covered else shard32.clone()
+        else:
+            if is_meta:
+                materialize_group(model, pg.params, torch.device("cpu"))
+            flat = flat_fp32(pg.params, full)
+            shard32 = flat[rank * shard : (rank + 1) * shard]
+            del flat
+            if pg.trainable and (compute_dtype != torch.float32 or is_meta):
+                init32 = shard32.clone()
+        # for a CUDA gpu tier the pinned fp32 buffer goes to the device and is cast there
+        src = (
+            shard32.to(placeholder.device, non_blocking=True)
+            if weights is not None and weights.pin
+            else shard32
+        )
+        ppart = tm.create(f"{name}.param", shard, compute_dtype, param_tier, init=src.to(compute_dtype))
         gpart = tm.create(f"{name}.grad", shard, torch.float32, grad_tier) if pg.trainable else None
-        init32 = shard32.clone() if pg.trainable and (compute_dtype != torch.float32 or is_meta) else None
-        del flat, shard32
+        del shard32
         g = ShardGroup(i, name, tuple(entries), full, shard, rank * shard, ppart, gpart, pg.persistent)
         params = [p for _, p in pg.params]
         for p in params:
+            if p.is_meta:  # never materialised (its values came from the files): give it host storage
+                drop_meta_storage(p)
             p.data = placeholder
         out.append(WrittenGroup(g, params, init32))
     return out

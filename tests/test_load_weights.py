@@ -1,0 +1,311 @@
+"""Streaming pretrained weights from safetensors shards into the tiers ([Note: streaming load])."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import tiered
+from tests.engine_support import ds_config
+from tiered.testing.weights import write_random_weights
+
+
+def _llama_config(tie: bool = False, layers: int = 2, hidden: int = 32, inter: int = 64, vocab: int = 64):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
+
+
+def _folder(tmp_path: Path, *, tie: bool = False, dtype: torch.dtype = torch.bfloat16) -> Path:
+    folder = tmp_path / "model"
+    write_random_weights(folder, _llama_config(tie), dtype=dtype, shard_bytes=8 << 10, seed=3)
+    return folder
+
+
+def _file_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("model-*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _cfg(tmp_path: Path, **kw):
+    kw.setdefault("param", "nvme")
+    kw.setdefault("opt", "cpu")
+    return ds_config(nvme_path=str(tmp_path / "nvme"), **kw)
+
+
+def _batch(vocab: int = 64):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (2, 12), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_streamed_values_and_training_equal_plain_pytorch(tmp_path, dtype):
+    """The partitions hold exactly the files' values (bf16 upcast), and two AdamW steps from them
+    equal plain PyTorch AdamW from the same values (fp32 compute), or start from them (bf16)."""
+    from transformers import LlamaForCausalLM
+
+    folder = _folder(tmp_path)
+    want = {k: v.float() for k, v in _file_tensors(folder).items()}
+    assert len(list(folder.glob("model-*.safetensors"))) > 1  # really sharded, through the index
+    engine = tiered.from_pretrained(folder, _cfg(tmp_path, dtype=dtype))
+    with engine:
+        got = engine.zero.gather_full_state_dict()
+        for k, v in want.items():
+            torch.testing.assert_close(got[k].float(), v, rtol=0, atol=0, msg=k)
+        losses = []
+        for _ in range(2):
+            loss = engine(**_batch()).loss
+            losses.append(float(loss.detach()))
+            engine.backward(loss)
+            engine.step()
+        after = {k: v.float().clone() for k, v in engine.zero.gather_full_state_dict().items()}
+    ref = LlamaForCausalLM(_llama_config())
+    ref.config._attn_implementation = "eager"
+    ref.load_state_dict(want, strict=False)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    ref_losses = []
+    for _ in range(2):
+        loss = ref(**_batch()).loss
+        ref_losses.append(float(loss.detach()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    # bf16: the fp32 master is read from the files (upcast), so only the forward's rounding differs
+    rel = 1e-5 if dtype == "fp32" else 2e-3
+    assert losses == pytest.approx(ref_losses, rel=rel)
+    if dtype == "fp32":
+        for k, p in ref.named_parameters():
+            torch.testing.assert_close(after[k], p.detach(), rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_tied_weights_are_covered_and_missing_ones_listed(tmp_path):
+    folder = _folder(tmp_path, tie=True)
+    assert "lm_head.weight" not in _file_tensors(folder)
+    with tiered.from_pretrained(folder, _cfg(tmp_path)) as engine:
+        sd = engine.zero.gather_full_state_dict()
+        torch.testing.assert_close(
+            sd["model.embed_tokens.weight"].float(),
+            _file_tensors(folder)["model.embed_tokens.weight"].float(),
+        )
+    # drop a tensor from the index and its shard: an error naming it, unless init_missing
+    idx = json.loads((folder / "model.safetensors.index.json").read_text())
+    from safetensors.torch import load_file, save_file
+
+    name = "model.layers.1.mlp.up_proj.weight"
+    shard = folder / idx["weight_map"].pop(name)
+    rest = {k: v for k, v in load_file(str(shard)).items() if k != name}
+    save_file(rest, str(shard))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(tiered.WeightsError, match=r"do not cover 1 parameters.*up_proj.*init_missing"):
+        tiered.from_pretrained(folder, _cfg(tmp_path))
+    with tiered.from_pretrained(folder, _cfg(tmp_path), init_missing=True) as engine:
+        w = engine.zero.gather_full_state_dict()[name]
+        assert torch.isfinite(w).all() and w.abs().sum() > 0  # initialised (HF init), not zeros
+
+
+def test_index_errors_name_the_file(tmp_path):
+    folder = _folder(tmp_path)
+    index = folder / "model.safetensors.index.json"
+    good = index.read_text()
+    second = sorted(folder.glob("model-*.safetensors"))[1]
+    second.rename(folder / "moved.bin")
+    with pytest.raises(tiered.WeightsError, match=rf"{second.name}.*incomplete"):
+        tiered.from_pretrained(folder, _cfg(tmp_path))
+    (folder / "moved.bin").rename(second)
+    index.write_text("{not json")
+    with pytest.raises(tiered.WeightsError, match=r"model\.safetensors\.index\.json.*not a valid JSON"):
+        tiered.from_pretrained(folder, _cfg(tmp_path))
+    index.write_text(good)
+
+
+def test_shape_mismatch_and_nan_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _folder(tmp_path)
+    idx = json.loads((folder / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.self_attn.q_proj.weight"
+    shard = folder / idx["weight_map"][name]
+    tensors = load_file(str(shard))
+    orig = tensors[name].clone()
+    tensors[name] = torch.zeros(3, 5, dtype=torch.bfloat16)
+    save_file(tensors, str(shard))
+    with pytest.raises(tiered.WeightsError, match=r"q_proj\.weight.*shape \(3, 5\).*config\.json"):
+        tiered.from_pretrained(folder, _cfg(tmp_path))
+    bad = orig.clone()
+    bad[7, 3] = float("nan")
+    tensors[name] = bad
+    save_file(tensors, str(shard))
+    with pytest.raises(tiered.WeightsError, match=r"layers\.0\.self_attn\.q_proj\.weight.*NaN or Inf"):
+        tiered.from_pretrained(folder, _cfg(tmp_path))
+
+
+def test_stray_files_are_ignored_with_one_log_line(tmp_path, caplog):
+    from safetensors.torch import save_file
+
+    folder = _folder(tmp_path)
+    want = _file_tensors(folder)
+    poison = {k: torch.full_like(v, 7.0) for k, v in list(want.items())[:3]}
+    save_file(poison, str(folder / "consolidated.safetensors"))
+    with caplog.at_level(logging.INFO, logger="tiered.zero.load"):
+        with tiered.from_pretrained(folder, _cfg(tmp_path)) as engine:
+            sd = engine.zero.gather_full_state_dict()
+    assert [r for r in caplog.records if "consolidated.safetensors" in r.getMessage()]
+    for k in poison:
+        torch.testing.assert_close(sd[k].float(), want[k].float())
+    # no index: the Hugging Face shard names win over consolidated.safetensors, logged
+    (folder / "model.safetensors.index.json").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tiered.zero.load"):
+        with tiered.from_pretrained(folder, _cfg(tmp_path)) as engine:
+            sd = engine.zero.gather_full_state_dict()
+    assert [r for r in caplog.records if "ignoring consolidated.safetensors" in r.getMessage()]
+    for k in poison:
+        torch.testing.assert_close(sd[k].float(), want[k].float())
+
+
+def test_two_unindexed_files_with_one_tensor_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    folder = _folder(tmp_path)
+    (folder / "model.safetensors.index.json").unlink()
+    for f in folder.glob("model-*.safetensors"):
+        f.rename(folder / f.name.replace("model-", "part-"))
+    k, v = next(iter(_file_tensors_glob(folder).items()))
+    save_file({k: v}, str(folder / "old.safetensors"))
+    with pytest.raises(tiered.WeightsError, match=rf"{k} is in both"):
+        tiered.from_pretrained(folder, _cfg(tmp_path))
+
+
+def _file_tensors_glob(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(sorted(folder.glob("part-*.safetensors"))[0]))
+
+
+def test_cpu_budget_too_small_for_streaming_fails_before_writing(tmp_path):
+    folder = _folder(tmp_path)
+    nvme = tmp_path / "nvme"
+    with pytest.raises(tiered.CapacityError, match=r"streaming weights .* needs [\d,]+ bytes"):
+        tiered.from_pretrained(folder, _cfg(tmp_path, cpu_budget=1 << 20))
+    assert not [p for p in nvme.rglob("*") if p.is_file()]  # nothing was written
+
+
+def test_all_frozen_model_is_refused(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(_llama_config())
+    model.requires_grad_(False)
+    with pytest.raises(tiered.ConfigError, match="every parameter .* is frozen"):
+        tiered.initialize(model, _cfg(tmp_path))
+
+
+_RSS_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch, tiered
+    from tests.engine_support import ds_config
+    folder, nvme, cpu_b, gpu_b = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    base = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    cfg = ds_config(param="nvme", opt="nvme", nvme_path=nvme, sub_group_size=10**9,
+                    gpu_budget=gpu_b, cpu_budget=cpu_b)
+    from tiered.engine.pretrained import meta_causal_lm
+    model = meta_causal_lm(folder)
+    # gradients live in host memory when the optimizer is offloaded: train one matrix only, so the
+    # CPU budget is about the load (the weights, on nvme, are 5x the budget)
+    model.requires_grad_(False)
+    model.model.layers[-1].mlp.down_proj.weight.requires_grad_(True)
+    engine = tiered.initialize(model, cfg, weights=folder)
+    peak_load = status("VmHWM:") - base
+    ids = torch.randint(0, 256, (1, 16))
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    engine.close()
+    print(json.dumps({"peak_load": peak_load, "loss": float(loss)}))
+    """
+)
+
+
+def test_peak_rss_of_load_stays_within_the_budgets(tmp_path):
+    """A model whose fp32 weights (~330 MB) exceed the CPU budget (64 MB) streams in with peak RSS
+    within cpu + gpu budget + largest tensor + 1 GiB, and below the fp32 model (the old path
+    materialised all of it, plus the files' tensors)."""
+    cfg = _llama_config(layers=10, hidden=768, inter=2048, vocab=8192)
+    cfg.num_attention_heads = cfg.num_key_value_heads = 12
+    folder = tmp_path / "model"
+    write_random_weights(folder, cfg, dtype=torch.bfloat16, shard_bytes=64 << 20)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    fp32_bytes = sum(p.numel() for p in meta.parameters()) * 4
+    largest = max(p.numel() for p in meta.parameters()) * 4
+    cpu_b, gpu_b = 64 << 20, 64 << 20
+    assert fp32_bytes > 4 * cpu_b
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(folder), str(tmp_path / "nvme"), str(cpu_b), str(gpu_b)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    peak = out["peak_load"]
+    assert peak <= cpu_b + gpu_b + largest + (1 << 30), out
+    assert peak < cpu_b + gpu_b + largest + (128 << 20) < fp32_bytes, (peak, fp32_bytes)
+
+
+def test_finetune_cli_streams_the_folder_weights(tmp_path, caplog):
+    """`tiered finetune --model DIR` with shards streams them (the loader logs the files) and its
+    losses equal the --compare-torch run, which loads the files into a real model first."""
+    from tests.finetune_support import ds_config as ft_config
+    from tiered.cli.main import main
+
+    folder = tmp_path / "model"
+    write_random_weights(folder, _llama_config(vocab=256), shard_bytes=16 << 10, seed=4)
+    data = tmp_path / "corpus.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(ft_config(tmp_path / "nvme")))
+    docs = []
+    for extra, streamed in (((), True), (("--compare-torch",), False)):
+        stats = tmp_path / f"stats{len(docs)}.json"
+        caplog.clear()
+        args = ["finetune", "--model", str(folder), "--config", str(cfg), "--data", str(data)]
+        args += ["--seq-len", "16", "--steps", "2", "--stats-json", str(stats), *extra]
+        with caplog.at_level(logging.INFO, logger="tiered.zero.load"):
+            assert main(args) == 0
+        assert any("tensors in" in r.getMessage() for r in caplog.records) == streamed
+        docs.append(json.loads(stats.read_text()))
+    assert docs[0]["losses"] == pytest.approx(docs[1]["losses"], rel=1e-5)

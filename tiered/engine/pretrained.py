@@ -1,0 +1,63 @@
+"""`tiered.from_pretrained(folder, config) -> Engine`: a Hugging Face causal LM built on the meta
+device and its safetensors weights streamed into the tiers ([Note: streaming load])."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiered.config.schema import TieredConfig
+from tiered.engine.engine import Engine
+from tiered.errors import ConfigError, TieredError
+
+
+def meta_causal_lm(folder: str | os.PathLike[str], *, attn_implementation: str = "eager") -> torch.nn.Module:
+    """The AutoModelForCausalLM of `folder`'s config.json, on the meta device (no host memory).
+    Eager attention by default: the same math on every machine."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as exc:
+        raise TieredError(
+            "from_pretrained needs transformers; install it with pip install 'tiered[hf]'"
+        ) from exc
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"from_pretrained({folder}): no config.json there; pass a Hugging Face model folder"
+        )
+    try:
+        hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"from_pretrained({folder}): config.json cannot be read: {exc}") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            hf, attn_implementation=attn_implementation, dtype=torch.float32
+        )
+    return model.train()
+
+
+def from_pretrained(
+    folder: str | os.PathLike[str],
+    config: dict[str, Any] | str | os.PathLike[str] | TieredConfig,
+    *,
+    init_missing: bool = False,
+    attn_implementation: str = "eager",
+    process_group: Any = None,
+    **hyperparameters: Any,
+) -> Engine:
+    """Build `folder`'s causal LM on the meta device and stream its weights into the tiers;
+    the engine (`engine.module` is the model). Arguments as `tiered.initialize`."""
+    from tiered.engine import initialize
+
+    model = meta_causal_lm(folder, attn_implementation=attn_implementation)
+    return initialize(
+        model,
+        config,
+        process_group=process_group,
+        weights=folder,
+        init_missing=init_missing,
+        **hyperparameters,
+    )

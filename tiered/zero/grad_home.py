@@ -1,0 +1,62 @@
+"""A gradient partition whose home is not memory (``tiered.grad_tier: "nvme"``): staged per flush.
+
+[Note: gradients on nvme]
+With the optimizer offloaded the fp32 gradients would need 4 bytes per parameter of host memory
+(160 GB for 40B parameters). With ``tiered.grad_tier`` naming a storage tier (nvme), a group's
+gradient partition lives there instead: each flush reads it into "cpu" (the first flush after
+zeroing too: the copy overwrites it), adds or copies this backward's gradients (read-add-write
+under accumulation), writes it back and frees the staged copy, so host memory holds one group's
+gradient at a time. The squared norm of the values written is kept per group, so the global
+norm for clipping is exact (the same fp32 values the optimizer reads) without reading every
+gradient again at the end of backward. The optimizer fetches each group's gradient from its
+home like its states (tiered/optim/offload.py already does so for any gradient home).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tiered.tiers import Partition, TierManager
+
+STAGE_TIER = "cpu"
+
+
+def is_staged(tm: TierManager, part: Partition) -> bool:
+    """True when `part`'s home is not addressable memory (its home view cannot be held)."""
+    return not tm.tier(part.home).backend.capabilities.memory_like
+
+
+class StagedGradHome:
+    """One group's gradient partition homed in a storage tier; see [Note: gradients on nvme]."""
+
+    def __init__(self, tm: TierManager, part: Partition) -> None:
+        self.tm = tm
+        self.part = part
+        self.staged: torch.Tensor | None = None
+        self.sq_norm = 0.0
+        """Squared L2 norm of the values last written (0 while lazily zero)."""
+
+    def open(self) -> torch.Tensor:
+        """The partition's values in "cpu", to be modified in place and then `write_back()`."""
+        if self.staged is None:
+            self.staged = self.tm.fetch(self.part, STAGE_TIER).result()
+        return self.staged
+
+    def write_back(self) -> None:
+        t, self.staged = self.staged, None
+        assert t is not None, f"{self.part.name}: write_back without open"
+        self.sq_norm = float(torch.dot(t, t).item()) if t.numel() else 0.0
+        tm = self.tm
+        tm.mark_dirty(self.part, STAGE_TIER)
+        tm.release(self.part, STAGE_TIER)
+        tm.evict(self.part, STAGE_TIER).result()  # written home before the staged copy is freed
+
+    def read_copy(self) -> torch.Tensor:
+        tm = self.tm
+        t = tm.fetch(self.part, STAGE_TIER).result().clone()
+        tm.release(self.part, STAGE_TIER)
+        tm.evict(self.part, STAGE_TIER).result()  # clean: frees it
+        return t

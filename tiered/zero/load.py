@@ -1,0 +1,293 @@
+"""Pretrained weights streamed from safetensors shards into the groups' partitions at initialize.
+
+[Note: streaming load]
+``initialize(model, config, weights=folder)`` (and ``tiered.from_pretrained``) never holds the
+model on the host: the model is usually built on the meta device, and while each group's
+partitions are written (tiered/zero/sharding.py) only this rank's slice of that group is read
+from the files, row block by row block (at most ``CHUNK_BYTES`` converted at a time), into one
+fp32 shard buffer; the buffer is cast to the compute dtype and handed to the group's tier, then
+dropped. A file is opened (``safe_open``, which memory-maps it) per group and closed after, so
+the mapped pages read stay bounded by one group too. Host memory for loading is therefore one
+group's shard in fp32 (+ its compute-dtype copy) + one chunk; that is checked against the CPU
+budget before any partition is written.
+
+The fp32 master the optimizer starts from is read again from the files, group by group, when
+it takes it (``take_initial_fp32``), instead of being kept for every group from the first read:
+keeping them would be the whole model in fp32 on the host. bf16 weights are upcast exactly.
+
+Which files: with ``model.safetensors.index.json`` exactly the files its ``weight_map`` names
+(a listed file that is missing is an error naming it; a ``*.safetensors`` it does not list is
+ignored, with one log line). Without an index, when Hugging Face shard names are present
+(``model.safetensors`` or ``model-00001-of-00003.safetensors``) only those are read and any
+other file (a Mistral-style ``consolidated.safetensors``, an old copy) is ignored with one log
+line; otherwise every ``*.safetensors`` is read, and a tensor found in two files is an error
+naming both (never one silently overriding the other).
+
+Checks, all before training: every file tensor names a parameter or buffer of the model with
+the same shape (else an error naming the tensor and file: wrong config.json?); every parameter
+is covered under one of its names (a tied ``lm_head.weight`` is covered by ``embed_tokens``),
+else an error listing them unless ``init_missing=True``, which initialises them as a meta model
+would be ([Note: meta materialisation]); a NaN or Inf read is an error naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiered.errors import CapacityError, WeightsError
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+CHUNK_BYTES = 16 << 20
+"""fp32 bytes converted at a time while streaming one tensor's slice."""
+_HF_SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+
+
+def _weight_files(folder: Path) -> tuple[list[Path], Path | None]:
+    """The files to read ([Note: streaming load]) and the index they came from (None: no index)."""
+    present = sorted(folder.glob("*.safetensors"))
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+            weight_map = data["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise WeightsError(
+                f"weights index {index} is not a valid JSON index with a weight_map ({exc}); fix or remove it"
+            ) from None
+        listed = sorted({str(v) for v in weight_map.values()})
+        missing = [n for n in listed if not (folder / n).is_file()]
+        if missing:
+            raise WeightsError(
+                f"weights index {index} lists shard(s) {missing} that are not in {folder}; "
+                "the download is incomplete"
+            )
+        stray = [p.name for p in present if p.name not in listed]
+        if stray:
+            log.info("weights: %s not listed in %s: ignored", ", ".join(stray), INDEX_NAME)
+        return [folder / n for n in listed], index
+    hf = [p for p in present if _HF_SHARD.match(p.name)]
+    if hf and len(hf) < len(present):
+        stray = [p.name for p in present if p not in hf]
+        log.info(
+            "weights: no %s; reading the Hugging Face shards %s and ignoring %s",
+            INDEX_NAME,
+            ", ".join(p.name for p in hf),
+            ", ".join(stray),
+        )
+        return hf, None
+    return present, None
+
+
+class WeightSource:
+    """The tensors of one model folder: which file holds each, its shape and dtype (headers only)."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise WeightsError(f"weights={folder}: not a folder; pass a Hugging Face model folder")
+        files, index = _weight_files(self.folder)
+        if not files:
+            raise WeightsError(f"weights={folder}: no *.safetensors files in the folder")
+        from safetensors import safe_open
+
+        self.file_of: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    for k in h.keys():
+                        if k in self.file_of:
+                            raise WeightsError(
+                                f"tensor {k} is in both {self.file_of[k].name} and {f.name} "
+                                f"(folder {self.folder}, no index to choose): remove the stale file"
+                            )
+                        self.file_of[k] = f
+                        self.shapes[k] = tuple(h.get_slice(k).get_shape())
+            except WeightsError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a corrupt file is the user's to fix
+                raise WeightsError(f"weights file {f}: cannot read its safetensors header: {exc}") from None
+        self.index = index
+        log.info("weights: %d tensors in %d files under %s", len(self.file_of), len(files), self.folder)
+
+    def plan(self, model: nn.Module, *, init_missing: bool) -> LoadPlan:
+        """Match the files against `model` (names, shapes, coverage): see [Note: streaming load]."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers())
+        unexpected = sorted(k for k in self.file_of if k not in params and k not in buffers)
+        if unexpected:
+            raise WeightsError(
+                f"weights in {self.folder}: {len(unexpected)} tensors the model does not have, e.g. "
+                f"{unexpected[:5]}; do the weights belong to this config.json?"
+            )
+        for k, shape in self.shapes.items():
+            own = params[k] if k in params else buffers[k]
+            if shape != tuple(own.shape):
+                raise WeightsError(
+                    f"tensor {k} in {self.file_of[k].name} has shape {shape}, the model (config.json) "
+                    f"expects {tuple(own.shape)}; do the weights belong to this config.json?"
+                )
+        key_of: dict[int, str] = {}
+        for name, p in params.items():
+            if name in self.file_of:
+                key_of.setdefault(id(p), name)  # tied: the first name the files hold
+        missing = sorted({n for n, p in params.items() if id(p) not in key_of})
+        if missing and not init_missing:
+            raise WeightsError(
+                f"weights in {self.folder} do not cover {len(missing)} parameters: {missing[:10]}"
+                f"{' ...' if len(missing) > 10 else ''}; pass init_missing=True to initialise them"
+            )
+        if missing:
+            log.info(
+                "weights: %d parameters not in the files are initialised: %s", len(missing), missing[:10]
+            )
+        return LoadPlan(self, key_of, sorted(k for k in self.file_of if k in buffers and k not in params))
+
+
+class LoadPlan:
+    """Which file tensor fills each parameter (by id); reads slices of them. One per initialize."""
+
+    def __init__(self, source: WeightSource, key_of: dict[int, str], buffer_keys: list[str]) -> None:
+        self.source = source
+        self.key_of = key_of
+        """id(param) -> the file tensor holding it; absent: initialised (init_missing)."""
+        self.buffer_keys = buffer_keys
+        self.pin = False
+        """Shard buffers in page-locked memory (the gpu tier is a CUDA device: the copy to it is a DMA)."""
+
+    def check_buffers_fit(
+        self, shard_numels: Sequence[int], compute_dtype: torch.dtype, cpu_budget: int | None
+    ) -> int:
+        """The host bytes streaming needs (largest group's fp32 shard + its cast + one chunk);
+        a CapacityError naming them when the CPU budget cannot hold them. Before any write."""
+        cast = 0 if compute_dtype == torch.float32 else torch.empty(0, dtype=compute_dtype).element_size()
+        need = max(shard_numels, default=0) * (4 + cast) + CHUNK_BYTES
+        if cpu_budget is not None and need > cpu_budget:
+            raise CapacityError(
+                f"streaming weights from {self.source.folder} needs {need:,} bytes of host memory (the largest "
+                f"group's shard in fp32{' and ' + str(compute_dtype) if cast else ''} + a {CHUNK_BYTES:,}-byte "
+                f"chunk) but the cpu tier's budget is {cpu_budget:,} bytes; raise it or lower sub_group_size"
+            )
+        return need
+
+    @contextmanager
+    def _opened(self, keys: Sequence[str]) -> Iterator[dict[Path, Any]]:
+        from safetensors import safe_open
+
+        with ExitStack() as stack:
+            handles: dict[Path, Any] = {}
+            for f in sorted({self.source.file_of[k] for k in keys}):
+                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+            yield handles
+
+    def fill_shard(
+        self,
+        params: Sequence[tuple[str, nn.Parameter]],
+        lo: int,
+        numel: int,
+        init_missing: Callable[[list[tuple[str, nn.Parameter]]], None],
+    ) -> torch.Tensor:
+        """Elements [lo, lo+numel) of the group's flat buffer (padding zero), in fp32, read from the
+        files; parameters the files do not cover are initialised by `init_missing` first."""
+        return self._fill(params, [p.numel() for _, p in params], lo, numel, init_missing)
+
+    def _fill(
+        self,
+        params: Sequence[tuple[str, nn.Parameter]],
+        numels: Sequence[int],
+        lo: int,
+        numel: int,
+        init_missing: Callable[[list[tuple[str, nn.Parameter]]], None],
+    ) -> torch.Tensor:
+        out = torch.zeros(numel, dtype=torch.float32, pin_memory=self.pin)
+        hi = lo + numel
+        spans, off = [], 0
+        for (qual, p), n in zip(params, numels, strict=True):
+            if off < hi and off + n > lo:
+                spans.append((qual, p, max(lo, off) - off, min(hi, off + n) - off, max(lo, off) - lo))
+            off += n
+        todo = [(q, p) for q, p, *_ in spans if id(p) not in self.key_of]
+        if todo:
+            init_missing(todo)
+        with self._opened([self.key_of[id(p)] for _, p, *_ in spans if id(p) in self.key_of]) as handles:
+            for _qual, p, a, b, at in spans:
+                dst = out[at : at + (b - a)]
+                key = self.key_of.get(id(p))
+                if key is None:
+                    dst.copy_(p.detach().reshape(-1)[a:b])
+                else:
+                    self._read(handles[self.source.file_of[key]], key, a, b, dst)
+        return out
+
+    def _read(self, h: Any, key: str, a: int, b: int, dst: torch.Tensor) -> None:
+        """Flat elements [a, b) of tensor `key` into `dst` (fp32), converted CHUNK_BYTES at a time."""
+        shape = self.source.shapes[key]
+        if len(shape) == 0:
+            t = h.get_tensor(key).reshape(-1)[a:b]
+            self._finite(key, t)
+            dst.copy_(t)
+            return
+        row = math.prod(shape[1:])
+        rows_per_chunk = max(1, CHUNK_BYTES // (4 * max(row, 1)))
+        sl = h.get_slice(key)
+        r = a // row
+        while r * row < b:
+            r2 = min(r + rows_per_chunk, -(-b // row))
+            t = sl[r:r2].reshape(-1)
+            s, e = max(a, r * row) - r * row, min(b, r2 * row) - r * row
+            t = t[s:e]
+            self._finite(key, t)
+            dst[max(a, r * row) - a : max(a, r * row) - a + (e - s)].copy_(t)
+            r = r2
+
+    def _finite(self, key: str, t: torch.Tensor) -> None:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise WeightsError(
+                f"tensor {key} in {self.source.file_of[key]} holds NaN or Inf values; the weights are "
+                "corrupt (training would diverge from the first step)"
+            )
+
+    def load_buffers(self, model: nn.Module) -> None:
+        """Buffers the files hold (e.g. an old checkpoint's rotary inv_freq): copied in place."""
+        if not self.buffer_keys:
+            return
+        buffers = dict(model.named_buffers())
+        with self._opened(self.buffer_keys) as handles, torch.no_grad():
+            for k in self.buffer_keys:
+                t = handles[self.source.file_of[k]].get_tensor(k)
+                self._finite(k, t)
+                buffers[k].copy_(t.to(buffers[k].dtype))
+
+    def initial_fp32(
+        self, params: Sequence[tuple[str, nn.Parameter]], lo: int, numel: int
+    ) -> Callable[[], torch.Tensor]:
+        """The group's fp32 master shard, read again from the files when the optimizer takes it."""
+
+        numels = [p.numel() for _, p in params]  # now: the parameters are emptied after the write
+
+        def read() -> torch.Tensor:
+            return self._fill(params, numels, lo, numel, _already_initialised)
+
+        return read
+
+
+def _already_initialised(todo: list[tuple[str, nn.Parameter]]) -> None:
+    raise WeightsError(
+        f"parameters {[q for q, _ in todo][:5]} were initialised (init_missing) in low precision only; "
+        "their fp32 master cannot be read from the files"
+    )
