@@ -89,6 +89,7 @@ def initialize(
             optimizer_tier=placement.optimizer_tier,
             compute_dtype=placement.compute_dtype,
             plans=plans,
+            grads_received=zp,
         )
     except BaseException:
         if zp is not None:

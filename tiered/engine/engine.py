@@ -426,6 +426,7 @@ class Engine:
             "skipped_steps": self.skipped_steps,
             # every group steps together: one bias-correction count; the lr schedule's position
             "optimizer_step": self.optimizer.step_count,
+            "param_steps": self.optimizer.param_step_counts(),  # a parameter without grad is not stepped
             "scheduler": None if self.config.scheduler is None else self.config.scheduler.type,
             "loss_scaler": self.loss_scaler.state_dict(),
         }
@@ -435,6 +436,7 @@ class Engine:
         self.micro_steps = int(state["micro_steps"])
         self.skipped_steps = int(state["skipped_steps"])
         self.optimizer.step_count = int(state["optimizer_step"])
+        self.optimizer.load_param_step_counts(state.get("param_steps"))
         self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.last_grad_norm = None
         self._found_inf = False

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -190,6 +190,10 @@ class ZeroParameters:
         )
         self._pass = PassState(self.trace, self.runtimes, self._bw, self, saved)
         self._grad_callbacks: list[Callable[[ShardGroup], None]] = []
+        # world_size > 1: see [Note: flush order across ranks]
+        self._gathered_in_pass: set[int] = set()
+        self._complete: set[int] = set()
+        self._flush_cursor = len(self.runtimes) - 1
         self._hooks = HookSet(self, model, [p for rt in self.runtimes for p in rt.params])
         log.info(
             "partitioned %d parameters into %d groups (%d persistent), world_size=%d",
@@ -266,6 +270,8 @@ class ZeroParameters:
     def finish_backward(self, *, summarize: bool = True) -> GradSummary:
         """End of backward: flush partly complete groups, release everything, end the pass, and
         (if `summarize`) return the local squared norm and overflow flag of the accumulated grads."""
+        if self.world_size > 1:  # every trainable group, once, in index order: [Note: flush order across ranks]
+            self._flush_in_order(until_end=True)
         for rt in self.runtimes:
             if rt.has_unflushed_grads():  # partly complete groups
                 self._flush(rt)
@@ -290,9 +296,46 @@ class ZeroParameters:
         for rt in self.runtimes:
             rt.zero_grads_lazily()
 
+    def received_local(self, group: ShardGroup) -> torch.Tensor:
+        """uint8 per entry of `group`: a gradient reached it on this rank in this accumulation window."""
+        return self.runtimes[group.index].received
+
+    def received_across_ranks(self, groups: Sequence[ShardGroup]) -> list[torch.Tensor]:
+        """`received_local` of each of `groups`, OR-ed over the ranks: one all_reduce (MAX) of the
+        concatenated masks. Every rank calls it once per optimizer step."""
+        masks = [self.runtimes[g.index].received for g in groups]
+        if self.world_size == 1 or not masks:
+            return [m.clone() for m in masks]
+        flat = torch.cat(masks)
+        comm.all_reduce_max_(flat, self.process_group)
+        return list(torch.split(flat, [m.numel() for m in masks]))
+
     def read_grad_shard(self, group: ShardGroup) -> torch.Tensor:
         """A CPU copy of this rank's accumulated fp32 gradient shard (tests, checkpoints)."""
         return self.runtimes[group.index].read_grad_shard()
+
+    def _flush_in_order(self, *, until_end: bool = False) -> None:
+        """[Note: flush order across ranks]
+        With world_size > 1 a flush is a collective (the reduce-scatter), so every rank must flush
+        the same groups in the same order, even where their graphs differ (an expert routed tokens
+        on one rank only, a branch taken by one rank's samples). As DDP does with its buckets, the
+        groups are flushed in one order, descending index (backward's order for a sequential
+        model), each trainable group once per backward: a group waits until its gradients are
+        complete, or is flushed with zeros at once when this rank did not gather it in this
+        forward (it can get no gradient here); `finish_backward` flushes the rest. A group that
+        got no gradient on any rank is then not stepped ([Note: parameters without a gradient
+        are not stepped] in tiered/optim/runs.py)."""
+        while self._flush_cursor >= 0:
+            i = self._flush_cursor
+            rt = self.runtimes[i]
+            if rt.group.grad is not None:
+                if not (until_end or i in self._complete or i not in self._gathered_in_pass):
+                    break
+                self._flush(rt)
+            self._flush_cursor -= 1
+        if until_end:
+            self._flush_cursor = len(self.runtimes) - 1
+            self._complete.clear()
 
     def _flush(self, rt: GroupRuntime) -> None:
         rt.flush_grads()
@@ -317,6 +360,7 @@ class ZeroParameters:
             )
         busy, self.busy = self.busy, True
         try:
+            self._gathered_in_pass.add(i)
             if record:
                 self.trace.on_gather(i)
             if rt.evicting is not None:  # reused before its background eviction finished
@@ -374,6 +418,7 @@ class ZeroParameters:
     def _forward_enter(self, module: nn.Module) -> None:
         if module is self.model and not self._fw_stack:
             self._pass.begin()
+            self._gathered_in_pass.clear()
         idxs = self._groups_of(module)
         for i in idxs:
             self._gather(i)
@@ -429,4 +474,8 @@ class ZeroParameters:
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         rt = self.runtimes[self.managed[id(p)][0]]
         if rt.grad_arrived(p):
-            self._flush(rt)
+            if self.world_size == 1:
+                self._flush(rt)
+            else:
+                self._complete.add(rt.index)
+                self._flush_in_order()

@@ -108,6 +108,9 @@ class GroupRuntime:
         self.grads_seen: set[int] = set()
         """ids of the parameters whose gradient arrived in this backward."""
         self.grad_zero_pending = group.grad is not None
+        self.received = torch.zeros(len(group.entries), dtype=torch.uint8)
+        """Per entry (uint8): a gradient reached it in this accumulation window (``p.grad`` set at
+        some flush). See [Note: parameters without a gradient are not stepped] in tiered/optim/runs.py."""
         """The gradient partition is logically zero: see [Note: lazy gradient zeroing]."""
         self._home_views: dict[str, torch.Tensor] = {}
         self._initial_fp32 = initial_fp32
@@ -305,6 +308,7 @@ class GroupRuntime:
         g, ctx = self.group, self.ctx
         assert g.grad is not None
         grads = [(e, p.grad) for e, p in zip(g.entries, self.params, strict=True)]
+        self.received |= torch.tensor([gr is not None for _, gr in grads], dtype=torch.uint8)
         fresh, self.grad_zero_pending = self.grad_zero_pending, False
         with torch.no_grad():
             if ctx.world_size == 1:
@@ -341,6 +345,7 @@ class GroupRuntime:
         end of backward) and this backward's gradients are forgotten."""
         if self.group.grad is not None:
             self.grad_zero_pending = True
+        self.received.zero_()
         self.drop_param_grads()
 
     def zero_pending_grad(self) -> None:
