@@ -190,10 +190,6 @@ class ZeroParameters:
         )
         self._pass = PassState(self.trace, self.runtimes, self._bw, self, saved)
         self._grad_callbacks: list[Callable[[ShardGroup], None]] = []
-        # world_size > 1: see [Note: flush order across ranks]
-        self._gathered_in_pass: set[int] = set()
-        self._complete: set[int] = set()
-        self._flush_cursor = len(self.runtimes) - 1
         self._hooks = HookSet(self, model, [p for rt in self.runtimes for p in rt.params])
         log.info(
             "partitioned %d parameters into %d groups (%d persistent), world_size=%d",
@@ -270,8 +266,6 @@ class ZeroParameters:
     def finish_backward(self, *, summarize: bool = True) -> GradSummary:
         """End of backward: flush partly complete groups, release everything, end the pass, and
         (if `summarize`) return the local squared norm and overflow flag of the accumulated grads."""
-        if self.world_size > 1:  # every trainable group, once, in index order: [Note: flush order across ranks]
-            self._flush_in_order(until_end=True)
         for rt in self.runtimes:
             if rt.has_unflushed_grads():  # partly complete groups
                 self._flush(rt)
@@ -314,29 +308,6 @@ class ZeroParameters:
         """A CPU copy of this rank's accumulated fp32 gradient shard (tests, checkpoints)."""
         return self.runtimes[group.index].read_grad_shard()
 
-    def _flush_in_order(self, *, until_end: bool = False) -> None:
-        """[Note: flush order across ranks]
-        With world_size > 1 a flush is a collective (the reduce-scatter), so every rank must flush
-        the same groups in the same order, even where their graphs differ (an expert routed tokens
-        on one rank only, a branch taken by one rank's samples). As DDP does with its buckets, the
-        groups are flushed in one order, descending index (backward's order for a sequential
-        model), each trainable group once per backward: a group waits until its gradients are
-        complete, or is flushed with zeros at once when this rank did not gather it in this
-        forward (it can get no gradient here); `finish_backward` flushes the rest. A group that
-        got no gradient on any rank is then not stepped ([Note: parameters without a gradient
-        are not stepped] in tiered/optim/runs.py)."""
-        while self._flush_cursor >= 0:
-            i = self._flush_cursor
-            rt = self.runtimes[i]
-            if rt.group.grad is not None:
-                if not (until_end or i in self._complete or i not in self._gathered_in_pass):
-                    break
-                self._flush(rt)
-            self._flush_cursor -= 1
-        if until_end:
-            self._flush_cursor = len(self.runtimes) - 1
-            self._complete.clear()
-
     def _flush(self, rt: GroupRuntime) -> None:
         rt.flush_grads()
         self._bw.release(rt.index)
@@ -360,7 +331,6 @@ class ZeroParameters:
             )
         busy, self.busy = self.busy, True
         try:
-            self._gathered_in_pass.add(i)
             if record:
                 self.trace.on_gather(i)
             if rt.evicting is not None:  # reused before its background eviction finished
@@ -418,7 +388,6 @@ class ZeroParameters:
     def _forward_enter(self, module: nn.Module) -> None:
         if module is self.model and not self._fw_stack:
             self._pass.begin()
-            self._gathered_in_pass.clear()
         idxs = self._groups_of(module)
         for i in idxs:
             self._gather(i)
@@ -474,8 +443,4 @@ class ZeroParameters:
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         rt = self.runtimes[self.managed[id(p)][0]]
         if rt.grad_arrived(p):
-            if self.world_size == 1:
-                self._flush(rt)
-            else:
-                self._complete.add(rt.index)
-                self._flush_in_order()
+            self._flush(rt)

@@ -271,7 +271,8 @@ class GroupRuntime:
         """Evict the copy in "gpu". With wait=False (at release) the eviction runs in the
         background; the group stays counted live until it completed (see settle_live)."""
         self.forget_prefetch()
-        if self.evicting is None and self.group.param.is_resident("gpu"):
+        # (a shard homed in "gpu", world_size > 1, stays: only the gathered full buffer goes)
+        if self.evicting is None and self.group.param.home != "gpu" and self.group.param.is_resident("gpu"):
             self.evicting = self.ctx.tm.evict(self.group.param, "gpu")
             self.ctx.counters["evictions"] += 1
         if wait:
