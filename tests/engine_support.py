@@ -258,7 +258,11 @@ def reference_train(
         {"params": [m for n, m in zip(names, masters, strict=True) if skip(n)], "weight_decay": 0.0},
     ]
     opt = opt_cls(
-        [gr for gr in groups if gr["params"]], lr=lrs[0], betas=(0.9, 0.999), eps=eps, weight_decay=weight_decay
+        [gr for gr in groups if gr["params"]],
+        lr=lrs[0],
+        betas=(0.9, 0.999),
+        eps=eps,
+        weight_decay=weight_decay,
     )
     losses = []
     for i, b in enumerate(batches):

@@ -54,7 +54,9 @@ def config(tmp_path: Any, name: str, param: str = "none", opt: str = "none", **k
 
 @pytest.mark.parametrize("name", ["moe", "branch", "aux"])
 @pytest.mark.parametrize(("param", "opt"), PLACEMENTS)
-def test_unused_parameters_are_not_stepped_in_every_placement(tmp_path: Any, name: str, param: str, opt: str) -> None:
+def test_unused_parameters_are_not_stepped_in_every_placement(
+    tmp_path: Any, name: str, param: str, opt: str
+) -> None:
     stats = run_pair(name, config(tmp_path, name, param, opt), weight_decay=0.1)
     assert stats["optimizer"]["step_count"] == 4
 
@@ -68,7 +70,9 @@ def test_the_scenarios_hold() -> None:
         for i, b in enumerate(make_batches(name, 4, 4, gas)):
             model(**b).backward()
             if (i + 1) % gas == 0:
-                idle = [n for n, p in model.named_parameters() if p.grad is None and n.startswith(expect_idle)]
+                idle = [
+                    n for n, p in model.named_parameters() if p.grad is None and n.startswith(expect_idle)
+                ]
                 idle_steps += bool(idle)
                 if name == "moe":
                     assert 0 < len(idle) < 8 * 4
@@ -111,7 +115,9 @@ def test_an_expert_never_routed_keeps_its_exact_values_in_low_precision(
         assert counts[n] == 0, n
     assert counts["head.weight"] == engine.optimizer.step_count > 0
     moved = [n for n in state if n.startswith("experts.") and not n.startswith("experts.7.")]
-    assert any(not torch.equal(state[n], p.to(torch_dtype)) for n, p in build(case).named_parameters() if n in moved)
+    assert any(
+        not torch.equal(state[n], p.to(torch_dtype)) for n, p in build(case).named_parameters() if n in moved
+    )
 
 
 def test_per_parameter_step_counts_follow_use() -> None:
@@ -140,7 +146,9 @@ def _with_param_hyper(monkeypatch: Any, hyper: dict[str, ParamHyper]) -> None:
     monkeypatch.setattr(offload.OffloadedAdam, "__init__", init)
 
 
-@pytest.mark.parametrize(("param", "opt"), [("none", "none"), ("cpu", "cpu"), ("nvme", "none"), ("none", "nvme")])
+@pytest.mark.parametrize(
+    ("param", "opt"), [("none", "none"), ("cpu", "cpu"), ("nvme", "none"), ("none", "nvme")]
+)
 def test_no_decay_param_group_equals_torch_two_param_groups(
     tmp_path: Any, monkeypatch: Any, param: str, opt: str
 ) -> None:

@@ -46,7 +46,9 @@ def _worker(rank: int, world: int, port: int, param: str, opt: str, overlap: boo
                 for b in make_batches(name, 4, 8, GAS[name], ranks=2)
             ]
             nvme = os.path.join(out_dir, f"nvme-{name}")
-            losses, state, _ = tiered_train(build(case), case, batches, _config(nvme, name, param, opt, overlap))
+            losses, state, _ = tiered_train(
+                build(case), case, batches, _config(nvme, name, param, opt, overlap)
+            )
             out[name] = {"losses": losses, "state": state}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -55,12 +57,18 @@ def _worker(rank: int, world: int, port: int, param: str, opt: str, overlap: boo
 
 def _check(tmp_path: Path, param: str, opt: str, overlap: bool) -> None:
     mp.start_processes(
-        _worker, args=(2, _free_port(), param, opt, overlap, str(tmp_path)), nprocs=2, start_method="spawn", join=True
+        _worker,
+        args=(2, _free_port(), param, opt, overlap, str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+        join=True,
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, case in CASES.items():
         batches = make_batches(name, 4, 8, GAS[name], ranks=2)
-        want_losses, want = reference_train(build(case), case, batches, gas=GAS[name], lr=1e-2, weight_decay=0.1)
+        want_losses, want = reference_train(
+            build(case), case, batches, gas=GAS[name], lr=1e-2, weight_decay=0.1
+        )
         for r in ranks:
             assert_params_close(r[name]["state"], want, REL)
         # equal halves: the mean of the ranks' losses is the whole batch's
@@ -79,9 +87,9 @@ def test_two_ranks_overlapped_step(tmp_path: Path) -> None:
 
 def _mask_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
+    from engine_support import MLP
 
     import tiered
-    from engine_support import MLP
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -99,7 +107,9 @@ def _mask_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_received_is_the_or_over_ranks(tmp_path: Path) -> None:
-    mp.start_processes(_mask_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(
+        _mask_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True
+    )
     got = [torch.load(tmp_path / f"mask{r}.pt") for r in range(2)]
     assert got[0] == got[1]
     for k, m in enumerate(got[0]):

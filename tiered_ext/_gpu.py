@@ -85,7 +85,13 @@ def gpu_adam_step(
         if device.type != "cpu":
             for i in range(n):
                 adam_step_reference(
-                    params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out_lowp=outs[i], step=steps[i], **scalars
+                    params[i],
+                    grads[i],
+                    exp_avgs[i],
+                    exp_avg_sqs[i],
+                    out_lowp=outs[i],
+                    step=steps[i],
+                    **scalars,
                 )
             return
         from . import _adam_step_many  # the CPU kernel; imported here to keep the package import acyclic

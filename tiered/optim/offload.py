@@ -225,7 +225,8 @@ class OffloadedAdam:
         self.grads_received = grads_received
         default = ParamHyper(float(self.opt.weight_decay), 1.0)
         self.param_steps: list[GroupSteps] = [
-            GroupSteps(g, h) for g, h in zip(self.groups, entry_hypers(self.groups, default, param_hyper), strict=True)
+            GroupSteps(g, h)
+            for g, h in zip(self.groups, entry_hypers(self.groups, default, param_hyper), strict=True)
         ]
         """Per group, by position: its entries' own step counts and the runs of its shard."""
         self._masks: dict[int, torch.Tensor | None] = {}
@@ -483,7 +484,9 @@ class OffloadedAdam:
                     [master], [grad], [exp_avg], [exp_avg_sq], out_lowp=[out] if lowp else None, **kw
                 )
         else:
-            self._step_runs(runs, plan.side, master, grad, exp_avg, exp_avg_sq, out if lowp else None, lr, grad_scale)
+            self._step_runs(
+                runs, plan.side, master, grad, exp_avg, exp_avg_sq, out if lowp else None, lr, grad_scale
+            )
         if out is not None and not lowp:
             out.copy_(master)
 

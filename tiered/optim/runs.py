@@ -88,7 +88,12 @@ class GroupSteps:
             runs = [
                 Run(a, b, bool(s), int(lg), self._hypers[h])
                 for a, b, s, lg, h in zip(
-                    starts, stops, stepped[first].tolist(), lag[first].tolist(), hid[first].tolist(), strict=True
+                    starts,
+                    stops,
+                    stepped[first].tolist(),
+                    lag[first].tolist(),
+                    hid[first].tolist(),
+                    strict=True,
                 )
             ]
         self._cache = (key, self._version, runs)
@@ -109,7 +114,9 @@ class GroupSteps:
 
     def load_steps(self, steps: Mapping[str, int], step_count: int) -> None:
         """Set the per-parameter step counts (a checkpoint's); a name it lacks counts every step."""
-        self.lag = torch.tensor([step_count - int(steps.get(n, step_count)) for n in self.names], dtype=torch.int64)
+        self.lag = torch.tensor(
+            [step_count - int(steps.get(n, step_count)) for n in self.names], dtype=torch.int64
+        )
         if bool((self.lag < 0).any()):
             bad = [n for n, lg in zip(self.names, self.lag.tolist(), strict=True) if lg < 0]
             raise ValueError(
@@ -127,7 +134,9 @@ def entry_hypers(
     param_hyper = dict(param_hyper or {})
     for name, h in param_hyper.items():
         if not isinstance(h, ParamHyper):
-            raise TypeError(f"param_hyper[{name!r}] must be a tiered.optim.ParamHyper, got {type(h).__name__}")
+            raise TypeError(
+                f"param_hyper[{name!r}] must be a tiered.optim.ParamHyper, got {type(h).__name__}"
+            )
     known = {e.name for g in groups for e in g.entries}
     unknown = sorted(set(param_hyper) - known)
     if unknown:

@@ -23,7 +23,10 @@ after a reduce-scatter (rank average) when world_size > 1; then
 ``param.grad`` is dropped and the group's backward gather is released. Groups that are only
 partly complete at the end of backward (unused parameters) are flushed by `finish_backward`,
 missing gradients counting as zeros; with world_size > 1 every rank must then flush the same
-groups, which holds when every rank runs the same graph (as DeepSpeed also requires). Adding
+groups, which holds when every rank runs the same graph (as DeepSpeed also requires). Each flush
+also records which entries got a gradient (``received``, OR-ed over the accumulation window): the
+optimizer does not step the others ([Note: parameters without a gradient are not stepped] in
+tiered/optim/runs.py). Adding
 into the accumulated fp32 shard is exactly what plain PyTorch's ``param.grad`` accumulation does
 in fp32, so gradient accumulation stays bitwise equal.
 
