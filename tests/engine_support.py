@@ -231,25 +231,39 @@ def reference_train(
     adamw: bool = True,
     dtype: torch.dtype = torch.float32,
     eps: float = 1e-8,
+    no_decay: Callable[[str], bool] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch: torch.optim.AdamW (or Adam, L2) with the same hyperparameters.
 
     `lr` may be a per-step list (a scheduler's values). With dtype bf16 the model computes in
     bf16 while the optimizer keeps fp32 masters (the classic mixed-precision reference).
-    A parameter that got no gradient in a step (an untaken branch) is stepped with a zero
-    gradient, as DeepSpeed (and tiered) do; torch would skip it. A frozen parameter
-    (requires_grad=False) is never stepped, as in torch."""
+    A parameter that got no gradient in a step (an untaken branch, an idle expert) is not
+    stepped, as torch does with zero_grad(set_to_none=True) (and tiered: [Note: parameters
+    without a gradient are not stepped]). A frozen parameter (requires_grad=False) is never
+    stepped either. `no_decay(name)` selects parameters put in a second param group with weight
+    decay 0 (the usual biases-and-norms group)."""
     model = model.train()
     lrs = [lr] * (len(batches) // gas) if isinstance(lr, float) else list(lr)
     opt_cls = torch.optim.AdamW if adamw else torch.optim.Adam
     if dtype == torch.float32:
         masters = list(model.parameters())  # frozen ones never get a grad: AdamW skips them
-        opt = opt_cls(masters, lr=lrs[0], betas=(0.9, 0.999), eps=eps, weight_decay=weight_decay)
     else:
         params = list(model.parameters())
         masters = [p.detach().clone().float().requires_grad_(p.requires_grad) for p in params]
         model.to(dtype)
-        opt = opt_cls(masters, lr=lrs[0], betas=(0.9, 0.999), eps=eps, weight_decay=weight_decay)
+    names = [n for n, _ in model.named_parameters()]
+    skip = no_decay or (lambda _n: False)
+    groups = [
+        {"params": [m for n, m in zip(names, masters, strict=True) if not skip(n)]},
+        {"params": [m for n, m in zip(names, masters, strict=True) if skip(n)], "weight_decay": 0.0},
+    ]
+    opt = opt_cls(
+        [gr for gr in groups if gr["params"]],
+        lr=lrs[0],
+        betas=(0.9, 0.999),
+        eps=eps,
+        weight_decay=weight_decay,
+    )
     losses = []
     for i, b in enumerate(batches):
         loss = case.loss(model(**b))
@@ -261,9 +275,6 @@ def reference_train(
             for p, m in zip(model.parameters(), masters, strict=True):
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
-        for m in masters:
-            if m.grad is None and m.requires_grad:
-                m.grad = torch.zeros_like(m)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(masters, clip)
         for grp in opt.param_groups:
@@ -276,7 +287,6 @@ def reference_train(
                     p.copy_(m.to(dtype))
     named = dict(model.named_parameters())
     if dtype != torch.float32:
-        names = [n for n, _ in model.named_parameters()]
         return losses, {n: m.detach().clone() for n, m in zip(names, masters, strict=True)}
     return losses, {n: p.detach().clone() for n, p in named.items()}
 

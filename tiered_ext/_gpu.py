@@ -55,7 +55,7 @@ def gpu_adam_step(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     *,
-    step: int,
+    step: int | Sequence[int],
     lr: float,
     beta1: float,
     beta2: float,
@@ -65,45 +65,57 @@ def gpu_adam_step(
     grad_scale: float = 1.0,
     out_lowp: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """Adam/AdamW step over lists of flat partitions on one device (same semantics as adam_step)."""
-    outs = check_lists(params, grads, exp_avgs, exp_avg_sqs, out_lowp, device_type=None, step=step, lr=lr,
-                       beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)  # fmt: skip
+    """Adam/AdamW step over lists of flat partitions on one device (same semantics as adam_step).
+    `step` is one count for all, or one per tensor (parameters stepped a different number of
+    times: tiered/optim/runs.py); the CUDA kernel runs once per distinct count."""
     n = len(params)
+    steps = [int(step)] * n if isinstance(step, int) else [int(s) for s in step]
+    if len(steps) != n:
+        raise ValueError(f"step has {len(steps)} counts but params has {n}: one per tensor, or one int")
+    outs = check_lists(params, grads, exp_avgs, exp_avg_sqs, out_lowp, device_type=None, step=min(steps, default=1), lr=lr,
+                       beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)  # fmt: skip
     if n == 0:
         return
     device = params[0].device
     scalars: dict[str, Any] = dict(
-        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
         grad_scale=grad_scale,
     )  # fmt: skip
     if device.type != "cuda":
         if device.type != "cpu":
             for i in range(n):
                 adam_step_reference(
-                    params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out_lowp=outs[i], **scalars
+                    params[i],
+                    grads[i],
+                    exp_avgs[i],
+                    exp_avg_sqs[i],
+                    out_lowp=outs[i],
+                    step=steps[i],
+                    **scalars,
                 )
             return
         from . import _adam_step_many  # the CPU kernel; imported here to keep the package import acyclic
 
         if out_lowp is not None and any(o is None for o in outs):
             raise ValueError("out_lowp holds None: pass a tensor for every param, or out_lowp=None")
-        step_ = scalars.pop("step")
-        _adam_step_many(params, grads, exp_avgs, exp_avg_sqs, steps=[step_] * n, out_lowp=out_lowp, **scalars)
+        _adam_step_many(params, grads, exp_avgs, exp_avg_sqs, steps=steps, out_lowp=out_lowp, **scalars)
         return
     mod = _loader.gpu_module()
     if mod is None:
         for i in range(n):
-            adam_step_reference(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out_lowp=outs[i], **scalars)
+            adam_step_reference(
+                params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out_lowp=outs[i], step=steps[i], **scalars
+            )
         return
-    groups: dict[tuple[torch.dtype, torch.dtype, torch.dtype | None], list[int]] = {}
+    groups: dict[tuple[int, torch.dtype, torch.dtype, torch.dtype | None], list[int]] = {}
     for i in range(n):
         out = outs[i]
-        key = (grads[i].dtype, exp_avgs[i].dtype, out.dtype if out is not None else None)
+        key = (steps[i], grads[i].dtype, exp_avgs[i].dtype, out.dtype if out is not None else None)
         groups.setdefault(key, []).append(i)
-    for (_, _, out_dtype), idx in groups.items():
+    for (step_i, _, _, out_dtype), idx in groups.items():
         mod.gpu_adam_step(
             [params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
             [exp_avg_sqs[i] for i in idx], [outs[i] for i in idx] if out_dtype is not None else None,
-            int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode),
+            int(step_i), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode),
             float(grad_scale),
         )  # fmt: skip

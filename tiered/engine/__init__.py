@@ -141,6 +141,7 @@ def initialize(
             compute_dtype=placement.compute_dtype,
             plans=plans,
             **extra,
+            grads_received=zp,
         )
     except BaseException:
         if zp is not None:

@@ -439,6 +439,7 @@ class Engine(DeepSpeedEngineAPI):
             "skipped_steps": self.skipped_steps,
             # every group steps together: one bias-correction count; the lr schedule's position
             "optimizer_step": self.optimizer.step_count,
+            "param_steps": self.optimizer.param_step_counts(),  # a parameter without grad is not stepped
             "scheduler": None if self.config.scheduler is None else self.config.scheduler.type,
             "loss_scaler": self.loss_scaler.state_dict(),
             **self._client_training_state(),
@@ -449,6 +450,7 @@ class Engine(DeepSpeedEngineAPI):
         self.micro_steps = int(state["micro_steps"])
         self.skipped_steps = int(state["skipped_steps"])
         self.optimizer.step_count = int(state["optimizer_step"])
+        self.optimizer.load_param_step_counts(state.get("param_steps"))
         self.loss_scaler.load_state_dict(state["loss_scaler"])
         self._apply_client_training_state(state)
         self.last_grad_norm = None

@@ -61,7 +61,9 @@ gradient before any update (no gradient_clipping, no fp16 overflow check), the e
 queued (`group_ready`) the moment its gradients are flushed: the pipeline above then runs on a
 stepper thread in gradient-completion order (the reverse of forward), reading a group's states
 while backward still computes earlier layers. `finish_overlapped_step` (in ``engine.step()``)
-queues the groups that got no gradient (stepped with zeros, as the plain step does) and waits.
+queues the groups whose gradients were only partly complete in backward, once "received" is
+decided across ranks, and skips those that got none (see [Note: parameters without a gradient
+are not stepped] in tiered/optim/runs.py); then it waits.
 The arithmetic is the same per group, so results are bitwise those of the plain step. A group's
 parameters must not be used again by that backward once its gradients are complete; the
 scheduler raises if they are (see ZeroParameters.seal_for_step). The price of starting early: a
@@ -76,9 +78,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -90,6 +92,7 @@ from tiered.optim.placement import (
     plan_optimizer_placement,
     tier_is_host,
 )
+from tiered.optim.runs import GroupSteps, ParamHyper, Run, entry_hypers
 from tiered.shards import ShardGroup
 
 if TYPE_CHECKING:
@@ -97,7 +100,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GroupPlan", "OffloadedAdam", "StatePartitions", "pipeline_bytes", "plan_optimizer_placement"]
+__all__ = [
+    "GradsReceived",
+    "GroupPlan",
+    "OffloadedAdam",
+    "ParamHyper",
+    "StatePartitions",
+    "pipeline_bytes",
+    "plan_optimizer_placement",
+]
+
+
+class GradsReceived(Protocol):
+    """Which entries of a group received a gradient in this accumulation window (uint8 per entry):
+    the coordinator's record. See [Note: parameters without a gradient are not stepped]."""
+
+    def received_local(self, group: ShardGroup) -> torch.Tensor: ...
+
+    def received_across_ranks(self, groups: Sequence[ShardGroup]) -> list[torch.Tensor]: ...
 
 
 class _Arrivals:
@@ -166,9 +186,14 @@ class OffloadedAdam:
         compute_dtype: torch.dtype,
         plans: Sequence[GroupPlan] | None = None,
         on_params_written: Callable[[ShardGroup], None] | None = None,
+        param_hyper: Mapping[str, ParamHyper] | None = None,
+        grads_received: GradsReceived | None = None,
     ) -> None:
         """`groups` are the trainable groups; `plans` their `plan_optimizer_placement` (the engine
-        passes the ones its capacity check used; computed here only when not given)."""
+        passes the ones its capacity check used; computed here only when not given).
+        `param_hyper`: per parameter name (the group entry's), its own weight decay and lr scale
+        (parameter groups); the others use the config's. `grads_received`: which parameters got a
+        gradient this step (None: all of them, every step)."""
         self.tm = tm
         self.groups = list(groups)
         self.cfg = cfg
@@ -197,6 +222,15 @@ class OffloadedAdam:
                 f"{len(plans)} optimizer plans for {len(self.groups)} groups: one per trainable group"
             )
         self.plans: list[GroupPlan] = list(plans)
+        self.grads_received = grads_received
+        default = ParamHyper(float(self.opt.weight_decay), 1.0)
+        self.param_steps: list[GroupSteps] = [
+            GroupSteps(g, h)
+            for g, h in zip(self.groups, entry_hypers(self.groups, default, param_hyper), strict=True)
+        ]
+        """Per group, by position: its entries' own step counts and the runs of its shard."""
+        self._masks: dict[int, torch.Tensor | None] = {}
+        """Per group of the step in progress: which entries received a gradient (None: all)."""
         self._grads: list[Partition] = []
         """Per group, by position: its fp32 gradient partition (every stepped group has one)."""
         for g in self.groups:
@@ -288,11 +322,30 @@ class OffloadedAdam:
             )
         self.wait_writes()
         self.step_count += 1
+        masks = self._received_across_ranks()
         arrivals = _Arrivals(self._timeout_s)
         for i in range(len(self.groups)):
-            arrivals.put(i)
+            if self._receives(i, masks[i]):
+                arrivals.put(i)
         arrivals.close()
         self._record(self._pipeline(arrivals, lr, grad_scale))
+        self._advance()
+
+    def _received_across_ranks(self) -> list[torch.Tensor | None]:
+        if self.grads_received is None:
+            return [None] * len(self.groups)
+        return list(self.grads_received.received_across_ranks(self.groups))
+
+    def _receives(self, i: int, mask: torch.Tensor | None) -> bool:
+        """Record group i's mask for this step; False if none of its parameters got a gradient."""
+        self._masks[i] = mask
+        return mask is None or bool(mask.any())
+
+    def _advance(self) -> None:
+        """The step is done: parameters that got no gradient fall a step behind."""
+        for i, steps in enumerate(self.param_steps):
+            steps.advance(self._masks.get(i, torch.zeros(len(self.groups[i].entries), dtype=torch.uint8)))
+        self._masks = {}
 
     # ---- overlapped with backward: see [Note: step overlapped with backward] ------------------
     def begin_overlapped_step(self, lr: float, grad_scale: float = 1.0) -> None:
@@ -309,32 +362,43 @@ class OffloadedAdam:
     def group_ready(self, group: ShardGroup) -> None:
         """`group`'s gradients for this step are complete: queue its update (non-blocking). A no-op
         when no overlapped step runs (a micro-batch before the accumulation boundary)."""
-        if self._overlap is not None:
-            self._overlap[0].put(self._index[group.name])
+        if self._overlap is None:
+            return
+        i = self._index[group.name]
+        mask = None if self.grads_received is None else self.grads_received.received_local(group)
+        # complete here means complete on every rank; otherwise wait for the ranks' verdict
+        if mask is None or bool(mask.all()):
+            self._receives(i, mask)
+            self._overlap[0].put(i)
 
     @property
     def overlapped_step_running(self) -> bool:
         return self._overlap is not None
 
     def finish_overlapped_step(self, *, abort: bool = False) -> None:
-        """Queue the groups whose gradients never came (stepped with zero gradients, as the plain
-        step does) and wait until every group was updated and its write-back issued. With
-        `abort` (backward failed), stop after the groups already queued."""
+        """Queue the groups not yet queued that received a gradient on some rank (skipping those
+        none reached) and wait until every queued group was updated and its write-back issued.
+        With `abort` (backward failed), stop after the groups already queued."""
         if self._overlap is None:
             return
         arrivals, fut = self._overlap
         self._overlap = None
         in_backward = arrivals.available()
-        if not abort:
-            for i in range(len(self.groups)):
-                arrivals.put(i)  # ignored if already queued
-        arrivals.close()
+        try:
+            if not abort:
+                masks = self._received_across_ranks()  # every rank calls this: a collective
+                for i in range(len(self.groups)):
+                    if i not in self._masks and self._receives(i, masks[i]):
+                        arrivals.put(i)
+        finally:
+            arrivals.close()
         self._record(
             {
                 **fut.result(timeout=self._timeout_s * max(1, len(self.groups))),
                 "groups_ready_in_backward": in_backward,
             }
         )
+        self._advance()
         self._totals["overlapped_steps"] += 1
 
     def _record(self, timings: dict[str, float]) -> None:
@@ -404,31 +468,80 @@ class OffloadedAdam:
     ) -> None:
         g, plan = self.groups[i], self.plans[i]
         ext = _kernels()
-        kw = dict(
-            step=self.step_count,
-            lr=float(lr),
+        runs = self.param_steps[i].runs(self._masks.get(i))
+        alias = i in self._param_is_master  # [Note: fp32 master is the parameter]: updated in place
+        lowp = self.compute_dtype != torch.float32
+        out = None if alias else self.tm.allocate(g.param, plan.stage_tier).result()
+        if lowp and out is not None and out.device != master.device:
+            raise RuntimeError(f"group {g.name}: staging buffer on {out.device}, master on {master.device}")
+        if len(runs) == 1 and runs[0].stepped:  # the whole shard alike: one tensor, as ever
+            kw = self._kernel_args(runs[0], lr, grad_scale)
+            if out is None:
+                ext.adam_step(master, grad, exp_avg, exp_avg_sq, **kw)
+            elif plan.side == "cpu":
+                ext.adam_step(master, grad, exp_avg, exp_avg_sq, out_lowp=out if lowp else None, **kw)
+            else:
+                ext.gpu_adam_step(
+                    [master], [grad], [exp_avg], [exp_avg_sq], out_lowp=[out] if lowp else None, **kw
+                )
+        else:
+            self._step_runs(
+                runs, plan.side, master, grad, exp_avg, exp_avg_sq, out if lowp else None, lr, grad_scale
+            )
+        if out is not None and not lowp:
+            out.copy_(master)
+
+    def _kernel_args(self, run: Run, lr: float, grad_scale: float) -> dict[str, Any]:
+        return dict(
+            step=self.step_count - run.lag,
+            lr=float(lr) * run.hyper.lr_scale,
             beta1=float(self.opt.betas[0]),
             beta2=float(self.opt.betas[1]),
             eps=float(self.opt.eps),
-            weight_decay=float(self.opt.weight_decay),
+            weight_decay=float(run.hyper.weight_decay),
             adamw_mode=bool(self.opt.adamw_mode),
             grad_scale=float(grad_scale),
         )
-        if i in self._param_is_master:  # [Note: fp32 master is the parameter]: updated in place
-            ext.adam_step(master, grad, exp_avg, exp_avg_sq, **kw)
-            return
-        out = self.tm.allocate(g.param, plan.stage_tier).result()
-        lowp = self.compute_dtype != torch.float32
-        if lowp and out.device != master.device:
-            raise RuntimeError(f"group {g.name}: staging buffer on {out.device}, master on {master.device}")
-        if plan.side == "cpu":
-            ext.adam_step(master, grad, exp_avg, exp_avg_sq, out_lowp=out if lowp else None, **kw)
-        else:
-            ext.gpu_adam_step(
-                [master], [grad], [exp_avg], [exp_avg_sq], out_lowp=[out] if lowp else None, **kw
-            )
-        if not lowp:
-            out.copy_(master)
+
+    def _step_runs(
+        self,
+        runs: Sequence[Run],
+        side: str,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        out_lowp: torch.Tensor | None,
+        lr: float,
+        grad_scale: float,
+    ) -> None:
+        """Step a shard run by run (one kernel call per distinct hyper-parameter set, each run a
+        tensor with its own step count); skipped runs only refresh the compute-dtype copy."""
+        ext = _kernels()
+        by_hyper: dict[ParamHyper, list[Run]] = {}
+        for r in runs:
+            if r.stepped:
+                by_hyper.setdefault(r.hyper, []).append(r)
+            elif out_lowp is not None:  # a fresh staging buffer: it must hold the unchanged values
+                out_lowp[r.start : r.stop].copy_(master[r.start : r.stop])
+        for hyper_runs in by_hyper.values():
+            kw = self._kernel_args(hyper_runs[0], lr, grad_scale)
+            del kw["step"]
+
+            def cut(t: torch.Tensor) -> list[torch.Tensor]:
+                return [t[r.start : r.stop] for r in hyper_runs]  # noqa: B023 (used at once)
+
+            outs = cut(out_lowp) if out_lowp is not None else None
+            steps = [self.step_count - r.lag for r in hyper_runs]
+            if side == "cpu":
+                ext.check_scalars(step=min(steps), **{k: v for k, v in kw.items() if k != "adamw_mode"})
+                ext._adam_step_many(
+                    cut(master), cut(grad), cut(exp_avg), cut(exp_avg_sq), steps=steps, out_lowp=outs, **kw
+                )
+            else:
+                ext.gpu_adam_step(
+                    cut(master), cut(grad), cut(exp_avg), cut(exp_avg_sq), step=steps, out_lowp=outs, **kw
+                )
 
     def _issue_writes(self, i: int) -> list[TierFuture]:
         g, plan = self.groups[i], self.plans[i]
@@ -500,6 +613,21 @@ class OffloadedAdam:
         Partition}; "master" is the group's parameter partition where that partition is the
         master (see [Note: fp32 master is the parameter])."""
         return {g.name: parts._asdict() for g, parts in zip(self.groups, self.states, strict=True)}
+
+    def param_step_counts(self) -> dict[str, int]:
+        """Per parameter name: its own step count (checkpoints; equal to `step_count` for every
+        parameter that got a gradient in every step). See [Note: parameters without a gradient
+        are not stepped]."""
+        out: dict[str, int] = {}
+        for steps in self.param_steps:
+            out.update(steps.steps(self.step_count))
+        return out
+
+    def load_param_step_counts(self, counts: Mapping[str, int] | None) -> None:
+        """Set the per-parameter step counts (after `step_count`); None (an older checkpoint):
+        every parameter counts every step."""
+        for steps in self.param_steps:
+            steps.load_steps(counts or {}, self.step_count)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -57,3 +57,13 @@ def all_reduce_sum(x: float, process_group: ProcessGroup | None) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, group=process_group)
     return float(t.item())
+
+
+def all_reduce_max_(t: torch.Tensor, process_group: ProcessGroup | None) -> None:
+    """Element-wise MAX of a small CPU tensor over the ranks, in place (NCCL: via the GPU)."""
+    if _is_gloo(process_group):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=process_group)
+        return
+    dev = t.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(dev, op=dist.ReduceOp.MAX, group=process_group)
+    t.copy_(dev.cpu())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -294,6 +294,20 @@ class ZeroParameters:
         gradient zeroing] in tiered/zero/group.py)."""
         for rt in self.runtimes:
             rt.zero_grads_lazily()
+
+    def received_local(self, group: ShardGroup) -> torch.Tensor:
+        """uint8 per entry of `group`: a gradient reached it on this rank in this accumulation window."""
+        return self.runtimes[group.index].received
+
+    def received_across_ranks(self, groups: Sequence[ShardGroup]) -> list[torch.Tensor]:
+        """`received_local` of each of `groups`, OR-ed over the ranks: one all_reduce (MAX) of the
+        concatenated masks. Every rank calls it once per optimizer step."""
+        masks = [self.runtimes[g.index].received for g in groups]
+        if self.world_size == 1 or not masks:
+            return [m.clone() for m in masks]
+        flat = torch.cat(masks)
+        comm.all_reduce_max_(flat, self.process_group)
+        return list(torch.split(flat, [m.numel() for m in masks]))
 
     def read_grad_shard(self, group: ShardGroup) -> torch.Tensor:
         """A CPU copy of this rank's accumulated fp32 gradient shard (tests, checkpoints)."""

@@ -23,7 +23,10 @@ after a reduce-scatter (rank average) when world_size > 1; then
 ``param.grad`` is dropped and the group's backward gather is released. Groups that are only
 partly complete at the end of backward (unused parameters) are flushed by `finish_backward`,
 missing gradients counting as zeros; with world_size > 1 every rank must then flush the same
-groups, which holds when every rank runs the same graph (as DeepSpeed also requires). Adding
+groups, which holds when every rank runs the same graph (as DeepSpeed also requires). Each flush
+also records which entries got a gradient (``received``, OR-ed over the accumulation window): the
+optimizer does not step the others ([Note: parameters without a gradient are not stepped] in
+tiered/optim/runs.py). Adding
 into the accumulated fp32 shard is exactly what plain PyTorch's ``param.grad`` accumulation does
 in fp32, so gradient accumulation stays bitwise equal.
 
@@ -109,6 +112,9 @@ class GroupRuntime:
         self.grads_seen: set[int] = set()
         """ids of the parameters whose gradient arrived in this backward."""
         self.grad_zero_pending = group.grad is not None
+        self.received = torch.zeros(len(group.entries), dtype=torch.uint8)
+        """Per entry (uint8): a gradient reached it in this accumulation window (``p.grad`` set at
+        some flush). See [Note: parameters without a gradient are not stepped] in tiered/optim/runs.py."""
         """The gradient partition is logically zero: see [Note: lazy gradient zeroing]."""
         self._home_views: dict[str, torch.Tensor] = {}
         self._initial_fp32 = initial_fp32
@@ -280,7 +286,8 @@ class GroupRuntime:
         """Evict the copy in "gpu". With wait=False (at release) the eviction runs in the
         background; the group stays counted live until it completed (see settle_live)."""
         self.forget_prefetch()
-        if self.evicting is None and self.group.param.is_resident("gpu"):
+        # (a shard homed in "gpu", world_size > 1, stays: only the gathered full buffer goes)
+        if self.evicting is None and self.group.param.home != "gpu" and self.group.param.is_resident("gpu"):
             self.evicting = self.ctx.tm.evict(self.group.param, "gpu")
             self.ctx.counters["evictions"] += 1
         if wait:
@@ -317,6 +324,7 @@ class GroupRuntime:
         g, ctx = self.group, self.ctx
         assert g.grad is not None
         grads = [(e, p.grad) for e, p in zip(g.entries, self.params, strict=True)]
+        self.received |= torch.tensor([gr is not None for _, gr in grads], dtype=torch.uint8)
         fresh, self.grad_zero_pending = self.grad_zero_pending, False
         with torch.no_grad():
             if ctx.world_size == 1:
@@ -353,6 +361,7 @@ class GroupRuntime:
         end of backward) and this backward's gradients are forgotten."""
         if self.group.grad is not None:
             self.grad_zero_pending = True
+        self.received.zero_()
         self.drop_param_grads()
 
     def zero_pending_grad(self) -> None:
