@@ -42,6 +42,20 @@ class StorageIOError(TieredError, OSError):
     """A backend failed while reading or writing; the message names the key and file."""
 
 
+class StorageCorruptError(StorageIOError):
+    """Bytes read back from a tier are not the bytes written (checksum mismatch, truncated file);
+    the message names partition, tier, file and both checksums. The data was not used."""
+
+
+class StoredSizeError(TieredError, ValueError):
+    """A read target's size differs from the stored object's (both sizes in the message)."""
+
+    def __init__(self, msg: str, stored_nbytes: int | None = None, out_nbytes: int | None = None) -> None:
+        super().__init__(msg)
+        self.stored_nbytes = stored_nbytes
+        self.out_nbytes = out_nbytes
+
+
 class CapacityError(TieredError, MemoryError):
     """A request can never fit its tier's budget (backpressure cannot help)."""
 

@@ -292,6 +292,9 @@ class NVMeBackend(StorageBackend):
     def _file(self, key: str) -> Path:
         return self.directory / check_key(key)
 
+    def locate(self, key: str) -> str:
+        return f"file {str(self._file(key))!r}"
+
     async def write(self, key: str, tensor: torch.Tensor) -> None:
         final = self._file(key)
         src = tensor_bytes(tensor, what=f"nvme write of key {key!r}").detach()

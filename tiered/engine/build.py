@@ -93,8 +93,10 @@ def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1)
     (``<path>/rank<r>``): every rank names its partitions alike, so one shared nvme_path
     (the usual DeepSpeed config) must not make ranks overwrite each other's files. Swap
     backends (the derived offload tiers) need none: each process has its own swap folder."""
+    from tiered.config.values import errno_codes
     from tiered.storage import open_backend
     from tiered.tiers import Tier, TierManager
+    from tiered.tiers.io_policy import IOPolicy
 
     specs = dict(cfg.tiered.tiers)
     for name in ("gpu", "cpu"):
@@ -121,11 +123,22 @@ def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1)
                 + f": {e}; point nvme_path at a writable directory"
             ) from e
         tiers.append(Tier(name=name, backend=backend, budget_bytes=spec.budget_bytes))
+    t = cfg.tiered
+    policy = IOPolicy(
+        timeout_s=t.timeout_s,
+        floor_s=t.io_timeout_floor_s,
+        min_bytes_per_s=t.io_min_bytes_per_s,
+        retries=t.io_retries,
+        backoff_s=t.io_retry_backoff_s,
+        transient=errno_codes(t.io_retry_errnos, "tiered.io_retry_errnos"),
+    )
     return TierManager(
         tiers,
-        timeout_s=cfg.tiered.timeout_s,
-        io_threads=cfg.tiered.io_threads,
-        record_trace=cfg.tiered.trace_path is not None,
+        timeout_s=t.timeout_s,
+        io_threads=t.io_threads,
+        record_trace=t.trace_path is not None,
+        verify=t.verify_checksums,
+        io_policy=policy,
     )
 
 

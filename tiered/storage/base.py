@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tiered.errors import StorageKeyError
+from tiered.errors import StorageKeyError, StoredSizeError
 from tiered.storage.bridge import IOBridge, default_bridge
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -101,9 +101,12 @@ def check_out_size(key: str, stored_nbytes: int, out_nbytes: int, *, where: str 
     """ValueError naming the key and both sizes when a read target has the wrong size."""
     if stored_nbytes != out_nbytes:
         at = f" ({where})" if where else ""
-        raise ValueError(
+        raise StoredSizeError(
             f"read of key {key!r}{at}: stored object has {stored_nbytes} bytes but the output tensor "
-            f"has {out_nbytes} bytes; pass a tensor of exactly {stored_nbytes} bytes"
+            f"has {out_nbytes} bytes; pass a tensor of exactly {stored_nbytes} bytes (or, if the "
+            f"object was written with {out_nbytes} bytes, it was truncated: it is corrupt)",
+            stored_nbytes,
+            out_nbytes,
         )
 
 
@@ -182,6 +185,10 @@ class StorageBackend(abc.ABC):
         raise NotImplementedError(f"backend {self.name!r} is not memory-like: it has no resident tensors")
 
     # ---- derived helpers -------------------------------------------------------------------
+    def locate(self, key: str) -> str:
+        """Where `key`'s bytes live, for error messages: a file path for file backends."""
+        return f"key {key!r} of backend {self.name!r}"
+
     def spec(self) -> dict[str, Any]:
         """A JSON-able spec that `tiered.open_backend` turns back into an equivalent backend."""
         return {"type": self.name}
