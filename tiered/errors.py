@@ -72,6 +72,10 @@ class ManagerClosedError(TieredError, RuntimeError):
     """The tier manager (its loop) was closed while, or before, an operation ran."""
 
 
+class AlreadyManagedError(TieredError, RuntimeError):
+    """`tiered.initialize` on a module another open engine already manages."""
+
+
 class ShapeMutationError(TieredError, RuntimeError):
     """A module replaced or reshaped a parameter that tiered manages."""
 

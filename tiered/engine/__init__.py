@@ -15,7 +15,9 @@ from tiered.engine.build import (
     build_tier_manager,
     capacity_needs,
     check_capacity,
+    check_not_managed,
     choose_placement,
+    mark_managed,
 )
 from tiered.engine.engine import Engine
 
@@ -50,6 +52,7 @@ def initialize(
         raise TypeError(
             f"tiered.initialize(model, config): model must be a torch.nn.Module, got {type(model).__name__}"
         )
+    check_not_managed(model)
     distributed = dist.is_available() and dist.is_initialized()
     world_size = dist.get_world_size(process_group) if distributed else 1
     rank = dist.get_rank(process_group) if distributed else 0
@@ -104,7 +107,7 @@ def initialize(
         placement.compute_dtype,
         world_size,
     )
-    return Engine(
+    engine = Engine(
         model,
         cfg,
         tm,
@@ -117,3 +120,5 @@ def initialize(
         scheduler=scheduler,
         capacity=needs,
     )
+    mark_managed(model, engine)
+    return engine

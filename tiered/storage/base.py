@@ -75,8 +75,15 @@ class Capacity:
     free_bytes: int | None
 
 
+MAX_KEY_CHARS = 200
+"""Longest key every backend takes: a file name is at most 255 bytes, and file backends add a
+suffix of their own (a temporary name, a stripe index), so a longer key is refused in every
+backend alike, not by one filesystem's ENAMETOOLONG."""
+
+
 def check_key(key: str) -> str:
-    """Keys are flat names: letters, digits, '_', '-', '.'; never '/', '..' or empty.
+    """Keys are flat names: letters, digits, '_', '-', '.'; never '/', '..' or empty; at most
+    `MAX_KEY_CHARS` characters.
 
     Raises StorageKeyError naming the key, so a key can never escape a backend's directory.
     """
@@ -84,6 +91,11 @@ def check_key(key: str) -> str:
         raise StorageKeyError(
             f"invalid storage key {key!r}: use letters, digits, '_', '-' and '.' only "
             "(no '/', no '..', not empty)"
+        )
+    if len(key) > MAX_KEY_CHARS:
+        raise StorageKeyError(
+            f"invalid storage key {key[:40]!r}... ({len(key)} characters): keys are at most "
+            f"{MAX_KEY_CHARS} characters in every backend; use a shorter name"
         )
     return key
 
