@@ -6,6 +6,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from tiered.engine import Engine, initialize
 from tiered.errors import (
+    AlreadyManagedError,
     BackendImportError,
     BackendNotFoundError,
     CapacityError,
@@ -19,8 +20,10 @@ from tiered.errors import (
     ManagerClosedError,
     PinnedError,
     ShapeMutationError,
+    StorageCorruptError,
     StorageIOError,
     StorageKeyError,
+    StoredSizeError,
     TieredError,
     TierTimeoutError,
     UnsupportedConfigError,
@@ -34,6 +37,7 @@ except PackageNotFoundError:  # a source tree on sys.path that was never install
     __version__ = "0+unknown"
 
 __all__ = [
+    "AlreadyManagedError",
     "BackendImportError",
     "BackendNotFoundError",
     "CapacityError",
@@ -48,8 +52,10 @@ __all__ = [
     "ManagerClosedError",
     "PinnedError",
     "ShapeMutationError",
+    "StorageCorruptError",
     "StorageIOError",
     "StorageKeyError",
+    "StoredSizeError",
     "TieredError",
     "TierTimeoutError",
     "UnsupportedConfigError",
