@@ -154,12 +154,15 @@ def run_tiered(
     pipeline_read: bool = False,
     overlap: bool = False,
     device: str = "cpu",
+    verify: bool = True,
 ) -> dict[str, Any]:
     import tiered
 
     cfg = ds_json(nvme_dir, pipeline_read)
     if overlap:  # tiered's own key, next to the DeepSpeed ones (DeepSpeed does not get it)
         cfg["tiered"] = {"overlap_step_with_backward": True}
+    if not verify:  # to measure what the per-partition checksums cost
+        cfg.setdefault("tiered", {})["verify_checksums"] = False
     model = build_model()
     times, losses, per_step = [], [], []
     with tiered.initialize(model, cfg) as engine:
@@ -297,6 +300,9 @@ def main() -> int:
         default="cpu",
         help="where plain PyTorch trains and what tiered's gpu tier is (cuda: a GPU machine)",
     )
+    ap.add_argument(
+        "--no-verify-checksums", action="store_true", help="tiered.verify_checksums = false (tiered runs)"
+    )
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -309,7 +315,10 @@ def main() -> int:
     res["plain"] = run_plain(data, args.warmup, args.device)
     tdir = base / "tiered"
     tdir.mkdir(parents=True, exist_ok=True)
-    res["tiered"] = run_tiered(data, args.warmup, str(tdir), args.pipeline_read, device=args.device)
+    verify = not args.no_verify_checksums
+    res["tiered"] = run_tiered(
+        data, args.warmup, str(tdir), args.pipeline_read, device=args.device, verify=verify
+    )
     if args.overlap:
         odir = base / "tiered_overlap"
         odir.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from tiered.engine import Engine, from_pretrained, initialize
 from tiered.errors import (
+    AlreadyManagedError,
     BackendImportError,
     BackendNotFoundError,
     CapacityError,
@@ -20,8 +21,10 @@ from tiered.errors import (
     ManagerClosedError,
     PinnedError,
     ShapeMutationError,
+    StorageCorruptError,
     StorageIOError,
     StorageKeyError,
+    StoredSizeError,
     TieredError,
     TierTimeoutError,
     UnsupportedConfigError,
@@ -36,6 +39,7 @@ except PackageNotFoundError:  # a source tree on sys.path that was never install
     __version__ = "0+unknown"
 
 __all__ = [
+    "AlreadyManagedError",
     "BackendImportError",
     "BackendNotFoundError",
     "CapacityError",
@@ -51,8 +55,10 @@ __all__ = [
     "ManagerClosedError",
     "PinnedError",
     "ShapeMutationError",
+    "StorageCorruptError",
     "StorageIOError",
     "StorageKeyError",
+    "StoredSizeError",
     "TieredError",
     "TierTimeoutError",
     "UnsupportedConfigError",

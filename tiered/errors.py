@@ -42,6 +42,20 @@ class StorageIOError(TieredError, OSError):
     """A backend failed while reading or writing; the message names the key and file."""
 
 
+class StorageCorruptError(StorageIOError):
+    """Bytes read back from a tier are not the bytes written (checksum mismatch, truncated file);
+    the message names partition, tier, file and both checksums. The data was not used."""
+
+
+class StoredSizeError(TieredError, ValueError):
+    """A read target's size differs from the stored object's (both sizes in the message)."""
+
+    def __init__(self, msg: str, stored_nbytes: int | None = None, out_nbytes: int | None = None) -> None:
+        super().__init__(msg)
+        self.stored_nbytes = stored_nbytes
+        self.out_nbytes = out_nbytes
+
+
 class CapacityError(TieredError, MemoryError):
     """A request can never fit its tier's budget (backpressure cannot help)."""
 
@@ -56,6 +70,10 @@ class PinnedError(TieredError, RuntimeError):
 
 class ManagerClosedError(TieredError, RuntimeError):
     """The tier manager (its loop) was closed while, or before, an operation ran."""
+
+
+class AlreadyManagedError(TieredError, RuntimeError):
+    """`tiered.initialize` on a module another open engine already manages."""
 
 
 class ShapeMutationError(TieredError, RuntimeError):
@@ -86,7 +104,7 @@ class CheckpointSpaceError(TieredError, OSError):
     """Not enough free space for a checkpoint (checked before writing, or the disk filled up)."""
 
 
-class DistributedSetupError(TieredError, RuntimeError):
+class DistributedSetupError(ConfigError, RuntimeError):
     """A multi-process launch (torchrun: WORLD_SIZE > 1) without a torch.distributed process group."""
 
 

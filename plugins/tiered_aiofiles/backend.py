@@ -70,7 +70,7 @@ class AiofilesBackend(StorageBackend):
         mv = src.numpy().data
         tmp = temp_path(self.directory, key)
         try:
-            async with aiofiles.open(tmp, "wb", executor=self.bridge.executor) as f:
+            async with aiofiles.open(tmp, "wb", executor=self.bridge.executor, opener=_owner_only) as f:
                 for off in range(0, len(mv), self.chunk_bytes):
                     await f.write(mv[off : off + self.chunk_bytes])
                 await f.flush()
@@ -140,3 +140,8 @@ class AiofilesBackend(StorageBackend):
         if not self.fsync:
             out["fsync"] = False
         return out
+
+
+def _owner_only(path: str, flags: int) -> int:
+    """Files only their owner can read: they hold optimizer state and weights."""
+    return os.open(path, flags, 0o600)

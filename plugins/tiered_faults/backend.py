@@ -35,6 +35,7 @@ import torch
 import tiered
 from tiered.errors import ConfigError, StorageIOError
 from tiered.storage.base import Capabilities, Capacity, StorageBackend, check_key, tensor_bytes
+from tiered.storage.bridge import IOBridge
 from tiered_faults.rules import FAULT_KINDS, OPS, FaultRule, nearest, parse_faults
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,14 @@ class FaultsBackend(StorageBackend):
                 total = r.after_bytes if total is None else min(total, r.after_bytes)
                 free = left if free is None else min(free, left)
         return Capacity(total_bytes=total, free_bytes=free)
+
+    def use_bridge(self, bridge: IOBridge | None) -> None:
+        """The inner backend does the blocking calls: it gets the bridge too."""
+        super().use_bridge(bridge)
+        self.inner.use_bridge(bridge)
+
+    def locate(self, key: str) -> str:
+        return self.inner.locate(key)
 
     def spec(self) -> dict[str, Any]:
         return {

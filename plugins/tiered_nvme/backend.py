@@ -286,11 +286,16 @@ class NVMeBackend(StorageBackend):
     async def _open(self, path: Path, flags: int, fds: list[int]) -> None:
         """``os.open`` on the bridge; the fd lands in `fds` even if the caller is cancelled
         meanwhile (the bridge waits for the running call), so the caller's cleanup closes it."""
-        await self._run([(lambda: fds.append(os.open(path, flags, 0o644)),)])
+        await self._run(
+            [(lambda: fds.append(os.open(path, flags, 0o600)),)]
+        )  # owner only: optimizer state is private
 
     # ---- contract ----------------------------------------------------------------------------
     def _file(self, key: str) -> Path:
         return self.directory / check_key(key)
+
+    def locate(self, key: str) -> str:
+        return f"file {str(self._file(key))!r}"
 
     async def write(self, key: str, tensor: torch.Tensor) -> None:
         final = self._file(key)
@@ -498,7 +503,7 @@ def _log_reclaimed(root: Path, removed: list[tuple[Path, int]]) -> None:
     names = ", ".join(p.name for p, _ in removed[:3]) + (
         f" and {len(removed) - 3} more" if len(removed) > 3 else ""
     )
-    log.info(
+    log.warning(  # visible by default: disk space came back that a crashed run had held
         "nvme backend: removed %d stale swap director%s of dead processes under %s (%s): %d bytes (%s) freed",
         len(removed),
         "y" if len(removed) == 1 else "ies",

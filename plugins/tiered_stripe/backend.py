@@ -28,6 +28,7 @@ from tiered.storage.base import (
     check_out_size,
     tensor_bytes,
 )
+from tiered.storage.bridge import IOBridge
 from tiered.units import parse_bytes
 from tiered_stripe.layout import (
     RECORD_BYTES,
@@ -164,6 +165,17 @@ class StripeBackend(StorageBackend):
             total_bytes=min(totals) * n if len(totals) == n else None,
             free_bytes=min(frees) * n if len(frees) == n else None,
         )
+
+    def use_bridge(self, bridge: IOBridge | None) -> None:
+        """The members do the blocking calls: each gets the bridge too."""
+        super().use_bridge(bridge)
+        for m in self.members:
+            m.use_bridge(bridge)
+
+    def locate(self, key: str) -> str:
+        if self._single:
+            return self.members[0].locate(key)
+        return f"stripes of key {key!r} over {len(self.members)} members (first on {self.members[0].locate(key)})"
 
     def spec(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.name, "stripe_bytes": self.stripe_bytes}

@@ -136,6 +136,16 @@ class TieredSection:
     timeout_s: float = 600.0
     """Longest any wait on the tier manager may take before TierTimeoutError."""
     io_threads: int = 8
+    verify_checksums: bool = True
+    """Checksum every partition written to a non-memory tier; verify it on every read back."""
+    io_timeout_floor_s: float = 30.0
+    """Each backend call may take io_timeout_floor_s + bytes / io_min_bytes_per_s (at most timeout_s)."""
+    io_min_bytes_per_s: float = 50e6
+    io_retries: int = 3
+    """Tries again of a read or whole-object write that failed with a transient errno."""
+    io_retry_backoff_s: float = 0.01
+    io_retry_errnos: tuple[str, ...] = ("EAGAIN", "EINTR", "EBUSY", "ETIMEDOUT", "EIO")
+    """The transient class: errno names retried."""
     param_tier: str | None = None
     """Tier holding offloaded 16-bit parameters ("cpu", "nvme", or a custom tier); None: no offload."""
     optimizer_tier: str | None = None

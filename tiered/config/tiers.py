@@ -33,7 +33,7 @@ from typing import Any
 
 from tiered.config.keys import check_section, is_comment, unknown_key_error
 from tiered.config.schema import AioConfig, TieredSection, TierSpec, ZeroConfig
-from tiered.config.values import as_bool, as_count, as_float, as_section, as_str, is_auto
+from tiered.config.values import as_bool, as_count, as_float, as_section, as_str, errno_codes, is_auto
 from tiered.errors import ConfigError
 from tiered.units import parse_bytes
 
@@ -190,7 +190,34 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
         io_threads=defaults.io_threads
         if threads is None
         else as_count(threads, "tiered.io_threads", minimum=1),
+        **_io_keys(section, defaults),
         param_tier=param_tier,
         optimizer_tier=opt_tier,
         grad_tier=grad_tier,
     ), (False if overlap is None else as_bool(overlap, "tiered.overlap_step_with_backward"))
+
+
+def _io_keys(section: dict[str, Any], defaults: TieredSection) -> dict[str, Any]:
+    """tiered.verify_checksums and the per-call timeout and retry keys (see
+    [Note: byte-scaled I/O timeouts] in tiered.tiers.io_policy)."""
+    out: dict[str, Any] = {}
+    if section.get("verify_checksums") is not None:
+        out["verify_checksums"] = as_bool(section["verify_checksums"], "tiered.verify_checksums")
+    for key in ("io_timeout_floor_s", "io_min_bytes_per_s"):
+        if section.get(key) is not None:
+            out[key] = as_float(section[key], f"tiered.{key}", minimum=0.0, min_exclusive=True)
+    if section.get("io_retry_backoff_s") is not None:
+        out["io_retry_backoff_s"] = as_float(
+            section["io_retry_backoff_s"], "tiered.io_retry_backoff_s", minimum=0.0
+        )
+    if section.get("io_retries") is not None:
+        out["io_retries"] = as_count(section["io_retries"], "tiered.io_retries", minimum=0)
+    names = section.get("io_retry_errnos")
+    if names is not None:
+        if not isinstance(names, list | tuple):
+            raise ConfigError(
+                f"tiered.io_retry_errnos: expected a list of errno names such as ['EAGAIN'], got {names!r}"
+            )
+        errno_codes(names, "tiered.io_retry_errnos")
+        out["io_retry_errnos"] = tuple(str(n).upper() for n in names)
+    return out

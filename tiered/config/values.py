@@ -7,7 +7,9 @@ such as ``"5e8x"`` or ``1.5`` never turns into a silent truncation.
 
 from __future__ import annotations
 
+import errno as _errno
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from tiered.errors import ConfigError
@@ -110,3 +112,19 @@ def as_betas(value: Any, path: str) -> tuple[float, float]:
     if b1 >= 1.0 or b2 >= 1.0:
         raise ConfigError(f"{path}: betas must be in [0, 1), got {value!r}")
     return (b1, b2)
+
+
+def errno_codes(names: Iterable[str | int], key: str) -> frozenset[int]:
+    """Errno names (or numbers) as codes; ConfigError naming `key` and the bad entry otherwise."""
+    codes = set()
+    for n in names:
+        if isinstance(n, bool):
+            raise ConfigError(f"{key}: {n!r} is not an errno name such as 'EAGAIN'")
+        if isinstance(n, int):
+            codes.add(n)
+            continue
+        code = getattr(_errno, str(n).upper(), None) if isinstance(n, str) else None
+        if not isinstance(code, int):
+            raise ConfigError(f"{key}: {n!r} is not an errno name (use names such as 'EAGAIN', 'EIO')")
+        codes.add(code)
+    return frozenset(codes)

@@ -16,7 +16,9 @@ from tiered.engine.build import (
     build_tier_manager,
     capacity_needs,
     check_capacity,
+    check_not_managed,
     choose_placement,
+    mark_managed,
 )
 from tiered.engine.distributed import ensure_process_group
 from tiered.engine.engine import Engine
@@ -73,6 +75,7 @@ def initialize(
         raise TypeError(
             f"tiered.initialize(model, config): model must be a torch.nn.Module, got {type(model).__name__}"
         )
+    check_not_managed(model)
     if process_group is None:
         ensure_process_group()  # [Note: process group from torchrun]
     distributed = dist.is_available() and dist.is_initialized()
@@ -170,6 +173,7 @@ def initialize(
         scheduler=scheduler,
         capacity=needs,
     )
+    mark_managed(model, engine)
     return client.finish(engine, model, req, lr_scales) if req.given else engine
 
 

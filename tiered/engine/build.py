@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiered.config.schema import TieredConfig
-from tiered.errors import CapacityError, ConfigError
+from tiered.errors import AlreadyManagedError, CapacityError, ConfigError
 from tiered.units import format_bytes
 
 if TYPE_CHECKING:
     from tiered.optim.placement import GroupPlan
     from tiered.shards import ShardGroup
-    from tiered.tiers import TierManager
+    from tiered.storage.base import StorageBackend
+    from tiered.tiers import Tier, TierManager
     from tiered.zero.budget import GpuGatherNeed
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,25 @@ def _refuse_unused_tiers(cfg: TieredConfig, placement: Placement) -> None:
         )
 
 
+_MANAGED_ATTR = "_tiered_engine"
+
+
+def check_not_managed(model: torch.nn.Module) -> None:
+    """AlreadyManagedError when an open engine already manages `model`: two engines over one
+    module would share its hooks and parameters, and the second would silently train nothing."""
+    ref = model.__dict__.get(_MANAGED_ATTR)
+    first = ref() if ref is not None else None
+    if first is not None and not getattr(first, "_closed", True):
+        raise AlreadyManagedError(
+            f"tiered.initialize: module {type(model).__name__} is already managed by engine "
+            f"{first!r} (id {id(first):#x}); use that engine, or call its close() first"
+        )
+
+
+def mark_managed(model: torch.nn.Module, engine: object) -> None:
+    model.__dict__[_MANAGED_ATTR] = weakref.ref(engine)
+
+
 def tier_order(names: Sequence[str]) -> list[str]:
     """Fastest first: gpu, cpu, nvme, then custom tiers in the order given."""
     known = [n for n in _ORDER if n in names]
@@ -131,40 +152,94 @@ def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1)
     (``<path>/rank<r>``): every rank names its partitions alike, so one shared nvme_path
     (the usual DeepSpeed config) must not make ranks overwrite each other's files. Swap
     backends (the derived offload tiers) need none: each process has its own swap folder."""
-    from tiered.storage import open_backend
-    from tiered.tiers import Tier, TierManager
+    from tiered.config.values import errno_codes
+    from tiered.tiers import TierManager
+    from tiered.tiers.io_policy import IOPolicy
 
     specs = dict(cfg.tiered.tiers)
     for name in ("gpu", "cpu"):
         if name not in specs:
             raise ConfigError(f"tiered.tiers.{name} is missing: the engine needs a {name!r} tier")
-    tiers = []
-    for name in tier_order(list(specs)):
-        spec = specs[name]
-        bspec = dict(spec.backend)
-        # a swap backend already writes into a private per-process folder that close() removes;
-        # a rank subfolder would only be left behind, empty
-        per_rank = world_size > 1 and isinstance(bspec.get("path"), str) and not bspec.get("swap")
-        if per_rank:
-            bspec["path"] = os.path.join(bspec["path"], f"rank{rank}")
-        try:
-            if per_rank:
-                os.makedirs(bspec["path"], exist_ok=True)
-            backend = open_backend(bspec)
-        except (OSError, PermissionError) as e:
-            path = spec.backend.get("path")
-            raise ConfigError(
-                f"tiered.tiers.{name}: cannot open backend {spec.backend.get('type')!r}"
-                + (f" at {path!r}" if path else "")
-                + f": {e}; point nvme_path at a writable directory"
-            ) from e
-        tiers.append(Tier(name=name, backend=backend, budget_bytes=spec.budget_bytes))
+    tiers: list[Tier] = []
+    try:
+        for name in tier_order(list(specs)):
+            tiers.append(_open_tier(name, specs[name], rank=rank, world_size=world_size))
+    except BaseException:
+        # a later tier that fails (an unknown backend, a budget too big) must not leave the
+        # swap folders of the tiers already opened behind
+        _close_backends([t.backend for t in tiers])
+        raise
+    t = cfg.tiered
+    policy = IOPolicy(
+        timeout_s=t.timeout_s,
+        floor_s=t.io_timeout_floor_s,
+        min_bytes_per_s=t.io_min_bytes_per_s,
+        retries=t.io_retries,
+        backoff_s=t.io_retry_backoff_s,
+        transient=errno_codes(t.io_retry_errnos, "tiered.io_retry_errnos"),
+    )
     return TierManager(
         tiers,
-        timeout_s=cfg.tiered.timeout_s,
-        io_threads=cfg.tiered.io_threads,
-        record_trace=cfg.tiered.trace_path is not None,
+        timeout_s=t.timeout_s,
+        io_threads=t.io_threads,
+        record_trace=t.trace_path is not None,
+        verify=t.verify_checksums,
+        io_policy=policy,
     )
+
+
+def _open_tier(name: str, spec: Any, *, rank: int, world_size: int) -> Tier:
+    from tiered.storage import open_backend
+    from tiered.tiers import Tier
+
+    bspec = dict(spec.backend)
+    # a swap backend already writes into a private per-process folder that close() removes;
+    # a rank subfolder would only be left behind, empty
+    per_rank = world_size > 1 and isinstance(bspec.get("path"), str) and not bspec.get("swap")
+    if per_rank:
+        bspec["path"] = os.path.join(bspec["path"], f"rank{rank}")
+    try:
+        if per_rank:
+            os.makedirs(bspec["path"], mode=0o700, exist_ok=True)
+        backend = open_backend(bspec)
+    except (OSError, PermissionError) as e:
+        path = spec.backend.get("path")
+        raise ConfigError(
+            f"tiered.tiers.{name}: cannot open backend {spec.backend.get('type')!r}"
+            + (f" at {path!r}" if path else "")
+            + f": {e}; point nvme_path at a writable directory"
+        ) from e
+    budget = spec.budget_bytes
+    try:
+        total = backend.capacity().total_bytes if budget is not None else None
+    except Exception:  # noqa: BLE001 - a backend that cannot tell its size: nothing to compare
+        total = None
+    if budget is not None and total is not None and budget > total:
+        _close_backends([backend])
+        raise CapacityError(
+            f"tiered.tiers.{name}.budget {format_bytes(budget, binary=True)} ({budget} bytes) is more than "
+            f"backend {backend.name!r} has in all: {format_bytes(total, binary=True)} ({total} bytes); "
+            "lower the budget, or leave it out to use what the backend reports free"
+        )
+    return Tier(name=name, backend=backend, budget_bytes=budget)
+
+
+def _close_backends(backends: Sequence[StorageBackend]) -> None:
+    """Close backends from synchronous code, on a thread with its own loop (the caller may run
+    inside one); errors are logged, never raised over the error being reported."""
+    import asyncio
+    import threading
+
+    async def close_all() -> None:
+        for b in backends:
+            try:
+                await b.close()
+            except Exception:
+                log.warning("closing backend %r after a failed set-up failed", b, exc_info=True)
+
+    t = threading.Thread(target=lambda: asyncio.run(close_all()), name="tiered-setup-close", daemon=True)
+    t.start()
+    t.join(timeout=60.0)
 
 
 def capacity_needs(

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from tiered.errors import ConfigError
+from tiered.errors import ConfigError, DistributedSetupError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def ensure_process_group() -> bool:
     missing = [k for k in TORCHRUN_VARS if not os.environ.get(k, "").strip()]
     if missing or not dist.is_available():
         why = f"{', '.join(missing)} unset" if missing else "this torch has no torch.distributed"
-        raise ConfigError(
+        raise DistributedSetupError(
             f"WORLD_SIZE={world} in the environment but no process group ({why}): launch with torchrun "
             "(python -m torch.distributed.run --nproc_per_node N ...), or call "
             "torch.distributed.init_process_group before tiered.initialize; otherwise every "

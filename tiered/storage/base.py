@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tiered.errors import StorageIOError, StorageKeyError
+from tiered.errors import StorageIOError, StorageKeyError, StoredSizeError
 from tiered.storage.bridge import IOBridge, default_bridge
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -83,8 +83,15 @@ class Capacity:
     free_bytes: int | None
 
 
+MAX_KEY_CHARS = 200
+"""Longest key every backend takes: a file name is at most 255 bytes, and file backends add a
+suffix of their own (a temporary name, a stripe index), so a longer key is refused in every
+backend alike, not by one filesystem's ENAMETOOLONG."""
+
+
 def check_key(key: str) -> str:
-    """Keys are flat names: letters, digits, '_', '-', '.'; never '/', '..' or empty.
+    """Keys are flat names: letters, digits, '_', '-', '.'; never '/', '..' or empty; at most
+    `MAX_KEY_CHARS` characters.
 
     Raises StorageKeyError naming the key, so a key can never escape a backend's directory.
     """
@@ -92,6 +99,11 @@ def check_key(key: str) -> str:
         raise StorageKeyError(
             f"invalid storage key {key!r}: use letters, digits, '_', '-' and '.' only "
             "(no '/', no '..', not empty)"
+        )
+    if len(key) > MAX_KEY_CHARS:
+        raise StorageKeyError(
+            f"invalid storage key {key[:40]!r}... ({len(key)} characters): keys are at most "
+            f"{MAX_KEY_CHARS} characters in every backend; use a shorter name"
         )
     return key
 
@@ -109,9 +121,12 @@ def check_out_size(key: str, stored_nbytes: int, out_nbytes: int, *, where: str 
     """ValueError naming the key and both sizes when a read target has the wrong size."""
     if stored_nbytes != out_nbytes:
         at = f" ({where})" if where else ""
-        raise ValueError(
+        raise StoredSizeError(
             f"read of key {key!r}{at}: stored object has {stored_nbytes} bytes but the output tensor "
-            f"has {out_nbytes} bytes; pass a tensor of exactly {stored_nbytes} bytes"
+            f"has {out_nbytes} bytes; pass a tensor of exactly {stored_nbytes} bytes (or, if the "
+            f"object was written with {out_nbytes} bytes, it was truncated: it is corrupt)",
+            stored_nbytes,
+            out_nbytes,
         )
 
 
@@ -230,6 +245,10 @@ class StorageBackend(abc.ABC):
         raise NotImplementedError(f"backend {self.name!r} is not memory-like: it has no resident tensors")
 
     # ---- derived helpers -------------------------------------------------------------------
+    def locate(self, key: str) -> str:
+        """Where `key`'s bytes live, for error messages: a file path for file backends."""
+        return f"key {key!r} of backend {self.name!r}"
+
     def spec(self) -> dict[str, Any]:
         """A JSON-able spec that `tiered.open_backend` turns back into an equivalent backend."""
         return {"type": self.name}

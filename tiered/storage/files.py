@@ -53,7 +53,7 @@ def check_directory(path: str | os.PathLike[str], *, backend: str, create: bool 
     directory = Path(path).expanduser()
     if create:
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # owner only, like the files
         except OSError as exc:
             raise StorageIOError(
                 f"{backend} backend: cannot create directory {str(directory)!r}: {exc.strerror or exc}; "

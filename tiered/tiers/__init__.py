@@ -9,6 +9,7 @@ Notes in `loop`, `state_machine`, `partition`, `waiting` and `error_context`.
 from __future__ import annotations
 
 from tiered.tiers.future import TierFuture
+from tiered.tiers.io_policy import DEFAULT_TRANSIENT, IOPolicy
 from tiered.tiers.loop import EventLoopThread, ManagerClosedError
 from tiered.tiers.manager import TierManager
 from tiered.tiers.partition import CopyState, Partition, PinnedError
@@ -19,7 +20,9 @@ __all__ = [
     "CleanFirstLRUPolicy",
     "CopyState",
     "EventLoopThread",
+    "DEFAULT_TRANSIENT",
     "EvictionPolicy",
+    "IOPolicy",
     "LRUPolicy",
     "ManagerClosedError",
     "Partition",

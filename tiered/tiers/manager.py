@@ -23,6 +23,7 @@ from tiered.errors import StorageKeyError
 from tiered.storage.base import check_key
 from tiered.tiers.budget import TierBudget
 from tiered.tiers.future import TierFuture
+from tiered.tiers.io_policy import IOPolicy
 from tiered.tiers.loop import EventLoopThread
 from tiered.tiers.partition import Partition
 from tiered.tiers.policy import EvictionPolicy
@@ -80,8 +81,12 @@ class TierManager:
         max_inflight_per_link: int = 4,
         record_trace: bool = False,
         io_threads: int = 8,
-        verify: bool = False,
+        verify: bool = True,
+        io_policy: IOPolicy | None = None,
     ) -> None:
+        """`verify`: checksum every write to a non-memory tier and check it on every read back
+        ([Note: partition checksums]); `io_policy`: the per-call timeouts and retries
+        ([Note: byte-scaled I/O timeouts]), by default `IOPolicy(timeout_s=timeout_s)`."""
         tiers = _checked_tiers(tiers)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -106,6 +111,7 @@ class TierManager:
             verify=verify,
             stats=self._stats,
             trace=self._trace,
+            policy=io_policy if io_policy is not None else IOPolicy(timeout_s=self.timeout_s),
         )
         self._machine = TierStateMachine(budgets, transfers, self.timeout_s)
         _close_at_exit(self)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -86,9 +87,11 @@ class TierStateMachine:
             else:
                 src = init.contiguous() if init is not None else torch.zeros(part.numel, dtype=part.dtype)
                 await self.transfers.io(
-                    ts.backend.write(part.name, src), self.transfers.ctx(part, home, "create")
+                    lambda: ts.backend.write(part.name, src),
+                    self.transfers.ctx(part, home, "create"),
+                    part.nbytes,
                 )
-                if ts.persistent:
+                if self.transfers.verify:
                     part.set_checksum(home, await self.transfers.checksum(src))
             self.stats.tiers[home].writes += 1
             part.end_load(home, version)
@@ -255,7 +258,9 @@ class TierStateMachine:
                 continue
             try:
                 await self.transfers.io(
-                    self.tiers[t].backend.delete(part.name), self.transfers.ctx(part, t, "drop")
+                    partial(self.tiers[t].backend.delete, part.name),
+                    self.transfers.ctx(part, t, "drop"),
+                    retry=False,
                 )
             except Exception as exc:  # noqa: BLE001 - keep going: the budget must come back even if a file lingers
                 errors.append(with_context(exc, self.transfers.ctx(part, t, "drop")))
@@ -366,7 +371,9 @@ class TierStateMachine:
                 if allocated:
                     try:
                         await self.transfers.io(
-                            backend.delete(part.name), self.transfers.ctx(part, tier, "cleanup")
+                            lambda: backend.delete(part.name),
+                            self.transfers.ctx(part, tier, "cleanup"),
+                            retry=False,
                         )
                     except Exception:  # noqa: BLE001 - the original failure is the one to report
                         log.warning(
@@ -452,7 +459,9 @@ class TierStateMachine:
             else:
                 self.stats.clean_drops += 1
             await self.transfers.io(
-                self.tiers[tier].backend.delete(part.name), self.transfers.ctx(part, tier, "evict")
+                lambda: self.tiers[tier].backend.delete(part.name),
+                self.transfers.ctx(part, tier, "evict"),
+                retry=False,
             )
             part.end_eviction(tier, ABSENT)
             self.stats.evictions += 1

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiered.tiers.io_policy import IOCounters
+
 
 @dataclass
 class LinkStats:
@@ -65,6 +67,8 @@ class ManagerStats:
     writebacks: int = 0
     clean_drops: int = 0
     stall_s: float = 0.0
+    io: IOCounters = field(default_factory=IOCounters)
+    """Retries, timeouts and checksum verification of backend calls."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def link(self, src: str, dst: str) -> LinkStats:
@@ -97,4 +101,5 @@ class ManagerStats:
                 "evictions": self.evictions,
                 "writebacks": self.writebacks,
                 "clean_drops": self.clean_drops,
+                "io": self.io.to_json(),
             }

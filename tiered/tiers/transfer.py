@@ -15,16 +15,20 @@ bounds here and the bridge the manager hands its backends.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
 
 from tiered.device import default_device
+from tiered.errors import StoredSizeError
 from tiered.tiers.budget import TierBudget
-from tiered.tiers.checksum import check_crc, crc32_of
+from tiered.tiers.checksum import check_digest, digest_of, truncated
 from tiered.tiers.error_context import raise_in_context, where
+from tiered.tiers.io_policy import IOCounters, IOPolicy, with_retries
 from tiered.tiers.loop import EventLoopThread
 from tiered.tiers.partition import Partition
 from tiered.tiers.stats import ManagerStats
@@ -32,6 +36,7 @@ from tiered.tiers.trace import TraceRecorder
 from tiered.tiers.waiting import bounded
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Transfers:
@@ -47,10 +52,13 @@ class Transfers:
         verify: bool,
         stats: ManagerStats,
         trace: TraceRecorder,
+        policy: IOPolicy | None = None,
     ) -> None:
         self._tiers = tiers
         self.loop = loop
         self.timeout_s = timeout_s
+        self.policy = policy if policy is not None else IOPolicy(timeout_s=timeout_s)
+        self.counters: IOCounters = stats.io
         self.max_inflight = max_inflight_per_link
         self.verify = verify
         self.stats = stats
@@ -60,14 +68,39 @@ class Transfers:
     def ctx(self, part: Partition, tier: str, op: str) -> str:
         return where(op, part.name, tier, self._tiers[tier].backend.name)
 
-    async def io(self, aw: Awaitable[T], what: str) -> T:
-        """A backend call, bounded by the manager's timeout."""
-        return await bounded(
-            aw, self.timeout_s, lambda: f"{what}: the backend did not answer within {self.timeout_s} s"
-        )
+    async def io(
+        self, call: Callable[[], Awaitable[T]], what: str, nbytes: int = 0, *, retry: bool = True
+    ) -> T:
+        """One backend call: each try bounded by the byte-scaled timeout; transient errors of an
+        idempotent call (a read, a whole-object write: `retry`) tried again
+        ([Note: byte-scaled I/O timeouts], [Note: retries of transient errors] in
+        `tiered.tiers.io_policy`)."""
+        policy = self.policy if retry else replace(self.policy, retries=0)
+
+        async def one_try() -> T:
+            try:
+                return await bounded(
+                    call(),
+                    policy.bound_s(nbytes),
+                    lambda: f"{what}: the backend did not answer within {policy.describe_bound(nbytes)}",
+                )
+            except TimeoutError:
+                self.counters.timeouts += 1
+                raise
+
+        def on_retry(attempt: int, exc: BaseException) -> None:
+            log.warning("%s: transient error, retry %d of %d: %s", what, attempt + 1, policy.retries, exc)
+
+        try:
+            return await with_retries(one_try, policy, self.counters, on_retry)
+        except OSError as exc:
+            n = getattr(exc, "_tiered_retries", 0)
+            if not n:
+                raise
+            raise_in_context(exc, f"{what} (gave up after {n} retries, tiered.io_retries = {policy.retries})")
 
     async def checksum(self, buf: torch.Tensor) -> int:
-        return await self.loop.run_blocking(crc32_of, buf)
+        return await self.loop.run_blocking(digest_of, buf)
 
     def _link_sem(self, src: str, dst: str) -> asyncio.Semaphore:
         key = f"{src}->{dst}"
@@ -128,16 +161,31 @@ class Transfers:
             if sts.memory_like:
                 await self.mem_copy(buf, sts.backend.view(part.name), self.ctx(part, src, op))
                 return
-            await self.io(sts.backend.read(part.name, buf), self.ctx(part, src, op))
+            what = self.ctx(part, src, op)
+            try:
+                await self.io(lambda: sts.backend.read(part.name, buf), what, part.nbytes)
+            except StoredSizeError as exc:
+                # the manager always reads exactly the partition's bytes: a size mismatch is a
+                # truncated or overwritten file, not a caller's mistake ([Note: partition checksums])
+                self.counters.truncated += 1
+                raise truncated(
+                    what, dst, sts.backend.locate(part.name), exc.stored_nbytes, part.nbytes
+                ) from exc
             want = part.checksum(src)
-            if self.verify and sts.persistent and want is not None:
-                check_crc(await self.checksum(buf), want, self.ctx(part, src, op), dst)
+            if self.verify and want is not None:
+                got = await self.checksum(buf)
+                self.counters.verified_reads += 1
+                self.counters.verified_bytes += part.nbytes
+                if got != want:
+                    self.counters.checksum_failures += 1
+                check_digest(got, want, what, dst, sts.backend.locate(part.name))
 
         await self.run(part, src, dst, op, fill)
 
     async def write_from(self, part: Partition, src: str, dst: str, op: str) -> int | None:
-        """Write `src`'s resident copy into `dst`'s storage (a write-back to home); the crc32 of
-        what was written when `dst` is persistent, for the caller to record."""
+        """Write `src`'s resident copy into `dst`'s storage (a write-back to home); the digest of
+        what was written when `dst` is not memory-like and verification is on, for the caller
+        to record ([Note: partition checksums])."""
         dts = self._tiers[dst]
         srcbuf = self._tiers[src].backend.view(part.name)
 
@@ -146,11 +194,11 @@ class Transfers:
                 await self.mem_copy(dts.backend.view(part.name), srcbuf, self.ctx(part, dst, op))
                 return None
             jobs: list[Awaitable[Any]] = [
-                self.io(dts.backend.write(part.name, srcbuf), self.ctx(part, dst, op))
+                self.io(lambda: dts.backend.write(part.name, srcbuf), self.ctx(part, dst, op), part.nbytes)
             ]
-            if dts.persistent:
+            if self.verify:
                 jobs.append(self.checksum(srcbuf))
             res = await asyncio.gather(*jobs)
-            return res[1] if dts.persistent else None
+            return res[1] if self.verify else None
 
         return await self.run(part, src, dst, op, fill)

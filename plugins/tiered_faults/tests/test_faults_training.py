@@ -1,5 +1,6 @@
-"""Faults injected under a training tier: a read error reaches the user as a storage error naming
-the backend and the partition, a failed prefetch is read again, a hang becomes a timeout."""
+"""Faults injected under a training tier: a transient read error is retried and counted, a lasting
+one reaches the user as a storage error naming the backend and the partition, a failed prefetch is
+read again, a hang becomes a timeout."""
 
 from __future__ import annotations
 
@@ -48,15 +49,36 @@ def _config(tmp_path: Path, fault: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def test_a_transient_read_error_is_retried_and_counted(tmp_path: Path) -> None:
+    # one read of a parameter in the first step's forward, with an errno a retry cures
+    fault = {"kind": "error", "op": "read", "key": "*.param", "after": 4, "nth": 1, "errno": "EAGAIN"}
+    case = CASES["mlp"]
+    batches = make_batches(case, 4, 4)
+    want_losses, want = reference_train(build(case), case, batches)
+    got_losses = []
+    with tiered.initialize(build(case), _config(tmp_path, fault)) as engine:
+        for b in batches:
+            loss = case.loss(engine(**b))
+            got_losses.append(float(loss.detach()))
+            engine.backward(loss)
+            engine.step()
+        got = {k: v.detach().float().clone() for k, v in engine.zero.gather_full_state_dict().items()}
+        io = engine.stats()["tiers"]["io"]
+        assert engine.tm.tier("flaky").backend.stats()["injected"]["error"] == 1  # the fault did hit
+    assert io["retries"] == 1 and io["recovered"] == 1 and io["gave_up"] == 0, io
+    assert_losses_close(got_losses, want_losses)
+    assert_params_close(got, want, REL)
+
+
 @pytest.mark.parametrize(
     "fault",
     [
-        # transient: one read of a parameter in the first step's forward, with an errno a retry could cure
-        {"kind": "error", "op": "read", "key": "*.param", "after": 4, "nth": 1, "errno": "EAGAIN"},
-        # optimizer state that can no longer be read
+        # optimizer state that can no longer be read: retried (EIO is in the transient class), then reported
         {"kind": "error", "op": "read", "key": "*.exp_avg_sq", "errno": "EIO"},
+        # an errno outside the transient class reaches the user at once
+        {"kind": "error", "op": "read", "key": "*.param", "after": 4, "nth": 1, "errno": "EACCES"},
     ],
-    ids=["transient-EAGAIN", "persistent-EIO"],
+    ids=["persistent-EIO", "non-transient-EACCES"],
 )
 def test_an_injected_read_error_reaches_the_user_naming_backend_and_partition(tmp_path: Path, fault) -> None:
     case = CASES["mlp"]

@@ -126,6 +126,7 @@ def test_stale_swap_directories_are_reclaimed_and_live_ones_kept(tmp_path: Path,
     assert all((tmp_path / n).read_bytes() == d for n, d in user_files.items())
     lines = [r.getMessage() for r in caplog.records if "stale swap" in r.getMessage()]
     assert len(lines) == 1, lines
+    assert all(r.levelno == logging.WARNING for r in caplog.records if "stale swap" in r.getMessage())
     assert "removed 2 stale swap directories" in lines[0] and "12000 bytes" in lines[0]
     assert dead.name in lines[0] and dead_unlocked.name in lines[0] and str(tmp_path) in lines[0]
 
