@@ -169,7 +169,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gradient-checkpointing-reentrant",
         action="store_true",
-        help="with --gradient-checkpointing: torch's reentrant variant (needed with --lora)",
+        help="with --gradient-checkpointing: torch's reentrant variant (the default is non-reentrant)",
     )
 
 
