@@ -162,6 +162,7 @@ def train(
     eval_every: int = 0,
     on_eval: Callable[[int, float], None] | None = None,
     link_rates: bool = False,
+    checkpoints: Any = None,
 ) -> TrainResult:
     """Fine-tune `model` for opts.steps optimizer steps through tiered's engine.
 
@@ -170,7 +171,9 @@ def train(
     with the steps done so far. `keep_state` gathers the consolidated fp32 parameters. With
     `eval_data` (a fresh iterable of eval batches per call) the eval loss is taken every
     `eval_every` steps and after the last step (`eval_loss`). `link_rates` fills StepLog.link_gbps
-    (it reads engine.stats() at every log, so it is off unless a progress bar shows it)."""
+    (it reads engine.stats() at every log, so it is off unless a progress bar shows it).
+    `checkpoints` (a tiered.finetune.checkpointing.CheckpointPolicy) resumes, saves and exports
+    ([Note: run directory]); a stop it asks for ends the loop as an interrupt does."""
     if eval_data is not None and eval_every < 1:
         raise ConfigError(f"--eval-every must be >= 1, got {eval_every}")
     import tiered
@@ -202,7 +205,8 @@ def train(
 
     with engine:
         try:
-            for step in range(1, opts.steps + 1):
+            first = 1 + (checkpoints.start(engine, stream) if checkpoints is not None else 0)
+            for step in range(first, opts.steps + 1):
                 lr = engine.get_lr()[0]
                 micro: list[float] = []
                 for _ in range(gas):
@@ -232,6 +236,11 @@ def train(
                     evals.append((step, eval_loss(model, engine, eval_data())))
                     if on_eval is not None:
                         on_eval(*evals[-1])
+                if checkpoints is not None and checkpoints.after_step(
+                    engine, stream, step, step == opts.steps
+                ):
+                    interrupted = True
+                    break
         except KeyboardInterrupt:
             interrupted = True
             log.warning("interrupted after %d steps; closing the engine", len(losses))
@@ -239,6 +248,8 @@ def train(
         stats = engine.stats()
         if keep_state and not interrupted:
             state = {k: v.detach().float().clone() for k, v in engine.state_dict_fp32().items()}
+        if checkpoints is not None and not interrupted:
+            checkpoints.export(engine, model)
     return TrainResult(
         tuple(losses), len(losses), tokens, init_s, train_s, interrupted, stats, state, tuple(evals)
     )
