@@ -216,3 +216,20 @@ def test_lora_export_is_peft_format_and_merged(
     want = peft_model.merge_and_unload().state_dict()
     for k, v in merged.state_dict().items():
         assert torch.allclose(v, want[k], atol=1e-6), k
+
+
+def test_demo_exports_through_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from tiered.cli import demo_finetune
+
+    monkeypatch.setattr(demo_finetune, "QUICK_STEPS", 2)
+    monkeypatch.setattr(demo_finetune, "SEQ_LEN", 32)
+    out = io.StringIO()
+    work = tmp_path / "work"
+    work.mkdir()
+    assert demo_finetune.run_demo(True, work, out, run_dir=tmp_path / "run") == 0
+    text = out.getvalue()
+    assert f'AutoModelForCausalLM.from_pretrained("{tmp_path / "run" / "final"}")' in text
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert list(work.iterdir()) == []  # the offload files were temporary; the run folder is kept
