@@ -192,7 +192,12 @@ class ZeroParameters:
         self._recompute = RecomputeParams(self.managed)  # [Note: recomputed frozen parameters]
         self._recompute_mods: list[int] = []
         self._grad_callbacks: list[Callable[[ShardGroup], None]] = []
-        self._hooks = HookSet(self, model, [p for rt in self.runtimes for p in rt.params])
+        self._hooks = HookSet(
+            self,
+            model,
+            [p for rt in self.runtimes for p in rt.params],
+            [e.numel for rt in self.runtimes for e in rt.group.entries],
+        )
         log.info(
             "partitioned %d parameters into %d groups (%d persistent), world_size=%d",
             sum(g.numel for g in self.groups),
