@@ -80,6 +80,10 @@ class ShapeMutationError(TieredError, RuntimeError):
     """A module replaced or reshaped a parameter that tiered manages."""
 
 
+class ParameterNotGatheredError(TieredError, RuntimeError):
+    """A partitioned parameter's values were read outside forward without gathering them first."""
+
+
 class LossScaleError(TieredError, FloatingPointError):
     """fp16 gradients overflowed while the loss scale was already at its minimum."""
 

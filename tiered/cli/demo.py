@@ -28,7 +28,8 @@ DESCRIPTION = """\
 A tour in about a minute on a laptop-class machine:
   1. fine-tune the embedded tiny Llama (examples/tiny-llama) on the embedded corpus through an
      unchanged DeepSpeed config with parameters and optimizer state on NVMe files (a temporary
-     directory), showing the loss fall and the same steps of plain PyTorch AdamW beside it;
+     directory), showing the loss fall and the same steps of plain PyTorch AdamW beside it, and
+     exporting the model through `tiered finetune --out` (temporary unless --out DIR);
   2. tiered plan for fine-tuning a 40B model on one 80 GB GPU with 512 GB RAM and a 4 TB NVMe:
      which ZeRO placements fit, and the config to launch with;
   3. with --bench: write/read GB/s of the nvme, aiofiles and tensorstore backends against an
@@ -40,6 +41,7 @@ examples:
   tiered demo                 # fine-tune + plan (offload files in the system temp directory)
   tiered demo --quick         # fewer fine-tuning steps
   tiered demo --dir /mnt/nvme0 --bench
+  tiered demo --out run       # keep the trained model in run/final
   tiered demo --plan-only
 """
 
@@ -54,6 +56,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dir", default=None, help="where offload files and the bench go (default: system temp dir)"
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="the fine-tuning's run folder, kept: the trained model in DIR/final (default: temporary)",
     )
     p.add_argument("--plan-only", action="store_true", help="only the 40B plan")
     p.add_argument("--quick", action="store_true", help="fewer fine-tuning steps")
@@ -79,7 +87,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from tiered.cli.demo_finetune import run_demo
 
     # run_demo prints the 40B plan's verdict after the fine-tuning part.
-    demo_status = run_demo(args.quick, Path(args.dir) if args.dir else None, out)
+    keep = {"run_dir": Path(args.out)} if args.out else {}  # tiered finetune --out
+    demo_status = run_demo(args.quick, Path(args.dir) if args.dir else None, out, **keep)
     if not args.bench:
         return demo_status
     with tempfile.TemporaryDirectory(prefix="tiered-demo-", dir=args.dir) as tmp:

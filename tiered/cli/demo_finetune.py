@@ -4,7 +4,8 @@ Fine-tunes the embedded tiny Llama (examples/tiny-llama/config.json, ~1.7M param
 its config) on the embedded corpus (examples/corpus.txt, byte tokenizer) with parameters and
 optimizer state offloaded to NVMe files in a temporary folder, through the unchanged DeepSpeed
 config examples/ds_config.json; shows the loss going down; runs the same steps with plain PyTorch
-AdamW and prints both final losses and the largest parameter difference; prints the tier stats;
+AdamW and prints both final losses and the largest parameter difference; prints the tier stats
+and where the trained model went (`--out`, temporary by default) with the line that loads it;
 then the `tiered plan` verdict for fine-tuning a 40B model on one 80 GB GPU.
 
 [Note: where the examples live]
@@ -81,10 +82,15 @@ def plan_verdict(out: TextIO) -> int:
     return 0 if plan.recommended is not None else 1
 
 
-def run_demo(quick: bool, workdir: Path | None, out: TextIO | None = None) -> int:
+def run_demo(
+    quick: bool, workdir: Path | None, out: TextIO | None = None, run_dir: Path | None = None
+) -> int:
     """Run the demo (see the module doc); 0 when the loss went down and tiered matched plain
-    PyTorch, 1 otherwise. `workdir` holds the temporary NVMe folder (default: system temp)."""
+    PyTorch, 1 otherwise. `workdir` holds the temporary NVMe folder (default: system temp);
+    `run_dir` is the fine-tuning's --out (default: a folder inside that temporary one, removed
+    with it)."""
     from tiered.cli.finetune import finetune_job
+    from tiered.finetune.checkpointing import CheckpointPolicy
 
     out = out or sys.stdout
     w = out.write
@@ -99,6 +105,7 @@ def run_demo(quick: bool, workdir: Path | None, out: TextIO | None = None) -> in
     w(f"   (DeepSpeed config {ex / 'ds_config.json'}, unchanged but for nvme_path)\n\n")
     out.flush()
     with tempfile.TemporaryDirectory(prefix="tiered-finetune-demo-", dir=workdir) as tmp:
+        policy = CheckpointPolicy(run_dir if run_dir is not None else Path(tmp) / "run")
         job = finetune_job(
             model_path=ex / "tiny-llama",
             config=ex / "ds_config.json",
@@ -109,6 +116,11 @@ def run_demo(quick: bool, workdir: Path | None, out: TextIO | None = None) -> in
             nvme_path=str(Path(tmp) / "nvme"),
             compare_torch=True,
             out=out,
+            checkpoint=policy,
+        )
+    if run_dir is None and not job.result.interrupted:
+        w(
+            f"(the demo's --out folder {policy.out_dir} was temporary and is removed: tiered demo --out DIR keeps it)\n"
         )
     status = 0
     r = job.result
@@ -136,11 +148,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps instead of {FULL_STEPS}")
     p.add_argument("--dir", default=None, help="where the temporary NVMe folder goes (default: system temp)")
+    p.add_argument(
+        "--out", default=None, metavar="DIR", help="keep the trained model in DIR/final (default: temporary)"
+    )
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_demo(bool(args.quick), Path(args.dir) if args.dir else None)
+    return run_demo(
+        bool(args.quick), Path(args.dir) if args.dir else None, run_dir=Path(args.out) if args.out else None
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,10 @@ safetensors weights in the folder are loaded. Without tokenizer files the text i
 the built-in byte tokenizer (token id = UTF-8 byte value, 0..255; needs vocab_size >= 256).
 --config is a DeepSpeed ds_config.json (used unchanged) or a tiered config. Prints the loss every
 --log-every steps, tokens/s, and at the end the bytes moved per link, GB/s, stall time and peak
-resident bytes per tier. Ctrl-C stops cleanly after closing the engine (exit status 130).
+resident bytes per tier. Ctrl-C stops cleanly after closing the engine (exit status 130); with
+--out it first saves a checkpoint. --out DIR writes checkpoints and, at the end, the trained model
+(DIR/final, loadable with AutoModelForCausalLM.from_pretrained; with --lora the adapter in peft's
+format) and prints the line that loads it.
 
 --data is a .txt file (one document), a .jsonl file (one document per row: the --text-field
 string, or a chat "messages" list rendered with the tokenizer's chat template and trained on the
@@ -51,8 +54,13 @@ examples:
       --lora r=16,alpha=32,dropout=0.05,targets=q_proj,k_proj,v_proj,o_proj \\
       --gradient-checkpointing --gradient-checkpointing-reentrant --eval-fraction 0.05 --eval-every 50
 
+  tiered finetune --model ./my-llama --config ds_config.json --data train.txt --steps 1000 \\
+      --out run --save-every 100 --keep-last 3          # later: the same command plus --resume
+
 A step is one optimizer step (gradient_accumulation_steps micro-batches of --batch-size rows).
-exit status: 0 done, 2 bad input (one line on stderr naming the file or key), 130 interrupted.
+With --out, SIGINT/SIGTERM finish the step, save a checkpoint and exit (a second one exits at once).
+exit status: 0 done, 2 bad input (one line on stderr naming the file or key), 130 interrupted
+(SIGINT), 143 stopped by SIGTERM.
 """
 
 
@@ -122,6 +130,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_data_arguments(p)
     add_model_arguments(p)
     add_observability_arguments(p)
+    add_checkpoint_arguments(p)
     return p
 
 
@@ -143,6 +152,87 @@ def add_observability_arguments(p: argparse.ArgumentParser) -> None:
         help="draw the timeline of the last step (compute, each link, Adam) and the loss curve "
         "(needs matplotlib: pip install 'tiered[plot]')",
     )
+
+
+def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """--out and the checkpoint options ([Note: run directory], [Note: stop on a signal])."""
+    g = p.add_argument_group("checkpoints and export")
+    g.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="run folder: checkpoints in DIR/checkpoints/, the trained model in DIR/final/ "
+        "(Hugging Face layout, with the tokenizer files)",
+    )
+    g.add_argument(
+        "--save-every", type=int, default=None, metavar="N", help="save a checkpoint every N steps"
+    )
+    g.add_argument(
+        "--keep-last",
+        type=int,
+        default=None,
+        metavar="K",
+        help="keep only the K newest checkpoints (older ones deleted once a newer one is complete)",
+    )
+    g.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH",
+        help="continue from the newest valid checkpoint under --out, or from PATH (a checkpoint folder)",
+    )
+    g.add_argument(
+        "--no-save-on-interrupt",
+        action="store_true",
+        help="on SIGINT/SIGTERM stop without saving (default: finish the step, save, exit)",
+    )
+    g.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="with --lora: also write the adapters merged into the base model to DIR/final/merged/",
+    )
+
+
+def checkpoint_policy(args: argparse.Namespace) -> Any:
+    """The CheckpointPolicy of the options above, or None without --out (which they then need)."""
+    from tiered.finetune.checkpointing import CheckpointPolicy
+
+    if args.out is None:
+        given = [
+            flag
+            for flag, v in (
+                ("--save-every", args.save_every),
+                ("--keep-last", args.keep_last),
+                ("--resume", args.resume),
+                ("--merge-lora", args.merge_lora or None),
+            )
+            if v is not None
+        ]
+        if given:
+            raise ConfigError(f"{', '.join(given)} needs --out DIR (where checkpoints and the model go)")
+        return None
+    return CheckpointPolicy(
+        Path(args.out),
+        save_every=args.save_every,
+        keep_last=args.keep_last,
+        resume=args.resume,
+        save_on_interrupt=not args.no_save_on_interrupt,
+        merge_lora=args.merge_lora,
+        lora=args.lora is not None,
+    )
+
+
+def report_checkpoints(policy: Any, result: Any, out: TextIO) -> None:
+    """Where the run's checkpoints and model are, and the one line that loads the model."""
+    w = out.write
+    if policy.resumed_from:
+        w(f"resumed from {policy.resumed_from}\n")
+    if result.interrupted:
+        if policy.saved:
+            w(f"checkpoint saved: {policy.saved[-1]}; continue with the same command and --resume\n")
+        return
+    w(f"model written to {policy.final_path}; load it with:\n  {policy.load_line()}\n")
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
@@ -190,7 +280,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gradient-checkpointing-reentrant",
         action="store_true",
-        help="with --gradient-checkpointing: torch's reentrant variant (needed with --lora)",
+        help="with --gradient-checkpointing: torch's reentrant variant (the default is non-reentrant)",
     )
 
 
@@ -319,13 +409,17 @@ def finetune_job(
     free_memory: tuple[int, str] | None = None,
     trace_path: str | Path | None = None,
     plot_path: str | Path | None = None,
+    checkpoint: Any = None,
 ) -> JobResult:
     """Build, train, print progress and stats to `out`; see the module doc. Raises ConfigError
     (a TieredError) naming the path or key on bad input, before anything trains. `free_memory`
     overrides the measured free memory of the compute device (bytes, what it is) for the
     activation check. `trace_path` / `plot_path`: --trace / --plot. Under torch.distributed
     each rank trains its slice of the global batch and only rank 0 writes to `out`, the trace
-    and the plot ([Note: ranks in finetune])."""
+    and the plot ([Note: ranks in finetune]). `checkpoint` (a
+    tiered.finetune.checkpointing.CheckpointPolicy) resumes, saves and exports the run
+    ([Note: run directory])."""
+    import contextlib
     import io
 
     import torch
@@ -452,26 +546,44 @@ def finetune_job(
 
     held = data.eval
     eval_rows = held.rows if held is not None else 0
+    if checkpoint is not None:
+        checkpoint.model_folder = source.folder
+        checkpoint.lora = lora is not None
+        if compare_torch and checkpoint.resume is not None:
+            raise ConfigError(
+                "--compare-torch with --resume: the plain-PyTorch run starts from the initial weights; drop one"
+            )
+        if checkpoint.merge_lora and lora is None:
+            raise ConfigError("--merge-lora needs --lora (there is no adapter to merge)")
+    guard: Any = (
+        checkpoint.stop
+        if checkpoint is not None and checkpoint.save_on_interrupt
+        else contextlib.nullcontext()
+    )
     if world > 1:
         w(f"ranks: {world} (each trains {micro} of the {micro * world} rows of a global micro-batch)\n")
     progress = make_progress(out, steps)  # [Note: progress output]
     try:
-        result = train(
-            model,
-            cfg,
-            _rank_stream(data.train, micro, seed, rank, world),
-            opts,
-            on_log=progress.step,
-            keep_state=compare_torch,
-            eval_data=(lambda: eval_batches(held, micro)) if held is not None else None,
-            eval_every=eval_every or steps,
-            on_eval=lambda st, loss: progress.eval(st, loss, eval_rows),
-            link_rates=isinstance(progress, BarProgress),
-            trace_compute=trace_file is not None,
-            weights=streamed,
-        )
+        with guard:
+            result = train(
+                model,
+                cfg,
+                _rank_stream(data.train, micro, seed, rank, world),
+                opts,
+                on_log=progress.step,
+                keep_state=compare_torch,
+                eval_data=(lambda: eval_batches(held, micro)) if held is not None else None,
+                eval_every=eval_every or steps,
+                on_eval=lambda st, loss: progress.eval(st, loss, eval_rows),
+                link_rates=isinstance(progress, BarProgress),
+                trace_compute=trace_file is not None,
+                weights=streamed,
+                checkpoints=checkpoint,
+            )
     finally:
         progress.close()
+    if checkpoint is not None and checkpoint.merge_lora and not result.interrupted:
+        w(f"merged model written to {checkpoint.export_merged(model)}\n")
     if result.interrupted:
         w(f"interrupted after {result.steps_done} of {steps} steps; engine closed\n")
     w(
@@ -483,6 +595,8 @@ def finetune_job(
     w("\n" + tier_table(result.stats) + "\n")
     if trace_file is not None:
         _report_trace(w, result, trace_file, trace_is_temp, plot_path)
+    if checkpoint is not None:
+        report_checkpoints(checkpoint, result, out)
     job = JobResult(result)
     if reference is not None and not result.interrupted:
         w(
@@ -710,6 +824,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def _run(args: argparse.Namespace, out: TextIO) -> int:
     rank, _ = _rank_world()
+    policy = checkpoint_policy(args)
     job = finetune_job(
         model_path=args.model,
         config=args.config,
@@ -725,6 +840,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         nvme_path=args.nvme_path,
         compare_torch=args.compare_torch,
         out=out,
+        checkpoint=policy,
         **_data_and_model_kwargs(args),
     )
     if args.stats_json and rank == 0:
@@ -732,6 +848,8 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         doc["args"] = {k: v for k, v in vars(args).items() if k not in ("run",)}
         _write_json(args.stats_json, doc)
         out.write(f"stats written to {args.stats_json}\n")
+    if job.result.interrupted and policy is not None and policy.stop.signum is not None:
+        return 128 + int(policy.stop.signum)
     return 130 if job.result.interrupted else 0
 
 

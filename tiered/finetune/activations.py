@@ -129,22 +129,11 @@ def check_activations(
 def enable_gradient_checkpointing(model: torch.nn.Module, *, reentrant: bool) -> None:
     """Hugging Face gradient checkpointing on `model` (a transformers model, or peft around one).
 
-    [Note: checkpointing and frozen parameters] torch.utils.checkpoint's non-reentrant
-    recomputation keeps a tensor that does not require grad as the object itself, not a
-    detached alias (`x = x.detach() if x.requires_grad else x` in its recomputation pack hook).
-    A frozen parameter is such a tensor, and tiered's ZeRO-3 release swaps `Parameter.data` for
-    an empty placeholder when the recomputed module's forward ends (tiered/zero params
-    `_release`); the recomputed saved tensor then has shape [0] and the checkpoint raises
-    CheckpointError ("Recomputed values ... different metadata"). Until zero/ keeps frozen
-    parameters alive across a recomputation, frozen parameters (LoRA) need the reentrant mode,
-    whose recomputed backward runs the module hooks (and so re-gathers) first."""
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    if frozen and not reentrant:
-        raise ConfigError(
-            f"--gradient-checkpointing: {len(frozen)} parameters are frozen (e.g. {frozen[0]}; LoRA freezes the "
-            "base model), and tiered's ZeRO-3 release does not yet survive torch's non-reentrant recomputation "
-            "of frozen parameters; add --gradient-checkpointing-reentrant"
-        )
+    [Note: checkpointing and frozen parameters] Both torch modes work with frozen parameters
+    (LoRA's base): the non-reentrant recomputation saves a frozen Parameter by reference, which
+    tiered/zero hands it as a detached alias instead ([Note: recomputed frozen parameters] in
+    tiered/zero/saved.py); the reentrant one needs an input that requires grad (below)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
     base: Any = model
     if not hasattr(base, "gradient_checkpointing_enable") and hasattr(base, "get_base_model"):
         base = base.get_base_model()

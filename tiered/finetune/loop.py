@@ -165,6 +165,7 @@ def train(
     link_rates: bool = False,
     trace_compute: bool = False,
     weights: str | os.PathLike[str] | None = None,
+    checkpoints: Any = None,
 ) -> TrainResult:
     """Fine-tune `model` for opts.steps optimizer steps through tiered's engine.
 
@@ -176,7 +177,9 @@ def train(
     (it reads engine.stats() at every log, so it is off unless a progress bar shows it).
     `trace_compute` adds module compute and step spans to the engine's trace when the config
     records one (tiered.trace_path; [Note: compute spans]). Under torch.distributed the logged
-    loss is the mean over ranks and tokens count the global batch ([Note: ranks in finetune])."""
+    loss is the mean over ranks and tokens count the global batch ([Note: ranks in finetune]).
+    `checkpoints` (a tiered.finetune.checkpointing.CheckpointPolicy) resumes, saves and exports
+    ([Note: run directory]); a stop it asks for ends the loop as an interrupt does."""
     if eval_data is not None and eval_every < 1:
         raise ConfigError(f"--eval-every must be >= 1, got {eval_every}")
     import tiered
@@ -214,7 +217,8 @@ def train(
 
     with engine:
         try:
-            for step in range(1, opts.steps + 1):
+            first = 1 + (checkpoints.start(engine, stream) if checkpoints is not None else 0)
+            for step in range(first, opts.steps + 1):
                 t_step = time.perf_counter()
                 lr = engine.get_lr()[0]
                 micro: list[float] = []
@@ -248,6 +252,11 @@ def train(
                     evals.append((step, eval_loss(model, engine, eval_data())))
                     if on_eval is not None:
                         on_eval(*evals[-1])
+                if checkpoints is not None and checkpoints.after_step(
+                    engine, stream, step, step == opts.steps
+                ):
+                    interrupted = True
+                    break
         except KeyboardInterrupt:
             interrupted = True
             log.warning("interrupted after %d steps; closing the engine", len(losses))
@@ -257,6 +266,8 @@ def train(
         stats = engine.stats()
         if keep_state and not interrupted:
             state = {k: v.detach().float().clone() for k, v in engine.state_dict_fp32().items()}
+        if checkpoints is not None and not interrupted:
+            checkpoints.export(engine, model)
     return TrainResult(
         tuple(losses), len(losses), tokens, init_s, train_s, interrupted, stats, state, tuple(evals)
     )

@@ -31,7 +31,7 @@ from tiered.zero.group import GroupContext, GroupRuntime
 from tiered.zero.hooks import HookSet
 from tiered.zero.passes import BackwardHolds, PassState
 from tiered.zero.plan import check_no_meta_mix
-from tiered.zero.saved import SavedTensorRefs
+from tiered.zero.saved import RecomputeParams, SavedTensorRefs
 from tiered.zero.schedule import BeladyPolicy, Trace
 from tiered.zero.sharding import (
     ALIGNMENT_NUMEL,
@@ -194,8 +194,15 @@ class ZeroParameters:
             self.runtimes, self.managed, self.budget, self.counters, self.device, self._bw.gather
         )
         self._pass = PassState(self.trace, self.runtimes, self._bw, self, saved)
+        self._recompute = RecomputeParams(self.managed)  # [Note: recomputed frozen parameters]
+        self._recompute_mods: list[int] = []
         self._grad_callbacks: list[Callable[[ShardGroup], None]] = []
-        self._hooks = HookSet(self, model, [p for rt in self.runtimes for p in rt.params])
+        self._hooks = HookSet(
+            self,
+            model,
+            [p for rt in self.runtimes for p in rt.params],
+            [e.numel for rt in self.runtimes for e in rt.group.entries],
+        )
         log.info(
             "partitioned %d parameters into %d groups (%d persistent), world_size=%d",
             sum(g.numel for g in self.groups),
@@ -398,8 +405,14 @@ class ZeroParameters:
             self._gather(i)
         self._fw_pins.setdefault(id(module), []).append(list(idxs))
         self._fw_stack.append(module)
+        if self._pass.in_backward and torch.is_grad_enabled():  # a recomputation (checkpointing)
+            self._recompute.enter()
+            self._recompute_mods.append(id(module))
 
     def _forward_exit(self, module: nn.Module) -> None:
+        if self._recompute_mods and self._recompute_mods[-1] == id(module):
+            self._recompute_mods.pop()
+            self._recompute.exit()
         if self._fw_stack and self._fw_stack[-1] is module:
             self._fw_stack.pop()
         stack = self._fw_pins.get(id(module))

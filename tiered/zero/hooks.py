@@ -27,6 +27,20 @@ A `TorchFunctionMode`, also active only during the engine's forward, sees a mana
 that is not gathered being used by an op (``F.linear(x, self.other.weight)``, a tied weight used
 outside its module): it gathers it on demand and records it under the running module, so the
 next forward gathers (and prefetches) it with that module. Nothing is patched onto torch.
+
+[Note: partitioned parameters outside forward]
+A released parameter's ``.data`` is the empty placeholder, so outside forward ``p.sum()`` would
+quietly return 0 and ``model.save_pretrained`` (through ``state_dict``'s ``detach``) would write
+empty tensors. The placeholder cannot refuse: ``p.data = t`` copies its metadata, not its Python
+class. So while the hooks are installed, each managed ``nn.Parameter`` has its class switched
+to `PartitionedParameter` (and back by `remove`), whose ``__torch_function__`` runs every op as
+``nn.Parameter`` does, except that an op reading a released parameter (no elements where its
+shard group says it has some) raises `ParameterNotGatheredError` naming the parameter and the
+calls that give the values: ``engine.gathered_parameters``, ``engine.save_pretrained``,
+``engine.close``. Metadata stays readable (shape, dtype, device, ``.data``, ``.grad``,
+``numel``), which the hooks, autograd and Hugging Face read. In forward ExternalParamMode runs
+first and gathers such a parameter, so the op then sees it gathered. A parameter that is not a
+plain ``nn.Parameter`` (a library's subclass) keeps its class and the old behaviour.
 """
 
 from __future__ import annotations
@@ -38,6 +52,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from tiered.errors import ParameterNotGatheredError
 
 
 class HookTarget(Protocol):
@@ -147,23 +163,96 @@ class ExternalParamMode(TorchFunctionMode):
         if not zp.busy:
             managed = zp.managed
             for a in args:
-                if type(a) is nn.Parameter and id(a) in managed and a.numel() == 0:
+                if isinstance(a, nn.Parameter) and id(a) in managed and a.numel() == 0:
                     zp._gather_external(a)
                 elif isinstance(a, (list, tuple)):
                     for b in a:
-                        if type(b) is nn.Parameter and id(b) in managed and b.numel() == 0:
+                        if isinstance(b, nn.Parameter) and id(b) in managed and b.numel() == 0:
                             zp._gather_external(b)
             if kwargs:
                 for a in kwargs.values():
-                    if type(a) is nn.Parameter and id(a) in managed and a.numel() == 0:
+                    if isinstance(a, nn.Parameter) and id(a) in managed and a.numel() == 0:
                         zp._gather_external(a)
         return func(*args, **(kwargs or {}))
+
+
+# What a released parameter still answers: metadata (property getters and setters arrive as
+# `__get__` / `__set__`), hooks, printing and copying; every other op raises.
+_METADATA = frozenset(
+    {
+        "__get__",
+        "__set__",
+        "__repr__",
+        "__format__",
+        "__reduce_ex__",
+        "__deepcopy__",
+        "__len__",
+        "numel",
+        "nelement",
+        "dim",
+        "ndimension",
+        "size",
+        "stride",
+        "storage_offset",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "get_device",
+        "data_ptr",
+        "untyped_storage",
+        "requires_grad_",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+    }
+)
+
+
+class PartitionedParameter(nn.Parameter):
+    """A managed parameter while the hooks are installed. See [Note: partitioned parameters
+    outside forward]. Subclassed per model (`for_model`) with its names and element counts."""
+
+    _names: Mapping[int, str] = {}
+    _numel: Mapping[int, int] = {}
+
+    @classmethod
+    def for_model(cls, names: Mapping[int, str], numel: Mapping[int, int]) -> type[PartitionedParameter]:
+        return type("PartitionedParameter", (cls,), {"_names": names, "_numel": numel})
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():  # as nn.Parameter's own (disabled) handler
+            if getattr(func, "__name__", None) not in _METADATA:
+                for a in args:
+                    if isinstance(a, (list, tuple)):
+                        for b in a:
+                            cls._check(b, func)
+                    else:
+                        cls._check(a, func)
+                if kwargs:
+                    for a in kwargs.values():
+                        cls._check(a, func)
+            return func(*args, **(kwargs or {}))
+
+    @classmethod
+    def _check(cls, a: Any, func: Any) -> None:
+        if type(a) is cls and a.numel() == 0 and cls._numel.get(id(a), 0) > 0:
+            name = cls._names.get(id(a), "?")
+            op = getattr(func, "__name__", str(func))
+            raise ParameterNotGatheredError(
+                f"parameter {name!r} is partitioned by tiered's ZeRO-3 engine and holds no values outside "
+                f"forward ({op} would see an empty tensor): read it inside `with engine.gathered_parameters("
+                "module_or_params):`, export with `engine.save_pretrained(dir)` (not the model's own "
+                "save_pretrained / state_dict), or call `engine.close()` to get ordinary parameters back"
+            )
 
 
 class HookSet:
     """The handles of every hook installed on a model; `remove()` takes them all off."""
 
-    def __init__(self, zp: HookTarget, model: nn.Module, params: list[nn.Parameter]) -> None:
+    def __init__(
+        self, zp: HookTarget, model: nn.Module, params: list[nn.Parameter], sizes: list[int]
+    ) -> None:
         self._handles: list[Any] = []
         for name, module in model.named_modules():
             self._handles.append(
@@ -181,6 +270,13 @@ class HookSet:
                 # whose last use was in another module): gather on demand before, flush after.
                 self._handles.append(p.register_hook(zp._grad_arriving(p)))
                 self._handles.append(p.register_post_accumulate_grad_hook(zp._on_grad_ready))
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self._switched = [p for p in params if type(p) is nn.Parameter]
+        cls = PartitionedParameter.for_model(
+            names, {id(p): numel for p, numel in zip(params, sizes, strict=True)}
+        )
+        for p in self._switched:
+            p.__class__ = cls  # [Note: partitioned parameters outside forward]
 
     # The hooks' own tensor calls (p.data = ..., views, numel) run outside ExternalParamMode:
     # through it every one of them became a Python dispatch, which tripled the hooks' cost
@@ -210,3 +306,6 @@ class HookSet:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for p in self._switched:
+            p.__class__ = nn.Parameter
+        self._switched.clear()

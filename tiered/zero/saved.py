@@ -1,6 +1,19 @@
 """Saved-tensor references: autograd's saved views of gathered buffers, kept as (group, offset,
-shape, stride) and rebuilt on unpack. See [Note: saved tensors and external parameters] in
-tiered/zero/hooks.py."""
+shape, stride) and rebuilt on unpack (see [Note: saved tensors and external parameters] in
+tiered/zero/hooks.py); and the parameters saved by a recomputation in backward.
+
+[Note: recomputed frozen parameters]
+torch.utils.checkpoint's non-reentrant recomputation (Hugging Face gradient checkpointing) saves
+each tensor its pack hook sees, detaching the ones that require grad and keeping the others, a
+frozen Parameter among them (LoRA's base, a frozen norm weight), *as the object itself*. ZeRO-3's
+release then points that Parameter's ``.data`` at the empty placeholder, so the recomputed value
+has shape [0] and the checkpoint raises CheckpointError ("Recomputed values ... different
+metadata"). While a module's forward runs inside backward, `RecomputeParams` sits above torch's
+hook and hands it a detached alias of a managed parameter instead: what torch already does for a
+trainable one. The alias holds the values the recomputation used, as the views autograd saves of
+a linear's weight (``weight.t()``) already do there. The hooks are chained by hand (torch keeps
+only the innermost pair active), through torch's ``_top_saved_tensors_default_hooks``.
+"""
 
 from __future__ import annotations
 
@@ -66,3 +79,33 @@ class SavedTensorRefs:
             e = rt.group.entries[obj[2]]
             return full[e.offset : e.offset + e.numel].view(e.shape)
         return full.as_strided(obj[3], obj[4], full.storage_offset() + obj[2])
+
+
+class RecomputeParams:
+    """Saved-tensor hooks for a module's forward run again inside backward (torch's
+    non-reentrant checkpoint recomputation). See [Note: recomputed frozen parameters]."""
+
+    def __init__(self, managed: Mapping[int, tuple[int, int]]) -> None:
+        self._managed = managed
+        self._stack: list[Any] = []
+
+    def enter(self) -> None:
+        """Push the hooks, chained to those below (torch's recomputation hook, if any)."""
+        below = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        managed = self._managed
+
+        def pack(t: torch.Tensor) -> Any:
+            if id(t) in managed:
+                t = t.detach()  # an alias of today's values, not the Parameter whose .data will change
+            return below[0](t) if below is not None else t
+
+        def unpack(obj: Any) -> torch.Tensor:
+            return below[1](obj) if below is not None else obj
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        hooks.__enter__()
+        self._stack.append(hooks)
+
+    def exit(self) -> None:
+        if self._stack:
+            self._stack.pop().__exit__(None, None, None)

@@ -1,0 +1,272 @@
+"""Checkpoints of a fine-tuning run: periodic saves, pruning, resume, save on SIGINT/SIGTERM and
+the final export. `CheckpointPolicy` is what `tiered finetune --out DIR` hands the loop.
+
+[Note: run directory]
+``--out DIR`` holds ``DIR/checkpoints/<tag>/`` (engine.save_checkpoint, tag ``global_step<N>``,
+``latest`` naming the newest) and, when the run completes, ``DIR/final/``: engine.save_pretrained
+in the compute dtype (fp32 runs export fp32, so the export holds exactly the trained weights)
+plus the model folder's tokenizer files; with LoRA the adapter in peft's format instead
+(adapter_config.json + adapter_model.safetensors) and, with ``--merge-lora``, the merged model
+in ``DIR/final/merged/``. Each checkpoint's client_state carries the data position
+(`PackedBatches.state_dict`, [Note: batch order and its state]); the engine restores everything
+else (counters, optimizer, loss scaler, lr position, RNG states), so a resumed run is bit for bit
+the run that was never stopped. ``--keep-last K`` deletes the oldest complete checkpoints only
+after a newer one is complete (save_checkpoint returned: renamed into place and ``latest``
+moved), and never the one ``latest`` names.
+
+[Note: stop on a signal]
+With a run directory, the first SIGINT or SIGTERM only asks the loop to stop: the step in
+progress finishes (a checkpoint is only possible at an accumulation boundary), a checkpoint is
+saved, the engine closes and the command exits with 128 + the signal number. So the time to
+exit is bounded by one optimizer step plus one save. A second signal raises KeyboardInterrupt at
+once (nothing saved; the previous checkpoint stays valid, see [Note: atomic checkpoint]).
+``--no-save-on-interrupt`` leaves the signals alone: Ctrl-C stops without saving, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from tiered.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+FINAL = "final"
+MERGED = "merged"
+DATA_STATE = "data"
+# Files of a Hugging Face tokenizer that a model folder may ship; copied into the export.
+TOKENIZER_EXPORT_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class StopRequest:
+    """The signal handlers of [Note: stop on a signal], installed while the loop runs."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping at once")
+        self.signum = signum
+        log.warning(
+            "%s: saving a checkpoint after the step in progress, then stopping (send it again to stop at once)",
+            signal.Signals(signum).name,
+        )
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+
+
+@dataclass
+class CheckpointPolicy:
+    """Where a run's checkpoints and export go and when it saves ([Note: run directory])."""
+
+    out_dir: Path
+    save_every: int | None = None
+    keep_last: int | None = None
+    resume: str | None = None
+    """None: start fresh; "latest": the newest valid checkpoint under out_dir; else a path."""
+    save_on_interrupt: bool = True
+    model_folder: Path | None = None
+    """The model folder whose tokenizer files go into the export."""
+    lora: bool = False
+    merge_lora: bool = False
+    stop: StopRequest = field(default_factory=StopRequest)
+    saved: list[str] = field(default_factory=list)
+    resumed_from: str | None = None
+    final_path: str | None = None
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+        if self.save_every is not None and self.save_every < 1:
+            raise ConfigError(f"--save-every must be >= 1, got {self.save_every}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError(f"--keep-last must be >= 1 (the newest is always kept), got {self.keep_last}")
+        if self.merge_lora and not self.lora:
+            raise ConfigError("--merge-lora needs --lora (there is no adapter to merge)")
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise ConfigError(f"--out {self.out_dir}: exists and is not a folder")
+        if not self.out_dir.resolve().parent.is_dir():
+            raise ConfigError(
+                f"--out {self.out_dir}: folder {self.out_dir.resolve().parent} does not exist; create it first"
+            )
+        if self.resume is not None and self.resume != "latest" and not Path(self.resume).exists():
+            raise ConfigError(
+                f"--resume {self.resume}: no such checkpoint; pass a checkpoint folder (holding manifest.json), "
+                "a checkpoints folder, or --resume alone for the newest valid one under --out"
+            )
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.out_dir / CHECKPOINTS
+
+    @property
+    def final_dir(self) -> Path:
+        return self.out_dir / FINAL
+
+    # ---- resume ------------------------------------------------------------------------------
+    def resume_target(self) -> tuple[str, str | None] | None:
+        """(load_dir, tag) of the checkpoint to resume from, or None for a fresh start."""
+        from tiered.checkpoint.directory import MANIFEST, find_latest_valid
+
+        if self.resume is None:
+            return None
+        if self.resume == "latest":
+            tag = find_latest_valid(str(self.checkpoints_dir))
+            if tag is None:
+                raise ConfigError(
+                    f"--resume: no complete checkpoint under {self.checkpoints_dir}; drop --resume to start "
+                    "fresh, or pass --resume PATH"
+                )
+            return str(self.checkpoints_dir), tag
+        p = Path(self.resume)
+        if (p / MANIFEST).is_file() or not (p / "latest").is_file():
+            # a checkpoint folder (or a half-written one: load_checkpoint names what is wrong)
+            return str(p.resolve().parent), p.resolve().name
+        return str(p), None
+
+    def start(self, engine: Any, stream: Any) -> int:
+        """Load the checkpoint to resume from, if any, into `engine` and `stream`; returns the
+        optimizer steps already done."""
+        self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        target = self.resume_target()
+        if target is None:
+            return 0
+        path, client = engine.load_checkpoint(target[0], tag=target[1])
+        data = (client or {}).get(DATA_STATE)
+        if data is None:
+            raise ConfigError(
+                f"--resume {path}: the checkpoint has no data position (client_state[{DATA_STATE!r}]); "
+                "it was not written by tiered finetune"
+            )
+        stream.load_state_dict(data)
+        self.resumed_from = path
+        log.info("resumed from %s at step %d", path, engine.global_steps)
+        return int(engine.global_steps)
+
+    # ---- saving ------------------------------------------------------------------------------
+    def after_step(self, engine: Any, stream: Any, step: int, last: bool) -> bool:
+        """Save when due (every --save-every steps, or on a stop request); True: stop now."""
+        stopping = self.stop.requested and not last
+        if (self.save_every is not None and step % self.save_every == 0) or (
+            stopping and self.save_on_interrupt
+        ):
+            self.save(engine, stream)
+        return stopping
+
+    def save(self, engine: Any, stream: Any) -> str:
+        path = engine.save_checkpoint(
+            str(self.checkpoints_dir), client_state={DATA_STATE: stream.state_dict()}
+        )
+        self.saved.append(path)
+        log.info("checkpoint %s", path)
+        if self.keep_last is not None:
+            self.prune(self.keep_last)
+        return str(path)
+
+    def prune(self, keep: int) -> list[str]:
+        """Delete the oldest complete checkpoints beyond `keep`; never the one ``latest`` names
+        nor an incomplete one (not ours to judge). Returns the deleted paths."""
+        from tiered.checkpoint.directory import read_latest, read_manifest
+
+        root = str(self.checkpoints_dir)
+        latest = read_latest(root)
+        found: list[tuple[int, float, str]] = []
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if name.startswith(".") or not os.path.isdir(path):
+                continue
+            try:
+                m = read_manifest(path)
+            except (OSError, ValueError):
+                continue
+            steps = int((m.get("training") or {}).get("global_steps", -1))
+            found.append((steps, os.path.getmtime(os.path.join(path, "manifest.json")), name))
+        found.sort(reverse=True)
+        deleted = []
+        for _, _, name in found[keep:]:
+            if name == latest:
+                continue
+            shutil.rmtree(os.path.join(root, name))
+            deleted.append(os.path.join(root, name))
+        return deleted
+
+    # ---- the export --------------------------------------------------------------------------
+    def export(self, engine: Any, model: torch.nn.Module) -> str:
+        """DIR/final ([Note: run directory]) while the engine is open."""
+        final = str(self.final_dir)
+        if self.lora:
+            from tiered.finetune.lora import save_adapter
+
+            save_adapter(engine, model, final, base_model=self.model_folder)
+        else:
+            dt = engine.placement.compute_dtype
+            engine.save_pretrained(final, dtype=dt, max_shard_size="5GB")
+        self.copy_tokenizer(final)
+        self.final_path = final
+        return final
+
+    def export_merged(self, model: torch.nn.Module) -> str:
+        """DIR/final/merged: the LoRA adapters merged into the base (after the engine closed and
+        gave the module its trained weights back)."""
+        merged = str(self.final_dir / MERGED)
+        base = model.merge_and_unload()  # type: ignore[operator]
+        base.save_pretrained(merged)
+        self.copy_tokenizer(merged)
+        return merged
+
+    def copy_tokenizer(self, dest: str) -> list[str]:
+        copied = []
+        if self.model_folder is not None:
+            for name in TOKENIZER_EXPORT_FILES:
+                src = self.model_folder / name
+                if src.is_file():
+                    shutil.copy2(src, os.path.join(dest, name))
+                    copied.append(name)
+        return copied
+
+    def load_line(self) -> str:
+        """The one line that loads the export."""
+        final = str(self.final_dir)
+        if self.lora:
+            base = str(self.model_folder) if self.model_folder is not None else "BASE_MODEL"
+            return f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{final}")'
+        return f'AutoModelForCausalLM.from_pretrained("{final}")'
