@@ -104,10 +104,15 @@ def _refuse_unused_tiers(cfg: TieredConfig, placement: Placement) -> None:
     """A tier the user declares that no state is routed to would run with 0 reads and 0 writes:
     a config error naming the keys that route offload there, never a silent no-op."""
     from tiered.config.tiers import derived_tier_names
+    from tiered.storage.registry import get_backend_class
+    from tiered.tiers.tier import check_tier_name
 
     used = {placement.param_tier, placement.grad_tier, placement.optimizer_tier}
     derived = derived_tier_names(cfg.zero, cfg.aio)
     unused = [n for n in cfg.tiered.tiers if n not in used and n not in derived]
+    for n in unused:  # a tier that could not even be opened is reported as that, first
+        check_tier_name(n)
+        get_backend_class(str(cfg.tiered.tiers[n].backend.get("type", "")))
     if unused:
         name = unused[0]
         raise ConfigError(

@@ -24,8 +24,7 @@ class Tier:
     budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
-            raise ValueError(f"tier name {self.name!r}: use letters, digits, '_' and '-' only")
+        check_tier_name(self.name)
         if not isinstance(self.backend, StorageBackend):
             raise TypeError(
                 f"tier {self.name!r}: backend must be a tiered.storage.StorageBackend, "
@@ -49,3 +48,9 @@ class Tier:
             return self.backend.capacity().free_bytes
         except Exception:  # noqa: BLE001 - a backend that cannot tell is unbounded, as documented
             return None
+
+
+def check_tier_name(name: object) -> None:
+    """ValueError unless `name` can name a tier (it becomes part of file and trace names)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"tier name {name!r}: use letters, digits, '_' and '-' only")

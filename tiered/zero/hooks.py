@@ -204,6 +204,7 @@ _METADATA = frozenset(
         "requires_grad_",
         "register_hook",
         "register_post_accumulate_grad_hook",
+        "_has_compatible_shallow_copy_type",  # module.to()/_apply deciding how to swap, no values read
     }
 )
 
@@ -222,7 +223,16 @@ class PartitionedParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         with torch._C.DisableTorchFunctionSubclass():  # as nn.Parameter's own (disabled) handler
-            if getattr(func, "__name__", None) not in _METADATA:
+            name = getattr(func, "__name__", None)
+            if name == "to" and args and type(args[0]) is cls:
+                # module.to(device) (accelerate, Trainer) on a released parameter: a move that
+                # changes nothing is allowed; one that would copy its (absent) values is not
+                out = func(*args, **(kwargs or {}))
+                if out.device == args[0].device and out.dtype == args[0].dtype:
+                    return out
+                cls._check(args[0], func)
+                return out
+            if name not in _METADATA:
                 for a in args:
                     if isinstance(a, (list, tuple)):
                         for b in a:
