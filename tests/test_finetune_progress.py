@@ -70,8 +70,22 @@ def test_bar_draws_on_a_terminal_that_reports_no_width(monkeypatch: pytest.Monke
             bar = BarProgress(term, 4)
             bar.step(StepLog(2, 1.25, 1e-3, 1234.0, 0.5, {}))
             bar.close()
-        text = os.read(master, 65536).decode()
+        text = _drain(master)
     finally:
         os.close(master)
         os.close(slave)
     assert "2/4" in text and "loss 1.2500" in text
+
+
+def _drain(fd: int) -> str:
+    """Everything written to the pty so far: a pty's master hands it out in pieces."""
+    import os
+    import select
+
+    chunks = []
+    while select.select([fd], [], [], 0.5)[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode()
