@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tiered.engine import Engine
 from tiered.engine import initialize as _initialize
+from tiered.engine.distributed import ensure_process_group
 from tiered.errors import ConfigError, DistributedSetupError, UnsupportedConfigError
 
 log = logging.getLogger(__name__)
@@ -27,14 +28,9 @@ __all__ = ["Engine", "init_distributed", "initialize"]
 
 def init_distributed(dist_backend: str | None = None) -> None:
     """What DeepSpeed does at initialize: under torchrun (WORLD_SIZE > 1) start the default
-    process group (nccl with CUDA, else gloo) unless one exists."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
-        return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    log.info("initialising torch.distributed (%s) for WORLD_SIZE=%s", backend, os.environ["WORLD_SIZE"])
-    dist.init_process_group(backend=backend)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    process group (nccl with CUDA, else gloo, or `dist_backend`) unless one exists; the engine's
+    own `ensure_process_group` does it, with its checks of the torchrun environment."""
+    ensure_process_group(dist_backend)
 
 
 def initialize(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import errno as errno_mod
-import inspect
 import logging
 import os
 import random
@@ -32,47 +31,16 @@ from typing import Any
 
 import torch
 
-import tiered
 from tiered.errors import ConfigError, StorageIOError
 from tiered.storage.base import Capabilities, Capacity, StorageBackend, check_key, tensor_bytes
 from tiered.storage.bridge import IOBridge
-from tiered_faults.rules import FAULT_KINDS, OPS, FaultRule, nearest, parse_faults
+from tiered.storage.nested import forwarded_options, open_nested
+from tiered_faults.rules import FAULT_KINDS, OPS, FaultRule, parse_faults
 
 log = logging.getLogger(__name__)
 
 HISTORY_LENGTH = 1000
 _OWN_OPTIONS = ("inner", "faults", "seed")
-
-
-def forwarded_options(options: dict[str, Any], own: tuple[str, ...], backend: str) -> dict[str, Any]:
-    """The options `tiered.open_backend` itself passes to every backend (beyond the spec), which a
-    wrapper hands on to the backends it opens; any other keyword is a misspelt spec key."""
-    passthrough = set(inspect.signature(tiered.open_backend).parameters) - {"spec"}
-    for name in options:
-        if name not in passthrough:
-            raise ConfigError(
-                f"backend {backend!r}: unknown option {name!r}.{nearest(name, own)} "
-                f"Accepted options: {', '.join(own)}"
-            )
-    return dict(options)
-
-
-def open_inner(spec: Any, forward: dict[str, Any], *, where: str) -> StorageBackend:
-    """A backend from a nested spec (or an already open backend, which the wrapper then owns)."""
-    if isinstance(spec, StorageBackend):
-        return spec
-    if not isinstance(spec, (dict, str)):
-        raise ConfigError(
-            f"{where}: expected a backend spec such as {{'type': 'nvme', 'path': ...}}, got {spec!r}"
-        )
-    try:
-        return tiered.open_backend(spec, **forward)
-    except (ConfigError, KeyError, ImportError) as exc:
-        try:
-            err = type(exc)(f"{where}: {exc}")
-        except Exception:  # an exception type that cannot be rebuilt from a message keeps its own
-            raise
-        raise err from exc
 
 
 class _RuleState:
@@ -141,7 +109,7 @@ class FaultsBackend(StorageBackend):
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LENGTH)
         """The last injected faults: rule index, kind, op, key, what was done."""
         self._closed = False
-        self.inner = open_inner(inner, forward, where="backend 'faults' option 'inner'")
+        self.inner = open_nested(inner, forward, where="backend 'faults' option 'inner'")
 
     # ---- description -------------------------------------------------------------------------
     @property
@@ -361,4 +329,4 @@ def _fail(fut: asyncio.Future[None], err: BaseException) -> None:
         fut.set_exception(err)
 
 
-__all__ = ["FaultsBackend", "forwarded_options", "open_inner"]
+__all__ = ["FaultsBackend"]

@@ -29,6 +29,7 @@ from tiered.storage.base import (
     tensor_bytes,
 )
 from tiered.storage.bridge import IOBridge
+from tiered.storage.nested import forwarded_options, open_nested
 from tiered.units import parse_bytes
 from tiered_stripe.layout import (
     RECORD_BYTES,
@@ -38,7 +39,7 @@ from tiered_stripe.layout import (
     stripe_key,
     stripes,
 )
-from tiered_stripe.members import close_now, forwarded_options, open_member, run_all
+from tiered_stripe.members import close_now, run_all
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class StripeBackend(StorageBackend):
         opened: list[StorageBackend] = []
         try:
             for i, spec in enumerate(specs):
-                opened.append(open_member(spec, forward, where=f"backend 'stripe' {self._source}[{i}]"))
+                opened.append(open_nested(spec, forward, where=f"backend 'stripe' {self._source}[{i}]"))
         except BaseException:
             close_now(opened)
             raise

@@ -11,52 +11,16 @@ cancelled and awaited; the first error (in stripe order) is raised as it is, not
 from __future__ import annotations
 
 import asyncio
-import difflib
-import inspect
 import logging
 import threading
 from collections.abc import Awaitable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import tiered
-from tiered.errors import ConfigError
 from tiered.storage.base import StorageBackend
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _CLOSE_TIMEOUT_S = 60.0
-
-
-def forwarded_options(options: dict[str, Any], own: Sequence[str], backend: str) -> dict[str, Any]:
-    """The options `tiered.open_backend` itself passes to every backend (beyond the spec), handed on
-    to the members; any other keyword is a misspelt spec key."""
-    passthrough = set(inspect.signature(tiered.open_backend).parameters) - {"spec"}
-    for name in options:
-        if name not in passthrough:
-            close = difflib.get_close_matches(name, list(own), n=1, cutoff=0.5)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"backend {backend!r}: unknown option {name!r}.{hint} Accepted options: {', '.join(own)}"
-            )
-    return dict(options)
-
-
-def open_member(spec: Any, forward: dict[str, Any], *, where: str) -> StorageBackend:
-    """A member from its spec (or an already open backend, which the stripe set then owns)."""
-    if isinstance(spec, StorageBackend):
-        return spec
-    if not isinstance(spec, (dict, str)):
-        raise ConfigError(
-            f"{where}: expected a backend spec such as {{'type': 'nvme', 'path': ...}}, got {spec!r}"
-        )
-    try:
-        return tiered.open_backend(spec, **forward)
-    except (ConfigError, KeyError, ImportError, OSError) as exc:
-        try:
-            err = type(exc)(f"{where}: {exc}")
-        except Exception:  # noqa: BLE001 - a type that cannot be rebuilt from a message is raised as it came
-            raise exc from None
-        raise err from exc
 
 
 def close_now(backends: Sequence[StorageBackend]) -> None:

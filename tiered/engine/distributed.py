@@ -42,9 +42,11 @@ def env_world_size(env: Mapping[str, str] | None = None) -> int:
     return world
 
 
-def ensure_process_group() -> bool:
+def ensure_process_group(backend: str | None = None) -> bool:
     """Initialise the default process group from torchrun's environment when WORLD_SIZE > 1 and
-    none exists ([Note: process group from torchrun]); True when this call created it."""
+    none exists ([Note: process group from torchrun]); True when this call created it.
+
+    `backend` overrides the choice (NCCL with CUDA, else gloo), as DeepSpeed's `dist_backend=`."""
     world = env_world_size()
     if world == 1 or (dist.is_available() and dist.is_initialized()):
         return False
@@ -57,7 +59,7 @@ def ensure_process_group() -> bool:
             "torch.distributed.init_process_group before tiered.initialize; otherwise every "
             "process would train its own replica"
         )
-    backend = "gloo"
+    chosen = "gloo"
     device_id = None
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -66,7 +68,10 @@ def ensure_process_group() -> bool:
                 f"LOCAL_RANK={local} but only {torch.cuda.device_count()} CUDA devices are visible"
             )
         torch.cuda.set_device(local)
-        backend, device_id = "nccl", torch.device("cuda", local)
+        chosen, device_id = "nccl", torch.device("cuda", local)
+    backend = backend or chosen
+    if backend != "nccl":
+        device_id = None  # a device binding is an NCCL notion
     dist.init_process_group(backend=backend, init_method="env://", device_id=device_id)
     log.info("process group: %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
     return True
