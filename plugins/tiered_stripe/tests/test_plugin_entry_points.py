@@ -12,7 +12,12 @@ import pytest
 
 
 @pytest.mark.parametrize(
-    ("name", "target"), [("faults", "tiered_faults:FaultsBackend"), ("stripe", "tiered_stripe:StripeBackend")]
+    ("name", "target"),
+    [
+        ("faults", "tiered_faults:FaultsBackend"),
+        ("stripe", "tiered_stripe:StripeBackend"),
+        ("checksum", "tiered_checksum:ChecksumBackend"),
+    ],
 )
 def test_backend_is_an_installed_entry_point(name: str, target: str) -> None:
     installed = {ep.name: ep.value for ep in metadata.entry_points(group="tiered.backends")}
