@@ -272,6 +272,38 @@ def run_deepspeed(
     return {"absent": "failed: " + " | ".join(tail)}
 
 
+def checksum_ab(
+    data: list[dict[str, torch.Tensor]],
+    warmup: int,
+    base: Path,
+    rounds: int,
+    pipeline_read: bool,
+    device: str,
+) -> dict[str, Any]:
+    """What tiered.verify_checksums costs: `rounds` pairs of tiered runs, checksums on and off, in
+    one process, the order flipped every round (on/off, off/on, ...) so drift and the load of other
+    jobs fall on both alike; each run's median step time, the load average before it, and the
+    median and spread of both sides and of the per-round ratio on/off."""
+    runs: dict[str, list[float]] = {"on": [], "off": []}
+    log: list[dict[str, Any]] = []
+    for r in range(rounds):
+        for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            tdir = base / f"tiered_ab_{r}_{side}"
+            tdir.mkdir(parents=True, exist_ok=True)
+            load = os.getloadavg()[0]
+            t = run_tiered(data, warmup, str(tdir), pipeline_read, device=device, verify=side == "on")
+            shutil.rmtree(tdir, ignore_errors=True)
+            runs[side].append(t["step_s"])
+            log.append({"round": r, "checksums": side, "step_s": t["step_s"], "load1": load})
+            print(f"round {r} checksums {side}: {t['step_s']:.3f} s/step (load {load:.2f})", flush=True)
+    ratios = [a / b for a, b in zip(runs["on"], runs["off"], strict=True)]
+    return {"runs": log, "on": runs["on"], "off": runs["off"], "ratio_on_off": ratios}
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} (min {min(xs):.3f}, max {max(xs):.3f}, n {len(xs)})"
+
+
 def max_rel_loss_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
@@ -303,6 +335,14 @@ def main() -> int:
     ap.add_argument(
         "--no-verify-checksums", action="store_true", help="tiered.verify_checksums = false (tiered runs)"
     )
+    ap.add_argument(
+        "--checksum-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead of the comparison: ROUNDS pairs of tiered runs with checksums on and off, "
+        "alternated, and the median and spread of each and of their ratio",
+    )
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -313,6 +353,21 @@ def main() -> int:
     res: dict[str, Any] = {"pipeline_read": args.pipeline_read, "steps": args.steps, "warmup": args.warmup,
                            "threads": torch.get_num_threads(), "device": args.device}  # fmt: skip
     res["plain"] = run_plain(data, args.warmup, args.device)
+    if args.checksum_ab:
+        ab = res["checksum_ab"] = checksum_ab(
+            data, args.warmup, base, args.checksum_ab, args.pipeline_read, args.device
+        )
+        if args.nvme_dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+        plain_s = res["plain"]["step_s"]
+        print(f"\nplain PyTorch {plain_s:.3f} s/step")
+        for side in ("on", "off"):
+            xs = ab[side]
+            print(f"checksums {side}: s/step {_spread(xs)}; x plain {statistics.median(xs) / plain_s:.2f}")
+        print(f"ratio on/off per round: {_spread(ab['ratio_on_off'])}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+        return 0
     tdir = base / "tiered"
     tdir.mkdir(parents=True, exist_ok=True)
     verify = not args.no_verify_checksums
