@@ -272,6 +272,149 @@ def run_deepspeed(
     return {"absent": "failed: " + " | ".join(tail)}
 
 
+def checksum_ab(
+    data: list[dict[str, torch.Tensor]],
+    warmup: int,
+    base: Path,
+    rounds: int,
+    pipeline_read: bool,
+    device: str,
+) -> dict[str, Any]:
+    """What tiered.verify_checksums costs: `rounds` pairs of tiered runs, checksums on and off, in
+    one process, the order flipped every round (on/off, off/on, ...) so drift and the load of other
+    jobs fall on both alike; each run's median step time, the load average before it, and the
+    median and spread of both sides and of the per-round ratio on/off."""
+    runs: dict[str, list[float]] = {"on": [], "off": []}
+    log: list[dict[str, Any]] = []
+    for r in range(rounds):
+        for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            tdir = base / f"tiered_ab_{r}_{side}"
+            tdir.mkdir(parents=True, exist_ok=True)
+            load = os.getloadavg()[0]
+            t = run_tiered(data, warmup, str(tdir), pipeline_read, device=device, verify=side == "on")
+            shutil.rmtree(tdir, ignore_errors=True)
+            runs[side].append(t["step_s"])
+            log.append({"round": r, "checksums": side, "step_s": t["step_s"], "load1": load})
+            print(f"round {r} checksums {side}: {t['step_s']:.3f} s/step (load {load:.2f})", flush=True)
+    ratios = [a / b for a, b in zip(runs["on"], runs["off"], strict=True)]
+    return {"runs": log, "on": runs["on"], "off": runs["off"], "ratio_on_off": ratios}
+
+
+def checksum_toggle(data: list[dict[str, torch.Tensor]], nvme_dir: str, block: int = 2) -> dict[str, Any]:
+    """What tiered.verify_checksums costs, finer than whole runs: one engine, verification
+    switched on and off between steps in blocks of `block` steps (on, off, off, on, on, off, ...),
+    only a block's last step timed (its reads were written in the same mode, so it verifies, or
+    not, as a run would throughout). A probe reaching into the tier manager's transfers; it also
+    sums the hashing threads' CPU time per step."""
+    import threading
+
+    import tiered
+    import tiered.tiers.transfer as transfer
+
+    lock, acc = threading.Lock(), {"cpu_s": 0.0, "bytes": 0}
+    real = transfer.piece_digest
+
+    def timed(b: torch.Tensor, offset: int, length: int) -> int:
+        c0 = time.thread_time()
+        out = real(b, offset, length)
+        with lock:
+            acc["cpu_s"] += time.thread_time() - c0
+            acc["bytes"] += length
+        return out
+
+    transfer.piece_digest = timed  # type: ignore[assignment]
+    out: dict[str, Any] = {
+        "on": [],
+        "off": [],
+        "hash_cpu_s": [],
+        "hashed_bytes": [],
+        "proc_cpu_s": [],
+        "steps": [],
+    }
+    try:
+        with tiered.initialize(build_model(), ds_json(nvme_dir)) as engine:
+            transfers = engine.tm._machine.transfers
+            for i, b in enumerate(data):
+                on = (i // block) % 4 in (0, 3)
+                transfers.verify = on
+                acc["cpu_s"], acc["bytes"] = 0.0, 0
+                c0, t0 = time.process_time(), time.perf_counter()
+                loss = engine(**b).loss
+                engine.backward(loss)
+                engine.step()
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
+                load = os.getloadavg()[0]
+                out["steps"].append({"step": i, "checksums": on, "s": dt, "proc_cpu_s": dc, "load1": load})
+                if i % block == block - 1 and i >= block:  # the first block warms up
+                    out["on" if on else "off"].append(dt)
+                    if on:
+                        out["hash_cpu_s"].append(acc["cpu_s"])
+                        out["hashed_bytes"].append(acc["bytes"])
+                        out["proc_cpu_s"].append(dc)
+                print(f"step {i} checksums {'on' if on else 'off'}: {dt:.3f} s (hash CPU "
+                      f"{acc['cpu_s'] * 1e3:.0f} ms over {acc['bytes'] / 1e6:.0f} MB; load {load:.2f})", flush=True)  # fmt: skip
+    finally:
+        transfer.piece_digest = real  # type: ignore[assignment]
+    return out
+
+
+_TREE_CHILD = r"""
+import inspect, json, os, sys, tempfile, shutil
+import torch
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+import step
+steps, warmup, runner = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+data = step.make_data(steps)
+if runner == "plain":
+    out = step.run_plain(data, warmup)
+else:
+    d = tempfile.mkdtemp(prefix="tiered_tree_", dir=sys.argv[5])
+    kw = {"verify": False} if "verify" in inspect.signature(step.run_tiered).parameters else {}
+    out = step.run_tiered(data, warmup, d, **kw)
+    shutil.rmtree(d, ignore_errors=True)
+print("RESULT " + json.dumps({"step_s": out["step_s"], "times": out["times"], "losses": out["losses"]}))
+"""
+
+
+def compare_trees(trees: list[str], steps: int, warmup: int, base: Path, rounds: int) -> dict[str, Any]:
+    """The tiered runner of each source tree (a checkout of another commit, its native kernels
+    built in its own .cache), and plain PyTorch, each in a fresh process with that tree first on
+    the path, in an order rotated every round; checksums off where the tree has them (a fair
+    pair with trees from before they existed)."""
+    names = ["plain", *trees]
+    out: dict[str, Any] = {n: [] for n in names}
+    out["runs"] = []
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for n in order:
+            tree = trees[0] if n == "plain" else n
+            env = dict(
+                os.environ,
+                PYTHONPATH=os.pathsep.join([tree, os.path.join(tree, "plugins")]),
+                TORCH_EXTENSIONS_DIR=os.path.join(tree, ".cache", "torch_extensions"),
+            )
+            load = os.getloadavg()[0]
+            p = subprocess.run(
+                [sys.executable, "-c", _TREE_CHILD, tree, str(steps), str(warmup),
+                 "plain" if n == "plain" else "tiered", str(base)],
+                capture_output=True, text=True, env=env, timeout=3600,
+            )  # fmt: skip
+            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"{n}: no result (rc {p.returncode}): {p.stderr.strip()[-2000:]}")
+            res = json.loads(line[7:])
+            out[n].append(res["step_s"])
+            out["runs"].append({"round": r, "tree": n, "step_s": res["step_s"], "load1": load,
+                                "losses": res["losses"]})  # fmt: skip
+            print(f"round {r} {n}: {res['step_s']:.3f} s/step (load {load:.2f})", flush=True)
+    return out
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} (min {min(xs):.3f}, max {max(xs):.3f}, n {len(xs)})"
+
+
 def max_rel_loss_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
@@ -303,6 +446,31 @@ def main() -> int:
     ap.add_argument(
         "--no-verify-checksums", action="store_true", help="tiered.verify_checksums = false (tiered runs)"
     )
+    ap.add_argument(
+        "--checksum-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead of the comparison: ROUNDS pairs of tiered runs with checksums on and off, "
+        "alternated, and the median and spread of each and of their ratio",
+    )
+    ap.add_argument(
+        "--checksum-toggle",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="instead of the comparison: one tiered engine, STEPS steps, checksums switched on and "
+        "off every 2 steps (the last step of each pair timed), and the hashing's CPU time",
+    )
+    ap.add_argument(
+        "--compare-trees",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="instead of the comparison: the tiered runner of each source tree DIR (other commits' "
+        "checkouts, kernels built there), and plain PyTorch, each in its own process, round-robin",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of --compare-trees")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -312,7 +480,54 @@ def main() -> int:
         ap.error("--device cuda: torch sees no CUDA GPU here")
     res: dict[str, Any] = {"pipeline_read": args.pipeline_read, "steps": args.steps, "warmup": args.warmup,
                            "threads": torch.get_num_threads(), "device": args.device}  # fmt: skip
+    if args.compare_trees:
+        trees = [str(Path(t).resolve()) for t in args.compare_trees]
+        cmp_ = res["compare_trees"] = compare_trees(trees, args.steps, args.warmup, base, args.rounds)
+        if args.nvme_dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+        plain_s = statistics.median(cmp_["plain"])
+        for n in ["plain", *trees]:
+            xs = cmp_[n]
+            per_round = [a / b for a, b in zip(xs, cmp_["plain"], strict=True)]
+            print(f"{n}: s/step {_spread(xs)}; x plain {statistics.median(xs) / plain_s:.2f} "
+                  f"(per round {_spread(per_round)})")  # fmt: skip
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+        return 0
+    if args.checksum_toggle:
+        tdir = base / "tiered_toggle"
+        tdir.mkdir(parents=True, exist_ok=True)
+        tg = res["checksum_toggle"] = checksum_toggle(make_data(args.checksum_toggle), str(tdir))
+        if args.nvme_dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+        for side in ("on", "off"):
+            print(f"checksums {side}: s/step {_spread(tg[side])}")
+        pairs = [a / b for a, b in zip(tg["on"], tg["off"], strict=False)]
+        print(f"ratio on/off, consecutive blocks: {_spread(pairs)}")
+        print(
+            f"hashing CPU per verified step: {_spread(tg['hash_cpu_s'])} s over "
+            f"{statistics.median(tg['hashed_bytes']) / 1e6:.0f} MB; process CPU per step "
+            f"{statistics.median(tg['proc_cpu_s']):.3f} s"
+        )
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+        return 0
     res["plain"] = run_plain(data, args.warmup, args.device)
+    if args.checksum_ab:
+        ab = res["checksum_ab"] = checksum_ab(
+            data, args.warmup, base, args.checksum_ab, args.pipeline_read, args.device
+        )
+        if args.nvme_dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+        plain_s = res["plain"]["step_s"]
+        print(f"\nplain PyTorch {plain_s:.3f} s/step")
+        for side in ("on", "off"):
+            xs = ab[side]
+            print(f"checksums {side}: s/step {_spread(xs)}; x plain {statistics.median(xs) / plain_s:.2f}")
+        print(f"ratio on/off per round: {_spread(ab['ratio_on_off'])}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+        return 0
     tdir = base / "tiered"
     tdir.mkdir(parents=True, exist_ok=True)
     verify = not args.no_verify_checksums

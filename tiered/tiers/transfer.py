@@ -26,7 +26,7 @@ import torch
 from tiered.device import default_device
 from tiered.errors import StoredSizeError
 from tiered.tiers.budget import TierBudget
-from tiered.tiers.checksum import check_digest, digest_of, truncated
+from tiered.tiers.checksum import check_digest, combine, host_bytes, piece_digest, pieces, truncated
 from tiered.tiers.error_context import raise_in_context, where
 from tiered.tiers.io_policy import IOCounters, IOPolicy, with_retries
 from tiered.tiers.loop import EventLoopThread
@@ -100,7 +100,14 @@ class Transfers:
             raise_in_context(exc, f"{what} (gave up after {n} retries, tiered.io_retries = {policy.retries})")
 
     async def checksum(self, buf: torch.Tensor) -> int:
-        return await self.loop.run_blocking(digest_of, buf)
+        """The digest of `buf` ([Note: partition checksums]), its pieces hashed in parallel on
+        the bridge, so a read waits a fraction of one thread's hashing time."""
+        b = host_bytes(buf) if buf.device.type == "cpu" else await self.loop.run_blocking(host_bytes, buf)
+        spans = pieces(b.numel())
+        if len(spans) == 1:
+            return await self.loop.run_blocking(piece_digest, b, 0, spans[0][1])
+        got = await asyncio.gather(*(self.loop.run_blocking(piece_digest, b, o, n) for o, n in spans))
+        return combine(list(got))
 
     def _link_sem(self, src: str, dst: str) -> asyncio.Semaphore:
         key = f"{src}->{dst}"
@@ -188,6 +195,7 @@ class Transfers:
         to record ([Note: partition checksums])."""
         dts = self._tiers[dst]
         srcbuf = self._tiers[src].backend.view(part.name)
+        verify = self.verify  # read once: the digest returned is the one of this write, or None
 
         async def fill() -> int | None:
             if dts.memory_like:
@@ -196,9 +204,9 @@ class Transfers:
             jobs: list[Awaitable[Any]] = [
                 self.io(lambda: dts.backend.write(part.name, srcbuf), self.ctx(part, dst, op), part.nbytes)
             ]
-            if self.verify:
+            if verify:
                 jobs.append(self.checksum(srcbuf))
             res = await asyncio.gather(*jobs)
-            return res[1] if self.verify else None
+            return res[1] if verify else None
 
         return await self.run(part, src, dst, op, fill)
