@@ -272,12 +272,7 @@ def run_bandwidth(opts: BenchOptions, progress: Callable[[str], None] | None = N
     if not base.is_dir():
         raise ConfigError(f"--dir {base}: not an existing directory; create it or pick the drive to measure")
     size = opts.aligned_size
-    if _free_bytes(base) < 2 * size:
-        raise ConfigError(
-            f"--dir {base}: {format_bytes(_free_bytes(base))} free, the benchmark needs about "
-            f"{format_bytes(2 * size)} ({2 * size} bytes: one transfer at a time, written and kept "
-            "until its read is checked); pass a smaller --size or free space"
-        )
+    check_free_space(base, 2 * size, "one transfer at a time, written and kept until its read is checked")
     workroot = Path(tempfile.mkdtemp(prefix="tiered-bench-", dir=base))
     methods, absent = build_methods(opts)
     src_mm, src = aligned_buffer(size)
@@ -343,6 +338,20 @@ def run_bandwidth(opts: BenchOptions, progress: Callable[[str], None] | None = N
 def _free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def check_free_space(path: Path, need: int, why: str) -> None:
+    """ConfigError before anything is written when `path`'s file system (the nearest
+    existing parent of `path`) has less than `need` bytes free."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = _free_bytes(probe)
+    if free < need:
+        raise ConfigError(
+            f"--dir {path}: {format_bytes(free)} free, the benchmark needs about {format_bytes(need)} "
+            f"({need} bytes: {why}); pass a smaller --size (or model) or free space"
+        )
 
 
 def _summarise(

@@ -30,6 +30,9 @@ examples:
   tiered bench --quick                       # 64 MiB, 2 rounds, in a temp dir: a smoke test
   tiered bench --dir /mnt/nvme0 --size 4GiB  # the drive you will offload to
   tiered bench --dir . --json bench.json --backends nvme aiofiles
+  tiered bench --training --model ./my-model --config ds_config.json          # predicted GB/s per link
+  tiered bench --training --model ./my-model --config ds_config.json --check  # ... and a real run beside it
+  tiered bench --training --model ./my-model --config ds_config.json --tune best.json
 
 needs about 2 x --size of free space in --dir (a subfolder is created and removed).
 """
@@ -99,6 +102,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the full result as JSON to FILE")
     p.add_argument("--quiet", "-q", action="store_true", help="no per-round progress on stderr")
+    from tiered.cli.bench_training import add_training_arguments
+
+    add_training_arguments(p)
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
@@ -181,6 +187,14 @@ def _run_sweep(args: argparse.Namespace, out: TextIO) -> int:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
+    from tiered.cli.bench_training import run_training, wants_training
+
+    if wants_training(args):
+        if args.sweep or args.plot:
+            raise ConfigError(
+                "--training replays one model's pattern: --sweep / --plot measure transfer sizes; use one or the other"
+            )
+        return run_training(args, out)
     if args.plot and not args.sweep:
         raise ConfigError("--plot draws GB/s against transfer size: add --sweep (and --max-size)")
     if args.sweep:
