@@ -15,8 +15,10 @@ the engine's step (tiered/optim/offload.py, tiered/zero/group.py, tiered/zero/gr
   `offload_optimizer.buffer_count` groups read ahead, write-backs bounded by the same window;
 * a gradient homed in a storage tier: read and written back per flush in backward (one group at
   a time), read again by the optimizer;
-* parameters homed in a storage tier: read for the forward and again for the backward, and the
-  new values written back by the step, except the groups kept in "cpu" by
+* parameters homed in a storage tier: read for the forward, again for the backward where the
+  live budget evicted them in between (the engine's reuse-distance and live-budget rules replayed
+  on the forward + reversed trace, `_backward_rereads`), and the new values written back by the
+  step, except the groups kept in "cpu" by
   ``offload_param.max_in_cpu`` ([Note: max_in_cpu]), which move no storage bytes after their
   first step.
 
@@ -163,6 +165,13 @@ def derive_pattern(
     kept = _kept_in_cpu(
         [shards[i] for i in trainable], plans, placement.param_tier, cfg.zero.offload_param.max_in_cpu_numel
     )
+    moving = [j for j in range(len(trainable)) if placement.param_tier in storage and j not in kept]
+    reread = _backward_rereads(
+        [shards[trainable[j]] for j in moving],
+        [planned[trainable[j]].persistent for j in moving],
+        cfg.zero.max_live_parameters_numel,
+        cfg.zero.max_reuse_distance_numel,
+    )
     parts: list[PartitionIO] = []
     notes: list[str] = []
     fp32 = torch.float32
@@ -180,9 +189,10 @@ def derive_pattern(
             parts.append(PartitionIO(f"{name}.grad", n, fp32, placement.grad_tier, "cpu", "step", 1, 0))
         if placement.param_tier in storage and j not in kept:
             parts.append(PartitionIO(f"{name}.param", n, dtype, placement.param_tier, "gpu", "forward", 1, 0))
-            parts.append(
-                PartitionIO(f"{name}.param", n, dtype, placement.param_tier, "gpu", "backward", 1, 0)
-            )
+            if moving.index(j) in reread:
+                parts.append(
+                    PartitionIO(f"{name}.param", n, dtype, placement.param_tier, "gpu", "backward", 1, 0)
+                )
             # the step writes the new values back; where the parameter is the master it reads it too
             stage = plan.compute_tier if alias else plan.stage_tier
             parts.append(
@@ -206,6 +216,40 @@ def derive_pattern(
         storage_tiers=tuple(sorted(storage)),
         notes=tuple(notes),
     )
+
+
+def _backward_rereads(numel: list[int], persistent: list[bool], max_live: int, max_reuse: int) -> set[int]:
+    """Which groups (by position in `numel`) the backward must read again, having been evicted
+    from "gpu" after their forward use: the engine's rules replayed on the trace forward order +
+    reverse order ([Note: the live budget]): after a release a group goes when its next use is
+    further than ``stage3_max_reuse_distance`` elements away; before a fetch, released groups go,
+    furthest next use first, until ``stage3_max_live_parameters`` has room. Persistent groups stay
+    for the whole step."""
+    trace = list(range(len(numel))) + list(reversed(range(len(numel))))
+    prefix = [0]
+    for i in trace:
+        prefix.append(prefix[-1] + numel[i])
+
+    def next_use(i: int, t: int) -> float:
+        later = [u for u in range(t + 1, len(trace)) if trace[u] == i]
+        return float("inf") if not later else float(prefix[later[0]] - prefix[t + 1])
+
+    live: dict[int, int] = {}
+    reread: set[int] = set()
+    for t, i in enumerate(trace):
+        if persistent[i]:
+            continue
+        if i not in live:
+            if t >= len(numel):
+                reread.add(i)
+            for v in sorted(live, key=lambda v: next_use(v, t), reverse=True):
+                if sum(live.values()) + numel[i] <= max_live:
+                    break
+                del live[v]
+            live[i] = numel[i]
+        if next_use(i, t) > max_reuse:
+            live.pop(i, None)
+    return reread
 
 
 def _kept_in_cpu(shards: list[int], plans: Sequence[Any], param_tier: str, limit: int) -> set[int]:

@@ -5,7 +5,7 @@ The pattern is `tiered.bench.pattern.derive_pattern` ([Note: training I/O patter
 through a TierManager that the engine's own `build_tier_manager` opens from the same config, so
 the backend spec (swap files: in place, no fsync), the checksums and the link accounting are
 training's. Each step's figure is the difference of `TierManager.stats()` around it, the same
-counters `engine.stats()` reports; the result is the median over the measured steps.
+counters `engine.stats()` reports; the result is the mean over the measured steps.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import logging
-import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,7 +80,7 @@ class TrainingBenchResult:
             f"training pattern: {self.pattern.describe()}",
             *(f"  note: {n}" for n in self.pattern.notes),
             f"replayed {self.steps} steps after {self.warmup} warm-up in {self.directory} ({self.filesystem}); "
-            "swap mode (in place, no fsync) through the engine's tier manager; median per step",
+            "swap mode (in place, no fsync) through the engine's tier manager; mean per step",
             "",
             "| link | bytes/step | moves/step | max in flight | predicted GB/s | I/O s/step |",
             "|---|---|---|---|---|---|",
@@ -135,15 +134,18 @@ def bench_training(
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps must be >= 1 (got {steps}) and --warmup >= 0 (got {warmup})")
     say = progress or (lambda _m: None)
+    # the space check comes before anything is opened or written: the bytes stored do not
+    # depend on the gpu budget (it only caps how parameters are grouped), so plan without it
+    first = derive_pattern(model, cfg, gpu_budget_bytes=None, gpu_is_host=True)
+    dirs = storage_directories(cfg, first.storage_tiers)
+    need = sum({p.name: p.nbytes for p in first.partitions}.values())
+    for d in dirs[:1]:
+        check_free_space(d, need, "the training pattern's partitions, each stored once")
     tm = build_tier_manager(cfg)
     try:
         pattern = derive_pattern(
             model, cfg, gpu_budget_bytes=tm.budget_bytes("gpu"), gpu_is_host=tier_is_host(tm, "gpu")
         )
-        dirs = storage_directories(cfg, pattern.storage_tiers)
-        need = sum({p.name: p.nbytes for p in pattern.partitions}.values())
-        for d in dirs[:1]:
-            check_free_space(d, need, "the training pattern's partitions (each stored once)")
         say(pattern.describe())
         replay = _Replay(tm, pattern)
         samples: list[dict[str, dict[str, float]]] = []
@@ -172,7 +174,7 @@ def bench_training(
         filesystem=_filesystem(dirs[0]) if dirs else "-",
         date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         machine=machine_info(),
-        links=_median_links(samples, max_inflight, pattern.storage_tiers),
+        links=link_figures(samples, max_inflight, pattern.storage_tiers),
     )
 
 
@@ -195,19 +197,23 @@ def link_touches(link: str, tiers: tuple[str, ...]) -> bool:
     return src in tiers or dst in tiers
 
 
-def _median_links(
+def link_figures(
     samples: list[dict[str, dict[str, float]]], max_inflight: dict[str, int], storage: tuple[str, ...]
 ) -> tuple[LinkFigure, ...]:
+    """Per storage link, the mean per step over `samples` (per-step deltas of the link counters).
+    Means, not medians: a step's last write-backs finish inside the next step's window
+    ([Note: write-back after the step]), so single steps split them unevenly, their sum does not."""
     names = sorted({k for s in samples for k in s if link_touches(k, storage)})
+    n = max(1, len(samples))
     out = []
     for k in names:
         vals = [s.get(k, {"bytes": 0, "seconds": 0.0, "ops": 0}) for s in samples]
         out.append(
             LinkFigure(
                 k,
-                statistics.median(v["bytes"] for v in vals),
-                statistics.median(v["seconds"] for v in vals),
-                statistics.median(v["ops"] for v in vals),
+                sum(v["bytes"] for v in vals) / n,
+                sum(v["seconds"] for v in vals) / n,
+                sum(v["ops"] for v in vals) / n,
                 max_inflight.get(k, 0),
             )
         )

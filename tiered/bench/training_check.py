@@ -3,7 +3,7 @@ the same drive, their `engine.stats()` link figures next to the replay's predict
 
 The real run trains the model (built with real, seeded weights) on random tokens for `warmup` +
 `steps` steps; each step's link figures are the difference of `engine.stats()["tiers"]["links"]`
-around it, median over the measured steps, exactly as the replay reports its own. The ratio
+around it, the mean over the measured steps, exactly as the replay reports its own. The ratio
 measured / predicted is reported per link; the target is within 20% (0.8 .. 1.2).
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tiered.bench.training import LinkFigure, TrainingBenchResult, _delta, link_touches
+from tiered.bench.training import LinkFigure, TrainingBenchResult, _delta, link_figures
 from tiered.units import format_bytes
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ def measure_training(
     seq_len: int,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[tuple[LinkFigure, ...], float]:
-    """Per-link figures (median per step) and the median step time of a real run."""
+    """Per-link figures (mean per step) and the median step time of a real run."""
     import time
 
     import tiered
@@ -163,20 +163,8 @@ def measure_training(
             say(f"training step {s + 1}/{warmup + steps}{' (warm-up)' if s < warmup else ''}: {dt:.2f} s")
         links = engine.stats()["tiers"]["links"]
     storage = tuple(sorted({t for k in samples for link in k for t in link.split("->")} - {"gpu", "cpu"}))
-    names = sorted({k for s in samples for k in s if link_touches(k, storage)})
-    figs = []
-    for k in names:
-        vals = [s.get(k, {"bytes": 0, "seconds": 0.0, "ops": 0}) for s in samples]
-        figs.append(
-            LinkFigure(
-                k,
-                statistics.median(v["bytes"] for v in vals),
-                statistics.median(v["seconds"] for v in vals),
-                statistics.median(v["ops"] for v in vals),
-                int(links.get(k, {}).get("max_inflight", 0)),
-            )
-        )
-    return tuple(figs), statistics.median(times)
+    max_inflight = {k: int(v.get("max_inflight", 0)) for k, v in links.items()}
+    return link_figures(samples, max_inflight, storage), statistics.median(times)
 
 
 def check_training(
