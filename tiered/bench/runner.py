@@ -47,6 +47,7 @@ from tiered.bench.methods import (
     find_fio,
     sync_files,
 )
+from tiered.bench.progress import add_total
 from tiered.errors import ConfigError, StorageIOError, TieredError
 from tiered.units import format_bytes
 
@@ -294,6 +295,7 @@ def run_bandwidth(opts: BenchOptions, progress: Callable[[str], None] | None = N
                 errors[m.name] = f"{type(exc).__name__}: {exc}"
                 log.warning("bench: %s unavailable: %s", m.name, exc)
         total = opts.warmup_rounds + opts.rounds
+        add_total(progress, total * len(live))
         for r in range(total):
             k = r % max(1, len(live))
             for m in live[k:] + live[:k]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiered.bench.progress import note
 from tiered.bench.runner import BenchOptions, BenchResult, MethodResult, run_bandwidth
 from tiered.errors import ConfigError
 from tiered.units import format_bytes
@@ -124,10 +125,9 @@ def _status(m: MethodResult) -> str:
 def run_sweep(
     opts: BenchOptions, max_bytes: int, progress: Callable[[str], None] | None = None
 ) -> SweepResult:
-    say = progress or (lambda _msg: None)
     runs = []
     for size in sweep_sizes(max_bytes):
-        say(f"size {format_bytes(size, binary=True)}")
+        note(progress, f"size {format_bytes(size, binary=True)}")
         runs.append(run_bandwidth(dataclasses.replace(opts, size_bytes=size), progress=progress))
     return SweepResult(tuple(runs))
 

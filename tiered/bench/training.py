@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiered.bench.pattern import PartitionIO, TrainingPattern, derive_pattern
+from tiered.bench.progress import add_total, note
 from tiered.errors import ConfigError
 from tiered.units import format_bytes
 
@@ -146,7 +147,8 @@ def bench_training(
         pattern = derive_pattern(
             model, cfg, gpu_budget_bytes=tm.budget_bytes("gpu"), gpu_is_host=tier_is_host(tm, "gpu")
         )
-        say(pattern.describe())
+        note(progress, pattern.describe())
+        add_total(progress, warmup + steps)
         replay = _Replay(tm, pattern)
         samples: list[dict[str, dict[str, float]]] = []
         for s in range(warmup + steps):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tiered.bench.progress import add_total
 from tiered.bench.training import LinkFigure, TrainingBenchResult, _delta, link_figures
 from tiered.units import format_bytes
 
@@ -146,6 +147,7 @@ def measure_training(
 
     say = progress or (lambda _m: None)
     model = build()
+    add_total(progress, warmup + steps)
     samples, times = [], []
     with tiered.initialize(model, cfg) as engine:
         for s in range(warmup + steps):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tiered.bench.progress import add_total
 from tiered.bench.training import TrainingBenchResult, bench_training
 from tiered.errors import ConfigError
 from tiered.units import format_bytes
@@ -149,6 +150,7 @@ def tune_training(
     say = progress or (lambda _m: None)
     io: list[list[float]] = [[] for _ in settings]
     last: list[TrainingBenchResult | None] = [None] * len(settings)
+    add_total(progress, len(settings) * max(1, steps))
     for r in range(max(1, steps)):
         order = list(range(len(settings)))
         k = r % len(order)

@@ -137,6 +137,14 @@ def options_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def make_progress(args: argparse.Namespace) -> Any:
+    """A live bar on a terminal, plain lines elsewhere, nothing with --quiet (on stderr: the
+    tables on stdout stay clean for a pipe)."""
+    from tiered.bench.progress import BenchProgress
+
+    return BenchProgress(sys.stderr, quiet=bool(args.quiet))
+
+
 def measure(args: argparse.Namespace) -> Any:
     """Run the benchmark the arguments describe; returns a BenchResult."""
     from tiered.bench.runner import check_backends, run_bandwidth
@@ -144,11 +152,11 @@ def measure(args: argparse.Namespace) -> Any:
     opts = options_from_args(args)
     check_backends(opts)  # a typo is an error (nearest name suggested) before anything is written
 
-    def progress(msg: str) -> None:
-        if not args.quiet:
-            print(f"  {msg}", file=sys.stderr, flush=True)
-
-    return run_bandwidth(opts, progress=progress)
+    progress = make_progress(args)
+    try:
+        return run_bandwidth(opts, progress=progress)
+    finally:
+        progress.close()
 
 
 def _run_sweep(args: argparse.Namespace, out: TextIO) -> int:
@@ -159,11 +167,11 @@ def _run_sweep(args: argparse.Namespace, out: TextIO) -> int:
     check_backends(opts)
     max_bytes = parse_bytes(args.max_size, what="--max-size") if args.max_size else opts.size_bytes
 
-    def progress(msg: str) -> None:
-        if not args.quiet:
-            print(f"  {msg}", file=sys.stderr, flush=True)
-
-    result = run_sweep(opts, max_bytes, progress=progress)
+    progress = make_progress(args)
+    try:
+        result = run_sweep(opts, max_bytes, progress=progress)
+    finally:
+        progress.close()
     out.write(result.to_markdown())
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n")

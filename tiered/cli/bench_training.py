@@ -85,7 +85,6 @@ def load_model_and_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def run_training(args: argparse.Namespace, out: TextIO) -> int:
-    from tiered.bench.training import bench_training
 
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
@@ -94,7 +93,18 @@ def run_training(args: argparse.Namespace, out: TextIO) -> int:
             f"--dir {args.dir}: not an existing directory; create it or pick the drive to measure"
         )
     model, cfg, source = load_model_and_config(args)
-    progress = _progress(args)
+    from tiered.cli.bench import make_progress
+
+    progress = make_progress(args)
+    try:
+        return _run(args, out, model, cfg, source, progress)
+    finally:
+        progress.close()
+
+
+def _run(args: argparse.Namespace, out: TextIO, model: Any, cfg: Any, source: Any, progress: Any) -> int:
+    from tiered.bench.training import bench_training
+
     doc: dict[str, Any] = {}
     status = 0
     if args.tune:
@@ -134,11 +144,3 @@ def run_training(args: argparse.Namespace, out: TextIO) -> int:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         out.write(f"\nJSON written to {args.json}\n")
     return status
-
-
-def _progress(args: argparse.Namespace) -> Any:
-    def say(msg: str) -> None:
-        if not args.quiet:
-            print(f"  {msg}", file=sys.stderr, flush=True)
-
-    return say
