@@ -226,9 +226,9 @@ def test_training_bad_input_exits_2(
 def test_training_without_space_says_the_bytes_needed_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import tiered.bench.runner as br
+    import tiered.bench.preflight as pf
 
-    monkeypatch.setattr(br, "_free_bytes", lambda path: 4096)
+    monkeypatch.setattr(pf, "free_bytes", lambda path: 4096)
     cfg = _write(tmp_path, _config(tmp_path))
     rc = main(["bench", "--quiet", "--training", "--model", str(TINY), "--config", str(cfg)])
     err = capsys.readouterr().err

@@ -47,6 +47,7 @@ from tiered.bench.methods import (
     find_fio,
     sync_files,
 )
+from tiered.bench.preflight import check_free_space, check_memory
 from tiered.bench.progress import add_total
 from tiered.errors import ConfigError, StorageIOError, TieredError
 from tiered.units import format_bytes
@@ -274,6 +275,7 @@ def run_bandwidth(opts: BenchOptions, progress: Callable[[str], None] | None = N
         raise ConfigError(f"--dir {base}: not an existing directory; create it or pick the drive to measure")
     size = opts.aligned_size
     check_free_space(base, 2 * size, "one transfer at a time, written and kept until its read is checked")
+    check_memory(size, [{"type": n} for n in opts.backends] + [dict(s) for s in opts.specs])
     workroot = Path(tempfile.mkdtemp(prefix="tiered-bench-", dir=base))
     methods, absent = build_methods(opts)
     src_mm, src = aligned_buffer(size)
@@ -335,25 +337,6 @@ def run_bandwidth(opts: BenchOptions, progress: Callable[[str], None] | None = N
         machine=machine_info(),
         methods=tuple(results),
     )
-
-
-def _free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def check_free_space(path: Path, need: int, why: str) -> None:
-    """ConfigError before anything is written when `path`'s file system (the nearest
-    existing parent of `path`) has less than `need` bytes free."""
-    probe = Path(path)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = _free_bytes(probe)
-    if free < need:
-        raise ConfigError(
-            f"--dir {path}: {format_bytes(free)} free, the benchmark needs about {format_bytes(need)} "
-            f"({need} bytes: {why}); pass a smaller --size (or model) or free space"
-        )
 
 
 def _summarise(

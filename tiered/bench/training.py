@@ -128,7 +128,8 @@ def bench_training(
     progress: Callable[[str], None] | None = None,
 ) -> TrainingBenchResult:
     """Derive the pattern of `model` + `cfg` and replay it `warmup` + `steps` times."""
-    from tiered.bench.runner import _filesystem, check_free_space, machine_info
+    from tiered.bench.preflight import check_free_space
+    from tiered.bench.runner import _filesystem, machine_info
     from tiered.engine.build import build_tier_manager
     from tiered.optim.placement import tier_is_host
 
