@@ -100,6 +100,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --sweep: GB/s vs size per method and direction, the ceiling drawn (needs matplotlib)",
     )
+    p.add_argument(
+        "--no-gpu-link",
+        action="store_true",
+        help="skip the GPU<->CPU link section (pinned and pageable copies, PCIe counters with pynvml; "
+        "skipped by itself, with the reason, where no CUDA device exists)",
+    )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the full result as JSON to FILE")
     p.add_argument("--quiet", "-q", action="store_true", help="no per-round progress on stderr")
     from tiered.cli.bench_training import add_training_arguments
@@ -209,8 +215,15 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return _run_sweep(args, out)
     result = measure(args)
     out.write(result.to_markdown())
+    doc = result.to_json()
+    if not args.no_gpu_link:
+        from tiered.bench.gpu_link import measure_gpu_link
+
+        gpu = measure_gpu_link(min(result.size_bytes, 1 << 30), rounds=result.rounds)
+        out.write("\n" + gpu.to_markdown())
+        doc["gpu_link"] = gpu.to_json()
     if args.json:
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         out.write(f"\nJSON written to {args.json}\n")
     # The run failed if the ceiling could not be measured or any requested backend failed: a
     # failing backend is an error the caller (a script, CI) must see, not only a table cell.

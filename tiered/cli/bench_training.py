@@ -93,9 +93,9 @@ def run_training(args: argparse.Namespace, out: TextIO) -> int:
             f"--dir {args.dir}: not an existing directory; create it or pick the drive to measure"
         )
     model, cfg, source = load_model_and_config(args)
-    from tiered.cli.bench import make_progress
+    from tiered.bench.progress import BenchProgress
 
-    progress = make_progress(args)
+    progress = BenchProgress(sys.stderr, quiet=bool(args.quiet))
     try:
         return _run(args, out, model, cfg, source, progress)
     finally:
