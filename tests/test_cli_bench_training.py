@@ -234,3 +234,16 @@ def test_training_without_space_says_the_bytes_needed_first(
     err = capsys.readouterr().err
     assert rc == 2 and "free, the benchmark needs about" in err and "bytes:" in err
     assert list((tmp_path / "offload").iterdir()) == []
+
+
+def test_the_fragment_shown_in_the_docs_loads(tmp_path: Path) -> None:
+    import re
+
+    doc = (ROOT / "docs" / "backends.md").read_text()
+    blocks = re.findall(r"^```json\n(.*?)^```$", doc, re.M | re.S)
+    frag = next(json.loads(b) for b in blocks if '"aio"' in b)
+    merged = _config(tmp_path)
+    merged["aio"].update(frag["aio"])
+    merged["tiered"] = frag["tiered"]
+    loaded = load_config(merged, model=build_model(resolve_model(TINY), meta=True))
+    assert loaded.tiered.tiers["nvme"].backend["queue_depth"] == frag["aio"]["queue_depth"]
