@@ -18,6 +18,7 @@ from tiered.bench.training import LinkFigure, bench_training
 from tiered.bench.training_check import measure_training
 from tiered.cli.main import main
 from tiered.config import load_config
+from tiered.errors import ConfigError
 from tiered.finetune.model import build_model, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +69,9 @@ def test_replayed_bytes_per_link_equal_a_real_runs(
     model = build_model(source, meta=True)
     cfg = load_config(raw, model=model)
     predicted = bench_training(model, cfg, steps=1, warmup=1)
-    measured, _ = measure_training(lambda: build_model(source), cfg, steps=3, warmup=1, seq_len=16)
+    real = measure_training(lambda: build_model(source), cfg, steps=3, warmup=1, seq_len=16)
+    measured = real.links
+    assert real.step_s > 0 and 0 <= real.compute_s <= real.step_s
     assert predicted.links, label
     assert {f.link for f in predicted.links} == {f.link for f in measured}, label
     for m in measured:
@@ -139,6 +142,8 @@ def test_cli_training_check_prints_both_figures(tmp_path: Path, capsys: pytest.C
         assert row["predicted"]["seconds_per_step"] > 0 and row["measured"]["seconds_per_step"] > 0
         assert doc["training"]["links"][link]["bytes_per_step"] == row["predicted"]["bytes_per_step"]
     assert (rc == 0) == doc["check"]["within_tolerance"]
+    # the replay ran with the real run's compute time between its moves
+    assert doc["training"]["compute_s"] == doc["check"]["compute_s"] > 0
     assert list((tmp_path / "offload").iterdir()) == []
 
 
@@ -247,3 +252,19 @@ def test_the_fragment_shown_in_the_docs_loads(tmp_path: Path) -> None:
     merged["tiered"] = frag["tiered"]
     loaded = load_config(merged, model=build_model(resolve_model(TINY), meta=True))
     assert loaded.tiered.tiers["nvme"].backend["queue_depth"] == frag["aio"]["queue_depth"]
+
+
+def test_compute_time_is_spent_between_the_moves(tmp_path: Path) -> None:
+    """--compute-s: the replay rests the links for that long per step (split over the passes)."""
+    import time
+
+    (tmp_path / "offload").mkdir()
+    source = resolve_model(TINY)
+    model = build_model(source, meta=True)
+    cfg = load_config(_config(tmp_path), model=model)
+    t0 = time.perf_counter()
+    res = bench_training(model, cfg, steps=2, warmup=0, compute_s=0.5)
+    assert time.perf_counter() - t0 >= 2 * 0.5
+    assert res.compute_s == 0.5 and "0.500 s of forward + backward compute" in res.to_markdown()
+    with pytest.raises(ConfigError, match="--compute-s must be >= 0"):
+        bench_training(model, cfg, steps=1, compute_s=-1)

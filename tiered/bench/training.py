@@ -6,6 +6,16 @@ through a TierManager that the engine's own `build_tier_manager` opens from the 
 the backend spec (swap files: in place, no fsync), the checksums and the link accounting are
 training's. Each step's figure is the difference of `TierManager.stats()` around it, the same
 counters `engine.stats()` reports; the result is the mean over the measured steps.
+
+[Note: compute between the moves]
+A drive (and the VM in front of it) delivers more while it gets rests: on the 2-core VM of
+benchmarks/RESULTS.md the same replay ran 1.24-1.4x faster with 3 s of idle time per step than
+back to back. Training's storage links rest while forward and backward compute (the whole pass
+when the parameters stay in memory), so the replay takes that compute time, `compute_s`, split
+between the two passes, each gathered group computing its share by size. 0 (the default)
+replays the moves back to back, the busiest case; `--compute-s` gives it, and `--check` measures
+it from the real run (forward + backward minus the training thread's tier stalls) and replays
+with that.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +71,7 @@ class TrainingBenchResult:
     date: str
     machine: dict[str, Any]
     links: tuple[LinkFigure, ...]
+    compute_s: float = 0.0
 
     def link(self, name: str) -> LinkFigure | None:
         return next((f for f in self.links if f.link == name), None)
@@ -73,6 +85,7 @@ class TrainingBenchResult:
             "filesystem": self.filesystem,
             "date": self.date,
             "machine": self.machine,
+            "compute_s": self.compute_s,
             "links": {f.link: {**dataclasses.asdict(f), "gbps": f.gbps} for f in self.links},
         }
 
@@ -81,7 +94,13 @@ class TrainingBenchResult:
             f"training pattern: {self.pattern.describe()}",
             *(f"  note: {n}" for n in self.pattern.notes),
             f"replayed {self.steps} steps after {self.warmup} warm-up in {self.directory} ({self.filesystem}); "
-            "swap mode (in place, no fsync) through the engine's tier manager; mean per step",
+            "swap mode (in place, no fsync) through the engine's tier manager; "
+            + (
+                f"{self.compute_s:.3f} s of forward + backward compute per step between the moves; "
+                if self.compute_s
+                else "moves back to back (no compute time given: the busiest case); "
+            )
+            + "mean per step",
             "",
             "| link | bytes/step | moves/step | max in flight | predicted GB/s | I/O s/step |",
             "|---|---|---|---|---|---|",
@@ -125,14 +144,19 @@ def bench_training(
     *,
     steps: int = 3,
     warmup: int = 1,
+    compute_s: float = 0.0,
     progress: Callable[[str], None] | None = None,
 ) -> TrainingBenchResult:
-    """Derive the pattern of `model` + `cfg` and replay it `warmup` + `steps` times."""
+    """Derive the pattern of `model` + `cfg` and replay it `warmup` + `steps` times, with
+    `compute_s` seconds of forward + backward compute per step between the moves
+    ([Note: compute between the moves])."""
     from tiered.bench.preflight import check_free_space
     from tiered.bench.runner import _filesystem, machine_info
     from tiered.engine.build import build_tier_manager
     from tiered.optim.placement import tier_is_host
 
+    if compute_s < 0:
+        raise ConfigError(f"--compute-s must be >= 0 seconds, got {compute_s}")
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps must be >= 1 (got {steps}) and --warmup >= 0 (got {warmup})")
     say = progress or (lambda _m: None)
@@ -150,7 +174,7 @@ def bench_training(
         )
         note(progress, pattern.describe())
         add_total(progress, warmup + steps)
-        replay = _Replay(tm, pattern)
+        replay = _Replay(tm, pattern, compute_s)
         samples: list[dict[str, dict[str, float]]] = []
         for s in range(warmup + steps):
             before = tm.stats()["links"]
@@ -178,6 +202,7 @@ def bench_training(
         date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         machine=machine_info(),
         links=link_figures(samples, max_inflight, pattern.storage_tiers),
+        compute_s=max(0.0, float(compute_s)),
     )
 
 
@@ -226,8 +251,9 @@ def link_figures(
 class _Replay:
     """The partitions of a pattern in a TierManager, moved as one training step moves them."""
 
-    def __init__(self, tm: TierManager, pattern: TrainingPattern) -> None:
+    def __init__(self, tm: TierManager, pattern: TrainingPattern, compute_s: float = 0.0) -> None:
         self.tm, self.pattern = tm, pattern
+        self.compute_s = max(0.0, float(compute_s))
         self.parts: dict[str, Partition] = {}
         for p in pattern.partitions:
             if p.name not in self.parts:
@@ -237,9 +263,10 @@ class _Replay:
         return [p for p in self.pattern.partitions if p.phase == phase]
 
     def step(self) -> None:
-        self._pass(self._phase("forward"))
+        half = self.compute_s / 2  # forward ~ 1/3, backward ~ 2/3 of the FLOPs; the split hardly matters
+        self._pass(self._phase("forward"), half)
         backward = self._phase("backward")
-        self._pass([p for p in reversed(backward) if p.stage == "gpu"])
+        self._pass([p for p in reversed(backward) if p.stage == "gpu"], half)
         for p in reversed(backward):  # staged gradients: one group at a time, read-add-write
             if p.stage != "gpu":
                 part = self.parts[p.name]
@@ -249,13 +276,19 @@ class _Replay:
                 self.tm.evict(part, p.stage).result()
         self._optimizer(self._phase("step"))
 
-    def _pass(self, moves: list[PartitionIO]) -> None:
-        """Parameter reads of one pass, FORWARD_WINDOW in flight; each freed after its use."""
+    def _pass(self, moves: list[PartitionIO], compute_s: float) -> None:
+        """Parameter reads of one pass, FORWARD_WINDOW in flight; each group computes its share
+        of `compute_s` (by size) once gathered, then is freed."""
         tm, inflight = self.tm, deque[tuple[PartitionIO, Any]]()
+        if not moves:
+            time.sleep(compute_s)  # the links rest while the pass computes
+            return
+        total = sum(p.numel for p in moves)
 
         def finish() -> None:
             p, fut = inflight.popleft()
             fut.result()
+            time.sleep(compute_s * p.numel / total)
             tm.release(self.parts[p.name], p.stage)
             tm.evict(self.parts[p.name], p.stage).result()  # clean: frees it
 

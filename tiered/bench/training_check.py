@@ -1,7 +1,8 @@
 """`tiered bench --training --check`: a few real training steps of the same model + config on
 the same drive, their `engine.stats()` link figures next to the replay's prediction.
 
-The real run trains the model (built with real, seeded weights) on random tokens for `warmup` +
+The real run comes first: its forward + backward compute time is what the replay puts between
+its moves ([Note: compute between the moves]). It trains the model (built with real, seeded weights) on random tokens for `warmup` +
 `steps` steps; each step's link figures are the difference of `engine.stats()["tiers"]["links"]`
 around it, the mean over the measured steps, exactly as the replay reports its own. The ratio
 measured / predicted is reported per link; the target is within 20% (0.8 .. 1.2).
@@ -56,6 +57,7 @@ class TrainingCheck:
     steps: int
     step_s: float
     rows: tuple[CheckRow, ...]
+    compute_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -76,6 +78,7 @@ class TrainingCheck:
         return {
             "steps": self.steps,
             "step_s": self.step_s,
+            "compute_s": self.compute_s,
             "tolerance": TOLERANCE,
             "within_tolerance": self.ok,
             "links": {
@@ -104,7 +107,8 @@ class TrainingCheck:
 
         lines = [
             f"check: {self.steps} real training steps of the same model + config on the same drive "
-            f"(median step {self.step_s:.3f} s), engine.stats() per step vs the replay",
+            f"(median step {self.step_s:.3f} s, of which {self.compute_s:.3f} s forward + backward compute, "
+            "given to the replay), engine.stats() per step vs the replay",
             "",
             "| link | predicted bytes/step | measured bytes/step | predicted GB/s | measured GB/s | "
             "measured / predicted GB/s | predicted I/O s/step | measured I/O s/step | within 20% |",
@@ -131,6 +135,16 @@ def random_batch(model: nn.Module, cfg: TieredConfig, seq_len: int, seed: int) -
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+@dataclass(frozen=True)
+class RealRun:
+    links: tuple[LinkFigure, ...]
+    step_s: float
+    """Median wall time of a step."""
+    compute_s: float
+    """Median forward + backward time minus the training thread's tier stalls in them: the
+    compute the replay puts between its moves ([Note: compute between the moves])."""
+
+
 def measure_training(
     build: Callable[[], nn.Module],
     cfg: TieredConfig,
@@ -139,8 +153,8 @@ def measure_training(
     warmup: int,
     seq_len: int,
     progress: Callable[[str], None] | None = None,
-) -> tuple[tuple[LinkFigure, ...], float]:
-    """Per-link figures (mean per step) and the median step time of a real run."""
+) -> RealRun:
+    """Per-link figures (mean per step), the median step and compute time of a real run."""
     import time
 
     import tiered
@@ -148,41 +162,35 @@ def measure_training(
     say = progress or (lambda _m: None)
     model = build()
     add_total(progress, warmup + steps)
-    samples, times = [], []
+    samples, times, computes = [], [], []
     with tiered.initialize(model, cfg) as engine:
         for s in range(warmup + steps):
             batch = random_batch(model, cfg, seq_len, seed=s)
-            before = engine.stats()["tiers"]["links"]
+            before = engine.stats()["tiers"]
             t0 = time.perf_counter()
             loss = engine(**batch).loss
             engine.backward(loss)
+            t1 = time.perf_counter()
+            mid = engine.stats()["tiers"]
             engine.step()
             dt = time.perf_counter() - t0
-            delta = _delta(before, engine.stats()["tiers"]["links"])
+            delta = _delta(before["links"], engine.stats()["tiers"]["links"])
             if s >= warmup:
                 samples.append(delta)
                 times.append(dt)
+                computes.append(max(0.0, (t1 - t0) - (mid["stall_s"] - before["stall_s"])))
             say(f"training step {s + 1}/{warmup + steps}{' (warm-up)' if s < warmup else ''}: {dt:.2f} s")
         links = engine.stats()["tiers"]["links"]
     storage = tuple(sorted({t for k in samples for link in k for t in link.split("->")} - {"gpu", "cpu"}))
     max_inflight = {k: int(v.get("max_inflight", 0)) for k, v in links.items()}
-    return link_figures(samples, max_inflight, storage), statistics.median(times)
-
-
-def check_training(
-    prediction: TrainingBenchResult,
-    build: Callable[[], nn.Module],
-    cfg: TieredConfig,
-    *,
-    steps: int,
-    warmup: int,
-    seq_len: int = 128,
-    progress: Callable[[str], None] | None = None,
-) -> TrainingCheck:
-    measured, step_s = measure_training(
-        build, cfg, steps=steps, warmup=warmup, seq_len=seq_len, progress=progress
+    return RealRun(
+        link_figures(samples, max_inflight, storage), statistics.median(times), statistics.median(computes)
     )
-    names = sorted({f.link for f in prediction.links} | {f.link for f in measured})
-    by = {f.link: f for f in measured}
+
+
+def compare(prediction: TrainingBenchResult, real: RealRun, steps: int) -> TrainingCheck:
+    """The replay's and the real run's figures side by side, per link."""
+    names = sorted({f.link for f in prediction.links} | {f.link for f in real.links})
+    by = {f.link: f for f in real.links}
     rows = tuple(CheckRow(k, prediction.link(k), by.get(k)) for k in names)
-    return TrainingCheck(prediction, steps, step_s, rows)
+    return TrainingCheck(prediction, steps, real.step_s, rows, real.compute_s)

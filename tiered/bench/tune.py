@@ -135,6 +135,7 @@ def tune_training(
     steps: int = 3,
     warmup: int = 1,
     grid: dict[str, Sequence[int]] | None = None,
+    compute_s: float = 0.0,
     progress: Callable[[str], None] | None = None,
 ) -> TuneResult:
     """Sweep `grid` (default DEFAULT_GRID) for `steps` round-robin rounds; see the module doc."""
@@ -155,7 +156,9 @@ def tune_training(
         order = list(range(len(settings)))
         k = r % len(order)
         for i in order[k:] + order[:k]:
-            res = bench_training(model, with_setting(cfg, settings[i]), steps=1, warmup=max(1, warmup))
+            res = bench_training(
+                model, with_setting(cfg, settings[i]), steps=1, warmup=max(1, warmup), compute_s=compute_s
+            )
             if not any(f.link for f in res.links):
                 raise ConfigError(
                     "--tune: this model + config moves no bytes to its nvme tier; nothing to tune"

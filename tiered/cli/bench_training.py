@@ -45,6 +45,14 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         help="also train the model for --warmup + --steps real steps (random tokens) on the same drive and "
         "print engine.stats()'s link figures next to the prediction (exit 1 when a link is off by > 20%%)",
     )
+    g.add_argument(
+        "--compute-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="forward + backward compute per step, during which the storage links rest (default 0: the "
+        "moves back to back, the busiest case; with --check: measured by the real run)",
+    )
     g.add_argument("--seq-len", type=int, default=128, help="--check: tokens per sequence (default 128)")
     g.add_argument(
         "--tune",
@@ -110,21 +118,26 @@ def _run(args: argparse.Namespace, out: TextIO, model: Any, cfg: Any, source: An
     if args.tune:
         from tiered.bench.tune import tune_training
 
-        tuned = tune_training(model, cfg, steps=args.steps, warmup=args.warmup, progress=progress)
+        tuned = tune_training(
+            model,
+            cfg,
+            steps=args.steps,
+            warmup=args.warmup,
+            compute_s=args.compute_s or 0.0,
+            progress=progress,
+        )
         out.write(tuned.to_markdown())
         tuned.write_fragment(Path(args.tune))
         out.write(f"\nconfig fragment written to {args.tune}\n")
         doc["tune"] = tuned.to_json()
         cfg = tuned.best_config
-    result = bench_training(model, cfg, steps=args.steps, warmup=args.warmup, progress=progress)
-    out.write(result.to_markdown())
-    doc["training"] = result.to_json()
+    real = None
+    compute_s = args.compute_s
     if args.check:
-        from tiered.bench.training_check import check_training
+        from tiered.bench.training_check import measure_training
         from tiered.finetune.model import build_model
 
-        check = check_training(
-            result,
+        real = measure_training(
             lambda: build_model(source),
             cfg,
             steps=args.steps,
@@ -132,6 +145,17 @@ def _run(args: argparse.Namespace, out: TextIO, model: Any, cfg: Any, source: An
             seq_len=args.seq_len,
             progress=progress,
         )
+        if compute_s is None:
+            compute_s = real.compute_s
+    result = bench_training(
+        model, cfg, steps=args.steps, warmup=args.warmup, compute_s=compute_s or 0.0, progress=progress
+    )
+    out.write(result.to_markdown())
+    doc["training"] = result.to_json()
+    if real is not None:
+        from tiered.bench.training_check import compare
+
+        check = compare(result, real, args.steps)
         out.write("\n" + check.to_markdown())
         doc["check"] = check.to_json()
         if not check.ok:
