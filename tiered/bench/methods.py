@@ -25,6 +25,7 @@ import abc
 import asyncio
 import importlib.util
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -37,6 +38,8 @@ from typing import Any
 import torch
 
 from tiered.errors import StorageIOError, TierTimeoutError
+
+log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 ALIGN = 4096
@@ -125,6 +128,17 @@ class ODirectMethod(Method):
         self.name = f"O_DIRECT pwritev/preadv {threads} threads x {chunk_bytes // MIB} MiB"
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="bench-odirect")
         self.direct = _O_DIRECT != 0
+        self.base_name = self.name
+
+    def setup(self, workdir: Path, timeout_s: float) -> None:
+        super().setup(workdir, timeout_s)
+        # decided once, before any round: the row's name (the key of its samples) never changes
+        from tiered.bench.preflight import direct_io_supported
+
+        self.direct, why = direct_io_supported(workdir)
+        self.name = self.base_name if self.direct else f"{self.base_name} (O_DIRECT refused: buffered)"
+        if not self.direct:
+            warn_buffered_once(workdir.parent, why)
 
     @property
     def path(self) -> Path:
@@ -132,13 +146,7 @@ class ODirectMethod(Method):
         return self.workdir / "odirect.bin"
 
     def _open(self, flags: int) -> int:
-        if self.direct:
-            try:
-                return os.open(self.path, flags | _O_DIRECT, 0o644)
-            except OSError:  # tmpfs and some FUSE file systems refuse O_DIRECT
-                self.direct = False
-                self.name += " (O_DIRECT refused: buffered)"
-        return os.open(self.path, flags, 0o644)
+        return os.open(self.path, flags | (_O_DIRECT if self.direct else 0), 0o644)
 
     def _run(self, fd: int, mv: memoryview, op: Any) -> None:
         n = len(mv)
@@ -191,6 +199,22 @@ class ODirectMethod(Method):
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         super().close()
+
+
+_WARNED: set[str] = set()
+
+
+def warn_buffered_once(directory: Path, why: str) -> None:
+    """The O_DIRECT fallback, said once per directory (a sweep sets up the ceiling per size)."""
+    key = str(directory.resolve().parent)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(
+            "bench: %s: %s; the ceiling runs buffered (page cache), so ratios to it are not to the "
+            "device; measure a drive that takes O_DIRECT for a real ceiling",
+            directory.parent,
+            why,
+        )
 
 
 def backend_spec(backend_type: str, directory: Path) -> dict[str, Any]:

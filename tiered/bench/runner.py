@@ -47,6 +47,8 @@ from tiered.bench.methods import (
     find_fio,
     sync_files,
 )
+from tiered.bench.preflight import check_free_space, check_memory
+from tiered.bench.progress import add_total
 from tiered.errors import ConfigError, StorageIOError, TieredError
 from tiered.units import format_bytes
 
@@ -272,12 +274,8 @@ def run_bandwidth(opts: BenchOptions, progress: Callable[[str], None] | None = N
     if not base.is_dir():
         raise ConfigError(f"--dir {base}: not an existing directory; create it or pick the drive to measure")
     size = opts.aligned_size
-    if _free_bytes(base) < 2 * size:
-        raise ConfigError(
-            f"--dir {base}: {format_bytes(_free_bytes(base))} free, the benchmark needs about "
-            f"{format_bytes(2 * size)} ({2 * size} bytes: one transfer at a time, written and kept "
-            "until its read is checked); pass a smaller --size or free space"
-        )
+    check_free_space(base, 2 * size, "one transfer at a time, written and kept until its read is checked")
+    check_memory(size, [{"type": n} for n in opts.backends] + [dict(s) for s in opts.specs])
     workroot = Path(tempfile.mkdtemp(prefix="tiered-bench-", dir=base))
     methods, absent = build_methods(opts)
     src_mm, src = aligned_buffer(size)
@@ -299,6 +297,7 @@ def run_bandwidth(opts: BenchOptions, progress: Callable[[str], None] | None = N
                 errors[m.name] = f"{type(exc).__name__}: {exc}"
                 log.warning("bench: %s unavailable: %s", m.name, exc)
         total = opts.warmup_rounds + opts.rounds
+        add_total(progress, total * len(live))
         for r in range(total):
             k = r % max(1, len(live))
             for m in live[k:] + live[:k]:
@@ -338,11 +337,6 @@ def run_bandwidth(opts: BenchOptions, progress: Callable[[str], None] | None = N
         machine=machine_info(),
         methods=tuple(results),
     )
-
-
-def _free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 def _summarise(

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiered.bench.preflight import check_free_space, check_memory
+from tiered.bench.progress import note
 from tiered.bench.runner import BenchOptions, BenchResult, MethodResult, run_bandwidth
 from tiered.errors import ConfigError
 from tiered.units import format_bytes
@@ -124,10 +126,18 @@ def _status(m: MethodResult) -> str:
 def run_sweep(
     opts: BenchOptions, max_bytes: int, progress: Callable[[str], None] | None = None
 ) -> SweepResult:
-    say = progress or (lambda _msg: None)
+    sizes = sweep_sizes(max_bytes)
+    # the largest size is checked before the smallest is measured: a sweep that cannot finish
+    # must not run for minutes first
+    biggest = dataclasses.replace(opts, size_bytes=sizes[-1]).aligned_size
+    if Path(opts.directory).is_dir():
+        check_free_space(
+            Path(opts.directory), 2 * biggest, "the largest transfer, written and kept until checked"
+        )
+    check_memory(biggest, [{"type": n} for n in opts.backends] + [dict(s) for s in opts.specs])
     runs = []
-    for size in sweep_sizes(max_bytes):
-        say(f"size {format_bytes(size, binary=True)}")
+    for size in sizes:
+        note(progress, f"size {format_bytes(size, binary=True)}")
         runs.append(run_bandwidth(dataclasses.replace(opts, size_bytes=size), progress=progress))
     return SweepResult(tuple(runs))
 

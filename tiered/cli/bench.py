@@ -30,6 +30,9 @@ examples:
   tiered bench --quick                       # 64 MiB, 2 rounds, in a temp dir: a smoke test
   tiered bench --dir /mnt/nvme0 --size 4GiB  # the drive you will offload to
   tiered bench --dir . --json bench.json --backends nvme aiofiles
+  tiered bench --training --model ./my-model --config ds_config.json          # predicted GB/s per link
+  tiered bench --training --model ./my-model --config ds_config.json --check  # ... and a real run beside it
+  tiered bench --training --model ./my-model --config ds_config.json --tune best.json
 
 needs about 2 x --size of free space in --dir (a subfolder is created and removed).
 """
@@ -97,8 +100,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --sweep: GB/s vs size per method and direction, the ceiling drawn (needs matplotlib)",
     )
+    p.add_argument(
+        "--no-gpu-link",
+        action="store_true",
+        help="skip the GPU<->CPU link section (pinned and pageable copies, PCIe counters with pynvml; "
+        "skipped by itself, with the reason, where no CUDA device exists)",
+    )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the full result as JSON to FILE")
     p.add_argument("--quiet", "-q", action="store_true", help="no per-round progress on stderr")
+    from tiered.cli.bench_training import add_training_arguments
+
+    add_training_arguments(p)
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
@@ -131,6 +143,14 @@ def options_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def make_progress(args: argparse.Namespace) -> Any:
+    """A live bar on a terminal, plain lines elsewhere, nothing with --quiet (on stderr: the
+    tables on stdout stay clean for a pipe)."""
+    from tiered.bench.progress import BenchProgress
+
+    return BenchProgress(sys.stderr, quiet=bool(args.quiet))
+
+
 def measure(args: argparse.Namespace) -> Any:
     """Run the benchmark the arguments describe; returns a BenchResult."""
     from tiered.bench.runner import check_backends, run_bandwidth
@@ -138,11 +158,11 @@ def measure(args: argparse.Namespace) -> Any:
     opts = options_from_args(args)
     check_backends(opts)  # a typo is an error (nearest name suggested) before anything is written
 
-    def progress(msg: str) -> None:
-        if not args.quiet:
-            print(f"  {msg}", file=sys.stderr, flush=True)
-
-    return run_bandwidth(opts, progress=progress)
+    progress = make_progress(args)
+    try:
+        return run_bandwidth(opts, progress=progress)
+    finally:
+        progress.close()
 
 
 def _run_sweep(args: argparse.Namespace, out: TextIO) -> int:
@@ -153,11 +173,11 @@ def _run_sweep(args: argparse.Namespace, out: TextIO) -> int:
     check_backends(opts)
     max_bytes = parse_bytes(args.max_size, what="--max-size") if args.max_size else opts.size_bytes
 
-    def progress(msg: str) -> None:
-        if not args.quiet:
-            print(f"  {msg}", file=sys.stderr, flush=True)
-
-    result = run_sweep(opts, max_bytes, progress=progress)
+    progress = make_progress(args)
+    try:
+        result = run_sweep(opts, max_bytes, progress=progress)
+    finally:
+        progress.close()
     out.write(result.to_markdown())
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n")
@@ -181,14 +201,29 @@ def _run_sweep(args: argparse.Namespace, out: TextIO) -> int:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
+    from tiered.cli.bench_training import run_training, wants_training
+
+    if wants_training(args):
+        if args.sweep or args.plot:
+            raise ConfigError(
+                "--training replays one model's pattern: --sweep / --plot measure transfer sizes; use one or the other"
+            )
+        return run_training(args, out)
     if args.plot and not args.sweep:
         raise ConfigError("--plot draws GB/s against transfer size: add --sweep (and --max-size)")
     if args.sweep:
         return _run_sweep(args, out)
     result = measure(args)
     out.write(result.to_markdown())
+    doc = result.to_json()
+    if not args.no_gpu_link:
+        from tiered.bench.gpu_link import measure_gpu_link
+
+        gpu = measure_gpu_link(min(result.size_bytes, 1 << 30), rounds=result.rounds)
+        out.write("\n" + gpu.to_markdown())
+        doc["gpu_link"] = gpu.to_json()
     if args.json:
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         out.write(f"\nJSON written to {args.json}\n")
     # The run failed if the ceiling could not be measured or any requested backend failed: a
     # failing backend is an error the caller (a script, CI) must see, not only a table cell.

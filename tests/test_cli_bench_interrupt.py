@@ -1,0 +1,121 @@
+"""`tiered bench`: a live bar on a terminal, plain lines elsewhere; Ctrl-C (a real SIGINT to a
+real process) removes every file the benchmark wrote, in bandwidth and in training mode."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tiered.bench.progress import BenchProgress, add_total, note
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "examples" / "tiny-llama"
+
+
+def test_plain_lines_when_not_a_terminal() -> None:
+    out = io.StringIO()
+    p = BenchProgress(out)
+    add_total(p, 2)
+    note(p, "size 4 KiB")
+    p("round 1/2 nvme: write 1.00 GB/s")
+    p.close()
+    assert not p.is_bar
+    assert out.getvalue() == "  size 4 KiB\n  round 1/2 nvme: write 1.00 GB/s\n"
+
+
+def test_a_bar_with_the_announced_total_on_a_terminal() -> None:
+    pytest.importorskip("tqdm")
+    out = io.StringIO()
+    p = BenchProgress(out, bar=True)  # as on a terminal
+    assert p.is_bar
+    add_total(p, 3)
+    for i in range(3):
+        p(f"step {i + 1}/3: nvme->cpu 1.00 GB/s")
+    p.close()
+    text = out.getvalue()
+    assert "3/3" in text and "nvme->cpu 1.00 GB/s" in text
+    assert "  step 1/3" not in text  # no plain lines under the bar
+
+
+def test_quiet_prints_nothing() -> None:
+    out = io.StringIO()
+    p = BenchProgress(out, quiet=True, bar=True)
+    add_total(p, 1)
+    p("x")
+    note(p, "y")
+    p.close()
+    assert out.getvalue() == ""
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _files(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_file()]
+
+
+def _interrupt_when(proc: subprocess.Popen[bytes], ready: Path, timeout_s: float = 240.0) -> int:
+    """SIGINT to `proc` once `ready` holds a file; its exit status."""
+    deadline = time.monotonic() + timeout_s
+    while not _files(ready):
+        if proc.poll() is not None:
+            raise AssertionError(f"the bench ended (rc {proc.returncode}) before writing anything")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the bench wrote nothing in time")
+        time.sleep(0.05)
+    time.sleep(0.3)  # inside a round, not at its edge
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+def test_sigint_during_bandwidth_rounds_removes_the_files(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "tiered.cli.main", "bench", "--dir", str(tmp_path), "--size", "16MiB"]
+    argv += [
+        "--rounds",
+        "10000",
+        "--warmup",
+        "0",
+        "--no-fio",
+        "--no-deepspeed",
+        "--backends",
+        "nvme",
+        "--quiet",
+    ]
+    proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    rc = _interrupt_when(proc, tmp_path)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    assert rc == 130, err
+    assert "interrupted" in err
+    assert list(tmp_path.iterdir()) == [], "Ctrl-C left the benchmark's files"
+
+
+def test_sigint_during_the_training_replay_removes_the_swap_files(tmp_path: Path) -> None:
+    cfg = json.loads((ROOT / "examples" / "ds_config.json").read_text())
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    for k in ("offload_param", "offload_optimizer"):
+        cfg["zero_optimization"][k]["nvme_path"] = str(offload)
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    argv = [sys.executable, "-m", "tiered.cli.main", "bench", "--training", "--model", str(TINY)]
+    argv += ["--config", str(tmp_path / "ds.json"), "--steps", "100000", "--quiet"]
+    proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    rc = _interrupt_when(proc, offload)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    assert rc == 130, err
+    assert list(offload.iterdir()) == [], "Ctrl-C left the replay's swap folder or files"

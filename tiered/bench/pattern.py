@@ -1,0 +1,263 @@
+"""The I/O one training step of a model + config does on its storage tiers, derived from the
+engine's own planning code: which partitions exist, how large, where they live, how often each
+is read and written per step, and how many are in flight at once.
+
+[Note: training I/O pattern]
+The partitions come from the functions the engine calls at initialize, not from a formula of our
+own: `plan_model_groups` (which parameters form which flat group, blocks capped by the budgets),
+`padded_numel` with the engine's `ALIGNMENT_NUMEL` (each group's shard), `choose_placement` (the
+home tier of parameters, gradients and optimizer state) and `plan_optimizer_placement` (which
+groups step on the CPU and where their state lives). What each partition does per step follows
+the engine's step (tiered/optim/offload.py, tiered/zero/group.py, tiered/zero/grad_home.py):
+
+* optimizer state homed in a storage tier: master (unless the fp32 parameter partition is the
+  master), exp_avg and exp_avg_sq are read into the compute tier and written back once per step,
+  `offload_optimizer.buffer_count` groups read ahead, write-backs bounded by the same window;
+* a gradient homed in a storage tier: read and written back per flush in backward (one group at
+  a time), read again by the optimizer;
+* parameters homed in a storage tier: read for the forward, again for the backward where the
+  live budget evicted them in between (the engine's reuse-distance and live-budget rules replayed
+  on the forward + reversed trace, `_backward_rereads`), and the new values written back by the
+  step, except the groups kept in "cpu" by
+  ``offload_param.max_in_cpu`` ([Note: max_in_cpu]), which move no storage bytes after their
+  first step.
+
+Every move also passes the tier manager's per-link bound (`max_inflight_per_link`, 4), so the
+concurrency a link sees is the smaller of that and what the pipeline asks. The replay
+(`tiered.bench.training`) issues exactly these moves through a TierManager built by the
+engine's `build_tier_manager` from the same config, so the backend, its swap mode (in place, no
+fsync), the per-partition checksums and the link accounting ([Note: link busy time]) are the
+ones training uses; `--check` compares the figure with `engine.stats()` of a real run.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from tiered.units import format_bytes
+
+if TYPE_CHECKING:
+    from tiered.config.schema import TieredConfig
+    from tiered.shards import ShardGroup
+
+MEMORY_TIERS = ("gpu", "cpu")
+
+
+def link_bound() -> int:
+    """The tier manager's per-link bound on moves in flight (its constructor's default, which
+    `build_tier_manager` keeps): read from there so the replay follows if it changes."""
+    from tiered.tiers import TierManager
+
+    return int(inspect.signature(TierManager.__init__).parameters["max_inflight_per_link"].default)
+
+
+@dataclass(frozen=True)
+class PartitionIO:
+    """One partition and what a training step does with it on its storage home."""
+
+    name: str
+    numel: int
+    dtype: torch.dtype
+    home: str
+    stage: str
+    """The memory tier it is read into."""
+    phase: str
+    """"forward", "backward" or "step": when in the step it moves."""
+    reads: int
+    writes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TrainingPattern:
+    """Per step: every storage-tier move of one model + config. See [Note: training I/O pattern]."""
+
+    model_params: int
+    groups: int
+    placement: str
+    partitions: tuple[PartitionIO, ...]
+    buffer_count: int
+    link_bound: int
+    storage_tiers: tuple[str, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def predicted_bytes(self) -> dict[str, int]:
+        """Bytes per step per link ("nvme->cpu", ...)."""
+        out: dict[str, int] = {}
+        for p in self.partitions:
+            if p.reads:
+                k = f"{p.home}->{p.stage}"
+                out[k] = out.get(k, 0) + p.reads * p.nbytes
+            if p.writes:
+                k = f"{p.stage}->{p.home}"
+                out[k] = out.get(k, 0) + p.writes * p.nbytes
+        return out
+
+    def size_range(self) -> tuple[int, int]:
+        sizes = [p.nbytes for p in self.partitions] or [0]
+        return min(sizes), max(sizes)
+
+    def describe(self) -> str:
+        lo, hi = self.size_range()
+        moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(self.predicted_bytes().items()))
+        return (
+            f"{self.model_params:,} parameters in {self.groups} groups; {self.placement}; "
+            f"{len(self.partitions)} partitions on storage ({format_bytes(lo, binary=True)} .. "
+            f"{format_bytes(hi, binary=True)}); per step {moved or 'no storage I/O'}; "
+            f"optimizer window {self.buffer_count} groups, at most {self.link_bound} moves per link"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        lo, hi = self.size_range()
+        return {
+            "model_params": self.model_params,
+            "groups": self.groups,
+            "placement": self.placement,
+            "storage_partitions": len(self.partitions),
+            "partition_bytes_min": lo,
+            "partition_bytes_max": hi,
+            "predicted_bytes_per_step": self.predicted_bytes(),
+            "buffer_count": self.buffer_count,
+            "link_bound": self.link_bound,
+            "storage_tiers": list(self.storage_tiers),
+            "notes": list(self.notes),
+        }
+
+
+def derive_pattern(
+    model: nn.Module, cfg: TieredConfig, *, gpu_budget_bytes: int | None, gpu_is_host: bool
+) -> TrainingPattern:
+    """The storage moves of one step of `model` (meta or real) under `cfg`, on one rank.
+
+    `gpu_budget_bytes` is the "gpu" tier's budget as the tier manager reports it (the engine caps
+    blocks by it); `gpu_is_host` whether that tier is host memory (no CUDA)."""
+    from tiered.engine.build import choose_placement
+    from tiered.optim.placement import plan_optimizer_placement
+    from tiered.shards import padded_numel
+    from tiered.zero.sharding import ALIGNMENT_NUMEL, plan_model_groups
+
+    placement = choose_placement(cfg)
+    dtype = placement.compute_dtype
+    planned = plan_model_groups(
+        model, cfg.zero, gpu_budget_bytes=gpu_budget_bytes, compute_dtype=dtype, world_size=1
+    )
+    shards = [padded_numel(pg.numel, 1, ALIGNMENT_NUMEL) for pg in planned]
+    storage = {placement.param_tier, placement.grad_tier, placement.optimizer_tier} - set(MEMORY_TIERS)
+    trainable = [i for i, pg in enumerate(planned) if pg.trainable]
+    # plan_optimizer_placement reads only shard_numel and param.home of each group
+    standins = [
+        SimpleNamespace(shard_numel=shards[i], param=SimpleNamespace(home=placement.param_tier))
+        for i in trainable
+    ]
+    plans = plan_optimizer_placement(
+        cast("Sequence[ShardGroup]", standins), cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host
+    )
+    kept = _kept_in_cpu(
+        [shards[i] for i in trainable], plans, placement.param_tier, cfg.zero.offload_param.max_in_cpu_numel
+    )
+    moving = [j for j in range(len(trainable)) if placement.param_tier in storage and j not in kept]
+    reread = _backward_rereads(
+        [shards[trainable[j]] for j in moving],
+        [planned[trainable[j]].persistent for j in moving],
+        cfg.zero.max_live_parameters_numel,
+        cfg.zero.max_reuse_distance_numel,
+    )
+    parts: list[PartitionIO] = []
+    notes: list[str] = []
+    fp32 = torch.float32
+    for j, (i, plan) in enumerate(zip(trainable, plans, strict=True)):
+        name, n = f"g{i:04d}", shards[i]
+        alias = dtype == fp32 and plan.side == "cpu" and placement.param_tier == plan.state_home
+        if plan.state_home in storage and plan.state_home != plan.compute_tier:
+            states = ("exp_avg", "exp_avg_sq") if alias else ("master", "exp_avg", "exp_avg_sq")
+            for s in states:
+                parts.append(
+                    PartitionIO(f"{name}.{s}", n, fp32, plan.state_home, plan.compute_tier, "step", 1, 1)
+                )
+        if placement.grad_tier in storage:
+            parts.append(PartitionIO(f"{name}.grad", n, fp32, placement.grad_tier, "cpu", "backward", 1, 1))
+            parts.append(PartitionIO(f"{name}.grad", n, fp32, placement.grad_tier, "cpu", "step", 1, 0))
+        if placement.param_tier in storage and j not in kept:
+            parts.append(PartitionIO(f"{name}.param", n, dtype, placement.param_tier, "gpu", "forward", 1, 0))
+            if moving.index(j) in reread:
+                parts.append(
+                    PartitionIO(f"{name}.param", n, dtype, placement.param_tier, "gpu", "backward", 1, 0)
+                )
+            # the step writes the new values back; where the parameter is the master it reads it too
+            stage = plan.compute_tier if alias else plan.stage_tier
+            parts.append(
+                PartitionIO(f"{name}.param", n, dtype, placement.param_tier, stage, "step", int(alias), 1)
+            )
+    frozen = len(planned) - len(trainable)
+    if frozen and placement.param_tier in storage:
+        notes.append(f"{frozen} frozen groups: their parameter reads are not replayed")
+    if kept and placement.param_tier in storage:
+        notes.append(
+            f"{len(kept)} of {len(trainable)} parameter groups stay in cpu (offload_param.max_in_cpu): "
+            "no storage I/O after the first step"
+        )
+    return TrainingPattern(
+        model_params=sum(p.numel() for p in model.parameters()),
+        groups=len(planned),
+        placement=placement.describe(cfg),
+        partitions=tuple(parts),
+        buffer_count=max(1, int(cfg.zero.offload_optimizer.buffer_count)),
+        link_bound=link_bound(),
+        storage_tiers=tuple(sorted(storage)),
+        notes=tuple(notes),
+    )
+
+
+def _backward_rereads(numel: list[int], persistent: list[bool], max_live: int, max_reuse: int) -> set[int]:
+    """Which groups (by position in `numel`) the backward must read again, having been evicted
+    from "gpu" after their forward use: the engine's rules replayed on the trace forward order +
+    reverse order ([Note: the live budget]): after a release a group goes when its next use is
+    further than ``stage3_max_reuse_distance`` elements away; before a fetch, released groups go,
+    furthest next use first, until ``stage3_max_live_parameters`` has room. Persistent groups stay
+    for the whole step."""
+    trace = list(range(len(numel))) + list(reversed(range(len(numel))))
+    prefix = [0]
+    for i in trace:
+        prefix.append(prefix[-1] + numel[i])
+
+    def next_use(i: int, t: int) -> float:
+        later = [u for u in range(t + 1, len(trace)) if trace[u] == i]
+        return float("inf") if not later else float(prefix[later[0]] - prefix[t + 1])
+
+    live: dict[int, int] = {}
+    reread: set[int] = set()
+    for t, i in enumerate(trace):
+        if persistent[i]:
+            continue
+        if i not in live:
+            if t >= len(numel):
+                reread.add(i)
+            for v in sorted(live, key=lambda v: next_use(v, t), reverse=True):
+                if sum(live.values()) + numel[i] <= max_live:
+                    break
+                del live[v]
+            live[i] = numel[i]
+        if next_use(i, t) > max_reuse:
+            live.pop(i, None)
+    return reread
+
+
+def _kept_in_cpu(shards: list[int], plans: Sequence[Any], param_tier: str, limit: int) -> set[int]:
+    """The trainable groups (by position) whose new parameters stay in "cpu": the engine's
+    OffloadedAdam._params_kept_in_cpu rule ([Note: max_in_cpu]), in execution order."""
+    keep, total = set(), 0
+    for j, (n, p) in enumerate(zip(shards, plans, strict=True)):
+        if p.stage_tier == "cpu" and param_tier not in MEMORY_TIERS and total + n <= int(limit):
+            keep.add(j)
+            total += n
+    return keep

@@ -1,0 +1,345 @@
+"""`tiered bench --training`: replay one model + config's storage I/O per step and report the
+GB/s and seconds of I/O per link that training will see.
+
+The pattern is `tiered.bench.pattern.derive_pattern` ([Note: training I/O pattern]); the moves go
+through a TierManager that the engine's own `build_tier_manager` opens from the same config, so
+the backend spec (swap files: in place, no fsync), the checksums and the link accounting are
+training's. Each step's figure is the difference of `TierManager.stats()` around it, the same
+counters `engine.stats()` reports; the result is the mean over the measured steps.
+
+[Note: compute between the moves]
+A drive (and the VM in front of it) delivers more while it gets rests: on the 2-core VM of
+benchmarks/RESULTS.md the same replay ran 1.24-1.4x faster with 3 s of idle time per step than
+back to back. Training's storage links rest while forward and backward compute (the whole pass
+when the parameters stay in memory), so the replay takes that compute time, `compute_s`, split
+between the two passes, each gathered group computing its share by size. 0 (the default)
+replays the moves back to back, the busiest case; `--compute-s` gives it, and `--check` measures
+it from the real run (forward + backward minus the training thread's tier stalls) and replays
+with that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tiered.bench.pattern import PartitionIO, TrainingPattern, derive_pattern
+from tiered.bench.progress import add_total, note
+from tiered.errors import ConfigError
+from tiered.units import format_bytes
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tiered.config.schema import TieredConfig
+    from tiered.tiers import Partition, TierManager
+
+log = logging.getLogger(__name__)
+
+FORWARD_WINDOW = 2
+"""Parameter groups in flight in a pass: the one computing and the one prefetched next."""
+
+
+@dataclass(frozen=True)
+class LinkFigure:
+    link: str
+    bytes_per_step: float
+    seconds_per_step: float
+    """Busy seconds per step (the union of the moves' intervals, [Note: link busy time])."""
+    ops_per_step: float
+    max_inflight: int
+
+    @property
+    def gbps(self) -> float | None:
+        return self.bytes_per_step / self.seconds_per_step / 1e9 if self.seconds_per_step > 0 else None
+
+
+@dataclass(frozen=True)
+class TrainingBenchResult:
+    pattern: TrainingPattern
+    steps: int
+    warmup: int
+    directory: str
+    filesystem: str
+    date: str
+    machine: dict[str, Any]
+    links: tuple[LinkFigure, ...]
+    compute_s: float = 0.0
+
+    def link(self, name: str) -> LinkFigure | None:
+        return next((f for f in self.links if f.link == name), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pattern": self.pattern.to_json(),
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "directory": self.directory,
+            "filesystem": self.filesystem,
+            "date": self.date,
+            "machine": self.machine,
+            "compute_s": self.compute_s,
+            "links": {f.link: {**dataclasses.asdict(f), "gbps": f.gbps} for f in self.links},
+        }
+
+    def to_markdown(self) -> str:
+        lines = [
+            f"training pattern: {self.pattern.describe()}",
+            *(f"  note: {n}" for n in self.pattern.notes),
+            f"replayed {self.steps} steps after {self.warmup} warm-up in {self.directory} ({self.filesystem}); "
+            "swap mode (in place, no fsync) through the engine's tier manager; "
+            + (
+                f"{self.compute_s:.3f} s of forward + backward compute per step between the moves; "
+                if self.compute_s
+                else "moves back to back (no compute time given: the busiest case); "
+            )
+            + "mean per step",
+            "",
+            "| link | bytes/step | moves/step | max in flight | predicted GB/s | I/O s/step |",
+            "|---|---|---|---|---|---|",
+        ]
+        for f in self.links:
+            g = "-" if f.gbps is None else f"{f.gbps:.2f}"
+            lines.append(
+                f"| {f.link} | {format_bytes(int(f.bytes_per_step))} | {f.ops_per_step:.0f} | "
+                f"{f.max_inflight} | {g} | {f.seconds_per_step:.3f} |"
+            )
+        if not self.links:
+            lines.append("| (none) | this model + config moves no bytes to a storage tier | | | | |")
+        return "\n".join(lines) + "\n"
+
+
+def with_directory(cfg: TieredConfig, directory: Path | None) -> TieredConfig:
+    """`cfg` with every storage tier's "path" moved under `directory` (``--dir``): the drive to
+    measure; None keeps the config's own paths (the drive training will use)."""
+    if directory is None:
+        return cfg
+    tiers = {}
+    for name, spec in cfg.tiered.tiers.items():
+        if isinstance(spec.backend.get("path"), str):
+            spec = dataclasses.replace(spec, backend={**spec.backend, "path": str(directory / name)})
+        tiers[name] = spec
+    return dataclasses.replace(cfg, tiered=dataclasses.replace(cfg.tiered, tiers=tiers))
+
+
+def storage_directories(cfg: TieredConfig, storage_tiers: tuple[str, ...]) -> list[Path]:
+    out = []
+    for t in storage_tiers:
+        path = cfg.tiered.tiers[t].backend.get("path") if t in cfg.tiered.tiers else None
+        if isinstance(path, str):
+            out.append(Path(path))
+    return out
+
+
+def bench_training(
+    model: nn.Module,
+    cfg: TieredConfig,
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    compute_s: float = 0.0,
+    progress: Callable[[str], None] | None = None,
+) -> TrainingBenchResult:
+    """Derive the pattern of `model` + `cfg` and replay it `warmup` + `steps` times, with
+    `compute_s` seconds of forward + backward compute per step between the moves
+    ([Note: compute between the moves])."""
+    from tiered.bench.preflight import check_free_space
+    from tiered.bench.runner import _filesystem, machine_info
+    from tiered.engine.build import build_tier_manager
+    from tiered.optim.placement import tier_is_host
+
+    if compute_s < 0:
+        raise ConfigError(f"--compute-s must be >= 0 seconds, got {compute_s}")
+    if steps < 1 or warmup < 0:
+        raise ConfigError(f"--steps must be >= 1 (got {steps}) and --warmup >= 0 (got {warmup})")
+    say = progress or (lambda _m: None)
+    # the space check comes before anything is opened or written: the bytes stored do not
+    # depend on the gpu budget (it only caps how parameters are grouped), so plan without it
+    first = derive_pattern(model, cfg, gpu_budget_bytes=None, gpu_is_host=True)
+    dirs = storage_directories(cfg, first.storage_tiers)
+    need = sum({p.name: p.nbytes for p in first.partitions}.values())
+    for d in dirs[:1]:
+        check_free_space(d, need, "the training pattern's partitions, each stored once")
+    tm = build_tier_manager(cfg)
+    try:
+        pattern = derive_pattern(
+            model, cfg, gpu_budget_bytes=tm.budget_bytes("gpu"), gpu_is_host=tier_is_host(tm, "gpu")
+        )
+        note(progress, pattern.describe())
+        add_total(progress, warmup + steps)
+        replay = _Replay(tm, pattern, compute_s)
+        samples: list[dict[str, dict[str, float]]] = []
+        for s in range(warmup + steps):
+            before = tm.stats()["links"]
+            replay.step()
+            delta = _delta(before, tm.stats()["links"])
+            if s >= warmup:
+                samples.append(delta)
+            say(
+                f"step {s + 1}/{warmup + steps}{' (warm-up)' if s < warmup else ''}: "
+                + ", ".join(
+                    f"{k} {v['bytes'] / v['seconds'] / 1e9:.2f} GB/s"
+                    for k, v in sorted(delta.items())
+                    if v["seconds"] > 0
+                )
+            )
+        max_inflight = {k: int(v.get("max_inflight", 0)) for k, v in tm.stats()["links"].items()}
+    finally:
+        tm.close()
+    return TrainingBenchResult(
+        pattern=pattern,
+        steps=steps,
+        warmup=warmup,
+        directory=", ".join(str(d) for d in dirs) or "-",
+        filesystem=_filesystem(dirs[0]) if dirs else "-",
+        date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        machine=machine_info(),
+        links=link_figures(samples, max_inflight, pattern.storage_tiers),
+        compute_s=max(0.0, float(compute_s)),
+    )
+
+
+def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, dict[str, float]]:
+    out = {}
+    for k, v in b.items():
+        u = a.get(k, {})
+        nbytes = v["bytes"] - u.get("bytes", 0)
+        if nbytes:
+            out[k] = {
+                "bytes": nbytes,
+                "seconds": v["seconds"] - u.get("seconds", 0.0),
+                "ops": v["ops"] - u.get("ops", 0),
+            }
+    return out
+
+
+def link_touches(link: str, tiers: tuple[str, ...]) -> bool:
+    src, _, dst = link.partition("->")
+    return src in tiers or dst in tiers
+
+
+def link_figures(
+    samples: list[dict[str, dict[str, float]]], max_inflight: dict[str, int], storage: tuple[str, ...]
+) -> tuple[LinkFigure, ...]:
+    """Per storage link, the mean per step over `samples` (per-step deltas of the link counters).
+    Means, not medians: a step's last write-backs finish inside the next step's window
+    ([Note: write-back after the step]), so single steps split them unevenly, their sum does not."""
+    names = sorted({k for s in samples for k in s if link_touches(k, storage)})
+    n = max(1, len(samples))
+    out = []
+    for k in names:
+        vals = [s.get(k, {"bytes": 0, "seconds": 0.0, "ops": 0}) for s in samples]
+        out.append(
+            LinkFigure(
+                k,
+                sum(v["bytes"] for v in vals) / n,
+                sum(v["seconds"] for v in vals) / n,
+                sum(v["ops"] for v in vals) / n,
+                max_inflight.get(k, 0),
+            )
+        )
+    return tuple(out)
+
+
+class _Replay:
+    """The partitions of a pattern in a TierManager, moved as one training step moves them."""
+
+    def __init__(self, tm: TierManager, pattern: TrainingPattern, compute_s: float = 0.0) -> None:
+        self.tm, self.pattern = tm, pattern
+        self.compute_s = max(0.0, float(compute_s))
+        self.parts: dict[str, Partition] = {}
+        for p in pattern.partitions:
+            if p.name not in self.parts:
+                self.parts[p.name] = tm.create(p.name, p.numel, p.dtype, p.home)
+
+    def _phase(self, phase: str) -> list[PartitionIO]:
+        return [p for p in self.pattern.partitions if p.phase == phase]
+
+    def step(self) -> None:
+        half = self.compute_s / 2  # forward ~ 1/3, backward ~ 2/3 of the FLOPs; the split hardly matters
+        self._pass(self._phase("forward"), half)
+        backward = self._phase("backward")
+        self._pass([p for p in reversed(backward) if p.stage == "gpu"], half)
+        for p in reversed(backward):  # staged gradients: one group at a time, read-add-write
+            if p.stage != "gpu":
+                part = self.parts[p.name]
+                self.tm.fetch(part, p.stage).result()
+                self.tm.mark_dirty(part, p.stage)
+                self.tm.release(part, p.stage)
+                self.tm.evict(part, p.stage).result()
+        self._optimizer(self._phase("step"))
+
+    def _pass(self, moves: list[PartitionIO], compute_s: float) -> None:
+        """Parameter reads of one pass, FORWARD_WINDOW in flight; each group computes its share
+        of `compute_s` (by size) once gathered, then is freed."""
+        tm, inflight = self.tm, deque[tuple[PartitionIO, Any]]()
+        if not moves:
+            time.sleep(compute_s)  # the links rest while the pass computes
+            return
+        total = sum(p.numel for p in moves)
+
+        def finish() -> None:
+            p, fut = inflight.popleft()
+            fut.result()
+            time.sleep(compute_s * p.numel / total)
+            tm.release(self.parts[p.name], p.stage)
+            tm.evict(self.parts[p.name], p.stage).result()  # clean: frees it
+
+        for p in moves:
+            inflight.append((p, tm.fetch(self.parts[p.name], p.stage)))
+            if len(inflight) >= FORWARD_WINDOW:
+                finish()
+        while inflight:
+            finish()
+
+    def _optimizer(self, moves: list[PartitionIO]) -> None:
+        """The sub-group pipeline: buffer_count groups read ahead, then each group's write-backs;
+        the window counts the write-backs in flight too ([Note: sub-group pipeline])."""
+        tm = self.tm
+        by_group: dict[str, list[PartitionIO]] = {}
+        for p in moves:
+            by_group.setdefault(p.name.split(".")[0], []).append(p)
+        groups = list(by_group.values())
+        reads: dict[int, list[Any]] = {}
+        pending: deque[list[Any]] = deque()
+        window = self.pattern.buffer_count
+
+        def issue(k: int) -> None:
+            reads[k] = [
+                tm.fetch(self.parts[p.name], p.stage) if p.reads else tm.allocate(self.parts[p.name], p.stage)
+                for p in groups[k]
+            ]
+
+        def retire() -> None:
+            for f in pending.popleft():
+                f.result()
+
+        nxt = 0
+        for k, group in enumerate(groups):
+            if nxt == k:
+                while pending and len(pending) + 1 > window:
+                    retire()
+                issue(k)
+                nxt += 1
+            while nxt < len(groups) and (nxt - k) + len(pending) < window:
+                issue(nxt)
+                nxt += 1
+            for f in reads.pop(k):
+                f.result()
+            futs = []
+            for p in group:
+                part = self.parts[p.name]
+                if p.writes and p.reads:
+                    tm.mark_dirty(part, p.stage)
+                tm.release(part, p.stage)
+                futs.append(tm.evict(part, p.stage))
+            pending.append(futs)
+        while pending:
+            retire()

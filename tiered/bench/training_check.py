@@ -1,0 +1,196 @@
+"""`tiered bench --training --check`: a few real training steps of the same model + config on
+the same drive, their `engine.stats()` link figures next to the replay's prediction.
+
+The real run comes first: its forward + backward compute time is what the replay puts between
+its moves ([Note: compute between the moves]). It trains the model (built with real, seeded weights) on random tokens for `warmup` +
+`steps` steps; each step's link figures are the difference of `engine.stats()["tiers"]["links"]`
+around it, the mean over the measured steps, exactly as the replay reports its own. The ratio
+measured / predicted is reported per link; the target is within 20% (0.8 .. 1.2).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tiered.bench.progress import add_total
+from tiered.bench.training import LinkFigure, TrainingBenchResult, _delta, link_figures
+from tiered.units import format_bytes
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tiered.config.schema import TieredConfig
+
+TOLERANCE = 0.20
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    link: str
+    predicted: LinkFigure | None
+    measured: LinkFigure | None
+
+    @property
+    def gbps_ratio(self) -> float | None:
+        p = self.predicted.gbps if self.predicted else None
+        m = self.measured.gbps if self.measured else None
+        return m / p if p and m else None
+
+    @property
+    def bytes_ratio(self) -> float | None:
+        p = self.predicted.bytes_per_step if self.predicted else 0
+        m = self.measured.bytes_per_step if self.measured else 0
+        return m / p if p else None
+
+    @property
+    def within(self) -> bool:
+        r, b = self.gbps_ratio, self.bytes_ratio
+        return r is not None and b is not None and abs(r - 1) <= TOLERANCE and abs(b - 1) <= TOLERANCE
+
+
+@dataclass(frozen=True)
+class TrainingCheck:
+    prediction: TrainingBenchResult
+    steps: int
+    step_s: float
+    rows: tuple[CheckRow, ...]
+    compute_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.rows) and all(r.within for r in self.rows)
+
+    def to_json(self) -> dict[str, Any]:
+        def fig(f: LinkFigure | None) -> dict[str, Any] | None:
+            return (
+                None
+                if f is None
+                else {
+                    "bytes_per_step": f.bytes_per_step,
+                    "seconds_per_step": f.seconds_per_step,
+                    "gbps": f.gbps,
+                }
+            )
+
+        return {
+            "steps": self.steps,
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "tolerance": TOLERANCE,
+            "within_tolerance": self.ok,
+            "links": {
+                r.link: {
+                    "predicted": fig(r.predicted),
+                    "measured": fig(r.measured),
+                    "gbps_ratio": r.gbps_ratio,
+                    "bytes_ratio": r.bytes_ratio,
+                }
+                for r in self.rows
+            },
+        }
+
+    def to_markdown(self) -> str:
+        def g(f: LinkFigure | None) -> str:
+            return "-" if f is None or f.gbps is None else f"{f.gbps:.2f}"
+
+        def b(f: LinkFigure | None) -> str:
+            return "-" if f is None else format_bytes(int(f.bytes_per_step))
+
+        def s(f: LinkFigure | None) -> str:
+            return "-" if f is None else f"{f.seconds_per_step:.3f}"
+
+        def x(v: float | None) -> str:
+            return "-" if v is None else f"{v:.2f}"
+
+        lines = [
+            f"check: {self.steps} real training steps of the same model + config on the same drive "
+            f"(median step {self.step_s:.3f} s, of which {self.compute_s:.3f} s forward + backward compute, "
+            "given to the replay), engine.stats() per step vs the replay",
+            "",
+            "| link | predicted bytes/step | measured bytes/step | predicted GB/s | measured GB/s | "
+            "measured / predicted GB/s | predicted I/O s/step | measured I/O s/step | within 20% |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in self.rows:
+            lines.append(
+                f"| {r.link} | {b(r.predicted)} | {b(r.measured)} | {g(r.predicted)} | {g(r.measured)} | "
+                f"{x(r.gbps_ratio)} | {s(r.predicted)} | {s(r.measured)} | {'yes' if r.within else 'no'} |"
+            )
+        return "\n".join(lines) + "\n"
+
+
+def random_batch(model: nn.Module, cfg: TieredConfig, seq_len: int, seed: int) -> dict[str, Any]:
+    """Random tokens for a causal LM: micro-batch size from the config, labels = inputs."""
+    import torch
+
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+    if vocab < 2:
+        raise ValueError("--check trains a causal LM: the model needs config.vocab_size")
+    micro = int(cfg.train_micro_batch_size_per_gpu or 1)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (micro, seq_len), generator=gen)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+@dataclass(frozen=True)
+class RealRun:
+    links: tuple[LinkFigure, ...]
+    step_s: float
+    """Median wall time of a step."""
+    compute_s: float
+    """Median forward + backward time minus the training thread's tier stalls in them: the
+    compute the replay puts between its moves ([Note: compute between the moves])."""
+
+
+def measure_training(
+    build: Callable[[], nn.Module],
+    cfg: TieredConfig,
+    *,
+    steps: int,
+    warmup: int,
+    seq_len: int,
+    progress: Callable[[str], None] | None = None,
+) -> RealRun:
+    """Per-link figures (mean per step), the median step and compute time of a real run."""
+    import time
+
+    import tiered
+
+    say = progress or (lambda _m: None)
+    model = build()
+    add_total(progress, warmup + steps)
+    samples, times, computes = [], [], []
+    with tiered.initialize(model, cfg) as engine:
+        for s in range(warmup + steps):
+            batch = random_batch(model, cfg, seq_len, seed=s)
+            before = engine.stats()["tiers"]
+            t0 = time.perf_counter()
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            t1 = time.perf_counter()
+            mid = engine.stats()["tiers"]
+            engine.step()
+            dt = time.perf_counter() - t0
+            delta = _delta(before["links"], engine.stats()["tiers"]["links"])
+            if s >= warmup:
+                samples.append(delta)
+                times.append(dt)
+                computes.append(max(0.0, (t1 - t0) - (mid["stall_s"] - before["stall_s"])))
+            say(f"training step {s + 1}/{warmup + steps}{' (warm-up)' if s < warmup else ''}: {dt:.2f} s")
+        links = engine.stats()["tiers"]["links"]
+    storage = tuple(sorted({t for k in samples for link in k for t in link.split("->")} - {"gpu", "cpu"}))
+    max_inflight = {k: int(v.get("max_inflight", 0)) for k, v in links.items()}
+    return RealRun(
+        link_figures(samples, max_inflight, storage), statistics.median(times), statistics.median(computes)
+    )
+
+
+def compare(prediction: TrainingBenchResult, real: RealRun, steps: int) -> TrainingCheck:
+    """The replay's and the real run's figures side by side, per link."""
+    names = sorted({f.link for f in prediction.links} | {f.link for f in real.links})
+    by = {f.link: f for f in real.links}
+    rows = tuple(CheckRow(k, prediction.link(k), by.get(k)) for k in names)
+    return TrainingCheck(prediction, steps, real.step_s, rows, real.compute_s)
