@@ -6,18 +6,19 @@ GPU with 64 GB of host RAM: the gpu tier ~12% of the training state, the cpu tie
     python benchmarks/big_model.py --dir DIR --json big.json       # 2.07B parameters, ~58 GB of disk
     python benchmarks/big_model.py --dir DIR --params 200e6 --layers 8 --vocab 8192   # small, same path
 
-Phases (each timed, peak RSS = VmHWM per phase):
+Phases, each in a fresh process (timed, peak RSS = VmHWM per phase):
 1. the "pretrained" weights: sharded bf16 safetensors + index, seeded, written a shard at a time
    (tiered.testing.weights: the model never exists on the host);
-2. a fresh process: `tiered.from_pretrained` (streaming load), --steps AdamW steps with one
-   layer's compute and the raw O_DIRECT bandwidth sampled between them (see [Note: big model
-   measurements interleaved] in big_model_engine.py), a checkpoint, one more step (the
-   reference), a digest of every parameter; close deletes the engine's swap;
-3. another fresh process: the model from config.json on the meta device, `load_checkpoint` (then
+2. `tiered.from_pretrained` (streaming load), --steps AdamW steps with one layer's compute and
+   the raw O_DIRECT bandwidth sampled between them (see [Note: big model measurements
+   interleaved] in big_model_engine.py), a checkpoint, one more step (the reference), a digest of
+   every parameter; close deletes the engine's swap;
+3. the model from config.json on the meta device, `load_checkpoint` (then
    the checkpoint is deleted), the reference step again (loss and parameters after it must equal
    the reference's bit for bit), `save_pretrained` (export, checked: every tensor, bf16, finite).
 
-Reported (text; --json also a file): s/step (median of the steps after the first), bytes per
+Reported (text; --json also a file): s/step (median of the steps after the first, the reference
+one included), bytes per
 link per step and stall seconds (engine.stats()), peak RSS per phase against the budgets (target:
 gpu + cpu budget + 2 GiB; without a GPU the gpu tier is host memory), and the step's ratio to
 its bound max(compute, I/O) (target <= 1.25): compute = layers x one layer's forward+backward +
@@ -63,13 +64,42 @@ def disk_plan(n: int, bw_size: int, drop_weights: bool) -> dict[str, int]:
     return {"weights": weights, "swap": swap, "checkpoint": ckpt, "export": 2 * n, "peak": peak + DISK_MARGIN}
 
 
+def mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def wait_for_memory(need: int, wait_s: float, what: str) -> None:
+    """On a shared machine another job may hold the memory the engine process is budgeted: wait
+    up to `wait_s` for `need` bytes to be available, then refuse clearly (rather than be killed)."""
+    deadline = time.monotonic() + wait_s
+    while (avail := mem_available()) is not None and avail < need:
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"big_model: {what} needs about {need / GIB:.1f} GiB of memory (tier budgets + 2 GiB), "
+                f"{avail / GIB:.1f} GiB available after waiting {wait_s:.0f} s; free memory or lower --params"
+            )
+        eng._log(f"{what}: {avail / GIB:.1f} GiB available, waiting for {need / GIB:.1f} GiB")
+        time.sleep(10)
+
+
 class _Child:
-    """The engine process of a phase; terminated (by its pid) if the orchestrator is interrupted."""
+    """The process of a phase (fresh: its own peak RSS); terminated, by its pid, if the
+    orchestrator is interrupted."""
 
     current: subprocess.Popen[bytes] | None = None
 
     @classmethod
     def run(cls, phase: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
+        if phase != "weights":  # an engine process
+            need = spec["gpu_budget"] + spec["cpu_budget"] + HEADROOM
+            wait_for_memory(need, spec["mem_wait_s"], f"phase {phase}")
         spec_path, out_path = workdir / f"{phase}.spec.json", workdir / f"{phase}.out.json"
         spec_path.write_text(json.dumps(spec))
         script = str(Path(__file__).resolve())
@@ -101,7 +131,9 @@ def _sigterm(_sig: int, _frame: Any) -> None:
 def summarize(spec: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
     """The report: the step against its bound, traffic, stalls, RSS against the budgets."""
     tr, rs = res["train"], res["resume"]
-    timed = tr["steps"][1:]  # the first step also records the trace and takes the fp32 master
+    # the first step also records the trace and takes the fp32 master; the reference step (after
+    # the checkpoint) is an ordinary one
+    timed = [*tr["steps"][1:], tr["reference"]]
     step_s = statistics.median(s["s"] for s in timed)
     links: dict[str, dict[str, float]] = {}
     for st in timed:
@@ -118,7 +150,7 @@ def summarize(spec: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
     layer_s = statistics.median(c["layer_fwd_bwd_s"] for c in tr["compute"])
     bound = max(compute_s, io_s)
     budget = spec["gpu_budget"] + spec["cpu_budget"]
-    rss = {"weights": res["weights"]["rss"], **tr["rss"], **rs["rss"]}
+    rss = {**({"weights": res["weights"]["rss"]} if res["weights"]["rss"] else {}), **tr["rss"], **rs["rss"]}
     phases = {f"train:{k}": v for k, v in tr["s"].items()} | {f"resume:{k}": v for k, v in rs["s"].items()}
     return {
         "params": spec["params"],
@@ -130,9 +162,9 @@ def summarize(spec: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
         "training_state_bytes": spec["state_bytes"],
         "budgets": {"gpu": spec["gpu_budget"], "cpu": spec["cpu_budget"], "rss_target": budget + HEADROOM},
         "step_s": step_s,
-        "steps_s": [s["s"] for s in tr["steps"]],
-        "step_phases_s": [s["timing"] for s in tr["steps"]],
-        "losses": [s["loss"] for s in tr["steps"]],
+        "steps_s": [s["s"] for s in [*tr["steps"], tr["reference"]]],
+        "step_phases_s": [s["timing"] for s in [*tr["steps"], tr["reference"]]],
+        "losses": [s["loss"] for s in [*tr["steps"], tr["reference"]]],
         "links_per_step": links,
         "nvme_read_bytes_per_step": nvme_read,
         "nvme_write_bytes_per_step": nvme_write,
@@ -195,7 +227,12 @@ def report_text(r: dict[str, Any]) -> str:
 
 
 def make_spec(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    cfg = eng.llama_config(args.params, args.layers, args.vocab, args.seq)
+    if args.weights:  # a folder written before (this script's, or any Llama in bf16/fp32 shards)
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig.from_pretrained(args.weights, local_files_only=True)
+    else:
+        cfg = eng.llama_config(args.params, args.layers, args.vocab, args.seq)
     n = eng.n_params(cfg)
     state = eng.STATE_BYTES_PER_PARAM * n
     per_layer = (n - 2 * cfg.vocab_size * cfg.hidden_size) / cfg.num_hidden_layers
@@ -219,27 +256,27 @@ def make_spec(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "prefetch_numel": int(args.prefetch_layers * per_layer),
         "buffer_count": args.buffer_count,
         "bw_size": args.bw_size,
-        "weights_dir": str(workdir / "pretrained"),
+        "weights_dir": str(Path(args.weights).resolve()) if args.weights else str(workdir / "pretrained"),
         "nvme_dir": str(workdir / "swap"),
         "ckpt_dir": str(workdir / "checkpoint"),
         "export_dir": str(workdir / "export"),
-        "drop_weights": not args.keep_weights,
+        "drop_weights": not args.keep_weights and not args.weights,  # never a folder given
+        "shard_bytes": args.shard_bytes,
         "threads": args.threads or torch.get_num_threads(),
+        "mem_wait_s": args.mem_wait,
     }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every phase, then the report; the work directory is removed whatever happens."""
-    from transformers import LlamaConfig
-
-    from tiered.testing.weights import write_random_weights
-
     base = Path(args.dir if args.dir is not None else tempfile.gettempdir())
     if not base.is_dir():
         raise SystemExit(f"big_model: --dir {base} is not a directory")
     spec = make_spec(args, base / "tiered-big-XXXX")  # the sizes, before anything is written
     n, state = spec["params"], spec["state_bytes"]
-    disk = disk_plan(n, args.bw_size, spec["drop_weights"])
+    disk = disk_plan(
+        n, args.bw_size, spec["drop_weights"] or bool(args.weights)
+    )  # a given folder is there already
     disk["free_at_start"] = free = shutil.disk_usage(base).free
     if free < disk["peak"]:
         raise SystemExit(
@@ -257,21 +294,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{spec['cpu_budget'] / GIB:.2f} GiB; disk peak ~{disk['peak'] / 1e9:.1f} of {free / 1e9:.1f} GB free"
         )
         res: dict[str, Any] = {"disk": disk}
-        eng.reset_peak_rss()
-        t0 = time.perf_counter()
-        write_random_weights(
-            spec["weights_dir"],
-            LlamaConfig.from_dict(spec["hf_config"]),
-            dtype=torch.bfloat16,
-            shard_bytes=args.shard_bytes,
-            seed=0,
-        )
-        res["weights"] = {
-            "s": time.perf_counter() - t0,
-            "bytes": eng.du(Path(spec["weights_dir"])),
-            "rss": eng.peak_rss(),
-        }
-        eng._log(f"weights: {res['weights']['bytes'] / 1e9:.2f} GB in {res['weights']['s']:.1f} s")
+        if args.weights:
+            res["weights"] = {"s": 0.0, "bytes": eng.du(Path(args.weights)), "rss": 0, "given": args.weights}
+        else:
+            res["weights"] = _Child.run("weights", spec, workdir)
+            eng._log(f"weights: {res['weights']['bytes'] / 1e9:.2f} GB in {res['weights']['s']:.1f} s")
         res["train"] = _Child.run("train", spec, workdir)
         res["resume"] = _Child.run("resume", spec, workdir)
     finally:
@@ -305,9 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--layers", type=int, default=25, help="decoder layers (default 25)")
     p.add_argument("--vocab", type=int, default=16384, help="vocabulary (default 16384)")
-    p.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    p.add_argument("--steps", type=int, default=3, help="steps before the checkpoint (default 3; >= 2)")
+    p.add_argument(
+        "--steps", type=int, default=2, help="steps before the checkpoint, then one more (default 2; >= 2)"
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument(
         "--clip", type=float, default=0.0, help="gradient_clipping (default 0: the step overlaps backward)"
@@ -329,21 +358,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--threads", type=int, default=0, help="torch threads in every phase (default: torch's, the cores)"
     )
+    p.add_argument(
+        "--mem-wait", type=float, default=600, help="seconds to wait for the memory an engine phase needs"
+    )
+    p.add_argument(
+        "--weights",
+        default=None,
+        metavar="FOLDER",
+        help="train from this model folder (not written, not deleted)",
+    )
     p.add_argument("--keep-weights", action="store_true", help="keep the pretrained files to the end")
     p.add_argument("--keep", action="store_true", help="leave the work directory (debugging)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
-    p.add_argument("--phase", choices=["train", "resume"], help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=sorted(eng.PHASES), help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.phase:  # an engine process started by run()
         spec = json.loads(Path(args.spec).read_text())
         torch.set_num_threads(spec["threads"])
-        result = (eng.phase_train if args.phase == "train" else eng.phase_resume)(spec)
+        result = eng.PHASES[args.phase](spec)
         Path(args.out).write_text(json.dumps(result, default=float))
         return 0
     if args.steps < 2:
-        p.error("--steps must be at least 2 (the first step is not timed)")
+        p.error("--steps must be at least 2 (the first step is not timed; 3 steps in all)")
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run(args)

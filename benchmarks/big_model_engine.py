@@ -264,7 +264,25 @@ def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
-# ---- the two engine processes ------------------------------------------------------------------
+# ---- the phases, each in a fresh process ---------------------------------------------------------
+def phase_weights(spec: dict[str, Any]) -> dict[str, Any]:
+    """The "pretrained" folder: bf16 shards + index, seeded, a shard at a time."""
+    from transformers import LlamaConfig
+
+    from tiered.testing.weights import write_random_weights
+
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    write_random_weights(
+        spec["weights_dir"],
+        LlamaConfig.from_dict(spec["hf_config"]),
+        dtype=torch.bfloat16,
+        shard_bytes=spec["shard_bytes"],
+        seed=0,
+    )
+    return {"s": time.perf_counter() - t0, "bytes": du(Path(spec["weights_dir"])), "rss": peak_rss()}
+
+
 def phase_train(spec: dict[str, Any]) -> dict[str, Any]:
     """Fresh process: streaming load, the steps (compute and bandwidth sampled between them, see
     [Note: big model measurements interleaved]), checkpoint, one reference step, digest."""
@@ -369,3 +387,6 @@ def check_export(folder: Path) -> dict[str, Any]:
         bad = sorted(n for n in set(want) & set(seen) if want[n] != seen[n])
         raise RuntimeError(f"export: missing {missing[:5]}, unexpected {extra[:5]}, wrong shapes {bad[:5]}")
     return {"tensors": len(seen), "bytes": du(folder), "shards": len(files)}
+
+
+PHASES = {"weights": phase_weights, "train": phase_train, "resume": phase_resume}
