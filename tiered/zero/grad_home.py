@@ -3,10 +3,11 @@
 [Note: gradients on nvme]
 With the optimizer offloaded the fp32 gradients would need 4 bytes per parameter of host memory
 (160 GB for 40B parameters). With ``tiered.grad_tier`` naming a storage tier (nvme), a group's
-gradient partition lives there instead: each flush reads it into "cpu" (the first flush after
-zeroing too: the copy overwrites it), adds or copies this backward's gradients (read-add-write
-under accumulation), writes it back and frees the staged copy, so host memory holds one group's
-gradient at a time. The squared norm of the values written is kept per group, so the global
+gradient partition lives there instead: each flush stages it in "cpu" (read from home when
+this backward's gradients are added to it under accumulation; only allocated, not read, at the
+first flush after zeroing, which overwrites all of it), adds or copies this backward's
+gradients, writes it back and frees the staged copy, so host memory holds one group's gradient
+at a time (and a step without accumulation reads no gradient before the optimizer does). The squared norm of the values written is kept per group, so the global
 norm for clipping is exact (the same fp32 values the optimizer reads) without reading every
 gradient again at the end of backward. The optimizer fetches each group's gradient from its
 home like its states (tiered/optim/offload.py already does so for any gradient home).
@@ -39,10 +40,13 @@ class StagedGradHome:
         self.sq_norm = 0.0
         """Squared L2 norm of the values last written (0 while lazily zero)."""
 
-    def open(self) -> torch.Tensor:
-        """The partition's values in "cpu", to be modified in place and then `write_back()`."""
+    def open(self, *, overwrite: bool = False) -> torch.Tensor:
+        """The partition's values in "cpu", to be modified in place and then `write_back()`;
+        with `overwrite` the caller writes every element, so nothing is read from home."""
         if self.staged is None:
-            self.staged = self.tm.fetch(self.part, STAGE_TIER).result()
+            tm = self.tm
+            fut = tm.allocate(self.part, STAGE_TIER) if overwrite else tm.fetch(self.part, STAGE_TIER)
+            self.staged = fut.result()
         return self.staged
 
     def write_back(self) -> None:

@@ -126,10 +126,11 @@ class GroupRuntime:
         )
 
     # ---- home copies -----------------------------------------------------------------------
-    def home_view(self, part: Partition) -> torch.Tensor:
-        """The stable resident home tensor of `part` (this group's param or grad). See [Note: home views]."""
+    def home_view(self, part: Partition, *, overwrite: bool = False) -> torch.Tensor:
+        """The stable resident home tensor of `part` (this group's param or grad). See [Note: home views].
+        `overwrite`: the caller writes all of it (a staged gradient is then not read first)."""
         if self._staged_grad is not None and part is self._staged_grad.part:
-            return self._staged_grad.open()
+            return self._staged_grad.open(overwrite=overwrite)
         t = self._home_views.get(part.name)
         if t is None:
             tm = self.ctx.tm
@@ -328,7 +329,7 @@ class GroupRuntime:
         fresh, self.grad_zero_pending = self.grad_zero_pending, False
         with torch.no_grad():
             if ctx.world_size == 1:
-                t = self.home_view(g.grad)
+                t = self.home_view(g.grad, overwrite=fresh)  # fresh: every element is written below
                 for e, gr in grads:
                     dst = t[e.offset : e.offset + e.numel]
                     if gr is not None:
@@ -345,7 +346,7 @@ class GroupRuntime:
                     if gr is not None:
                         full[e.offset : e.offset + e.numel].copy_(gr.reshape(-1))
                 shard = comm.reduce_scatter_mean(full, ctx.process_group)
-                t = self.home_view(g.grad)
+                t = self.home_view(g.grad, overwrite=fresh)
                 t.copy_(shard) if fresh else t.add_(shard.to(t.device))
                 self._home_written(g.grad)
         self.drop_param_grads()
@@ -367,7 +368,7 @@ class GroupRuntime:
     def zero_pending_grad(self) -> None:
         """Write the zeros a lazily zeroed gradient partition stands for."""
         if self.grad_zero_pending and self.group.grad is not None:
-            self.home_view(self.group.grad).zero_()
+            self.home_view(self.group.grad, overwrite=True).zero_()
             self._home_written(self.group.grad)
         self.grad_zero_pending = False
 

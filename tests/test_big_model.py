@@ -1,0 +1,113 @@
+"""benchmarks/big_model.py (the scaled replica of issue 11) at a few million parameters, through
+the same code path as the >= 2B run: streamed weights, training on NVMe tiers, checkpoint, resume
+in a fresh process, export, the report's fields; its files are removed, also when it is stopped.
+Not timed: the figures themselves are the benchmark's (benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "big_model.py"
+SMALL = [
+    "--params", "3e6", "--layers", "2", "--vocab", "1024", "--seq", "32",
+    "--gpu-frac", "0.6", "--cpu-frac", "0.6", "--bw-size", str(16 << 20),
+]  # fmt: skip
+
+
+def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins")])}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_small_replica_trains_resumes_exports_and_reports(tmp_path):
+    work = tmp_path / "disk"
+    work.mkdir()
+    out = tmp_path / "report.json"
+    res = _run(["--dir", str(work), *SMALL, "--json", str(out)])
+    assert res.returncode == 0, res.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["params"] > 1_000_000 and r["training_state_bytes"] == 16 * r["params"]
+    assert r["budgets"]["gpu"] == int(0.6 * r["training_state_bytes"])
+    assert len(r["steps_s"]) == 3 and r["step_s"] > 0
+    # everything is homed on NVMe: each step reads and writes it, gradients included
+    links = r["links_per_step"]
+    assert links["nvme->cpu"]["bytes"] > 0 and links["cpu->nvme"]["bytes"] > 0
+    assert r["nvme_write_bytes_per_step"] >= 4 * r["params"] * 3  # gradient, exp_avg, exp_avg_sq, param
+    assert r["raw_read_gbps"] > 0 and r["raw_write_gbps"] > 0 and r["layer_fwd_bwd_s"] > 0
+    assert (
+        r["bound_s"] == max(r["compute_s"], r["io_s"]) and r["ratio_to_bound"] == r["step_s"] / r["bound_s"]
+    )
+    for phase in (
+        "weights",
+        "load",
+        "train",
+        "checkpoint",
+        "reference_step",
+        "resume_load",
+        "resume_step",
+        "export",
+    ):
+        assert r["peak_rss"][phase] > 0, phase
+    assert r["peak_rss_max"] == max(r["peak_rss"].values())
+    # the resumed engine (another process) took the same step bit for bit; the export is complete
+    assert r["resume_loss_equal"] and r["resume_params_equal"]
+    assert r["export"]["tensors"] == 2 * 9 + 3 and r["checkpoint_bytes"] >= 12 * r["params"]
+    assert "ratio" in res.stdout and "peak RSS" in res.stdout
+    assert list(work.iterdir()) == []  # the work directory is gone
+
+
+def test_stopped_run_removes_its_files_and_its_engine_process(tmp_path):
+    work = tmp_path / "disk"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins")])}
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--dir", str(work), *SMALL, "--steps", "50"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        spec = None
+        while time.monotonic() < deadline and spec is None:  # the engine process has started
+            spec = next(work.glob("tiered-big-*/train.spec.json"), None)
+            time.sleep(0.2)
+        assert spec is not None, "the train phase never started"
+        swap = spec.parent / "swap"
+        while time.monotonic() < deadline and not any(swap.rglob("*")):  # it is writing its swap
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # as `timeout` does; Ctrl-C takes the same path
+        assert proc.wait(timeout=180) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert list(work.iterdir()) == []
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(spec) not in ps  # no engine process left behind
+
+
+def test_too_little_disk_is_refused_before_anything_is_written(tmp_path):
+    res = _run(["--dir", str(tmp_path), "--params", "5e12", "--layers", "4"], timeout=300)
+    assert res.returncode != 0
+    assert "GB free" in res.stderr and "--params" in res.stderr
+    assert list(tmp_path.iterdir()) == []
