@@ -3,7 +3,9 @@
 `finetune OUT.pt ARGS...`: `tiered finetune ARGS...` through the CLI entry point, with the
 training loop asked to keep the consolidated fp32 state, which rank 0 saves to OUT.pt.
 `initialize OUT.json`: `tiered.initialize` on a small model without init_process_group; each rank
-writes what the engine saw to OUT.json.rank<R>."""
+writes what the engine saw to OUT.json.rank<R>.
+`cli PIDS ARGS...`: `tiered main ARGS...` as it is; each rank first writes its process id to
+PIDS.rank<R> (the SIGTERM test signals the rank processes)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,14 @@ def finetune(out: str, argv: list[str]) -> int:
 
     ft.train = keeping_state  # finetune_job imports train from tiered.finetune at call time
     return main(["finetune", *argv])
+
+
+def cli(pids: str, argv: list[str]) -> int:
+    from tiered.cli.main import main
+
+    with open(f"{pids}.rank{os.environ.get('RANK', '0')}", "w", encoding="utf-8") as f:
+        f.write(str(os.getpid()))
+    return main(argv)
 
 
 def initialize(out: str) -> int:
@@ -58,4 +68,6 @@ def initialize(out: str) -> int:
 
 if __name__ == "__main__":
     mode, target, *rest = sys.argv[1:]
-    sys.exit(finetune(target, rest) if mode == "finetune" else initialize(target))
+    if mode == "finetune":
+        sys.exit(finetune(target, rest))
+    sys.exit(cli(target, rest) if mode == "cli" else initialize(target))

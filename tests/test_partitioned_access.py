@@ -66,3 +66,68 @@ def test_close_gives_ordinary_parameters_back(tmp_path: Path) -> None:
     assert all(type(p) is nn.Parameter for p in model.parameters())
     assert torch.equal(model.lm_head.weight.detach(), want)
     assert float(model.lm_head.weight.sum()) == float(want.sum())
+
+
+def test_every_way_to_the_values_of_a_released_parameter_raises(opened, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``.data`` (and ``.T``, ...) hand out the empty placeholder guarded: reading values through
+    them, copying or pickling the parameter raises instead of seeing an empty tensor."""
+    import copy
+    import io
+    import pickle
+
+    import numpy as np
+
+    model, _, _ = opened
+    w = model.lm_head.weight
+    reads = {
+        "data.sum": lambda: w.data.sum(),
+        "data.clone": lambda: w.data.clone(),
+        "data.numpy": lambda: w.data.numpy(),
+        "data.tolist": lambda: w.data.tolist(),
+        "data.float16": lambda: w.data.to(torch.float16),
+        "data.copy_": lambda: w.data.copy_(torch.ones(1)),
+        "data.normal_": lambda: w.data.normal_(),
+        "data.data.sum": lambda: w.data.data.sum(),
+        "data.T.sum": lambda: w.data.T.sum(),
+        "T.sum": lambda: w.T.sum(),
+        "mT.clone": lambda: w.mT.clone(),
+        "equal": lambda: torch.equal(w.data, torch.zeros(0)),
+        "np.asarray(data)": lambda: np.asarray(w.data),
+        "np.asarray": lambda: np.asarray(w),
+        "detach": lambda: w.detach(),
+        "init.normal_": lambda: torch.nn.init.normal_(w),
+        "deepcopy": lambda: copy.deepcopy(w),
+        "deepcopy(model)": lambda: copy.deepcopy(model),
+        "pickle": lambda: pickle.dumps(w),
+        "torch.save": lambda: torch.save(w, io.BytesIO()),
+        "torch.save(state_dict(keep_vars))": lambda: torch.save(
+            model.state_dict(keep_vars=True), io.BytesIO()
+        ),
+        "parameters_to_vector": lambda: torch.nn.utils.parameters_to_vector(model.parameters()),
+        "save_pretrained(bin)": lambda: model.save_pretrained(tmp_path / "bin", safe_serialization=False),
+    }
+    for what, read in reads.items():
+        with pytest.raises(ParameterNotGatheredError, match=r"engine\.gathered_parameters") as exc:
+            read()
+        assert "tiered's ZeRO-3 engine" in str(exc.value), what
+    assert not (tmp_path / "bin" / "pytorch_model.bin").exists()
+    # metadata of .data stays readable (accelerate, peft and the engine read it)
+    d = w.data
+    assert d.shape == (0,) and d.dtype == torch.float32 and d.device == w.device and d.numel() == 0
+    assert d.to(w.device) is d and d.data is d and w.grad is None
+
+
+def test_data_inside_gathered_parameters_is_the_values(opened) -> None:  # type: ignore[no-untyped-def]
+    import copy
+
+    model, engine, want = opened
+    w = model.lm_head.weight
+    with engine.gathered_parameters(model.lm_head):
+        assert type(w.data) is torch.Tensor and torch.equal(w.data, want)
+        assert torch.equal(w.data.clone(), want) and torch.equal(copy.deepcopy(w).detach(), want)
+        assert torch.equal(w.T.t(), want)
+    with pytest.raises(ParameterNotGatheredError):
+        w.data.sum()
+    # generate runs the forward hooks, which gather: it works outside gathered_parameters
+    out = model.generate(torch.randint(0, 256, (1, 4)), max_new_tokens=2, do_sample=False)
+    assert out.shape == (1, 6)

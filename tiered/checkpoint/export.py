@@ -11,6 +11,31 @@ appended: memory grows by one group, never the model. Each file is written under
 name and renamed into place, so an interrupted export never leaves a partial file where a good
 one was; shards of an earlier export that the new one does not name are removed, as
 transformers does, so a loader cannot mix two exports.
+
+[Note: tokenizer files in the export]
+A folder `from_pretrained` loads is only useful with its tokenizer, so the export writes one
+when it knows it: ``save_pretrained(dir, tokenizer=tok)`` calls the tokenizer object's own
+``save_pretrained``; ``tokenizer=FOLDER`` (and, by default, the folder the engine's weights were
+streamed from: ``tiered.from_pretrained`` / ``initialize(..., weights=FOLDER)``) copies that
+folder's tokenizer files byte for byte (`TOKENIZER_FILES` and the ``additional_chat_templates/``
+folder): what ``AutoTokenizer.from_pretrained`` reads for the fast and the sentencepiece / BPE /
+WordPiece slow tokenizers, their special and added tokens and the chat templates. Copying, not
+loading and re-saving, keeps the files exactly as shipped and needs neither `tokenizers` nor a
+tokenizer class that can be built. Not copied: config.json and generation_config.json (model
+files, written from the model; the generation config is read from the folder when the model is
+built, as transformers does), weights, and custom ``tokenization_*.py`` code (remote code is the
+user's to trust and copy). ``tokenizer=False`` writes no tokenizer.
+
+[Note: exporting a peft model]
+A peft model's own names (``base_model.model.<name>``, ``<layer>.base_layer.weight``) are not a
+transformers checkpoint: written as one, ``AutoModelForCausalLM.from_pretrained`` would find
+none of its keys and start from random weights with only a load report. So the export of a
+peft model is the adapter in peft's format (adapter_config.json, adapter_model.safetensors:
+what ``PeftModel.from_pretrained(base, dir)`` loads): only the trainable parameters are
+gathered, peft names and filters them (``get_peft_model_state_dict``). The merged model needs
+every base weight next to its adapter, so it is written after ``engine.close()`` gave the
+module its trained weights back: ``model.merge_and_unload().save_pretrained(dir)`` (what
+``tiered finetune --merge-lora`` does).
 """
 
 from __future__ import annotations
@@ -18,19 +43,83 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tiered.checkpoint import directory as d
 from tiered.checkpoint.stream import StreamWriter, TensorSpec
+from tiered.errors import ConfigError
 from tiered.units import parse_bytes
 
 log = logging.getLogger(__name__)
 
 _SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 INDEX = "model.safetensors.index.json"
+# The files of a Hugging Face tokenizer a model folder may ship ([Note: tokenizer files in the export]).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    """Refuse a `tokenizer=` argument the export cannot write, before any file is written."""
+    if tokenizer is None or tokenizer is False:
+        return
+    if isinstance(tokenizer, (str, os.PathLike)):
+        if not Path(tokenizer).is_dir():
+            raise ConfigError(
+                f"save_pretrained(tokenizer={os.fspath(tokenizer)!r}): no such folder; pass the model folder "
+                "holding the tokenizer files, a tokenizer object, or tokenizer=False"
+            )
+        return
+    if not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(
+            f"save_pretrained(tokenizer=...): a {type(tokenizer).__name__} has no save_pretrained(dir); pass a "
+            "Hugging Face tokenizer, the folder holding its files, or tokenizer=False"
+        )
+
+
+def write_tokenizer(out_dir: str, tokenizer: Any) -> list[str]:
+    """Write `tokenizer` (a tokenizer object, a folder whose tokenizer files are copied, or
+    None / False: nothing) into `out_dir`; the names written. See [Note: tokenizer files in the
+    export]."""
+    check_tokenizer(tokenizer)
+    if tokenizer is None or tokenizer is False:
+        return []
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return [os.path.basename(f) for f in tokenizer.save_pretrained(out_dir) or ()]
+    src = Path(tokenizer)
+    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    templates = src / CHAT_TEMPLATE_DIR
+    if templates.is_dir():
+        names += [f"{CHAT_TEMPLATE_DIR}/{f.name}" for f in sorted(templates.iterdir()) if f.is_file()]
+        os.makedirs(os.path.join(out_dir, CHAT_TEMPLATE_DIR), exist_ok=True)
+    for name in names:
+        dest = os.path.join(out_dir, name)
+        if os.path.exists(dest) and os.path.samefile(src / name, dest):
+            continue  # exporting into the folder the tokenizer came from
+        tmp = os.path.join(os.path.dirname(dest), f".{os.path.basename(name)}.partial")
+        shutil.copyfile(src / name, tmp)
+        d.fsync_file(tmp)
+        os.replace(tmp, dest)  # never a partial file where a good one was
+    if not names:
+        log.info("%s holds no tokenizer files: the export has none", src)
+    return names
 
 
 def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -70,11 +159,14 @@ def save_pretrained(
     dtype: torch.dtype,
     max_shard_size: int | str,
     writer: bool,
+    tokenizer: Any = None,
 ) -> str:
-    """Write the Hugging Face layout of [Note: streamed export]. `full_groups` gathers the
-    groups one by one (every rank iterates it); only the `writer` rank touches the disk."""
+    """Write the Hugging Face layout of [Note: streamed export], with `tokenizer` ([Note:
+    tokenizer files in the export]). `full_groups` gathers the groups one by one (every rank
+    iterates it); only the `writer` rank touches the disk."""
     out_dir = os.fspath(save_directory)
     max_bytes = parse_bytes(max_shard_size, what="save_pretrained(max_shard_size=...)")
+    check_tokenizer(tokenizer)
     buffers = _persistent_buffers(model)
     specs = [TensorSpec(e.name, dtype, e.shape) for g in groups for e in g.entries]
     specs += [TensorSpec(n, dtype if b.is_floating_point() else b.dtype, tuple(b.shape)) for n, b in buffers]
@@ -86,6 +178,7 @@ def save_pretrained(
         os.makedirs(out_dir, exist_ok=True)
         d.check_free_space(out_dir, sum(s.nbytes for s in specs))
         _write_config(model, out_dir)
+        write_tokenizer(out_dir, tokenizer)
     current: list[Any] = [None, -1]  # open StreamWriter, shard index
 
     def put(name: str, t: torch.Tensor) -> None:
@@ -149,3 +242,62 @@ def _write_config(model: torch.nn.Module, out_dir: str) -> None:
             log.warning("generation_config.json not written: %s", e)
     elif cfg is None:
         log.info("the model has no Hugging Face config: %s holds the weights only", out_dir)
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """A peft PeftModel (duck-typed: peft is an optional dependency)."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
+
+
+def write_peft_adapter(
+    model: torch.nn.Module, values: dict[str, torch.Tensor], directory: str, *, base_model: Any = None
+) -> str:
+    """Write the adapter `values` (the model's trainable parameters by name) of peft `model`
+    in peft's format ([Note: exporting a peft model]); the writing rank only."""
+    import copy
+
+    import peft
+    from safetensors.torch import save_file
+
+    state = peft.get_peft_model_state_dict(model, state_dict=values)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, ".adapter_model.safetensors.partial")
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(directory, "adapter_model.safetensors"))
+    cfg: Any = copy.deepcopy(getattr(model, "peft_config")["default"])  # noqa: B009 - a PeftModel attribute
+    cfg.inference_mode = True
+    if base_model is not None:
+        cfg.base_model_name_or_path = str(base_model)
+    cfg.save_pretrained(directory)
+    log.info("exported the peft adapter (%d tensors) to %s", len(state), directory)
+    return directory
+
+
+def save_peft_adapter(
+    model: torch.nn.Module,
+    gathered: Any,
+    save_directory: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype,
+    writer: bool,
+    base_model: Any,
+    tokenizer: Any,
+) -> str:
+    """A peft model's export ([Note: exporting a peft model]): its trainable parameters gathered
+    (`gathered(params)`: the engine's gathered_parameters, entered by every rank), cast to
+    `dtype`, written by the `writer` rank with `tokenizer`. The adapter config's base model is
+    kept, or else `base_model` (the folder the weights came from)."""
+    check_tokenizer(tokenizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    adapter = [p for p in model.parameters() if p.requires_grad]
+    with gathered(adapter):
+        values = {
+            names[id(p)]: p.detach().to("cpu", dtype if p.is_floating_point() else p.dtype, copy=True)
+            for p in adapter
+        }
+    out = os.fspath(save_directory)
+    if writer:
+        cfg = getattr(model, "peft_config")["default"]  # noqa: B009 - a PeftModel attribute
+        write_peft_adapter(model, values, out, base_model=cfg.base_model_name_or_path or base_model)
+        write_tokenizer(out, tokenizer)
+    return out

@@ -706,8 +706,8 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         doc["args"] = {k: v for k, v in vars(args).items() if k not in ("run",)}
         _write_json(args.stats_json, doc)
         out.write(f"stats written to {args.stats_json}\n")
-    if job.result.interrupted and policy is not None and policy.stop.signum is not None:
-        return 128 + int(policy.stop.signum)
+    if job.result.interrupted and policy is not None and policy.stop.exit_signal is not None:
+        return 128 + int(policy.stop.exit_signal)
     return 130 if job.result.interrupted else 0
 
 

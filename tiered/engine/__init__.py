@@ -173,6 +173,8 @@ def initialize(
         scheduler=scheduler,
         capacity=needs,
     )
+    if weights is not None:  # its tokenizer files go into engine.save_pretrained's export
+        engine.tokenizer_source = os.fspath(weights)
     mark_managed(model, engine)
     return client.finish(engine, model, req, lr_scales) if req.given else engine
 

@@ -104,6 +104,9 @@ class Engine(DeepSpeedEngineAPI):
         self.scheduler = scheduler if scheduler is not None else _ConstantLR(cfg.optimizer.lr)
         self.loss_scaler = build_loss_scaler(cfg.precision)
         self.capacity = capacity or {}
+        self.tokenizer_source: str | None = None
+        """The folder the weights came from (from_pretrained, initialize(weights=...)): the
+        tokenizer files `save_pretrained` copies by default."""
         self.gas = int(cfg.gradient_accumulation_steps)
         self.micro_steps = 0
         self.global_steps = 0
@@ -364,15 +367,35 @@ class Engine(DeepSpeedEngineAPI):
         save_directory: str | os.PathLike[str],
         dtype: torch.dtype = torch.bfloat16,
         max_shard_size: int | str = "5GB",
+        tokenizer: Any = None,
     ) -> str:
         """The trained weights, consolidated, as a Hugging Face directory (config.json, safetensors
         shards, model.safetensors.index.json) that ``from_pretrained`` loads; streamed group by
-        group (see [Note: streamed export]). Every rank calls it; rank 0 writes."""
-        from tiered.checkpoint.export import save_pretrained
+        group (see [Note: streamed export]). Every rank calls it; rank 0 writes.
+
+        `tokenizer`: a tokenizer object (its ``save_pretrained`` writes the files) or a folder
+        whose tokenizer files are copied; None (the default) copies those of the folder the
+        weights came from (`tokenizer_source`), False writes none ([Note: tokenizer files in the
+        export]). A peft model exports its adapter in peft's format ([Note: exporting a peft
+        model])."""
+        from tiered.checkpoint.export import is_peft_model, save_peft_adapter, save_pretrained
 
         self._check_open()
         self._check_no_step_in_flight("save_pretrained")
         self.optimizer.wait_writes()
+        tokenizer = self.tokenizer_source if tokenizer is None else tokenizer
+        if is_peft_model(self._module):
+            out = save_peft_adapter(
+                self._module,
+                self.gathered_parameters,
+                save_directory,
+                dtype=dtype,
+                writer=self.rank == 0,
+                base_model=self.tokenizer_source,
+                tokenizer=tokenizer,
+            )
+            self._collective().barrier()
+            return out
         out = save_pretrained(
             self._module,
             iter_full_groups(self.zero),
@@ -381,6 +404,7 @@ class Engine(DeepSpeedEngineAPI):
             dtype=dtype,
             max_shard_size=max_shard_size,
             writer=self.rank == 0,
+            tokenizer=tokenizer,
         )
         self._collective().barrier()
         return out

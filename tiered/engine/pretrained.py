@@ -3,6 +3,7 @@ device and its safetensors weights streamed into the tiers ([Note: streaming loa
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,24 @@ import torch
 from tiered.config.schema import TieredConfig
 from tiered.engine.engine import Engine
 from tiered.errors import ConfigError, TieredError
+
+log = logging.getLogger(__name__)
+
+
+def read_generation_config(model: torch.nn.Module, folder: str | os.PathLike[str] | None) -> None:
+    """Give `model` the folder's generation_config.json, as transformers' from_pretrained does
+    (a model built from its config alone would carry only the config's defaults, and its export
+    would lose, say, a chat model's list of stop tokens)."""
+    if folder is None or not (Path(folder) / "generation_config.json").is_file():
+        return
+    from transformers import GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("%s/generation_config.json not used (the config's defaults are): %s", folder, exc)
+        return
+    model.generation_config = gen  # type: ignore[assignment]  # a PreTrainedModel attribute
 
 
 def meta_causal_lm(folder: str | os.PathLike[str], *, attn_implementation: str = "eager") -> torch.nn.Module:
@@ -36,6 +55,7 @@ def meta_causal_lm(folder: str | os.PathLike[str], *, attn_implementation: str =
         model = AutoModelForCausalLM.from_config(
             hf, attn_implementation=attn_implementation, dtype=torch.float32
         )
+    read_generation_config(model, path)
     return model.train()
 
 

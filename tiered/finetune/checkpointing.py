@@ -21,10 +21,21 @@ saved, the engine closes and the command exits with 128 + the signal number. So 
 exit is bounded by one optimizer step plus one save. A second signal raises KeyboardInterrupt at
 once (nothing saved; the previous checkpoint stays valid, see [Note: atomic checkpoint]).
 ``--no-save-on-interrupt`` leaves the signals alone: Ctrl-C stops without saving, as before.
+Under torchrun the ranks agree after every step whether any of them was asked to stop (one
+1-element all-reduce of the signal number), so a signal that reaches one rank, or the ranks at
+different steps, stops them all after the same step with one checkpoint (not a save one rank
+waits in while the other trains on), and every rank exits with 128 + that signal. A signal sent
+to every rank may reach one only after the save, while it reports or exits: the default action
+would kill it (exit -15, not 128 + 15) and torchrun would then kill the other ranks mid-exit. So
+once stopped the handlers stay installed (a late first signal is only logged), and from the
+interpreter's exit on (an atexit hook) the signals are ignored: its shutdown resets Python
+handlers to the default action, but not SIG_IGN. Only rank 0 deletes pruned checkpoints and
+writes the LoRA adapter and the merged model (every rank gathers; [Note: ranks in finetune]).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -37,6 +48,7 @@ from typing import Any
 
 import torch
 
+from tiered.checkpoint.export import TOKENIZER_FILES, write_tokenizer
 from tiered.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -45,20 +57,8 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"
 MERGED = "merged"
 DATA_STATE = "data"
-# Files of a Hugging Face tokenizer that a model folder may ship; copied into the export.
-TOKENIZER_EXPORT_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "spiece.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+# What the export copies from the model folder ([Note: tokenizer files in the export]).
+TOKENIZER_EXPORT_FILES = TOKENIZER_FILES
 
 
 class StopRequest:
@@ -68,16 +68,29 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        """The first signal this process received."""
+        self.decided: int | None = None
+        """The signal that stopped the run: this process's or, under torchrun, another rank's."""
         self._previous: dict[int, Any] = {}
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
+    @property
+    def exit_signal(self) -> int | None:
+        """The signal the command reports as its exit status (128 + it), if one stopped it."""
+        return self.decided if self.decided is not None else self.signum
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping at once")
         self.signum = signum
+        if self.decided is not None:  # another rank's signal already stopped the run
+            log.warning(
+                "%s: already stopping (the checkpoint is saved or being saved)", signal.Signals(signum).name
+            )
+            return
         log.warning(
             "%s: saving a checkpoint after the step in progress, then stopping (send it again to stop at once)",
             signal.Signals(signum).name,
@@ -90,9 +103,20 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.exit_signal is not None and exc[0] is None and self._previous:
+            # stopped (saved, engine closed): keep handling while the command reports, and
+            # ignore the signals from the interpreter's exit on ([Note: stop on a signal])
+            atexit.register(_ignore_stop_signals, self.SIGNALS)
+            self._previous.clear()
+            return
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous.clear()
+
+
+def _ignore_stop_signals(signals: tuple[int, ...]) -> None:
+    for s in signals:
+        signal.signal(s, signal.SIG_IGN)
 
 
 @dataclass
@@ -113,6 +137,8 @@ class CheckpointPolicy:
     saved: list[str] = field(default_factory=list)
     resumed_from: str | None = None
     final_path: str | None = None
+    rank: int = 0
+    """This process's rank (set by `start`): only rank 0 writes what is not collective."""
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -166,6 +192,7 @@ class CheckpointPolicy:
     def start(self, engine: Any, stream: Any) -> int:
         """Load the checkpoint to resume from, if any, into `engine` and `stream`; returns the
         optimizer steps already done."""
+        self.rank = int(engine.rank)
         self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
         target = self.resume_target()
         if target is None:
@@ -185,7 +212,12 @@ class CheckpointPolicy:
     # ---- saving ------------------------------------------------------------------------------
     def after_step(self, engine: Any, stream: Any, step: int, last: bool) -> bool:
         """Save when due (every --save-every steps, or on a stop request); True: stop now."""
-        stopping = self.stop.requested and not last
+        sig = self.stop.signum or 0
+        if self.save_on_interrupt and engine.world_size > 1:
+            sig = _max_over_ranks(sig, engine.process_group)  # [Note: stop on a signal]
+        stopping = sig != 0 and not last
+        if stopping:
+            self.stop.decided = sig
         if (self.save_every is not None and step % self.save_every == 0) or (
             stopping and self.save_on_interrupt
         ):
@@ -198,7 +230,7 @@ class CheckpointPolicy:
         )
         self.saved.append(path)
         log.info("checkpoint %s", path)
-        if self.keep_last is not None:
+        if self.keep_last is not None and self.rank == 0:
             self.prune(self.keep_last)
         return str(path)
 
@@ -237,10 +269,13 @@ class CheckpointPolicy:
             from tiered.finetune.lora import save_adapter
 
             save_adapter(engine, model, final, base_model=self.model_folder)
+            if self.rank == 0:
+                self.copy_tokenizer(final)
         else:
             dt = engine.placement.compute_dtype
-            engine.save_pretrained(final, dtype=dt, max_shard_size="5GB")
-        self.copy_tokenizer(final)
+            # the model folder's tokenizer files too ([Note: tokenizer files in the export]), even
+            # when the weights were not streamed from it (a config-only folder)
+            engine.save_pretrained(final, dtype=dt, max_shard_size="5GB", tokenizer=self.model_folder)
         self.final_path = final
         return final
 
@@ -249,19 +284,14 @@ class CheckpointPolicy:
         gave the module its trained weights back)."""
         merged = str(self.final_dir / MERGED)
         base = model.merge_and_unload()  # type: ignore[operator]
-        base.save_pretrained(merged)
-        self.copy_tokenizer(merged)
+        if self.rank == 0:  # every rank holds the same merged weights: one writes them
+            base.save_pretrained(merged)
+            self.copy_tokenizer(merged)
         return merged
 
     def copy_tokenizer(self, dest: str) -> list[str]:
-        copied = []
-        if self.model_folder is not None:
-            for name in TOKENIZER_EXPORT_FILES:
-                src = self.model_folder / name
-                if src.is_file():
-                    shutil.copy2(src, os.path.join(dest, name))
-                    copied.append(name)
-        return copied
+        """The model folder's tokenizer files into `dest` (the names copied)."""
+        return write_tokenizer(dest, self.model_folder)
 
     def load_line(self) -> str:
         """The one line that loads the export."""
@@ -270,3 +300,17 @@ class CheckpointPolicy:
             base = str(self.model_folder) if self.model_folder is not None else "BASE_MODEL"
             return f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{final}")'
         return f'AutoModelForCausalLM.from_pretrained("{final}")'
+
+
+def _max_over_ranks(x: int, process_group: Any) -> int:
+    """The largest `x` of the ranks of `process_group` (NCCL reduces device tensors only)."""
+    import torch.distributed as dist
+
+    on = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(process_group) == "nccl"
+        else None
+    )
+    t = torch.tensor([x], dtype=torch.int32, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=process_group)
+    return int(t.item())

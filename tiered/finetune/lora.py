@@ -166,26 +166,15 @@ def adapter_params(model: nn.Module, spec: LoraSpec) -> int:
 def save_adapter(engine: Any, model: nn.Module, directory: str, *, base_model: Any = None) -> str:
     """The trained adapters in peft's own format (adapter_config.json, adapter_model.safetensors:
     what ``PeftModel.from_pretrained(base, directory)`` loads), gathered from the engine. Only
-    the adapter parameters are gathered; peft names and filters the keys
-    (``get_peft_model_state_dict`` over the given values)."""
-    import copy
-    import os
+    the adapter parameters are gathered ([Note: exporting a peft model]). Every rank calls it;
+    rank 0 writes."""
+    from tiered.checkpoint.export import write_peft_adapter
 
-    from safetensors.torch import save_file
-
-    peft = _peft()
+    _peft()
     names = {id(p): n for n, p in model.named_parameters()}
     adapter = [p for p in model.parameters() if p.requires_grad]
     with engine.gathered_parameters(adapter):
         values = {names[id(p)]: p.detach().to("cpu", copy=True).contiguous() for p in adapter}
-    state = peft.get_peft_model_state_dict(model, state_dict=values)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, ".adapter_model.safetensors.partial")
-    save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(directory, "adapter_model.safetensors"))
-    cfg: Any = copy.deepcopy(getattr(model, "peft_config")["default"])  # noqa: B009 - a PeftModel attribute
-    cfg.inference_mode = True
-    if base_model is not None:
-        cfg.base_model_name_or_path = str(base_model)
-    cfg.save_pretrained(directory)
-    return directory
+    if engine.rank != 0:  # every rank took part in the gather; rank 0 writes
+        return directory
+    return write_peft_adapter(model, values, directory, base_model=base_model)

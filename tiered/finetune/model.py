@@ -139,6 +139,9 @@ def build_model(
             f"--model {source.config_path}: transformers cannot build a causal LM from it: {exc}"
         ) from None
     model = model.float()
+    from tiered.engine.pretrained import read_generation_config
+
+    read_generation_config(model, source.folder)  # exported with the model ([Note: streamed export])
     if source.weight_files and not meta:
         _load_weights(model, source.weight_files)
     return model.train()

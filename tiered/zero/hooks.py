@@ -37,10 +37,17 @@ to `PartitionedParameter` (and back by `remove`), whose ``__torch_function__`` r
 ``nn.Parameter`` does, except that an op reading a released parameter (no elements where its
 shard group says it has some) raises `ParameterNotGatheredError` naming the parameter and the
 calls that give the values: ``engine.gathered_parameters``, ``engine.save_pretrained``,
-``engine.close``. Metadata stays readable (shape, dtype, device, ``.data``, ``.grad``,
-``numel``), which the hooks, autograd and Hugging Face read. In forward ExternalParamMode runs
-first and gathers such a parameter, so the op then sees it gathered. A parameter that is not a
-plain ``nn.Parameter`` (a library's subclass) keeps its class and the old behaviour.
+``engine.close``. Metadata stays readable (shape, dtype, device, ``.grad``, ``numel``), which
+the hooks, autograd and Hugging Face read. A property that hands out a tensor of the released
+parameter (``.data``, ``.T``, ``.mT``, ``.real``, ...) hands out that empty tensor as a
+`ReleasedData`, which answers the same metadata and raises the same error on every other op
+(``p.data.sum()``, ``.clone()``, ``.numpy()``, ``.copy_()``, ``copy.deepcopy(p)`` and pickling,
+which go through ``p.data``). Only released parameters pay for this: a gathered one's ``.data``
+is its plain full tensor, and the engine's own moves (``p.data = full``, ``p.data.numel()``) run
+with torch-function handling off (`HookSet`) or read metadata only. In forward
+ExternalParamMode runs first and gathers such a parameter, so the op then sees it gathered. A
+parameter that is not a plain ``nn.Parameter`` (a library's subclass) keeps its class and the
+old behaviour.
 """
 
 from __future__ import annotations
@@ -209,6 +216,64 @@ _METADATA = frozenset(
 )
 
 
+# Properties whose value is a tensor of the parameter's own (absent) values: ``.data`` is handed
+# out guarded (libraries read its shape and dtype); the views raise (the placeholder is 1-D, so
+# ``.mT`` of it would fail with a misleading error). ``.grad`` is not one: it has its own buffer.
+_DATA_ATTR = torch._C.TensorBase.__dict__["data"]
+_VIEW_ATTRS = frozenset(torch._C.TensorBase.__dict__[n] for n in ("T", "mT", "H", "mH", "real", "imag"))
+_VALUE_ATTRS = _VIEW_ATTRS | {_DATA_ATTR}
+
+
+def _not_gathered(name: str, func: Any) -> ParameterNotGatheredError:
+    op = getattr(func, "__name__", str(func))
+    if op in ("__get__", "__set__"):
+        op = f"{op} of {getattr(getattr(func, '__self__', None), '__name__', '?')}"
+    return ParameterNotGatheredError(
+        f"parameter {name!r} is partitioned by tiered's ZeRO-3 engine and holds no values outside "
+        f"forward ({op} would see an empty tensor): read it inside `with engine.gathered_parameters("
+        "module_or_params):`, export with `engine.save_pretrained(dir)` (not the model's own "
+        "save_pretrained / state_dict), or call `engine.close()` to get ordinary parameters back"
+    )
+
+
+class ReleasedData(torch.Tensor):
+    """The empty tensor a released parameter's ``.data`` (or ``.T``, ...) hands out: metadata
+    reads as the placeholder's, every other op raises. See [Note: partitioned parameters outside
+    forward]."""
+
+    _tiered_name: str = "?"
+
+    @staticmethod
+    def guard(t: torch.Tensor, name: str) -> ReleasedData:
+        out = t.as_subclass(ReleasedData)
+        out._tiered_name = name
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            name = getattr(func, "__name__", None)
+            if name == "__get__":
+                attr = getattr(func, "__self__", None)
+                if attr is _DATA_ATTR:
+                    return args[0]  # .data of the absent values: themselves
+                if attr in _VIEW_ATTRS:
+                    raise _not_gathered(args[0]._tiered_name, func)
+                return func(*args)
+            if name == "to" and args and type(args[0]) is cls:
+                out = func(*args, **(kwargs or {}))
+                if out.device == args[0].device and out.dtype == args[0].dtype:
+                    return out  # a move that changes nothing (module.to, accelerate)
+                raise _not_gathered(args[0]._tiered_name, func)
+            if name in _METADATA and name not in ("__deepcopy__", "__reduce_ex__"):
+                return func(*args, **(kwargs or {}))
+            for a in (*args, *(kwargs or {}).values()):
+                for b in a if isinstance(a, (list, tuple)) else (a,):
+                    if type(b) is cls:
+                        raise _not_gathered(b._tiered_name, func)
+            return func(*args, **(kwargs or {}))
+
+
 class PartitionedParameter(nn.Parameter):
     """A managed parameter while the hooks are installed. See [Note: partitioned parameters
     outside forward]. Subclassed per model (`for_model`) with its names and element counts."""
@@ -224,6 +289,13 @@ class PartitionedParameter(nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         with torch._C.DisableTorchFunctionSubclass():  # as nn.Parameter's own (disabled) handler
             name = getattr(func, "__name__", None)
+            if name == "__get__":
+                attr = getattr(func, "__self__", None)
+                if attr in _VALUE_ATTRS and cls._released(args[0]):
+                    if attr is not _DATA_ATTR:
+                        cls._check(args[0], func)
+                    return ReleasedData.guard(func(*args), cls._names.get(id(args[0]), "?"))
+                return func(*args)
             if name == "to" and args and type(args[0]) is cls:
                 # module.to(device) (accelerate, Trainer) on a released parameter: a move that
                 # changes nothing is allowed; one that would copy its (absent) values is not
@@ -245,16 +317,13 @@ class PartitionedParameter(nn.Parameter):
             return func(*args, **(kwargs or {}))
 
     @classmethod
+    def _released(cls, a: Any) -> bool:
+        return type(a) is cls and a.numel() == 0 and cls._numel.get(id(a), 0) > 0
+
+    @classmethod
     def _check(cls, a: Any, func: Any) -> None:
-        if type(a) is cls and a.numel() == 0 and cls._numel.get(id(a), 0) > 0:
-            name = cls._names.get(id(a), "?")
-            op = getattr(func, "__name__", str(func))
-            raise ParameterNotGatheredError(
-                f"parameter {name!r} is partitioned by tiered's ZeRO-3 engine and holds no values outside "
-                f"forward ({op} would see an empty tensor): read it inside `with engine.gathered_parameters("
-                "module_or_params):`, export with `engine.save_pretrained(dir)` (not the model's own "
-                "save_pretrained / state_dict), or call `engine.close()` to get ordinary parameters back"
-            )
+        if cls._released(a):
+            raise _not_gathered(cls._names.get(id(a), "?"), func)
 
 
 class HookSet:
