@@ -213,6 +213,39 @@ def chunks_of(
         yield host
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes lie in a safetensors file: [start, end) from the file's start."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def tensor_ranges(path: str) -> dict[str, StoredTensor]:
+    """Every tensor of safetensors file `path` and its byte range, from the header alone."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CheckpointCorruptError(f"checkpoint file {path} is shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise CheckpointCorruptError(
+                f"checkpoint file {path}: its safetensors header is not JSON ({e})"
+            ) from e
+    base = 8 + n
+    return {
+        k: StoredTensor(
+            v["dtype"], tuple(v["shape"]), base + v["data_offsets"][0], base + v["data_offsets"][1]
+        )
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
+
+
 def file_checksum(path: str) -> tuple[int, str]:
     """(size, xxh3-64 hex) of a file, read in bounded chunks."""
     h = xxhash.xxh3_64()
