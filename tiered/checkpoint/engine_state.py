@@ -163,8 +163,8 @@ def save_engine_state(
             for t in tm.tier_names
             if tm.tier(t).backend.capabilities.memory_like
         )
-        buf = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) if on_device else None
         with ChunkPipeline(_buffer_bytes(chunk_bytes, [p for _, p in written])) as pipe:
+            buf = torch.empty(pipe.chunk_bytes, dtype=torch.uint8, pin_memory=True) if on_device else None
 
             def chunks() -> Iterator[torch.Tensor]:
                 yield from rng_tensors.values()
