@@ -180,8 +180,8 @@ def _filler(segments: Sequence[Segment], what: str) -> Any:
 def load_partition(tm: Any, part: Any, segments: Sequence[Segment], pipe: ChunkPipeline, what: str) -> None:
     """Replace every byte of `part` with its `segments` (zero elsewhere), chunk by chunk. See
     [Note: checkpoint partition I/O]."""
-    chunks = pipe.chunks(part.nbytes, _filler(segments, what))
     home = part.home
+    chunks = pipe.chunks(part.nbytes, _filler(segments, what))
     if _memory_like(tm, home):
         t = tm.fetch(part, home).result()
         try:
@@ -194,7 +194,7 @@ def load_partition(tm: Any, part: Any, segments: Sequence[Segment], pipe: ChunkP
     if path is not None:
         claim = tm.claim_home(part, write=True)
         assert claim is not None  # a write claim always succeeds (or times out)
-        _replace_file(tm, part, claim, Path(path), chunks)
+        _replace_file(tm, part, claim, Path(path), segments, pipe, what)
         return
     t = tm.allocate(part, _STAGING_TIER).result()
     try:
@@ -211,7 +211,9 @@ def _copy_chunks(t: torch.Tensor, chunks: Chunks) -> None:
             dst[off : off + n].copy_(buf[:n])
 
 
-def _replace_file(tm: Any, part: Any, claim: Any, final: Path, chunks: Chunks) -> None:
+def _replace_file(
+    tm: Any, part: Any, claim: Any, final: Path, segments: Sequence[Segment], pipe: ChunkPipeline, what: str
+) -> None:
     """A new stored object beside `final`, its digest computed as it is written, then committed
     ([Note: direct home I/O]); on any failure the old file stays and the claim is released."""
     durable = bool(tm.tier(part.home).backend.capabilities.persistent)
@@ -220,11 +222,14 @@ def _replace_file(tm: Any, part: Any, claim: Any, final: Path, chunks: Chunks) -
     try:
         fd, direct = open_direct(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
+
+            def drain(buf: torch.Tensor, off: int, n: int) -> None:
+                pwrite_all(fd, buf, off, n, direct=direct)
+
             h = xxhash.xxh3_64()
-            with contextlib.closing(chunks):
-                for buf, off, n in chunks:
+            with contextlib.closing(pipe.chunks(part.nbytes, _filler(segments, what), drain)) as chunks:
+                for buf, _, n in chunks:
                     h.update(buf[:n].numpy().data)
-                    direct = pwrite_all(fd, buf, off, n, direct=direct)
             if os.fstat(fd).st_size != part.nbytes:
                 os.ftruncate(fd, part.nbytes)  # the O_DIRECT padding of the last block
             if durable:
