@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import xxhash
 
-from tiered.checkpoint.pipeline import ChunkPipeline, open_direct, pread_exact, pwrite_all
+from tiered.checkpoint.pipeline import ChunkPipeline, Fill, open_direct, pread_exact, pwrite_all
 from tiered.checkpoint.stream import chunks_of
 from tiered.errors import StorageCorruptError
 from tiered.storage.files import fsync_directory, remove_quietly, temp_path
@@ -153,7 +153,7 @@ class Segment:
     src: int
 
 
-def _filler(segments: Sequence[Segment], what: str) -> Any:
+def _filler(segments: Sequence[Segment], what: str) -> Fill:
     """fill(buf, off, n) for the chunk pipeline: the segments' bytes in [off, off + n), zero
     between them (padding)."""
     segs = sorted(segments, key=lambda s: s.dst)
@@ -181,11 +181,11 @@ def load_partition(tm: Any, part: Any, segments: Sequence[Segment], pipe: ChunkP
     """Replace every byte of `part` with its `segments` (zero elsewhere), chunk by chunk. See
     [Note: checkpoint partition I/O]."""
     home = part.home
-    chunks = pipe.chunks(part.nbytes, _filler(segments, what))
+    fill = _filler(segments, what)
     if _memory_like(tm, home):
         t = tm.fetch(part, home).result()
         try:
-            _copy_chunks(t, chunks)
+            _copy_chunks(t, pipe.chunks(part.nbytes, fill))
             tm.mark_dirty(part, home)  # other copies (a gathered one) are stale now
         finally:
             tm.release(part, home)
@@ -194,11 +194,11 @@ def load_partition(tm: Any, part: Any, segments: Sequence[Segment], pipe: ChunkP
     if path is not None:
         claim = tm.claim_home(part, write=True)
         assert claim is not None  # a write claim always succeeds (or times out)
-        _replace_file(tm, part, claim, Path(path), segments, pipe, what)
+        _replace_file(tm, part, claim, Path(path), pipe, fill)
         return
     t = tm.allocate(part, _STAGING_TIER).result()
     try:
-        _copy_chunks(t, chunks)
+        _copy_chunks(t, pipe.chunks(part.nbytes, fill))
     finally:
         tm.release(part, _STAGING_TIER)
     tm.evict(part, _STAGING_TIER).result()  # dirty: the eviction writes it home
@@ -211,9 +211,7 @@ def _copy_chunks(t: torch.Tensor, chunks: Chunks) -> None:
             dst[off : off + n].copy_(buf[:n])
 
 
-def _replace_file(
-    tm: Any, part: Any, claim: Any, final: Path, segments: Sequence[Segment], pipe: ChunkPipeline, what: str
-) -> None:
+def _replace_file(tm: Any, part: Any, claim: Any, final: Path, pipe: ChunkPipeline, fill: Fill) -> None:
     """A new stored object beside `final`, its digest computed as it is written, then committed
     ([Note: direct home I/O]); on any failure the old file stays and the claim is released."""
     durable = bool(tm.tier(part.home).backend.capabilities.persistent)
@@ -227,7 +225,7 @@ def _replace_file(
                 pwrite_all(fd, buf, off, n, direct=direct)
 
             h = xxhash.xxh3_64()
-            with contextlib.closing(pipe.chunks(part.nbytes, _filler(segments, what), drain)) as chunks:
+            with contextlib.closing(pipe.chunks(part.nbytes, fill, drain)) as chunks:
                 for buf, _, n in chunks:
                     h.update(buf[:n].numpy().data)
             if os.fstat(fd).st_size != part.nbytes:
