@@ -62,6 +62,9 @@ class AiofilesBackend(StorageBackend):
     def _file(self, key: str) -> Path:
         return self.directory / check_key(key)
 
+    def local_file(self, key: str) -> str | None:
+        return str(self._file(key))  # one plain file per key, exactly its bytes
+
     async def write(self, key: str, tensor: torch.Tensor) -> None:
         final = self._file(key)
         src = tensor_bytes(tensor, what=f"aiofiles write of key {key!r}").detach()

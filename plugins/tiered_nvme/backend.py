@@ -297,6 +297,9 @@ class NVMeBackend(StorageBackend):
     def locate(self, key: str) -> str:
         return f"file {str(self._file(key))!r}"
 
+    def local_file(self, key: str) -> str | None:
+        return str(self._file(key))  # exactly the payload: [Note: nvme on-disk size]
+
     async def write(self, key: str, tensor: torch.Tensor) -> None:
         final = self._file(key)
         src = tensor_bytes(tensor, what=f"nvme write of key {key!r}").detach()

@@ -7,8 +7,9 @@ compute-dtype parameter shard (``<group>.param``) and, for a trainable group, th
 is the parameter]), ``<group>.exp_avg`` and ``<group>.exp_avg_sq``, plus its RNG tensors. The
 manifest maps every parameter, by its qualified name, to the pieces that hold it: (rank, group,
 start in that shard, start in the flattened parameter, length). A load on any world size (and
-any sub_group_size or placement) rebuilds each of its own shards from those pieces with
-``safe_open(...).get_slice``, one shard at a time, so resharding needs no conversion step
+any sub_group_size or placement) rebuilds each of its own shards from those pieces' byte ranges
+(read from the files' safetensors headers), one shard at a time and chunk by chunk
+([Note: checkpoint partition I/O]), so resharding needs no conversion step
 (DeepSpeed's "universal checkpoint"). Padding elements are zero, as at initialisation.
 
 The ranks agree through files, not pickled objects: each writes ``rank<r>.json`` (its layout,
@@ -31,14 +32,17 @@ import torch
 
 from tiered.checkpoint import directory as d
 from tiered.checkpoint import rng
-from tiered.checkpoint.partition_io import resident, write_partition
-from tiered.checkpoint.stream import TensorSpec, chunks_of, file_bytes, verify_file
+from tiered.checkpoint.partition_io import Segment, load_partition, read_chunks
+from tiered.checkpoint.pipeline import ChunkPipeline
+from tiered.checkpoint.stream import TensorSpec, dtype_code, file_bytes, tensor_ranges, verify_file
 from tiered.checkpoint.writer import DEFAULT_CHUNK_BYTES, CheckpointWriter
 from tiered.errors import CheckpointCorruptError, CheckpointMismatchError
 
 log = logging.getLogger(__name__)
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+CHUNK_BYTES = DEFAULT_CHUNK_BYTES
+"""Bytes per pipeline buffer of a save or load ([Note: checkpoint chunk pipeline]), read per call."""
 _IGNORED_CONFIG_PREFIXES = ("tiered.tiers", "tiered.trace_path", "tiered.timeout_s", "tiered.io_threads")
 
 
@@ -131,12 +135,13 @@ def save_engine_state(
     *,
     body: dict[str, Any],
     comm: Collective,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     save_latest: bool = True,
 ) -> str:
     """Write checkpoint `tag`: this rank's shards streamed from their tiers, then (rank 0) the
     manifest with `body` (config, counters, client_state, ...). See [Note: checkpoint layout]."""
     rank = comm.rank
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     rng_json, rng_tensors = rng.capture()
     written = [(n, p) for gs in groups for n, p in _written(gs)]
     specs = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in rng_tensors.items()]
@@ -158,16 +163,15 @@ def save_engine_state(
             for t in tm.tier_names
             if tm.tier(t).backend.capabilities.memory_like
         )
-        buf = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) if on_device else None
+        with ChunkPipeline(_buffer_bytes(chunk_bytes, [p for _, p in written])) as pipe:
+            buf = torch.empty(pipe.chunk_bytes, dtype=torch.uint8, pin_memory=True) if on_device else None
 
-        def chunks() -> Iterator[torch.Tensor]:
-            for t in rng_tensors.values():
-                yield t
-            for _, part in written:
-                with resident(tm, part) as t:
-                    yield from chunks_of(t, chunk_bytes, buf)
+            def chunks() -> Iterator[torch.Tensor]:
+                yield from rng_tensors.values()
+                for _, part in written:
+                    yield from read_chunks(tm, part, pipe, buf)
 
-        rec = w.write_file(rank_file(rank), specs, chunks(), {"format": d.FORMAT, "rank": str(rank)})
+            rec = w.write_file(rank_file(rank), specs, chunks(), {"format": d.FORMAT, "rank": str(rank)})
         layout = {
             "rank": rank,
             "file": rank_file(rank),
@@ -200,6 +204,11 @@ def save_engine_state(
     if comm.any(failed is not None):
         _raise_or_abort(failed, w, "publish")
     return path or os.path.join(w.save_dir, w.tag)
+
+
+def _buffer_bytes(chunk_bytes: int, parts: Sequence[Any]) -> int:
+    """Pipeline buffers no larger than the largest partition: small models need no 16 MiB ones."""
+    return max(1, min(chunk_bytes, max((p.nbytes for p in parts), default=1)))
 
 
 def _raise_or_abort(failed: BaseException | None, w: CheckpointWriter, stage: str) -> None:
@@ -387,22 +396,17 @@ def load_engine_state(
     for r in sorted(need_files):
         fname = ranks[r]["file"]
         verify_file(os.path.join(path, fname), manifest["files"][fname])
+    ranges = {r: tensor_ranges(os.path.join(path, ranks[r]["file"])) for r in sorted(need_files)}
     with ExitStack() as stack:
-        handles = {
-            r: stack.enter_context(safe_open(os.path.join(path, ranks[r]["file"]), "pt"))
-            for r in sorted(need_files)
-        }
+        fds = {}
+        for r in sorted(need_files):
+            fds[r] = os.open(os.path.join(path, ranks[r]["file"]), os.O_RDONLY)
+            stack.callback(os.close, fds[r])
+            os.posix_fadvise(fds[r], 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        pipe = stack.enter_context(ChunkPipeline(_buffer_bytes(CHUNK_BYTES, [p for p, _, _ in plan])))
         for part, _kind, copies in plan:
-            buf = torch.zeros(part.numel, dtype=part.dtype)
-            for dst, src_off, n, src_name, r in copies:
-                piece = handles[r].get_slice(src_name)[src_off : src_off + n]
-                if piece.dtype != part.dtype:
-                    raise CheckpointCorruptError(
-                        f"checkpoint {path}: {src_name} is {piece.dtype}, expected {part.dtype}"
-                    )
-                buf[dst : dst + n] = piece
-            write_partition(tm, part, buf)
-            del buf
+            segments = [_segment(path, ranks[c[4]]["file"], ranges[c[4]], part, c, fds[c[4]]) for c in copies]
+            load_partition(tm, part, segments, pipe, f"checkpoint {path}, partition {part.name!r}")
         if manifest["world_size"] != comm.world_size:
             log.warning(
                 "checkpoint %s was saved by %d ranks and loads on %d: %s",
@@ -415,5 +419,26 @@ def load_engine_state(
             )
         if own is not None:
             lay = ranks[own]
-            f = handles[own]
-            rng.restore(lay["rng"], {k: f.get_tensor(k) for k in lay["rng"]["tensors"]})
+            with safe_open(os.path.join(path, lay["file"]), "pt") as f:
+                rng.restore(lay["rng"], {k: f.get_tensor(k) for k in lay["rng"]["tensors"]})
+
+
+def _segment(
+    path: str, fname: str, ranges: dict[str, Any], part: Any, copy: tuple[int, int, int, str, int], fd: int
+) -> Segment:
+    """The bytes of one piece of `part` in checkpoint file `fname`, checked against its header."""
+    dst, src_off, n, src_name, _ = copy
+    st = ranges.get(src_name)
+    if st is None:
+        raise CheckpointCorruptError(
+            f"checkpoint {path}: {fname} has no tensor {src_name} (its manifest names it)"
+        )
+    if st.dtype != dtype_code(part.dtype):
+        raise CheckpointCorruptError(f"checkpoint {path}: {src_name} is {st.dtype}, expected {part.dtype}")
+    es = torch.empty(0, dtype=part.dtype).element_size()
+    if (src_off + n) * es > st.end - st.start:
+        raise CheckpointCorruptError(
+            f"checkpoint {path}: the manifest's piece [{src_off}, {src_off + n}) of {src_name} lies past "
+            f"its {(st.end - st.start) // es} elements in {fname}"
+        )
+    return Segment(dst * es, n * es, fd, st.start + src_off * es)

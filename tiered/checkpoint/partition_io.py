@@ -1,23 +1,45 @@
 """Reading and writing one partition's bytes through the TierManager, for checkpoints.
 
 [Note: checkpoint partition I/O]
-A save reads each partition where its newest bytes already are when that is a memory-like tier
-(a host tier first: no device copy), else it fetches it into the "cpu" tier, streams it out in
-chunks and evicts the copy again (a clean copy: free), so at most one partition per save is
-resident beyond what training holds. A copy on a CUDA device is copied to the host one bounded
-chunk at a time. A load writes a partition at its home when the home is memory-like (the copy
-the ZeRO-3 home views alias, see [Note: home views]), else allocates it in "cpu", fills it and
-evicts it, which writes it home; either way `mark_dirty` / `allocate` make every other copy
-(a gathered or prefetched one on the GPU) stale, so nothing old is read afterwards.
+A save reads each partition where its newest bytes already are. A memory-like copy (a host tier
+first: no device copy) is sliced into chunks in place; a copy on a CUDA device is copied to the
+host one bounded chunk at a time. When the only newest copy is the home's stored object and the
+home backend exposes it as a plain file (`StorageBackend.local_file`: nvme, aiofiles), the file
+is streamed into the checkpoint through the chunk pipeline ([Note: checkpoint chunk pipeline]),
+the home held for it ([Note: direct home I/O]) and its bytes checked against the digest the tier
+recorded when it wrote them ([Note: partition checksums]): a corrupt swap file fails the save,
+naming partition and file, instead of being copied into a checkpoint. Only a home without a local
+file (a stripe, a user's object store) is still fetched whole into the "cpu" tier and evicted
+again afterwards (a clean copy: free).
+
+A load fills a partition from its pieces in the checkpoint files, chunk by chunk, in partition
+order (a rank's slice of a tensor spans byte ranges of one or more files when the world size
+changed; the gaps are padding, zero). Into a memory-like home it copies the chunks straight into
+the resident copy the ZeRO-3 home views alias ([Note: home views]); into a file home it writes a
+new file beside the stored one, with its digest computed on the way, and commits it
+(`TierManager.commit_home`); else into a "cpu" copy it then evicts, which writes it home. Either
+way every other copy (a gathered or prefetched one on the GPU) goes stale, so nothing old is read
+afterwards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import bisect
+import contextlib
+import os
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
+
+from tiered.checkpoint.pipeline import ChunkPipeline, Fill, open_direct, pread_exact, pwrite_all
+from tiered.checkpoint.stream import chunks_of
+from tiered.errors import StorageCorruptError
+from tiered.storage.files import fsync_directory, remove_quietly, temp_path
 
 _STAGING_TIER = "cpu"
 
@@ -28,6 +50,14 @@ def _memory_like(tm: Any, tier: str) -> bool:
 
 def _host_device(tm: Any, tier: str) -> bool:
     return str(tm.tier(tier).backend.capabilities.device) == "cpu"
+
+
+def _home_file(tm: Any, part: Any) -> str | None:
+    """The plain file holding `part`'s home bytes, where its home is one (`local_file`)."""
+    if _memory_like(tm, part.home):
+        return None
+    local_file = getattr(tm.tier(part.home).backend, "local_file", None)
+    return local_file(part.name) if local_file is not None else None
 
 
 def read_tier(tm: Any, part: Any) -> str:
@@ -52,6 +82,172 @@ def resident(tm: Any, part: Any) -> Iterator[torch.Tensor]:
             tm.evict(part, tier).result()
 
 
+def read_chunks(
+    tm: Any, part: Any, pipe: ChunkPipeline, staging: torch.Tensor | None = None
+) -> Iterator[torch.Tensor]:
+    """`part`'s newest bytes, in order, as host tensors of its dtype of at most
+    ``pipe.chunk_bytes``; `staging` (a host buffer of that size) for a copy on a CUDA device.
+    See [Note: checkpoint partition I/O]."""
+    path = _home_file(tm, part)
+    if path is not None and not any(_memory_like(tm, t) for t in part.valid_in()):
+        claim = tm.claim_home(part, write=False)
+        if claim is not None:
+            try:
+                yield from _file_chunks(tm, part, path, claim.checksum, pipe)
+            finally:
+                tm.release_home(claim)
+            return
+    with resident(tm, part) as t:
+        yield from chunks_of(t, pipe.chunk_bytes, staging)
+
+
+def _where(tm: Any, part: Any, path: str) -> str:
+    return f"partition {part.name!r} in tier {part.home!r} (backend {tm.tier(part.home).backend.name!r}, file {path!r})"
+
+
+def _file_chunks(
+    tm: Any, part: Any, path: str, want: int | None, pipe: ChunkPipeline
+) -> Iterator[torch.Tensor]:
+    fd, direct = open_direct(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size != part.nbytes:
+            raise StorageCorruptError(
+                f"checkpoint save: {_where(tm, part, path)} has {size} bytes but the partition has "
+                f"{part.nbytes}; the stored copy is truncated or was overwritten - the checkpoint was not "
+                "written (the previous one stays 'latest'); restore from a checkpoint"
+            )
+        h = xxhash.xxh3_64()
+
+        def fill(buf: torch.Tensor, off: int, n: int) -> None:
+            pread_exact(fd, buf, off, n, direct=direct, what=_where(tm, part, path))
+
+        with contextlib.closing(pipe.chunks(part.nbytes, fill)) as chunks:
+            for buf, _, n in chunks:
+                h.update(buf[:n].numpy().data)
+                yield buf[:n].view(part.dtype)
+        got = h.intdigest()
+        if want is not None and got != want:
+            raise StorageCorruptError(
+                f"checkpoint save: {_where(tm, part, path)} fails its checksum (xxh3_64 {got:#018x} "
+                f"read, {want:#018x} written): the stored copy is corrupt (a bad sector, or something "
+                "else wrote the file) and was not copied; the checkpoint was not written (the previous "
+                "one stays 'latest'); restore from a checkpoint"
+            )
+    finally:
+        os.close(fd)
+
+
+# ---- load ----------------------------------------------------------------------------------
+Chunks = Generator[tuple[torch.Tensor, int, int], None, None]
+"""What `ChunkPipeline.chunks` yields: (buffer, offset in the partition, length)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes [dst, dst + nbytes) of a partition come from file descriptor `fd` at offset `src`."""
+
+    dst: int
+    nbytes: int
+    fd: int
+    src: int
+
+
+def _filler(segments: Sequence[Segment], what: str) -> Fill:
+    """fill(buf, off, n) for the chunk pipeline: the segments' bytes in [off, off + n), zero
+    between them (padding)."""
+    segs = sorted(segments, key=lambda s: s.dst)
+    starts = [s.dst for s in segs]
+
+    def fill(buf: torch.Tensor, off: int, n: int) -> None:
+        end, cur = off + n, off
+        i = max(0, bisect.bisect_right(starts, off) - 1)
+        while i < len(segs) and segs[i].dst < end:
+            s = segs[i]
+            lo, hi = max(cur, s.dst), min(end, s.dst + s.nbytes)
+            if hi > lo:
+                if lo > cur:
+                    buf[cur - off : lo - off].zero_()
+                pread_exact(s.fd, buf[lo - off :], s.src + lo - s.dst, hi - lo, direct=False, what=what)
+                cur = hi
+            i += 1
+        if cur < end:
+            buf[cur - off : n].zero_()
+
+    return fill
+
+
+def load_partition(tm: Any, part: Any, segments: Sequence[Segment], pipe: ChunkPipeline, what: str) -> None:
+    """Replace every byte of `part` with its `segments` (zero elsewhere), chunk by chunk. See
+    [Note: checkpoint partition I/O]."""
+    home = part.home
+    fill = _filler(segments, what)
+    if _memory_like(tm, home):
+        t = tm.fetch(part, home).result()
+        try:
+            _copy_chunks(t, pipe.chunks(part.nbytes, fill))
+            tm.mark_dirty(part, home)  # other copies (a gathered one) are stale now
+        finally:
+            tm.release(part, home)
+        return
+    path = _home_file(tm, part)
+    if path is not None:
+        claim = tm.claim_home(part, write=True)
+        assert claim is not None  # a write claim always succeeds (or times out)
+        _replace_file(tm, part, claim, Path(path), pipe, fill)
+        return
+    t = tm.allocate(part, _STAGING_TIER).result()
+    try:
+        _copy_chunks(t, pipe.chunks(part.nbytes, fill))
+    finally:
+        tm.release(part, _STAGING_TIER)
+    tm.evict(part, _STAGING_TIER).result()  # dirty: the eviction writes it home
+
+
+def _copy_chunks(t: torch.Tensor, chunks: Chunks) -> None:
+    dst = t.reshape(-1).view(torch.uint8)
+    with contextlib.closing(chunks):
+        for buf, off, n in chunks:
+            dst[off : off + n].copy_(buf[:n])
+
+
+def _replace_file(tm: Any, part: Any, claim: Any, final: Path, pipe: ChunkPipeline, fill: Fill) -> None:
+    """A new stored object beside `final`, its digest computed as it is written, then committed
+    ([Note: direct home I/O]); on any failure the old file stays and the claim is released."""
+    durable = bool(tm.tier(part.home).backend.capabilities.persistent)
+    tmp = temp_path(final.parent, part.name)
+    committed = False
+    try:
+        fd, direct = open_direct(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+
+            def drain(buf: torch.Tensor, off: int, n: int) -> None:
+                pwrite_all(fd, buf, off, n, direct=direct)
+
+            h = xxhash.xxh3_64()
+            with contextlib.closing(pipe.chunks(part.nbytes, fill, drain)) as chunks:
+                for buf, _, n in chunks:
+                    h.update(buf[:n].numpy().data)
+            if os.fstat(fd).st_size != part.nbytes:
+                os.ftruncate(fd, part.nbytes)  # the O_DIRECT padding of the last block
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+        def replace() -> None:
+            os.replace(tmp, final)
+            if durable:
+                fsync_directory(final.parent)
+
+        committed = True  # commit_home releases the claim, whether the rename works or not
+        tm.commit_home(claim, replace, h.intdigest())
+    finally:
+        if not committed:
+            tm.release_home(claim)
+        remove_quietly(tmp)
+
+
 def write_partition(tm: Any, part: Any, src: torch.Tensor) -> None:
     """Replace every byte of `part` with host tensor `src` (same dtype and numel)."""
     if src.dtype != part.dtype or src.numel() != part.numel:
@@ -72,4 +268,4 @@ def write_partition(tm: Any, part: Any, src: torch.Tensor) -> None:
         t.copy_(src.reshape(-1))
     finally:
         tm.release(part, _STAGING_TIER)
-    tm.evict(part, _STAGING_TIER).result()  # dirty: written home
+    tm.evict(part, _STAGING_TIER).result()  # dirty: the eviction writes it home

@@ -249,6 +249,13 @@ class StorageBackend(abc.ABC):
         """Where `key`'s bytes live, for error messages: a file path for file backends."""
         return f"key {key!r} of backend {self.name!r}"
 
+    def local_file(self, key: str) -> str | None:
+        """Optional: the path of a plain local file holding exactly `key`'s stored bytes, which a
+        caller may read, or replace atomically (rename a complete file of the same directory over
+        it), while no operation of this backend on `key` runs; None (the default) where a key is
+        not one such file. Checkpoints use it to copy large objects in bounded chunks."""
+        return None
+
     def spec(self) -> dict[str, Any]:
         """A JSON-able spec that `tiered.open_backend` turns back into an equivalent backend."""
         return {"type": self.name}

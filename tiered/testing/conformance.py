@@ -459,6 +459,29 @@ class BackendConformance:
 
         self.run(tmp_path, scenario)
 
+    def test_local_file_holds_exactly_the_bytes(self, tmp_path: Path) -> None:
+        """The optional `local_file` (docs/backends.md): the file is the key's bytes, and a
+        complete file renamed over it is what the next read returns."""
+
+        async def scenario(b: StorageBackend) -> str | None:
+            t = random_bytes(3 * 4096 + 77, seed=31)
+            await b.write("local", t)
+            path = b.local_file("local")
+            if path is None:
+                return None
+            assert Path(path).read_bytes() == t.numpy().tobytes(), f"{path} is not exactly the key's bytes"
+            new = random_bytes(t.numel() + 5, seed=32)
+            tmp = Path(path).with_name("local~replacement")
+            tmp.write_bytes(new.numpy().tobytes())
+            tmp.replace(path)
+            out = torch.empty_like(new)
+            await b.read("local", out)
+            assert torch.equal(out, new), f"a file renamed over {path} is not what the read returns"
+            return path
+
+        if self.run(tmp_path, scenario) is None:
+            pytest.skip("this backend keeps no key as one plain file (local_file returns None)")
+
     # ---- description ------------------------------------------------------------------------
     def test_capacity_is_sane(self, tmp_path: Path) -> None:
         async def scenario(b: StorageBackend) -> None:

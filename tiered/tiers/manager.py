@@ -27,7 +27,7 @@ from tiered.tiers.io_policy import IOPolicy
 from tiered.tiers.loop import EventLoopThread
 from tiered.tiers.partition import Partition
 from tiered.tiers.policy import EvictionPolicy
-from tiered.tiers.state_machine import TierStateMachine, check_managed
+from tiered.tiers.state_machine import HomeClaim, TierStateMachine, check_managed
 from tiered.tiers.stats import ManagerStats, TierCounters
 from tiered.tiers.tier import Tier
 from tiered.tiers.trace import TraceRecorder
@@ -233,6 +233,24 @@ class TierManager:
         """Delete `part` from every tier (its home too) and forget it."""
         self._check(part, part.home, "drop")
         return self._run(self._machine.drop(part), f"drop of partition {part.name!r}", None)
+
+    # ---- direct home I/O: see [Note: direct home I/O] in tiered.tiers.state_machine ---------
+    def claim_home(self, part: Partition, *, write: bool) -> HomeClaim | None:
+        """Hold `part`'s home copy for the caller's own reads (or a replacement, `write`) of its
+        stored object; None for a read while a faster copy holds newer bytes. Pair with
+        `release_home` or (a write) `commit_home`."""
+        self._check(part, part.home, "claim_home")
+        what = f"claim of partition {part.name!r}'s home {part.home!r}"
+        return self._run(self._machine.claim_home(part, write=write), what, part.home).result()
+
+    def commit_home(self, claim: HomeClaim, replace: Callable[[], None], checksum: int | None) -> None:
+        """Run `replace` (puts the new stored object in place atomically) and make it `claim`'s
+        partition's newest value with digest `checksum`; releases the claim either way."""
+        what = f"commit of partition {claim.part.name!r}'s home {claim.part.home!r}"
+        self._run(self._machine.commit_home(claim, replace, checksum), what, claim.part.home).result()
+
+    def release_home(self, claim: HomeClaim) -> None:
+        self._loop_call(self._machine.release_home, claim)
 
     # ---- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -19,6 +19,19 @@ Every write into a partition (`allocate`, `mark_dirty`) bumps its version. A mov
 records the version it started from; if the version moved on meanwhile, its result is not
 marked valid (the bytes it copied may be torn), so a concurrent writer can never be overwritten
 by an older copy.
+
+[Note: direct home I/O]
+A checkpoint copies a partition whose home is a file (an NVMe swap file) file to file in bounded
+chunks, never whole in RAM, so it reads and replaces the stored object itself rather than through
+a move. `claim_home` holds the home copy for that: for a read, once home is readable and no
+write-back is in flight (a faster dirty copy means home is stale: read that one instead); for a
+write, once nothing reads or writes home. While claimed, home counts as busy, so no write-back,
+refresh or drop lands on it. A writer prepares the new bytes beside the stored object and
+`commit_home` makes them the partition's newest value in one step: once no move reads home, home
+is hidden (LOADING) while the caller's `replace` (an atomic rename) runs on the bridge, then the
+version moves on, every other copy goes stale and home is VALID with the digest of what was
+written. Until the commit the old bytes stay whole and readable, and `release_home` without a
+commit changes nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -271,6 +285,57 @@ class TierStateMachine:
         if errors:
             raise errors[0]
 
+    # ---- direct home I/O (see [Note: direct home I/O]) -------------------------------------
+    async def claim_home(self, part: Partition, *, write: bool) -> HomeClaim | None:
+        """Hold `part`'s home copy for the caller's own I/O; None for a read while home is stale."""
+        home = part.home
+        deadline = deadline_after(self.timeout_s)
+        while True:
+            check_managed(self.parts, part)
+            idle = part.moves.busy(home) is None
+            if idle and not write and not part.state(home).readable:
+                return None
+            if idle and (not write or part.moves.readers(home) == 0):
+                break
+            await self._changed.wait(
+                deadline,
+                lambda: (
+                    f"claim of partition {part.name!r}'s home {home!r}: still busy after {self.timeout_s} s"
+                ),
+            )
+        part.moves.claim(home, asyncio.get_running_loop().create_future())
+        return HomeClaim(part, write, part.checksum(home))
+
+    async def commit_home(self, claim: HomeClaim, replace: Callable[[], None], checksum: int | None) -> None:
+        """Make the bytes `replace` puts in place home's newest value, then release the claim."""
+        part, home = claim.part, claim.part.home
+        assert claim.write and part.moves.busy(home) is not None
+        deadline = deadline_after(self.timeout_s)
+        while part.moves.readers(home):
+            await self._changed.wait(
+                deadline,
+                lambda: (
+                    f"commit of partition {part.name!r}'s home {home!r}: still read after {self.timeout_s} s"
+                ),
+            )
+        prev = part.state(home)
+        part.end_eviction(home, CopyState.LOADING)  # hidden: no move picks it as a source meanwhile
+        try:
+            await self.transfers.loop.run_blocking(replace)
+        except BaseException:
+            part.end_eviction(home, prev)  # the old bytes are still whole
+            self.release_home(claim)
+            raise
+        self._wrote(part, home)  # a new version: every other copy is stale now
+        part.set_checksum(home, checksum if self.transfers.verify else None)
+        self.release_home(claim)
+
+    def release_home(self, claim: HomeClaim) -> None:
+        fut = claim.part.moves.end(claim.part.home)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+        self._changed.notify()
+
     def set_policy(self, tier: str, policy: EvictionPolicy) -> None:
         # a plain attribute swap from any thread: the loop reads it once per eviction round
         self.tiers[tier].policy = policy
@@ -492,6 +557,16 @@ class TierStateMachine:
                 await ts.backend.close()
             except Exception:  # one bad backend must not keep the others open
                 log.exception("closing backend %r of tier %r failed", ts.backend.name, ts.name)
+
+
+@dataclass(frozen=True)
+class HomeClaim:
+    """A partition's home copy held for the caller's own I/O ([Note: direct home I/O]); `checksum`
+    is the digest recorded for the stored bytes (None when unverified)."""
+
+    part: Partition
+    write: bool
+    checksum: int | None
 
 
 def _fill(buf: torch.Tensor, init: torch.Tensor | None) -> None:
