@@ -53,11 +53,34 @@ from tiered.shards import ShardGroup
 from tiered.zero import comm
 from tiered.zero.budget import LiveBudget
 from tiered.zero.grad_home import StagedGradHome, is_staged
+from tiered.zero.order import GATHER, REDUCE, CollectiveOrder
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from tiered.tiers import Partition, TierFuture, TierManager
+
+
+COUNTERS = (
+    "fetches",
+    "prefetch_hits",
+    "cache_hits",
+    "misses",
+    "prefetches",
+    "evictions",
+    "external_gathers",
+    "backward_on_demand",
+    "grad_flushes",
+    "saved_refs",
+)
+
+
+@dataclass(frozen=True)
+class GradSummary:
+    found_inf: bool
+    """Some accumulated gradient element is inf or NaN (fp16 overflow: skip the step)."""
+    sq_norm_local: float
+    """Squared L2 norm of this rank's shard of the accumulated fp32 gradients."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +101,8 @@ class GroupContext:
     max_reuse_numel: int
     next_use_distance: Callable[[int], int | None]
     """Elements gathered before a group is used again in this pass (the trace); None if not again."""
+    order: CollectiveOrder | None = None
+    """With several ranks: the ranks agree on each collective first ([Note: collective order check])."""
 
 
 class GroupRuntime:
@@ -220,6 +245,8 @@ class GroupRuntime:
             home = "cpu" if "cpu" in tm.tier_names else ctx.param_tier
             self.full_part = tm.create(f"{g.name}.full", g.full_numel, ctx.compute_dtype, home)
         full = tm.allocate(self.full_part, "gpu").result()
+        if ctx.order is not None:
+            ctx.order.agree(GATHER, self.index)
         comm.all_gather_into(full, shard, ctx.process_group)
         return full
 
@@ -344,6 +371,8 @@ class GroupRuntime:
                 for e, gr in grads:
                     if gr is not None:
                         full[e.offset : e.offset + e.numel].copy_(gr.reshape(-1))
+                if ctx.order is not None:
+                    ctx.order.agree(REDUCE, self.index)
                 shard = comm.reduce_scatter_mean(full, ctx.process_group)
                 t = self.home_view(g.grad)
                 t.copy_(shard) if fresh else t.add_(shard.to(t.device))

@@ -35,6 +35,8 @@ class BackwardHolds:
         self.frozen: list[int] = []
         self.current: list[int] = []
         """The groups of the module whose backward runs now."""
+        self.keep: set[int] = set()
+        """Groups of a leaf whose backward runs: never released for room ([Note: leaf modules])."""
 
     def gather(self, i: int) -> None:
         if i in self.held:
@@ -57,12 +59,13 @@ class BackwardHolds:
     def release_for_room(self, keep: int) -> bool:
         """Under live-budget pressure, release groups held for gradients that have not all
         arrived (tied or external weights) outside the current module; re-gathered on demand."""
-        spare = [j for j in self.held if j != keep and j not in self.current]
+        spare = [j for j in self.held if j != keep and j not in self.current and j not in self.keep]
         for j in spare:
             self.release(j)
         return bool(spare)
 
     def release_all(self) -> None:
+        self.keep.clear()
         for i in list(self.held):
             self.release(i)
 
