@@ -161,3 +161,22 @@ def test_a_leaf_gathers_its_subtree_on_entry_and_flushes_it_at_its_boundary() ->
         received = {e.name: bool(zp.received_local(g)[j]) for g in zp.groups for j, e in enumerate(g.entries)}
         assert received["moe.experts.2.0.weight"] and not received["moe.experts.3.0.weight"]
         engine.step()
+
+
+def test_a_frozen_leaf_stays_gathered_through_its_backward() -> None:
+    # frozen groups are normally released two gathers later (re-gathered on demand): inside a
+    # leaf that re-gather would be a collective only the ranks using that expert issue
+    model = MoENet()
+    for p in model.moe.experts.parameters():
+        p.requires_grad_(False)
+    cfg = ds_config(param="cpu", opt="cpu", lr=1e-2, sub_group_size=300)  # one group per expert
+    cfg[ZP]["leaf_module"] = {"names": ["moe"]}
+    with tiered.initialize(model, cfg) as engine:
+        zp = engine.zero
+        assert sum(not g.trainable for g in zp.groups) > 2  # more than the frozen groups backward keeps
+        loss = engine(**rank_batches("moe")[0][0])
+        before = zp.counters["fetches"]
+        engine.backward(loss)
+        assert zp.counters["fetches"] - before == len(zp.groups)  # each group gathered once
+        assert zp.counters["backward_on_demand"] == 0
+        engine.step()

@@ -29,7 +29,7 @@ from tiered.zero import comm
 from tiered.zero.budget import GpuGatherNeed, LiveBudget, PlannedSize, check_gather_budgets
 from tiered.zero.group import COUNTERS, GradSummary, GroupContext, GroupRuntime
 from tiered.zero.hooks import HookSet
-from tiered.zero.leaf import LeafBoundary, LeafSet, find_leaf_modules
+from tiered.zero.leaf import LeafBoundary, LeafSet, find_leaf_modules, local_context
 from tiered.zero.order import RECEIVED, CollectiveOrder, union_over_ranks
 from tiered.zero.passes import BackwardHolds, PassState
 from tiered.zero.plan import check_no_meta_mix
@@ -148,7 +148,7 @@ class ZeroParameters:
         self.groups: list[ShardGroup] = [w.group for w in written]
         """Every group, in (initial) execution order: the interface to the optimizer and checkpoints."""
         self._order = (  # [Note: collective order check] in tiered/zero/order.py
-            CollectiveOrder(process_group, model, self.groups)
+            CollectiveOrder(process_group, model, self.groups, self._divergence)
             if ws > 1 and cfg.tiered.check_collective_order
             else None
         )
@@ -326,6 +326,10 @@ class ZeroParameters:
         """A CPU copy of this rank's accumulated fp32 gradient shard (tests, checkpoints)."""
         return self.runtimes[group.index].read_grad_shard()
 
+    def _divergence(self, idxs: list[int]) -> dict[str, Any]:
+        passed = [self.runtimes[i].passed_over() for i in idxs]
+        return local_context(self._modules.names, self._fw_stack, self._pass.entered, passed)
+
     def _flush_leaf(self, mid: int) -> None:
         """A leaf's backward boundary: reduce every group it owns, in index order, on every rank."""
         leaf = self._leaves.by_module[mid]
@@ -334,6 +338,9 @@ class ZeroParameters:
             self._bw.keep.difference_update(leaf.groups)
             for i in leaf.owned:
                 self._flush(self.runtimes[i])
+            for i in leaf.groups:  # its frozen groups: no gradient will release them
+                if self.runtimes[i].n_req_grad == 0:
+                    self._bw.release(i)
 
     def _flush(self, rt: GroupRuntime) -> None:
         rt.flush_grads()
@@ -416,6 +423,7 @@ class ZeroParameters:
         if module is self.model and not self._fw_stack:
             self._pass.begin()
         idxs = self._groups_of(module)
+        self._pass.entered.add(id(module))
         for i in idxs:
             self._gather(i)
         self._fw_pins.setdefault(id(module), []).append(list(idxs))

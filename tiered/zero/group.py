@@ -341,6 +341,18 @@ class GroupRuntime:
         self.grads_seen.add(id(p))
         return len(self.grads_seen) >= self.n_req_grad
 
+    def passed_over(self) -> list[str]:
+        """Names of the trainable parameters without a gradient in this backward, if some others
+        of the group have one (a partly complete group: a routed-around expert); else []."""
+        got = [id(p) in self.grads_seen or p.grad is not None for p in self.params]
+        if not any(got):
+            return []
+        return [
+            e.name
+            for e, p, g in zip(self.group.entries, self.params, got, strict=True)
+            if p.requires_grad and not g
+        ]
+
     def has_unflushed_grads(self) -> bool:
         # also grads set without the hook firing (retain_graph reuse)
         return bool(self.grads_seen) or any(p.grad is not None for p in self.params)

@@ -44,7 +44,7 @@ check] (tiered/zero/order.py), whose error names the module to declare.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -235,14 +235,8 @@ def describe_group(group: ShardGroup) -> str:
     return f"group {group.name} (module {module_path(names)!r}: {shown})"
 
 
-def advise_leaf(model: nn.Module, groups: Sequence[ShardGroup], gathered: bool) -> str:
-    """The declaration that makes `groups`' modules part of one leaf: their nearest common
-    ancestor that has a forward of its own (for one group `gathered` on some ranks only: its
-    module's caller's)."""
-    paths = [module_path([e.name for e in g.entries]) for g in groups]
-    if len(paths) == 1 and gathered:
-        paths = [paths[0].rpartition(".")[0]]
-    modules = dict(model.named_modules())
+def _nearest_runnable(modules: dict[str, nn.Module], paths: Sequence[str]) -> str:
+    """The nearest common ancestor of module `paths` that has a forward of its own."""
     parts = [p.split(".") if p else [] for p in paths]
     common: list[str] = []
     for level in zip(*parts, strict=False):
@@ -252,11 +246,53 @@ def advise_leaf(model: nn.Module, groups: Sequence[ShardGroup], gathered: bool) 
     name = ".".join(common)
     while name and (name not in modules or not has_own_forward(modules[name])):
         name = name.rpartition(".")[0]
-    m = modules[name]
-    where = f"module {name!r}" if name else "the model itself"
+    return name
+
+
+def local_context(
+    names: Mapping[int, str], stack: Sequence[nn.Module], entered: Iterable[int], passed_over: list[list[str]]
+) -> dict[str, Any]:
+    """What this rank knows about a divergence, for `advise_leaf`: its forward stack, the modules
+    it entered in this pass, and per involved group the parameters it passed over."""
+    return {
+        "stack": [names[id(m)] for m in stack],
+        "entered": sorted(names[i] for i in entered),
+        "passed_over": passed_over,
+    }
+
+
+def advise_leaf(
+    model: nn.Module, groups: Sequence[ShardGroup], gathered: bool, ranks: Sequence[dict[str, Any]]
+) -> str:
+    """The leaf declaration that makes the ranks agree, from every rank's `local_context`:
+    where some rank's backward passed over parameters of an involved group while it reached
+    others (routed-around experts), their nearest runnable ancestor, per group; where the ranks
+    gather different groups in forward, the deepest module of a rank's forward stack that every
+    other rank entered too (it ran different children on different ranks); else the groups'
+    modules' nearest common runnable ancestor."""
+    modules = dict(model.named_modules())
+    root = type(model).__name__
+    unused = [sorted({n for r in ranks for n in r["passed_over"][k]}) for k in range(len(groups))]
+    names = [_nearest_runnable(modules, [n.rpartition(".")[0] for n in u]) for u in unused if u]
+    if not names and gathered:
+        found = []
+        for k, r in enumerate(ranks):
+            others = [set(o["entered"]) for j, o in enumerate(ranks) if j != k]
+            shared = [n for n in r["stack"] if all(n in o for o in others)]
+            if shared:
+                found.append("" if shared[-1] == root else shared[-1])
+        deepest = max((n.count(".") + bool(n) for n in found), default=0)
+        names = [n for n in found if n.count(".") + bool(n) == deepest]
+    if not names:
+        names = [_nearest_runnable(modules, [module_path([e.name for e in g.entries]) for g in groups])]
+    names = list(dict.fromkeys(names))
+    classes = list(dict.fromkeys(type(modules[n]).__name__ for n in names))
+    where = ", ".join(f"module {n!r}" if n else "the model itself" for n in names)
+    quoted = ", ".join(f'"{c}"' for c in classes)
+    spelled = ", ".join(f'"{n}"' for n in names)
     return (
-        f"Declare {where} ({type(m).__name__}), which every rank runs, a ZeRO-3 leaf module so that it "
+        f"Declare {where} ({', '.join(classes)}), which every rank runs, a ZeRO-3 leaf module so that it "
         f'gathers and reduces its whole subtree at once: "zero_optimization": {{"leaf_module": '
-        f'{{"classes": ["{type(m).__name__}"]}}}} (or "names": ["{name}"]), or call '
-        f"tiered.zero.set_leaf_modules(model, [{type(m).__name__}]) before tiered.initialize"
+        f'{{"classes": [{quoted}]}}}} (or "names": [{spelled}]), or call '
+        f"tiered.zero.set_leaf_modules(model, [{', '.join(classes)}]) before tiered.initialize"
     )

@@ -24,8 +24,8 @@ still leaves the other waiting; that wait ends with the process group's timeout
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -67,12 +67,19 @@ class CollectiveOrder:
     """One model's check (see the module docstring), over its `groups` (by index)."""
 
     def __init__(
-        self, process_group: ProcessGroup | None, model: nn.Module, groups: Sequence[ShardGroup]
+        self,
+        process_group: ProcessGroup | None,
+        model: nn.Module,
+        groups: Sequence[ShardGroup],
+        context: Callable[[list[int]], dict[str, Any]],
     ) -> None:
+        """`context(groups)`: what this rank knows of a divergence involving `groups`, for the
+        advice (tiered/zero/leaf.py's `local_context` and `advise_leaf`)."""
         self._pg = check_group(process_group)
         self._ws = dist.get_world_size(process_group)
         self._model = model
         self._groups = groups
+        self._context = context
         self.checks = 0
         """Collectives checked so far (stats)."""
 
@@ -96,12 +103,14 @@ class CollectiveOrder:
             )
         groups = sorted({g for _, g in tags if g >= 0})
         kinds = {k for k, _ in tags}
+        every: list[Any] = [None] * self._ws  # every rank is here: it saw the same tags
+        dist.all_gather_object(every, self._context(groups), group=self._pg)
         return (
             "the ranks' ZeRO-3 collectives diverge (their graphs differ: routing, a branch, or a "
             "parameter used on some ranks only): "
             + "; ".join(lines)
             + ". "
-            + advise_leaf(self._model, [self._groups[i] for i in groups], gathered=kinds == {GATHER})
+            + advise_leaf(self._model, [self._groups[i] for i in groups], kinds == {GATHER}, every)
         )
 
 

@@ -43,7 +43,7 @@ class BackwardHolds:
             return
         self._gather(i)
         self.held.add(i)
-        if self._runtimes[i].n_req_grad == 0:
+        if self._runtimes[i].n_req_grad == 0 and i not in self.keep:  # (a leaf's: held whole)
             # keep the last few, release older ones (a later use re-gathers on demand)
             self.frozen.append(i)
             while len(self.frozen) > _FROZEN_KEEP:
@@ -90,11 +90,14 @@ class PassState:
         self.sealed: set[int] = set()
         """Groups handed to an overlapped optimizer step in this backward: gathering them again raises."""
         self._modes: list[Any] = []
+        self.entered: set[int] = set()
+        """ids of the modules whose forward ran in this pass (for CollectiveOrderError's advice)."""
 
     def begin(self) -> None:
         if self._trace.in_pass:
             self.end()  # a forward whose backward never came (eval, or loss discarded)
         self._trace.begin_pass()
+        self.entered.clear()
         self.in_backward = False
         self.holds.current = []
         self.enter_modes()
