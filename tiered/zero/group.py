@@ -22,8 +22,12 @@ are added (fp32) into the group's gradient partition in its home tier (see [Note
 after a reduce-scatter (rank average) when world_size > 1; then
 ``param.grad`` is dropped and the group's backward gather is released. Groups that are only
 partly complete at the end of backward (unused parameters) are flushed by `finish_backward`,
-missing gradients counting as zeros; with world_size > 1 every rank must then flush the same
-groups, which holds when every rank runs the same graph (as DeepSpeed also requires). Each flush
+missing gradients counting as zeros; with world_size > 1 the ranks first agree which groups
+any of them still holds (one small all-reduce) and all flush those. Mid-backward flushes happen in
+graph order, the same on every rank when the graphs agree; where they cannot (routing, branches),
+a leaf module flushes its groups together at its boundary ([Note: leaf modules] in
+tiered/zero/leaf.py), and [Note: collective order check] turns any other divergence into an
+error. Each flush
 also records which entries got a gradient (``received``, OR-ed over the accumulation window): the
 optimizer does not step the others ([Note: parameters without a gradient are not stepped] in
 tiered/optim/runs.py). Adding

@@ -28,8 +28,9 @@ post-backward, whatever its children do. tiered takes both halves:
   rank used it ([Note: parameters without a gradient are not stepped] in tiered/optim/runs.py).
   A leaf none of whose inputs requires grad (the model itself, fed token ids) is flushed at the
   end of backward instead, where the ranks first agree which groups still hold gradients.
-- While the leaf's backward runs its groups stay held (never released for room), so no
-  re-gather, whose count would depend on the routing, happens inside it.
+- While the leaf's backward runs its groups stay held (never released for room, frozen ones not
+  rotated out as elsewhere), so no re-gather, whose count would depend on the routing, happens
+  inside it; its boundary releases them.
 
 The cost is memory: the whole leaf is live at once (the budget check at initialize counts it),
 as in DeepSpeed. The identity node on the inputs changes the order in which autograd sums a
@@ -37,8 +38,13 @@ multi-consumer input's gradient, a last-bit difference from plain PyTorch (see [
 only dispatch]); only leaves have it. A leaf must have a forward of its own (an ``nn.ModuleList``
 of experts is never called; its parent is the leaf). Leaves inside a leaf are part of it.
 Defaults follow DeepSpeed: with no ``classes`` given, Mixtral's, Qwen2-MoE's and Qwen3-MoE's
-sparse MoE blocks are leaves. Ranks that still diverge are caught by [Note: collective order
-check] (tiered/zero/order.py), whose error names the module to declare.
+sparse MoE blocks are leaves. Leaves are never guessed from the module tree (say, every module
+holding an ``nn.ModuleList``): the same shape is a stack of decoder layers, and guessing it would
+gather a whole model at once; ranks that diverge without a leaf are caught instead by [Note:
+collective order check] (tiered/zero/order.py), whose error names the module to declare.
+Why the boundary is at the same place on every rank: the subtree's autograd nodes are created
+after the boundary's, so the engine runs every ready one of them before the boundary and before
+any node created ahead of the leaf; what the ranks do outside the leaf keeps its order.
 """
 
 from __future__ import annotations

@@ -9,8 +9,13 @@ gradients of one are silently averaged with those of another. So before each gat
 reduction, the end-of-backward agreement and the "received" masks, every rank contributes
 (kind, group index) to a small all-gather, and compares: a difference raises
 `CollectiveOrderError` on every rank at once, before any data moves, naming what each rank was
-doing, the modules, and the leaf module declaration that makes the graphs agree (the nearest
-common ancestor of the modules involved that has a forward of its own).
+doing, the modules, and the leaf module declaration that makes the graphs agree. For that advice
+the ranks, all in the error path together, exchange what each knows (one more all-gather): its
+forward stack, the modules it entered in this pass, and the parameters of the groups involved
+that its backward passed over while reaching others of the group. The leaf proposed is the
+parent of such routed-around parameters, or else the deepest module of a rank's forward stack
+that every other rank also ran (it ran different children on different ranks), or else the
+nearest common ancestor, with a forward of its own, of the groups' modules.
 
 The check runs on a CPU (gloo) group: the process group itself when it is gloo, otherwise a gloo
 group over the same ranks made once at initialize, so that an NCCL job pays a few tens of
