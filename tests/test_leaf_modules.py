@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from engine_support import (
     REL,
+    Case,
     assert_losses_close,
     assert_params_close,
     build,
@@ -180,3 +182,39 @@ def test_a_frozen_leaf_stays_gathered_through_its_backward() -> None:
         assert zp.counters["fetches"] - before == len(zp.groups)  # each group gathered once
         assert zp.counters["backward_on_demand"] == 0
         engine.step()
+
+
+def _tiny_mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        router_jitter_noise=0.0,
+    )
+    cfg._attn_implementation = "eager"
+    return MixtralForCausalLM(cfg)
+
+
+def test_mixtral_moe_blocks_are_leaves_by_default_as_in_deepspeed() -> None:
+    # an unchanged DeepSpeed config (no leaf_module key) means DeepSpeed's default leaf classes
+    case = Case("mixtral", _tiny_mixtral, lambda g, n: {}, lambda out: out.loss)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2, 8), generator=g)
+        batches.append({"input_ids": ids, "labels": ids.clone()})
+    want_losses, want = reference_train(build(case), case, batches, lr=1e-2, weight_decay=0.1)
+    got_losses, got, stats = tiered_train(
+        build(case), case, batches, ds_config(param="cpu", opt="cpu", lr=1e-2, weight_decay=0.1)
+    )
+    assert stats["zero"]["leaf_modules"] == 2  # model.layers.{0,1}.mlp (MixtralSparseMoeBlock)
+    assert_losses_close(got_losses, want_losses)
+    assert_params_close(got, want, REL)
