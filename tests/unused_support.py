@@ -112,8 +112,8 @@ def make_batches(
     hash-routed: each rank's part of the batch calls the same experts, as ZeRO-3 gathers need).
     branch: all samples of a step on one side on even steps (the other submodule skipped),
     alternating on odd ones. aux: one flagged sample per rank only in the first micro-batch of
-    even windows (none in odd windows). (Every rank uses the same parameters in a step: under
-    ZeRO-3 the ranks' gathers and gradient flushes are collectives in graph order.)"""
+    even windows (none in odd windows). (Every rank uses the same parameters in a step here;
+    ranks that use different ones, with a leaf module declared: tests/test_leaf_modules_dist.py.)"""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(steps * gas):

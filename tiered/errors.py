@@ -84,6 +84,11 @@ class ParameterNotGatheredError(TieredError, RuntimeError):
     """A partitioned parameter's values were read outside forward without gathering them first."""
 
 
+class CollectiveOrderError(TieredError, RuntimeError):
+    """Ranks reached different ZeRO-3 collectives (a gather or gradient reduction of different
+    groups): their graphs diverge; the message names the modules and the leaf module to declare."""
+
+
 class LossScaleError(TieredError, FloatingPointError):
     """fp16 gradients overflowed while the loss scale was already at its minimum."""
 

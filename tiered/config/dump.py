@@ -53,6 +53,11 @@ def dump_config(cfg: TieredConfig) -> dict[str, Any]:
             "reduce_bucket_size": z.reduce_bucket_size_numel,
             "overlap_comm": z.overlap_comm,
             "contiguous_gradients": z.contiguous_gradients,
+            "leaf_module": {
+                "classes": list(z.leaf_module.classes),
+                "names": list(z.leaf_module.names),
+                "name_suffixes": list(z.leaf_module.name_suffixes),
+            },
         },
         "aio": {
             "block_size": a.block_size_bytes,
@@ -105,6 +110,7 @@ def dump_config(cfg: TieredConfig) -> dict[str, Any]:
             "param_tier": cfg.tiered.param_tier,
             "optimizer_tier": cfg.tiered.optimizer_tier,
             "grad_tier": cfg.tiered.grad_tier,
+            "check_collective_order": cfg.tiered.check_collective_order,
         },
     }
     if cfg.scheduler is not None:

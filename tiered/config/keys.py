@@ -454,13 +454,13 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule(
         "zero_optimization.stage3_module_granularity_threshold",
         _D,
-        "automatic leaf modules are not supported; set 0",
+        "leaf modules chosen by size are not supported; name them in zero_optimization.leaf_module, or set 0",
         (0,),
     ),
     KeyRule(
         "zero_optimization.module_granularity_threshold",
         _D,
-        "automatic leaf modules are not supported; set 0",
+        "leaf modules chosen by size are not supported; name them in zero_optimization.leaf_module, or set 0",
         (0,),
     ),
     KeyRule(
@@ -491,12 +491,10 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule(
         "zero_optimization.mics_hierarchical_params_gather", _D, "MiCS is not supported; set false", (False,)
     ),
-    KeyRule(
-        "zero_optimization.leaf_module",
-        _D,
-        "config-driven leaf modules are not supported; remove the key",
-        (None, {}, {"classes": [], "names": [], "name_suffixes": []}),
-    ),
+    KeyRule("zero_optimization.leaf_module", _SEC),
+    KeyRule("zero_optimization.leaf_module.classes", _S),
+    KeyRule("zero_optimization.leaf_module.names", _S),
+    KeyRule("zero_optimization.leaf_module.name_suffixes", _S),
     KeyRule("zero_optimization.offload_param.device", _S),
     KeyRule("zero_optimization.offload_param.nvme_path", _S),
     KeyRule("zero_optimization.offload_param.pin_memory", _S),
@@ -558,6 +556,7 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule("tiered.param_tier", _S),
     KeyRule("tiered.optimizer_tier", _S),
     KeyRule("tiered.grad_tier", _S),
+    KeyRule("tiered.check_collective_order", _S),
 )
 
 RULES: dict[str, KeyRule] = {rule.path: rule for rule in _RULES}

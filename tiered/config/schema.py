@@ -58,6 +58,31 @@ class AioConfig:
     """GPUDirect Storage (cuFile); only valid where CUDA is available (checked by the loader)."""
 
 
+DEFAULT_LEAF_CLASSES: tuple[str, ...] = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+"""DeepSpeed's default `zero_optimization.leaf_module.classes` (kept, so an unchanged config means the same)."""
+
+
+@dataclass(frozen=True)
+class LeafModuleConfig:
+    """`zero_optimization.leaf_module`: the modules whose whole subtree is gathered on entry and
+    reduced at its backward boundary ([Note: leaf modules] in tiered/zero/leaf.py)."""
+
+    classes: tuple[str, ...] = DEFAULT_LEAF_CLASSES
+    """Class names, bare (``MixtralSparseMoeBlock``) or dotted (``pkg.mod.Class``)."""
+    names: tuple[str, ...] = ()
+    """Qualified module names as ``model.named_modules()`` spells them ("" is the model itself)."""
+    name_suffixes: tuple[str, ...] = ()
+    """Suffixes of those names (``"moe"`` matches ``layers.0.moe``, ``layers.1.moe``...)."""
+
+    @property
+    def customized_classes(self) -> bool:
+        return self.classes != DEFAULT_LEAF_CLASSES
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """`zero_optimization`. Stages 1 and 2 run on the stage-3 machinery (see loader)."""
@@ -77,6 +102,7 @@ class ZeroConfig:
     contiguous_gradients: bool = True
     overlap_step_with_backward: bool = False
     """tiered's own: start a sub-group's step during backward (off by default)."""
+    leaf_module: LeafModuleConfig = field(default_factory=LeafModuleConfig)
 
 
 @dataclass(frozen=True)
@@ -153,6 +179,10 @@ class TieredSection:
     grad_tier: str | None = None
     """Tier holding the fp32 gradients when the optimizer is offloaded (default "cpu"; "nvme":
     [Note: gradients on nvme]); None: the default."""
+    check_collective_order: bool = True
+    """With several ranks: before each gather and gradient reduction the ranks agree on which
+    group it is, so ranks that diverge get `CollectiveOrderError` instead of a hang
+    ([Note: collective order check] in tiered/zero/order.py)."""
 
 
 @dataclass(frozen=True)

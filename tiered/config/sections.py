@@ -21,6 +21,7 @@ from tiered.config.auto import resolve_from_model
 from tiered.config.keys import check_section
 from tiered.config.schema import (
     AioConfig,
+    LeafModuleConfig,
     OffloadDevice,
     OptimizerConfig,
     OptimizerOffloadConfig,
@@ -282,7 +283,29 @@ def parse_zero(raw: Any, model: torch.nn.Module | None) -> ZeroConfig:
         # DeepSpeed: overlap_comm None -> True for stage 3 only (overlap_comm_valid).
         overlap_comm=_flag(section, ZP, "overlap_comm", stage == 3),
         contiguous_gradients=_flag(section, ZP, "contiguous_gradients", True),
+        leaf_module=parse_leaf_module(section.get("leaf_module")),
     )
+
+
+def parse_leaf_module(raw: Any) -> LeafModuleConfig:
+    """`zero_optimization.leaf_module`, as DeepSpeed reads it: each of classes / names /
+    name_suffixes a list of strings (a single string is one entry); classes absent means
+    DeepSpeed's default classes, an empty list none."""
+    prefix = f"{ZP}.leaf_module"
+    section = as_section(raw if raw is not None else {}, prefix)
+    check_section(section, prefix)
+    found: dict[str, tuple[str, ...]] = {}
+    for key in ("classes", "names", "name_suffixes"):
+        value = section.get(key)
+        if value is None:
+            continue
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list | tuple) or not all(isinstance(v, str) for v in items):
+            raise ConfigError(f"{prefix}.{key}: expected a list of strings, got {value!r}")
+        if key != "names" and any(not v.strip() for v in items):
+            raise ConfigError(f"{prefix}.{key}: {value!r} has an empty entry, which would match every module")
+        found[key] = tuple(dict.fromkeys(items))  # DeepSpeed drops duplicates, keeping the order
+    return LeafModuleConfig(**found)
 
 
 def parse_aio(raw: Any) -> AioConfig:

@@ -194,7 +194,13 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
         param_tier=param_tier,
         optimizer_tier=opt_tier,
         grad_tier=grad_tier,
+        check_collective_order=_flag(section, "check_collective_order", defaults.check_collective_order),
     ), (False if overlap is None else as_bool(overlap, "tiered.overlap_step_with_backward"))
+
+
+def _flag(section: dict[str, Any], key: str, default: bool) -> bool:
+    value = section.get(key)
+    return default if value is None else as_bool(value, f"tiered.{key}")
 
 
 def _io_keys(section: dict[str, Any], defaults: TieredSection) -> dict[str, Any]:

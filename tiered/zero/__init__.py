@@ -3,5 +3,6 @@
 from __future__ import annotations
 
 from tiered.zero.coordinator import GradSummary, ZeroParameters
+from tiered.zero.leaf import set_leaf_modules
 
-__all__ = ["GradSummary", "ZeroParameters"]
+__all__ = ["GradSummary", "ZeroParameters", "set_leaf_modules"]

@@ -8,8 +8,9 @@ dispatch]) and keeps what spans groups: the module -> group maps, the forward st
 groups held for backward, the groups sealed for an overlapped step, the counters. Which group
 next is the trace's business (see [Note: trace and re-synchronisation]).
 
-The modules import one way: shards < budget < group < saved, hooks < passes < coordinator; plan,
-meta, schedule, comm and sharding import none of the run-time objects.
+The modules import one way: shards < budget < group < saved, leaf < order < group, hooks < passes <
+coordinator; plan, meta, schedule, comm and sharding import none of the run-time objects. Leaf
+modules (what a leaf gathers and flushes) are [Note: leaf modules] in tiered/zero/leaf.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,8 +27,10 @@ from tiered.errors import CapacityError, ConfigError, ShapeMutationError
 from tiered.shards import ShardGroup, padded_numel
 from tiered.zero import comm
 from tiered.zero.budget import GpuGatherNeed, LiveBudget, PlannedSize, check_gather_budgets
-from tiered.zero.group import GroupContext, GroupRuntime
+from tiered.zero.group import COUNTERS, GradSummary, GroupContext, GroupRuntime
 from tiered.zero.hooks import HookSet
+from tiered.zero.leaf import LeafBoundary, LeafSet, find_leaf_modules, local_context
+from tiered.zero.order import RECEIVED, CollectiveOrder, union_over_ranks
 from tiered.zero.passes import BackwardHolds, PassState
 from tiered.zero.plan import check_no_meta_mix
 from tiered.zero.saved import RecomputeParams, SavedTensorRefs
@@ -51,27 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["ALIGNMENT_NUMEL", "GradSummary", "ZeroParameters"]
-
-_COUNTERS = (
-    "fetches",
-    "prefetch_hits",
-    "cache_hits",
-    "misses",
-    "prefetches",
-    "evictions",
-    "external_gathers",
-    "backward_on_demand",
-    "grad_flushes",
-    "saved_refs",
-)
-
-
-@dataclass(frozen=True)
-class GradSummary:
-    found_inf: bool
-    """Some accumulated gradient element is inf or NaN (fp16 overflow: skip the step)."""
-    sq_norm_local: float
-    """Squared L2 norm of this rank's shard of the accumulated fp32 gradients."""
 
 
 class ZeroParameters:
@@ -110,19 +91,30 @@ class ZeroParameters:
         self.busy = False
         """Set while the coordinator moves parameters itself (ExternalParamMode stands aside)."""
         placeholder = torch.empty(0, dtype=compute_dtype, device=self.device)
-        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
 
         ws = self.world_size
         is_meta = check_no_meta_mix(model)
         gpu_budget = tm.tier("gpu").budget_bytes
+        leaf_names = find_leaf_modules(model, z.leaf_module)  # [Note: leaf modules]
         planned = plan_model_groups(
-            model, z, gpu_budget_bytes=tm.budget_bytes("gpu"), compute_dtype=compute_dtype, world_size=ws
+            model,
+            z,
+            gpu_budget_bytes=tm.budget_bytes("gpu"),
+            compute_dtype=compute_dtype,
+            world_size=ws,
+            leaves=tuple(leaf_names),
         )
         needs_fetch = ws > 1 or param_tier != "gpu"
         self.managed: dict[int, tuple[int, int]] = {  # id(param) -> (group index, entry index)
             id(p): (i, j) for i, pg in enumerate(planned) for j, (_, p) in enumerate(pg.params)
         }
         self._modules = map_modules(model, self.managed)
+        self._leaves = LeafSet(
+            model, leaf_names, [pg.leaf for pg in planned], [pg.trainable for pg in planned], self.managed
+        )
+        for mid, leaf in self._leaves.by_module.items():  # entering a leaf gathers its whole subtree
+            self._modules.groups[mid] = leaf.groups
         self._extra_groups: dict[int, list[int]] = {}  # module -> groups it used from elsewhere
         self.gpu_need: GpuGatherNeed = check_gather_budgets(  # before any partition is written: fail fast
             [
@@ -155,6 +147,11 @@ class ZeroParameters:
         del planned
         self.groups: list[ShardGroup] = [w.group for w in written]
         """Every group, in (initial) execution order: the interface to the optimizer and checkpoints."""
+        self._order = (  # [Note: collective order check] in tiered/zero/order.py
+            CollectiveOrder(process_group, model, self.groups, self._divergence)
+            if ws > 1 and cfg.tiered.check_collective_order
+            else None
+        )
         self.trace = Trace([g.numel for g in self.groups])
         self.budget = LiveBudget(
             z.max_live_parameters_numel, [g.numel for g in self.groups], self.trace.next_use_distance
@@ -171,6 +168,7 @@ class ZeroParameters:
             param_tier,
             z.max_reuse_distance_numel,
             self.trace.next_use_distance,
+            self._order,
         )
         self.runtimes: list[GroupRuntime] = [
             GroupRuntime(ctx, w.group, w.params, needs_fetch=needs_fetch, initial_fp32=w.initial_fp32)
@@ -246,6 +244,8 @@ class ZeroParameters:
             "live_numel_peak": self.budget.live_peak,
             "max_live_numel": self.budget.max_live,
             "gathered_numel_peak": self.budget.gathered_peak,
+            "leaf_modules": len(self._leaves),
+            "collective_checks": 0 if self._order is None else self._order.checks,
         }
 
     def gather_full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -278,9 +278,13 @@ class ZeroParameters:
     def finish_backward(self, *, summarize: bool = True) -> GradSummary:
         """End of backward: flush partly complete groups, release everything, end the pass, and
         (if `summarize`) return the local squared norm and overflow flag of the accumulated grads."""
-        for rt in self.runtimes:
-            if rt.has_unflushed_grads():  # partly complete groups
+        pending = [rt.has_unflushed_grads() for rt in self.runtimes]
+        if self.world_size > 1:  # what any rank still holds, every rank reduces (zeros where it has none)
+            pending = union_over_ranks(pending, self._order, self.process_group)
+        for rt, left in zip(self.runtimes, pending, strict=True):
+            if left:  # partly complete groups, and leaves whose boundary did not run
                 self._flush(rt)
+        self._leaves.close_all()
         for rt in self.runtimes:  # groups that got no gradient at all: now really zero
             rt.zero_pending_grad()
         self._pass.end()
@@ -313,12 +317,30 @@ class ZeroParameters:
         if self.world_size == 1 or not masks:
             return [m.clone() for m in masks]
         flat = torch.cat(masks)
+        if self._order is not None:
+            self._order.agree(RECEIVED)
         comm.all_reduce_max_(flat, self.process_group)
         return list(torch.split(flat, [m.numel() for m in masks]))
 
     def read_grad_shard(self, group: ShardGroup) -> torch.Tensor:
         """A CPU copy of this rank's accumulated fp32 gradient shard (tests, checkpoints)."""
         return self.runtimes[group.index].read_grad_shard()
+
+    def _divergence(self, idxs: list[int]) -> dict[str, Any]:
+        passed = [self.runtimes[i].passed_over() for i in idxs]
+        return local_context(self._modules.names, self._fw_stack, self._pass.entered, passed)
+
+    def _flush_leaf(self, mid: int) -> None:
+        """A leaf's backward boundary: reduce every group it owns, in index order, on every rank."""
+        leaf = self._leaves.by_module[mid]
+        if leaf.open:
+            leaf.open = False
+            self._bw.keep.difference_update(leaf.groups)
+            for i in leaf.owned:
+                self._flush(self.runtimes[i])
+            for i in leaf.groups:  # its frozen groups: no gradient will release them
+                if self.runtimes[i].n_req_grad == 0:
+                    self._bw.release(i)
 
     def _flush(self, rt: GroupRuntime) -> None:
         rt.flush_grads()
@@ -401,6 +423,7 @@ class ZeroParameters:
         if module is self.model and not self._fw_stack:
             self._pass.begin()
         idxs = self._groups_of(module)
+        self._pass.entered.add(id(module))
         for i in idxs:
             self._gather(i)
         self._fw_pins.setdefault(id(module), []).append(list(idxs))
@@ -425,14 +448,26 @@ class ZeroParameters:
                 self._pass.end()  # no backward will follow
 
     def _backward_enter_cb(self, module: nn.Module) -> Callable[[], None]:
+        leaf = self._leaves.by_module.get(id(module))
+
         def cb() -> None:
             self._pass.in_backward = True
             idxs = self._groups_of(module)
+            if leaf is not None:  # held whole until its boundary: see [Note: leaf modules]
+                leaf.open = True
+                self._bw.keep.update(leaf.groups)
             self._bw.current = idxs
             for i in idxs:
                 self._bw.gather(i)
 
         return cb
+
+    def _leaf_boundary(self, module: nn.Module) -> Callable[..., tuple[torch.Tensor, ...]] | None:
+        """For a leaf: wraps its inputs in `LeafBoundary` (see [Note: leaf modules]); else None."""
+        mid = id(module)
+        if mid not in self._leaves.by_module:
+            return None
+        return lambda *ts: LeafBoundary.apply(lambda: self._flush_leaf(mid), *ts)
 
     def _gather_external(self, p: nn.Parameter) -> None:
         """A parameter used by an op while not gathered. See [Note: saved tensors and external parameters]."""
@@ -460,5 +495,5 @@ class ZeroParameters:
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         rt = self.runtimes[self.managed[id(p)][0]]
-        if rt.grad_arrived(p):
+        if rt.grad_arrived(p) and rt.index not in self._leaves.owner:  # a leaf's: at its boundary
             self._flush(rt)

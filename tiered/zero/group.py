@@ -22,8 +22,12 @@ are added (fp32) into the group's gradient partition in its home tier (see [Note
 after a reduce-scatter (rank average) when world_size > 1; then
 ``param.grad`` is dropped and the group's backward gather is released. Groups that are only
 partly complete at the end of backward (unused parameters) are flushed by `finish_backward`,
-missing gradients counting as zeros; with world_size > 1 every rank must then flush the same
-groups, which holds when every rank runs the same graph (as DeepSpeed also requires). Each flush
+missing gradients counting as zeros; with world_size > 1 the ranks first agree which groups
+any of them still holds (one small all-reduce) and all flush those. Mid-backward flushes happen in
+graph order, the same on every rank when the graphs agree; where they cannot (routing, branches),
+a leaf module flushes its groups together at its boundary ([Note: leaf modules] in
+tiered/zero/leaf.py), and [Note: collective order check] turns any other divergence into an
+error. Each flush
 also records which entries got a gradient (``received``, OR-ed over the accumulation window): the
 optimizer does not step the others ([Note: parameters without a gradient are not stepped] in
 tiered/optim/runs.py). Adding
@@ -53,11 +57,34 @@ from tiered.shards import ShardGroup
 from tiered.zero import comm
 from tiered.zero.budget import LiveBudget
 from tiered.zero.grad_home import StagedGradHome, is_staged
+from tiered.zero.order import GATHER, REDUCE, CollectiveOrder
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from tiered.tiers import Partition, TierFuture, TierManager
+
+
+COUNTERS = (
+    "fetches",
+    "prefetch_hits",
+    "cache_hits",
+    "misses",
+    "prefetches",
+    "evictions",
+    "external_gathers",
+    "backward_on_demand",
+    "grad_flushes",
+    "saved_refs",
+)
+
+
+@dataclass(frozen=True)
+class GradSummary:
+    found_inf: bool
+    """Some accumulated gradient element is inf or NaN (fp16 overflow: skip the step)."""
+    sq_norm_local: float
+    """Squared L2 norm of this rank's shard of the accumulated fp32 gradients."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +105,8 @@ class GroupContext:
     max_reuse_numel: int
     next_use_distance: Callable[[int], int | None]
     """Elements gathered before a group is used again in this pass (the trace); None if not again."""
+    order: CollectiveOrder | None = None
+    """With several ranks: the ranks agree on each collective first ([Note: collective order check])."""
 
 
 class GroupRuntime:
@@ -221,6 +250,8 @@ class GroupRuntime:
             home = "cpu" if "cpu" in tm.tier_names else ctx.param_tier
             self.full_part = tm.create(f"{g.name}.full", g.full_numel, ctx.compute_dtype, home)
         full = tm.allocate(self.full_part, "gpu").result()
+        if ctx.order is not None:
+            ctx.order.agree(GATHER, self.index)
         comm.all_gather_into(full, shard, ctx.process_group)
         return full
 
@@ -315,6 +346,18 @@ class GroupRuntime:
         self.grads_seen.add(id(p))
         return len(self.grads_seen) >= self.n_req_grad
 
+    def passed_over(self) -> list[str]:
+        """Names of the trainable parameters without a gradient in this backward, if some others
+        of the group have one (a partly complete group: a routed-around expert); else []."""
+        got = [id(p) in self.grads_seen or p.grad is not None for p in self.params]
+        if not any(got):
+            return []
+        return [
+            e.name
+            for e, p, g in zip(self.group.entries, self.params, got, strict=True)
+            if p.requires_grad and not g
+        ]
+
     def has_unflushed_grads(self) -> bool:
         # also grads set without the hook firing (retain_graph reuse)
         return bool(self.grads_seen) or any(p.grad is not None for p in self.params)
@@ -345,6 +388,8 @@ class GroupRuntime:
                 for e, gr in grads:
                     if gr is not None:
                         full[e.offset : e.offset + e.numel].copy_(gr.reshape(-1))
+                if ctx.order is not None:
+                    ctx.order.agree(REDUCE, self.index)
                 shard = comm.reduce_scatter_mean(full, ctx.process_group)
                 t = self.home_view(g.grad, overwrite=fresh)
                 t.copy_(shard) if fresh else t.add_(shard.to(t.device))

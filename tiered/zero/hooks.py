@@ -83,6 +83,8 @@ class HookTarget(Protocol):
 
     def _backward_enter_cb(self, module: nn.Module) -> Callable[[], None]: ...
 
+    def _leaf_boundary(self, module: nn.Module) -> Callable[..., tuple[torch.Tensor, ...]] | None: ...
+
     def _gather_external(self, p: nn.Parameter) -> None: ...
 
     def _grad_arriving(self, p: nn.Parameter) -> Callable[[torch.Tensor], None]: ...
@@ -362,10 +364,14 @@ class HookSet:
     # (measured on benchmarks/step.py: ~50 ms of a ~1 s step).
     @staticmethod
     def _make_pre(zp: HookTarget, module: nn.Module, name: str) -> Callable[..., Any]:
+        boundary = zp._leaf_boundary(module)  # a leaf's inputs: see [Note: leaf modules]
+
         def pre(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
             with _no_torch_function():
                 zp._forward_enter(module)
-            return None
+                if boundary is None or not torch.is_grad_enabled():
+                    return None
+                return map_tensors((args, kwargs), lambda ts: list(boundary(*ts)), name)
 
         return pre
 

@@ -35,13 +35,15 @@ class BackwardHolds:
         self.frozen: list[int] = []
         self.current: list[int] = []
         """The groups of the module whose backward runs now."""
+        self.keep: set[int] = set()
+        """Groups of a leaf whose backward runs: never released for room ([Note: leaf modules])."""
 
     def gather(self, i: int) -> None:
         if i in self.held:
             return
         self._gather(i)
         self.held.add(i)
-        if self._runtimes[i].n_req_grad == 0:
+        if self._runtimes[i].n_req_grad == 0 and i not in self.keep:  # (a leaf's: held whole)
             # keep the last few, release older ones (a later use re-gathers on demand)
             self.frozen.append(i)
             while len(self.frozen) > _FROZEN_KEEP:
@@ -57,12 +59,13 @@ class BackwardHolds:
     def release_for_room(self, keep: int) -> bool:
         """Under live-budget pressure, release groups held for gradients that have not all
         arrived (tied or external weights) outside the current module; re-gathered on demand."""
-        spare = [j for j in self.held if j != keep and j not in self.current]
+        spare = [j for j in self.held if j != keep and j not in self.current and j not in self.keep]
         for j in spare:
             self.release(j)
         return bool(spare)
 
     def release_all(self) -> None:
+        self.keep.clear()
         for i in list(self.held):
             self.release(i)
 
@@ -87,11 +90,14 @@ class PassState:
         self.sealed: set[int] = set()
         """Groups handed to an overlapped optimizer step in this backward: gathering them again raises."""
         self._modes: list[Any] = []
+        self.entered: set[int] = set()
+        """ids of the modules whose forward ran in this pass (for CollectiveOrderError's advice)."""
 
     def begin(self) -> None:
         if self._trace.in_pass:
             self.end()  # a forward whose backward never came (eval, or loss discarded)
         self._trace.begin_pass()
+        self.entered.clear()
         self.in_backward = False
         self.holds.current = []
         self.enter_modes()

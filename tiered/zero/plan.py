@@ -24,6 +24,11 @@ they find the block's group resident. A block larger than ``max_block_numel`` (t
 half of ``stage3_max_live_parameters`` and a quarter of the gpu tier's budget, so the current and
 the prefetched next block fit) is planned module by module instead: tight budgets keep working.
 
+Leaves ([Note: leaf modules] in tiered/zero/leaf.py): a leaf module's parameters, its whole
+subtree's, go into groups of their own, in order, split between parameters only above the block
+cap (and ``sub_group_size``), never into a persistent group and never into an enclosing block's
+group (which then holds the block's other parameters): the leaf owns what it flushes.
+
 [Note: frozen parameters]
 A parameter with ``requires_grad=False`` at initialize is frozen: plain PyTorch never changes it
 (it gets no gradient, so AdamW skips it: no weight decay, no state). Groups are therefore split
@@ -34,6 +39,8 @@ and the optimizer never touches it. ``requires_grad`` is read once, at initializ
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +55,8 @@ class PlannedGroup:
     persistent: bool = False
     trainable: bool = True
     """Every parameter requires grad (or, if False, none does): see [Note: frozen parameters]."""
+    leaf: str | None = None
+    """The leaf module whose subtree this group holds (see [Note: leaf modules]), or None."""
 
     @property
     def numel(self) -> int:
@@ -62,19 +71,35 @@ def plan_param_groups(
     model_persistence_threshold_numel: int,
     block_types: frozenset[str] | None = None,
     max_block_numel: int | None = None,
+    leaves: Sequence[str] = (),
 ) -> list[PlannedGroup]:
     """Split `model`'s parameters into flat groups (which parameter goes in which group). See [Note: group planning]; `block_types` (class
-    names) defaults to the model's ``_no_split_modules``."""
+    names) defaults to the model's ``_no_split_modules``; `leaves` are the outermost leaf modules' names."""
     if block_types is None:
         block_types = frozenset(getattr(model, "_no_split_modules", None) or ())
     if sub_group_size_numel <= 0:
         raise ValueError(f"sub_group_size must be positive, got {sub_group_size_numel}")
     seen: set[int] = set()
     groups: list[PlannedGroup] = []
+    modules = dict(model.named_modules())
+    for leaf in leaves:  # first: a leaf's parameters are its own, even where a block encloses it
+        seen.update(id(p) for p in modules[leaf].parameters())
+    leaf_placed: set[int] = set()  # (a parameter shared by two leaves is the first one's)
     persistent: PlannedGroup | None = None
     persistent_total = 0
     block_prefix: str | None = None  # inside a block: its submodules' params are already placed
+    leaf_prefix: str | None = None  # inside a leaf: placed with it
     for mname, module in model.named_modules():
+        if leaf_prefix is not None and (leaf_prefix == "" or mname.startswith(leaf_prefix)):
+            continue
+        if mname in leaves:
+            groups.extend(
+                _leaf_groups(
+                    mname, module, min(sub_group_size_numel, max_block_numel or sys.maxsize), leaf_placed
+                )
+            )
+            leaf_prefix = f"{mname}." if mname else ""
+            continue
         if block_prefix is not None and mname.startswith(block_prefix):
             continue
         is_block = (
@@ -109,6 +134,23 @@ def plan_param_groups(
     return _split_by_trainability(groups)
 
 
+def _leaf_groups(name: str, module: nn.Module, cap: int, placed: set[int]) -> list[PlannedGroup]:
+    """A leaf's parameters (its subtree's, each once), in order, split between parameters above `cap`."""
+    out: list[PlannedGroup] = []
+    current = PlannedGroup(leaf=name)
+    for pname, p in module.named_parameters():
+        if id(p) in placed or p.numel() == 0:
+            continue
+        placed.add(id(p))
+        if current.params and current.numel + p.numel() > cap:
+            out.append(current)
+            current = PlannedGroup(leaf=name)
+        current.params.append((f"{name}.{pname}" if name else pname, p))
+    if current.params:
+        out.append(current)
+    return out
+
+
 def _split_by_trainability(groups: list[PlannedGroup]) -> list[PlannedGroup]:
     """Each group becomes its trainable part followed by its frozen part (when both exist), so
     a group is stepped whole or not at all. See [Note: frozen parameters]."""
@@ -117,7 +159,7 @@ def _split_by_trainability(groups: list[PlannedGroup]) -> list[PlannedGroup]:
         for trainable in (True, False):
             part = [(q, p) for q, p in g.params if p.requires_grad == trainable]
             if part:
-                out.append(PlannedGroup(part, g.persistent, trainable))
+                out.append(PlannedGroup(part, g.persistent, trainable, g.leaf))
     return out
 
 

@@ -36,6 +36,7 @@ def plan_model_groups(
     gpu_budget_bytes: int | None,
     compute_dtype: torch.dtype,
     world_size: int,
+    leaves: tuple[str, ...] = (),
 ) -> list[PlannedGroup]:
     """The model's groups, blocks capped so that two fit the budgets (see [Note: group planning])."""
     # A block is one group only while two of them (the current and the prefetched next) fit
@@ -50,6 +51,7 @@ def plan_model_groups(
         param_persistence_threshold_numel=z.param_persistence_threshold_numel,
         model_persistence_threshold_numel=z.model_persistence_threshold_numel,
         max_block_numel=block_cap,
+        leaves=leaves,
     )
 
 
