@@ -12,7 +12,9 @@ A drive (and the VM in front of it) delivers more while it gets rests: on the 2-
 benchmarks/RESULTS.md the same replay ran 1.24-1.4x faster with 3 s of idle time per step than
 back to back. Training's storage links rest while forward and backward compute (the whole pass
 when the parameters stay in memory), so the replay takes that compute time, `compute_s`, split
-between the two passes, each gathered group computing its share by size. 0 (the default)
+between the two passes, each gathered group computing its share by size, as host matrix products
+where the "gpu" tier is host memory (there the compute takes the cores the I/O's copies and
+checksums need, as training's does) and as a sleep where a GPU computes. 0 (the default)
 replays the moves back to back, the busiest case; `--compute-s` gives it, and `--check` measures
 it from the real run (forward + backward minus the training thread's tier stalls) and replays
 with that.
@@ -29,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from tiered.bench.pattern import PartitionIO, TrainingPattern, derive_pattern
 from tiered.bench.progress import add_total, note
@@ -174,7 +178,7 @@ def bench_training(
         )
         note(progress, pattern.describe())
         add_total(progress, warmup + steps)
-        replay = _Replay(tm, pattern, compute_s)
+        replay = _Replay(tm, pattern, compute_s, compute_on_host=tier_is_host(tm, "gpu"))
         samples: list[dict[str, dict[str, float]]] = []
         for s in range(warmup + steps):
             before = tm.stats()["links"]
@@ -251,13 +255,30 @@ def link_figures(
 class _Replay:
     """The partitions of a pattern in a TierManager, moved as one training step moves them."""
 
-    def __init__(self, tm: TierManager, pattern: TrainingPattern, compute_s: float = 0.0) -> None:
+    def __init__(
+        self, tm: TierManager, pattern: TrainingPattern, compute_s: float = 0.0, *, compute_on_host: bool
+    ) -> None:
         self.tm, self.pattern = tm, pattern
         self.compute_s = max(0.0, float(compute_s))
+        self.compute_on_host = compute_on_host
+        self._a = torch.randn(256, 256) if compute_on_host else None
         self.parts: dict[str, Partition] = {}
         for p in pattern.partitions:
             if p.name not in self.parts:
                 self.parts[p.name] = tm.create(p.name, p.numel, p.dtype, p.home)
+
+    def compute(self, seconds: float) -> None:
+        """Stand in for `seconds` of model compute: host matrix products on torch's threads where
+        the "gpu" tier is host memory (the compute then competes with the I/O for the cores, as
+        training's does), a sleep where a real GPU computes."""
+        if seconds <= 0:
+            return
+        if self._a is None:
+            time.sleep(seconds)
+            return
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            torch.mm(self._a, self._a)
 
     def _phase(self, phase: str) -> list[PartitionIO]:
         return [p for p in self.pattern.partitions if p.phase == phase]
@@ -281,14 +302,14 @@ class _Replay:
         of `compute_s` (by size) once gathered, then is freed."""
         tm, inflight = self.tm, deque[tuple[PartitionIO, Any]]()
         if not moves:
-            time.sleep(compute_s)  # the links rest while the pass computes
+            self.compute(compute_s)  # the links rest while the pass computes
             return
         total = sum(p.numel for p in moves)
 
         def finish() -> None:
             p, fut = inflight.popleft()
             fut.result()
-            time.sleep(compute_s * p.numel / total)
+            self.compute(compute_s * p.numel / total)
             tm.release(self.parts[p.name], p.stage)
             tm.evict(self.parts[p.name], p.stage).result()  # clean: frees it
 
