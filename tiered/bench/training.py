@@ -142,6 +142,82 @@ def storage_directories(cfg: TieredConfig, storage_tiers: tuple[str, ...]) -> li
     return out
 
 
+class TrainingReplay:
+    """An open replay: the space checked, the tier manager built from the config, the
+    partitions created; `step()` moves one step's bytes and returns the per-link deltas."""
+
+    def __init__(self, model: nn.Module, cfg: TieredConfig, compute_s: float = 0.0) -> None:
+        from tiered.bench.preflight import check_free_space
+        from tiered.engine.build import build_tier_manager
+        from tiered.optim.placement import tier_is_host
+
+        if compute_s < 0:
+            raise ConfigError(f"--compute-s must be >= 0 seconds, got {compute_s}")
+        # the space check comes before anything is opened or written: the bytes stored do not
+        # depend on the gpu budget (it only caps how parameters are grouped), so plan without it
+        first = derive_pattern(model, cfg, gpu_budget_bytes=None, gpu_is_host=True)
+        self.dirs = storage_directories(cfg, first.storage_tiers)
+        need = sum({p.name: p.nbytes for p in first.partitions}.values())
+        for d in self.dirs[:1]:
+            check_free_space(d, need, "the training pattern's partitions, each stored once")
+        self.tm = build_tier_manager(cfg)
+        try:
+            self.pattern = derive_pattern(
+                model,
+                cfg,
+                gpu_budget_bytes=self.tm.budget_bytes("gpu"),
+                gpu_is_host=tier_is_host(self.tm, "gpu"),
+            )
+            self._replay = _Replay(
+                self.tm, self.pattern, compute_s, compute_on_host=tier_is_host(self.tm, "gpu")
+            )
+        except BaseException:
+            self.tm.close()
+            raise
+
+    @property
+    def compute_s(self) -> float:
+        return self._replay.compute_s
+
+    @compute_s.setter
+    def compute_s(self, seconds: float) -> None:
+        self._replay.compute_s = max(0.0, float(seconds))
+
+    def step(self) -> dict[str, dict[str, float]]:
+        before = self.tm.stats()["links"]
+        self._replay.step()
+        return _delta(before, self.tm.stats()["links"])
+
+    def max_inflight(self) -> dict[str, int]:
+        return {k: int(v.get("max_inflight", 0)) for k, v in self.tm.stats()["links"].items()}
+
+    def result(self, samples: list[dict[str, dict[str, float]]], warmup: int) -> TrainingBenchResult:
+        from tiered.bench.runner import _filesystem, machine_info
+
+        return TrainingBenchResult(
+            pattern=self.pattern,
+            steps=len(samples),
+            warmup=warmup,
+            directory=", ".join(str(d) for d in self.dirs) or "-",
+            filesystem=_filesystem(self.dirs[0]) if self.dirs else "-",
+            date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            machine=machine_info(),
+            links=link_figures(samples, self.max_inflight(), self.pattern.storage_tiers),
+            compute_s=self.compute_s,
+        )
+
+    def close(self) -> None:
+        self.tm.close()
+
+
+def describe_step(delta: dict[str, dict[str, float]]) -> str:
+    return ", ".join(
+        f"{k} {v['bytes'] / v['seconds'] / 1e9:.2f} GB/s"
+        for k, v in sorted(delta.items())
+        if v["seconds"] > 0
+    )
+
+
 def bench_training(
     model: nn.Module,
     cfg: TieredConfig,
@@ -154,60 +230,22 @@ def bench_training(
     """Derive the pattern of `model` + `cfg` and replay it `warmup` + `steps` times, with
     `compute_s` seconds of forward + backward compute per step between the moves
     ([Note: compute between the moves])."""
-    from tiered.bench.preflight import check_free_space
-    from tiered.bench.runner import _filesystem, machine_info
-    from tiered.engine.build import build_tier_manager
-    from tiered.optim.placement import tier_is_host
-
-    if compute_s < 0:
-        raise ConfigError(f"--compute-s must be >= 0 seconds, got {compute_s}")
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps must be >= 1 (got {steps}) and --warmup >= 0 (got {warmup})")
     say = progress or (lambda _m: None)
-    # the space check comes before anything is opened or written: the bytes stored do not
-    # depend on the gpu budget (it only caps how parameters are grouped), so plan without it
-    first = derive_pattern(model, cfg, gpu_budget_bytes=None, gpu_is_host=True)
-    dirs = storage_directories(cfg, first.storage_tiers)
-    need = sum({p.name: p.nbytes for p in first.partitions}.values())
-    for d in dirs[:1]:
-        check_free_space(d, need, "the training pattern's partitions, each stored once")
-    tm = build_tier_manager(cfg)
+    replay = TrainingReplay(model, cfg, compute_s)
     try:
-        pattern = derive_pattern(
-            model, cfg, gpu_budget_bytes=tm.budget_bytes("gpu"), gpu_is_host=tier_is_host(tm, "gpu")
-        )
-        note(progress, pattern.describe())
+        note(progress, replay.pattern.describe())
         add_total(progress, warmup + steps)
-        replay = _Replay(tm, pattern, compute_s, compute_on_host=tier_is_host(tm, "gpu"))
         samples: list[dict[str, dict[str, float]]] = []
         for s in range(warmup + steps):
-            before = tm.stats()["links"]
-            replay.step()
-            delta = _delta(before, tm.stats()["links"])
+            delta = replay.step()
             if s >= warmup:
                 samples.append(delta)
-            say(
-                f"step {s + 1}/{warmup + steps}{' (warm-up)' if s < warmup else ''}: "
-                + ", ".join(
-                    f"{k} {v['bytes'] / v['seconds'] / 1e9:.2f} GB/s"
-                    for k, v in sorted(delta.items())
-                    if v["seconds"] > 0
-                )
-            )
-        max_inflight = {k: int(v.get("max_inflight", 0)) for k, v in tm.stats()["links"].items()}
+            say(f"step {s + 1}/{warmup + steps}{' (warm-up)' if s < warmup else ''}: {describe_step(delta)}")
+        return replay.result(samples, warmup)
     finally:
-        tm.close()
-    return TrainingBenchResult(
-        pattern=pattern,
-        steps=steps,
-        warmup=warmup,
-        directory=", ".join(str(d) for d in dirs) or "-",
-        filesystem=_filesystem(dirs[0]) if dirs else "-",
-        date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        machine=machine_info(),
-        links=link_figures(samples, max_inflight, pattern.storage_tiers),
-        compute_s=max(0.0, float(compute_s)),
-    )
+        replay.close()
 
 
 def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, dict[str, float]]:
