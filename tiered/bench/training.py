@@ -325,6 +325,7 @@ class _Replay:
         half = self.compute_s / 2  # forward ~ 1/3, backward ~ 2/3 of the FLOPs; the split hardly matters
         self._pass(self._phase("forward"), half)
         backward = self._phase("backward")
+        self._prefetch_states()  # as the engine does when backward begins
         self._pass([p for p in reversed(backward) if p.stage == "gpu"], half)
         for p in reversed(backward):  # staged gradients: one group at a time, read-add-write
             if p.stage != "gpu":
@@ -334,6 +335,20 @@ class _Replay:
                 self.tm.release(part, p.stage)
                 self.tm.evict(part, p.stage).result()
         self._optimizer(self._phase("step"))
+
+    def _step_groups(self) -> list[list[PartitionIO]]:
+        by_group: dict[str, list[PartitionIO]] = {}
+        for p in self._phase("step"):
+            by_group.setdefault(p.name.split(".")[0], []).append(p)
+        return list(by_group.values())
+
+    def _prefetch_states(self) -> None:
+        """The first groups' optimizer-state reads start with backward (unpinned), as
+        `OffloadedAdam.prefetch_states` starts them; the step's fetches then find them."""
+        for group in self._step_groups()[: self.pattern.prefetch_groups]:
+            for p in group:
+                if p.reads and not p.name.endswith(".grad"):
+                    self.tm.prefetch(self.parts[p.name], p.stage)
 
     def _pass(self, moves: list[PartitionIO], compute_s: float) -> None:
         """Parameter reads of one pass, FORWARD_WINDOW in flight; each group computes its share
