@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import sys
@@ -24,13 +25,18 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 HEADING = "## Bandwidth"
 
 
-def section(result, command: str) -> str:
+def section(result, command: str, load: tuple[float, float, float] | None = None) -> str:
     m = result.machine
+    busy = (
+        f" Load average (1/5/15 min) at the start: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}."
+        if load
+        else ""
+    )
     return (
         f"{HEADING}\n\n"
         "Written by `benchmarks/bandwidth.py --write-results` (the same code as `tiered bench`).\n\n"
         f"Run {result.date} on {m['processor']} x {m['cpu_count']} CPUs, {m['platform']}; torch {m['torch']}; "
-        f"directory on {result.filesystem}.\n\n"
+        f"directory on {result.filesystem}.{busy}\n\n"
         f"Command: `{command}`\n\n"
         "Each round runs every method once (write, then cold read), in an order rotated by one per round; "
         "GB/s = 1e9 B/s, median over rounds. Writes include fsync; reads follow posix_fadvise(DONTNEED) on the "
@@ -66,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sweep or args.plot:  # shared flags this one-size report does not draw: never ignored
         parser.error("--sweep / --plot: run `tiered bench --sweep` (this script reports one --size)")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
     try:
         result = measure(args)
     except TieredError as exc:
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             shown.append(a)
         command = "python benchmarks/bandwidth.py " + " ".join(shlex.quote(a) for a in shown)
-        text = section(result, command.strip()).replace(result.directory, "DIR")
+        text = section(result, command.strip(), load).replace(result.directory, "DIR")
         write_section(Path(args.write_results), text)
         print(f"updated {HEADING!r} in {args.write_results}", file=sys.stderr)
     return 0 if result.methods and result.methods[0].status == "ok" else 1

@@ -142,8 +142,8 @@ def test_cli_training_check_prints_both_figures(tmp_path: Path, capsys: pytest.C
         assert row["predicted"]["seconds_per_step"] > 0 and row["measured"]["seconds_per_step"] > 0
         assert doc["training"]["links"][link]["bytes_per_step"] == row["predicted"]["bytes_per_step"]
     assert (rc == 0) == doc["check"]["within_tolerance"]
-    # the replay ran with the real run's compute time between its moves
-    assert doc["training"]["compute_s"] == doc["check"]["compute_s"] > 0
+    # the replay rested for the real steps' compute time (their running median) between its moves
+    assert doc["training"]["compute_s"] > 0 and doc["check"]["compute_s"] > 0
     assert list((tmp_path / "offload").iterdir()) == []
 
 

@@ -90,6 +90,9 @@ class TrainingPattern:
     link_bound: int
     storage_tiers: tuple[str, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    prefetch_groups: int = 0
+    """Groups whose optimizer state the engine starts reading when backward begins
+    (`OffloadedAdam.prefetch_states`: buffer_count, or every group with pipeline_read)."""
 
     def predicted_bytes(self) -> dict[str, int]:
         """Bytes per step per link ("nvme->cpu", ...)."""
@@ -215,6 +218,9 @@ def derive_pattern(
         link_bound=link_bound(),
         storage_tiers=tuple(sorted(storage)),
         notes=tuple(notes),
+        prefetch_groups=len(trainable)
+        if cfg.zero.offload_optimizer.pipeline_read
+        else min(len(trainable), max(1, int(cfg.zero.offload_optimizer.buffer_count))),
     )
 
 

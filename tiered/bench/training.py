@@ -12,7 +12,9 @@ A drive (and the VM in front of it) delivers more while it gets rests: on the 2-
 benchmarks/RESULTS.md the same replay ran 1.24-1.4x faster with 3 s of idle time per step than
 back to back. Training's storage links rest while forward and backward compute (the whole pass
 when the parameters stay in memory), so the replay takes that compute time, `compute_s`, split
-between the two passes, each gathered group computing its share by size. 0 (the default)
+between the two passes, each gathered group computing its share by size, as host matrix products
+where the "gpu" tier is host memory (there the compute takes the cores the I/O's copies and
+checksums need, as training's does) and as a sleep where a GPU computes. 0 (the default)
 replays the moves back to back, the busiest case; `--compute-s` gives it, and `--check` measures
 it from the real run (forward + backward minus the training thread's tier stalls) and replays
 with that.
@@ -29,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from tiered.bench.pattern import PartitionIO, TrainingPattern, derive_pattern
 from tiered.bench.progress import add_total, note
@@ -138,6 +142,82 @@ def storage_directories(cfg: TieredConfig, storage_tiers: tuple[str, ...]) -> li
     return out
 
 
+class TrainingReplay:
+    """An open replay: the space checked, the tier manager built from the config, the
+    partitions created; `step()` moves one step's bytes and returns the per-link deltas."""
+
+    def __init__(self, model: nn.Module, cfg: TieredConfig, compute_s: float = 0.0) -> None:
+        from tiered.bench.preflight import check_free_space
+        from tiered.engine.build import build_tier_manager
+        from tiered.optim.placement import tier_is_host
+
+        if compute_s < 0:
+            raise ConfigError(f"--compute-s must be >= 0 seconds, got {compute_s}")
+        # the space check comes before anything is opened or written: the bytes stored do not
+        # depend on the gpu budget (it only caps how parameters are grouped), so plan without it
+        first = derive_pattern(model, cfg, gpu_budget_bytes=None, gpu_is_host=True)
+        self.dirs = storage_directories(cfg, first.storage_tiers)
+        need = sum({p.name: p.nbytes for p in first.partitions}.values())
+        for d in self.dirs[:1]:
+            check_free_space(d, need, "the training pattern's partitions, each stored once")
+        self.tm = build_tier_manager(cfg)
+        try:
+            self.pattern = derive_pattern(
+                model,
+                cfg,
+                gpu_budget_bytes=self.tm.budget_bytes("gpu"),
+                gpu_is_host=tier_is_host(self.tm, "gpu"),
+            )
+            self._replay = _Replay(
+                self.tm, self.pattern, compute_s, compute_on_host=tier_is_host(self.tm, "gpu")
+            )
+        except BaseException:
+            self.tm.close()
+            raise
+
+    @property
+    def compute_s(self) -> float:
+        return self._replay.compute_s
+
+    @compute_s.setter
+    def compute_s(self, seconds: float) -> None:
+        self._replay.compute_s = max(0.0, float(seconds))
+
+    def step(self) -> dict[str, dict[str, float]]:
+        before = self.tm.stats()["links"]
+        self._replay.step()
+        return _delta(before, self.tm.stats()["links"])
+
+    def max_inflight(self) -> dict[str, int]:
+        return {k: int(v.get("max_inflight", 0)) for k, v in self.tm.stats()["links"].items()}
+
+    def result(self, samples: list[dict[str, dict[str, float]]], warmup: int) -> TrainingBenchResult:
+        from tiered.bench.runner import _filesystem, machine_info
+
+        return TrainingBenchResult(
+            pattern=self.pattern,
+            steps=len(samples),
+            warmup=warmup,
+            directory=", ".join(str(d) for d in self.dirs) or "-",
+            filesystem=_filesystem(self.dirs[0]) if self.dirs else "-",
+            date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            machine=machine_info(),
+            links=link_figures(samples, self.max_inflight(), self.pattern.storage_tiers),
+            compute_s=self.compute_s,
+        )
+
+    def close(self) -> None:
+        self.tm.close()
+
+
+def describe_step(delta: dict[str, dict[str, float]]) -> str:
+    return ", ".join(
+        f"{k} {v['bytes'] / v['seconds'] / 1e9:.2f} GB/s"
+        for k, v in sorted(delta.items())
+        if v["seconds"] > 0
+    )
+
+
 def bench_training(
     model: nn.Module,
     cfg: TieredConfig,
@@ -150,60 +230,22 @@ def bench_training(
     """Derive the pattern of `model` + `cfg` and replay it `warmup` + `steps` times, with
     `compute_s` seconds of forward + backward compute per step between the moves
     ([Note: compute between the moves])."""
-    from tiered.bench.preflight import check_free_space
-    from tiered.bench.runner import _filesystem, machine_info
-    from tiered.engine.build import build_tier_manager
-    from tiered.optim.placement import tier_is_host
-
-    if compute_s < 0:
-        raise ConfigError(f"--compute-s must be >= 0 seconds, got {compute_s}")
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps must be >= 1 (got {steps}) and --warmup >= 0 (got {warmup})")
     say = progress or (lambda _m: None)
-    # the space check comes before anything is opened or written: the bytes stored do not
-    # depend on the gpu budget (it only caps how parameters are grouped), so plan without it
-    first = derive_pattern(model, cfg, gpu_budget_bytes=None, gpu_is_host=True)
-    dirs = storage_directories(cfg, first.storage_tiers)
-    need = sum({p.name: p.nbytes for p in first.partitions}.values())
-    for d in dirs[:1]:
-        check_free_space(d, need, "the training pattern's partitions, each stored once")
-    tm = build_tier_manager(cfg)
+    replay = TrainingReplay(model, cfg, compute_s)
     try:
-        pattern = derive_pattern(
-            model, cfg, gpu_budget_bytes=tm.budget_bytes("gpu"), gpu_is_host=tier_is_host(tm, "gpu")
-        )
-        note(progress, pattern.describe())
+        note(progress, replay.pattern.describe())
         add_total(progress, warmup + steps)
-        replay = _Replay(tm, pattern, compute_s)
         samples: list[dict[str, dict[str, float]]] = []
         for s in range(warmup + steps):
-            before = tm.stats()["links"]
-            replay.step()
-            delta = _delta(before, tm.stats()["links"])
+            delta = replay.step()
             if s >= warmup:
                 samples.append(delta)
-            say(
-                f"step {s + 1}/{warmup + steps}{' (warm-up)' if s < warmup else ''}: "
-                + ", ".join(
-                    f"{k} {v['bytes'] / v['seconds'] / 1e9:.2f} GB/s"
-                    for k, v in sorted(delta.items())
-                    if v["seconds"] > 0
-                )
-            )
-        max_inflight = {k: int(v.get("max_inflight", 0)) for k, v in tm.stats()["links"].items()}
+            say(f"step {s + 1}/{warmup + steps}{' (warm-up)' if s < warmup else ''}: {describe_step(delta)}")
+        return replay.result(samples, warmup)
     finally:
-        tm.close()
-    return TrainingBenchResult(
-        pattern=pattern,
-        steps=steps,
-        warmup=warmup,
-        directory=", ".join(str(d) for d in dirs) or "-",
-        filesystem=_filesystem(dirs[0]) if dirs else "-",
-        date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        machine=machine_info(),
-        links=link_figures(samples, max_inflight, pattern.storage_tiers),
-        compute_s=max(0.0, float(compute_s)),
-    )
+        replay.close()
 
 
 def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -251,13 +293,30 @@ def link_figures(
 class _Replay:
     """The partitions of a pattern in a TierManager, moved as one training step moves them."""
 
-    def __init__(self, tm: TierManager, pattern: TrainingPattern, compute_s: float = 0.0) -> None:
+    def __init__(
+        self, tm: TierManager, pattern: TrainingPattern, compute_s: float = 0.0, *, compute_on_host: bool
+    ) -> None:
         self.tm, self.pattern = tm, pattern
         self.compute_s = max(0.0, float(compute_s))
+        self.compute_on_host = compute_on_host
+        self._a = torch.randn(256, 256) if compute_on_host else None
         self.parts: dict[str, Partition] = {}
         for p in pattern.partitions:
             if p.name not in self.parts:
                 self.parts[p.name] = tm.create(p.name, p.numel, p.dtype, p.home)
+
+    def compute(self, seconds: float) -> None:
+        """Stand in for `seconds` of model compute: host matrix products on torch's threads where
+        the "gpu" tier is host memory (the compute then competes with the I/O for the cores, as
+        training's does), a sleep where a real GPU computes."""
+        if seconds <= 0:
+            return
+        if self._a is None:
+            time.sleep(seconds)
+            return
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            torch.mm(self._a, self._a)
 
     def _phase(self, phase: str) -> list[PartitionIO]:
         return [p for p in self.pattern.partitions if p.phase == phase]
@@ -266,6 +325,7 @@ class _Replay:
         half = self.compute_s / 2  # forward ~ 1/3, backward ~ 2/3 of the FLOPs; the split hardly matters
         self._pass(self._phase("forward"), half)
         backward = self._phase("backward")
+        self._prefetch_states()  # as the engine does when backward begins
         self._pass([p for p in reversed(backward) if p.stage == "gpu"], half)
         for p in reversed(backward):  # staged gradients: one group at a time, read-add-write
             if p.stage != "gpu":
@@ -276,19 +336,33 @@ class _Replay:
                 self.tm.evict(part, p.stage).result()
         self._optimizer(self._phase("step"))
 
+    def _step_groups(self) -> list[list[PartitionIO]]:
+        by_group: dict[str, list[PartitionIO]] = {}
+        for p in self._phase("step"):
+            by_group.setdefault(p.name.split(".")[0], []).append(p)
+        return list(by_group.values())
+
+    def _prefetch_states(self) -> None:
+        """The first groups' optimizer-state reads start with backward (unpinned), as
+        `OffloadedAdam.prefetch_states` starts them; the step's fetches then find them."""
+        for group in self._step_groups()[: self.pattern.prefetch_groups]:
+            for p in group:
+                if p.reads and not p.name.endswith(".grad"):
+                    self.tm.prefetch(self.parts[p.name], p.stage)
+
     def _pass(self, moves: list[PartitionIO], compute_s: float) -> None:
         """Parameter reads of one pass, FORWARD_WINDOW in flight; each group computes its share
         of `compute_s` (by size) once gathered, then is freed."""
         tm, inflight = self.tm, deque[tuple[PartitionIO, Any]]()
         if not moves:
-            time.sleep(compute_s)  # the links rest while the pass computes
+            self.compute(compute_s)  # the links rest while the pass computes
             return
         total = sum(p.numel for p in moves)
 
         def finish() -> None:
             p, fut = inflight.popleft()
             fut.result()
-            time.sleep(compute_s * p.numel / total)
+            self.compute(compute_s * p.numel / total)
             tm.release(self.parts[p.name], p.stage)
             tm.evict(self.parts[p.name], p.stage).result()  # clean: frees it
 

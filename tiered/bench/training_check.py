@@ -1,11 +1,14 @@
-"""`tiered bench --training --check`: a few real training steps of the same model + config on
-the same drive, their `engine.stats()` link figures next to the replay's prediction.
+"""`tiered bench --training --check`: real training steps of the same model + config on the
+same drive, interleaved round-robin with the replay's steps, their `engine.stats()` link
+figures next to the prediction.
 
-The real run comes first: its forward + backward compute time is what the replay puts between
-its moves ([Note: compute between the moves]). It trains the model (built with real, seeded weights) on random tokens for `warmup` +
-`steps` steps; each step's link figures are the difference of `engine.stats()["tiers"]["links"]`
-around it, the mean over the measured steps, exactly as the replay reports its own. The ratio
-measured / predicted is reported per link; the target is within 20% (0.8 .. 1.2).
+Each round runs one real step (the model built with real, seeded weights, on random tokens) and
+one replayed step, the order rotated ([Note: round-robin measurement]): the drive's drift
+reaches both alike. Round 0 (real first) warms both up; the replay's compute time between its
+moves is the median of the real steps' forward + backward compute so far ([Note: compute
+between the moves]). Each step's link figures are the difference of the link counters around it,
+the mean over the measured steps; the ratio measured / predicted is reported per link, the
+target within 20% (0.8 .. 1.2).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tiered.bench.progress import add_total
+from tiered.bench.progress import add_total, note
 from tiered.bench.training import LinkFigure, TrainingBenchResult, _delta, link_figures
 from tiered.units import format_bytes
 
@@ -106,7 +109,8 @@ class TrainingCheck:
             return "-" if v is None else f"{v:.2f}"
 
         lines = [
-            f"check: {self.steps} real training steps of the same model + config on the same drive "
+            f"check: {self.steps} real training steps of the same model + config on the same drive, "
+            "round-robin with the replayed steps "
             f"(median step {self.step_s:.3f} s, of which {self.compute_s:.3f} s forward + backward compute, "
             "given to the replay), engine.stats() per step vs the replay",
             "",
@@ -173,6 +177,7 @@ def measure_training(
             t1 = time.perf_counter()
             mid = engine.stats()["tiers"]
             engine.step()
+            getattr(engine.optimizer, "wait_writes", lambda: None)()  # this step's write-backs in its window
             dt = time.perf_counter() - t0
             delta = _delta(before["links"], engine.stats()["tiers"]["links"])
             if s >= warmup:
@@ -194,3 +199,81 @@ def compare(prediction: TrainingBenchResult, real: RealRun, steps: int) -> Train
     by = {f.link: f for f in real.links}
     rows = tuple(CheckRow(k, prediction.link(k), by.get(k)) for k in names)
     return TrainingCheck(prediction, steps, real.step_s, rows, real.compute_s)
+
+
+def check_round_robin(
+    model: nn.Module,
+    build: Callable[[], nn.Module],
+    cfg: TieredConfig,
+    *,
+    steps: int,
+    warmup: int,
+    seq_len: int,
+    compute_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> TrainingCheck:
+    """The replay and the real run side by side, one step of each per round, the order rotated
+    ([Note: round-robin measurement]): a drive that drifts drifts under both. The replay's compute
+    time is the real steps' so far (median), unless `compute_s` gives it; round 0 runs the real
+    step first and is a warm-up for both."""
+    import time
+
+    import tiered
+    from tiered.bench.training import TrainingReplay, describe_step
+
+    say = progress or (lambda _m: None)
+    warmup = max(1, warmup)
+    replay = TrainingReplay(model, cfg, compute_s or 0.0)
+    try:
+        note(progress, replay.pattern.describe())
+        add_total(progress, 2 * (warmup + steps))
+        real_model = build()
+        real_samples: list[dict[str, dict[str, float]]] = []
+        replay_samples: list[dict[str, dict[str, float]]] = []
+        times: list[float] = []
+        computes: list[float] = []
+        with tiered.initialize(real_model, cfg) as engine:
+
+            def real_step(s: int) -> None:
+                batch = random_batch(real_model, cfg, seq_len, seed=s)
+                before = engine.stats()["tiers"]
+                t0 = time.perf_counter()
+                loss = engine(**batch).loss
+                engine.backward(loss)
+                t1 = time.perf_counter()
+                mid = engine.stats()["tiers"]
+                engine.step()
+                # the step's last write-backs (they overlap the next forward in training) land
+                # in this step's window, not in the replayed step that follows
+                getattr(engine.optimizer, "wait_writes", lambda: None)()
+                dt = time.perf_counter() - t0
+                delta = _delta(before["links"], engine.stats()["tiers"]["links"])
+                computes.append(max(0.0, (t1 - t0) - (mid["stall_s"] - before["stall_s"])))
+                if s >= warmup:
+                    real_samples.append(delta)
+                    times.append(dt)
+                say(f"round {s + 1}/{warmup + steps} training step: {dt:.2f} s, {describe_step(delta)}")
+
+            def replay_step(s: int) -> None:
+                if compute_s is None:
+                    replay.compute_s = statistics.median(computes)
+                delta = replay.step()
+                if s >= warmup:
+                    replay_samples.append(delta)
+                say(f"round {s + 1}/{warmup + steps} replayed step: {describe_step(delta)}")
+
+            for s in range(warmup + steps):
+                for run in (real_step, replay_step) if s % 2 == 0 else (replay_step, real_step):
+                    run(s)
+            links = engine.stats()["tiers"]["links"]
+        prediction = replay.result(replay_samples, warmup)
+    finally:
+        replay.close()
+    storage = prediction.pattern.storage_tiers
+    max_inflight = {k: int(v.get("max_inflight", 0)) for k, v in links.items()}
+    real = RealRun(
+        link_figures(real_samples, max_inflight, storage),
+        statistics.median(times),
+        statistics.median(computes[warmup:] or computes),
+    )
+    return compare(prediction, real, steps)

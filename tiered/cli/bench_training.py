@@ -131,31 +131,22 @@ def _run(args: argparse.Namespace, out: TextIO, model: Any, cfg: Any, source: An
         out.write(f"\nconfig fragment written to {args.tune}\n")
         doc["tune"] = tuned.to_json()
         cfg = tuned.best_config
-    real = None
-    compute_s = args.compute_s
     if args.check:
-        from tiered.bench.training_check import measure_training
+        from tiered.bench.training_check import check_round_robin
         from tiered.finetune.model import build_model
 
-        real = measure_training(
+        check = check_round_robin(
+            model,
             lambda: build_model(source),
             cfg,
             steps=args.steps,
-            warmup=max(1, args.warmup),
+            warmup=args.warmup,
             seq_len=args.seq_len,
+            compute_s=args.compute_s,
             progress=progress,
         )
-        if compute_s is None:
-            compute_s = real.compute_s
-    result = bench_training(
-        model, cfg, steps=args.steps, warmup=args.warmup, compute_s=compute_s or 0.0, progress=progress
-    )
-    out.write(result.to_markdown())
-    doc["training"] = result.to_json()
-    if real is not None:
-        from tiered.bench.training_check import compare
-
-        check = compare(result, real, args.steps)
+        out.write(check.prediction.to_markdown())
+        doc["training"] = check.prediction.to_json()
         out.write("\n" + check.to_markdown())
         doc["check"] = check.to_json()
         if not check.ok:
@@ -164,6 +155,17 @@ def _run(args: argparse.Namespace, out: TextIO, model: Any, cfg: Any, source: An
                 file=sys.stderr,
             )
             status = 1
+    else:
+        result = bench_training(
+            model,
+            cfg,
+            steps=args.steps,
+            warmup=args.warmup,
+            compute_s=args.compute_s or 0.0,
+            progress=progress,
+        )
+        out.write(result.to_markdown())
+        doc["training"] = result.to_json()
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         out.write(f"\nJSON written to {args.json}\n")
