@@ -82,18 +82,13 @@ from tiered.storage.files import (
 )
 from tiered.storage.pool import BufferPool
 from tiered.units import format_bytes
+from tiered_nvme.pieces import ALIGN, Piece, plan, read_piece, write_piece
 from tiered_nvme.swap import SwapDirectory, reclaim_stale
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _CAPABILITIES = Capabilities(persistent=True, memory_like=False, alignment_bytes=ALIGN)
-
-
-def _align_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _positive(name: str, value: Any, *, multiple_of: int = 1) -> int:
@@ -216,68 +211,33 @@ class NVMeBackend(StorageBackend):
                 bounce.put(default_device().alloc_host(self.chunk_bytes, pin=True))
             self._bounce = bounce
 
-    # ---- the chunk machinery -----------------------------------------------------------------
-    def _plan(self, buf: torch.Tensor) -> list[tuple[int, int, bool]]:
-        """(offset, length, via_bounce) per syscall-sized piece of `buf`."""
-        n = buf.numel()
-        if not self.direct:
-            return [(o, min(self.chunk_bytes, n - o), False) for o in range(0, n, self.chunk_bytes)]
-        if buf.data_ptr() % ALIGN:
-            return [(o, min(self.chunk_bytes, n - o), True) for o in range(0, n, self.chunk_bytes)]
-        body = n // ALIGN * ALIGN
-        plan = [(o, min(self.chunk_bytes, body - o), False) for o in range(0, body, self.chunk_bytes)]
-        if n > body:
-            plan.append((body, n - body, True))
-        return plan
+    # ---- the chunk machinery ([Note: nvme shifted swap files] in tiered_nvme.pieces) ---------
+    def _plan(self, buf: torch.Tensor, shift: int = 0) -> list[Piece]:
+        """The syscall-sized pieces that move `buf`'s bytes, stored at file offset `shift`."""
+        mem_shift = buf.data_ptr() % ALIGN if buf.numel() else 0
+        return plan(buf.numel(), shift, mem_shift, direct=self.direct, chunk=self.chunk_bytes)
 
-    def _segments(self, mv: memoryview) -> list[memoryview]:
-        seg = max(self.block_size, -(-len(mv) // _IOV_MAX))
-        return [mv[i : i + seg] for i in range(0, len(mv), seg)]
-
-    def _pwrite_all(self, fd: int, mv: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(mv):
-            n = os.pwritev(fd, self._segments(mv[done:]), offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"pwritev wrote {n} bytes at offset {offset + done}")
-            done += n
-
-    def _pread_all(self, fd: int, mv: memoryview, offset: int) -> int:
-        done = 0
-        while done < len(mv):
-            n = os.preadv(fd, self._segments(mv[done:]), offset + done)
-            if n == 0:
-                break  # end of file: the padded tail of [Note: nvme on-disk size]
-            done += n
-        return done
-
-    def _write_piece(self, fd: int, src: torch.Tensor, offset: int, length: int, bounce: bool) -> None:
-        if not bounce:
-            self._pwrite_all(fd, src[offset : offset + length].numpy().data, offset)
+    def _write_piece(self, fd: int, src: torch.Tensor, piece: Piece, shift: int = 0) -> None:
+        if not piece.bounce:
+            write_piece(fd, src, piece, shift, self.block_size, None)
             return
         assert self._bounce is not None
         buf = self._bounce.get()
         try:
-            padded = _align_up(length)
-            buf[:length].copy_(src[offset : offset + length])
-            buf[length:padded].zero_()
-            self._pwrite_all(fd, buf[:padded].numpy().data, offset)
+            write_piece(fd, src, piece, shift, self.block_size, buf)
         finally:
             self._bounce.put(buf)
 
-    def _read_piece(self, fd: int, dst: torch.Tensor, offset: int, length: int, bounce: bool) -> None:
-        if not bounce:
-            got = self._pread_all(fd, dst[offset : offset + length].numpy().data, offset)
-        else:
-            assert self._bounce is not None
-            buf = self._bounce.get()
-            try:
-                got = self._pread_all(fd, buf[: _align_up(length)].numpy().data, offset)
-                dst[offset : offset + min(got, length)].copy_(buf[: min(got, length)])
-            finally:
-                self._bounce.put(buf)
-        if got < length:
-            raise OSError(errno.EIO, f"file ended early: got {got} of {length} bytes at offset {offset}")
+    def _read_piece(self, fd: int, dst: torch.Tensor, piece: Piece, shift: int = 0) -> None:
+        if not piece.bounce:
+            read_piece(fd, dst, piece, shift, self.block_size, None)
+            return
+        assert self._bounce is not None
+        buf = self._bounce.get()
+        try:
+            read_piece(fd, dst, piece, shift, self.block_size, buf)
+        finally:
+            self._bounce.put(buf)
 
     async def _run(self, calls: list[tuple[Any, ...]]) -> list[Any]:
         """Blocking calls on the bridge, ``workers`` at most at once; see [Note: one I/O bridge]."""
@@ -324,7 +284,7 @@ class NVMeBackend(StorageBackend):
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (_O_DIRECT if self.direct else 0)
             await self._open(tmp, flags, fds)
             n = src.numel()
-            await self._run([(self._write_piece, fds[0], src, o, ln, b) for o, ln, b in self._plan(src)])
+            await self._run([(self._write_piece, fds[0], src, piece) for piece in self._plan(src)])
             await self._run([(_finish_file, fds[0], n, self.direct, self.fsync)])
             await self._run([(_close_and_replace, fds, tmp, final)])
         except BaseException as exc:
@@ -346,7 +306,7 @@ class NVMeBackend(StorageBackend):
             flags = os.O_WRONLY | os.O_CREAT | (_O_DIRECT if self.direct else 0)
             await self._open(final, flags, fds)
             n = src.numel()
-            await self._run([(self._write_piece, fds[0], src, o, ln, b) for o, ln, b in self._plan(src)])
+            await self._run([(self._write_piece, fds[0], src, piece) for piece in self._plan(src)])
             await self._run([(_finish_in_place, fds[0], n, self.fsync)])
         except BaseException as exc:
             if isinstance(exc, OSError) and not isinstance(exc, StorageIOError):
@@ -385,7 +345,7 @@ class NVMeBackend(StorageBackend):
             if dst.device.type != "cpu":
                 staged = self._staging.acquire(dst.numel(), what=f"staging of key {key!r}")
                 target = staged[: dst.numel()]
-            await self._run([(self._read_piece, fd, target, o, ln, b) for o, ln, b in self._plan(target)])
+            await self._run([(self._read_piece, fd, target, piece) for piece in self._plan(target)])
             if staged is not None:
                 await self._device.wait(self._device.copy_async(dst, target), what=f"read of key {key!r}")
         except OSError as exc:
