@@ -135,6 +135,25 @@ def read_piece(
         need = at + hi - lo
         dst[lo : lo + max(0, min(got, need) - at)].copy_(bounce[at : max(at, min(got, need))])
     if got < need:
-        raise OSError(
-            errno.EIO, f"file ended early: got {got} of {need} bytes at offset {piece.offset}"
-        )
+        raise OSError(errno.EIO, f"file ended early: got {got} of {need} bytes at offset {piece.offset}")
+
+
+def finish_in_place(fd: int, nbytes: int, fsync: bool) -> None:
+    if os.fstat(fd).st_size != nbytes:
+        os.ftruncate(fd, nbytes)  # a shorter overwrite, or the O_DIRECT padding: the true size
+    if fsync:
+        os.fsync(fd)
+
+
+def finish_swap_file(fd: int, nbytes: int | None, fsync: bool) -> None:
+    if nbytes is not None:
+        os.ftruncate(fd, nbytes)  # the object shrank: give the disk back
+    if fsync:
+        os.fsync(fd)
+
+
+def finish_file(fd: int, nbytes: int, direct: bool, fsync: bool) -> None:
+    if direct and nbytes % ALIGN:
+        os.ftruncate(fd, nbytes)  # drop the padding: [Note: nvme on-disk size]
+    if fsync:
+        os.fsync(fd)

@@ -313,7 +313,9 @@ def test_plan_covers_every_byte_once_with_aligned_direct_pieces(tmp_path: Path) 
     base = default_device().alloc_host(300_000 + 2 * ALIGN, pin=False)
 
     @settings(max_examples=80, deadline=None, database=None)
-    @given(n=st.integers(1, 300_000), mem=st.integers(0, ALIGN - 1), same=st.booleans(), file=st.integers(0, 63))
+    @given(
+        n=st.integers(1, 300_000), mem=st.integers(0, ALIGN - 1), same=st.booleans(), file=st.integers(0, 63)
+    )
     def check(n: int, mem: int, same: bool, file: int) -> None:
         shift = mem if same else file
         buf = base[mem : mem + n]
