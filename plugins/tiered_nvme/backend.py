@@ -110,9 +110,9 @@ def _positive(name: str, value: Any, *, multiple_of: int = 1) -> int:
 class NVMeBackend(StorageBackend):
     """Files under `path`, one per key, written and read with O_DIRECT through the I/O bridge.
 
-    See [Note: nvme I/O path], [Note: nvme on-disk size], [Note: DeepSpeed aio knobs], [Note: atomic
-    file writes], [Note: nvme scratch mode], [Note: nvme swap directories] and [Note: nvme swap
-    index]. Falls back to buffered I/O, logged once, where O_DIRECT is refused (tmpfs).
+    See [Note: nvme I/O path], [Note: nvme on-disk size], [Note: DeepSpeed aio knobs],
+    [Note: atomic file writes], [Note: nvme scratch mode], [Note: nvme swap directories],
+    [Note: nvme swap index]. Falls back to buffered I/O, logged once, where O_DIRECT is refused.
     """
 
     name = "nvme"
@@ -338,8 +338,9 @@ class NVMeBackend(StorageBackend):
     async def _write_file_in_place(
         self, key: str, final: Path, src: torch.Tensor, shift: int, prior_bytes: int | None, file_bytes: int
     ) -> None:
-        """A swap file rewritten in place with its payload at `shift` ([Note: nvme shifted swap
-        files]); cut back to `file_bytes` only when it was longer (`prior_bytes`), else no stat."""
+        """A swap file rewritten in place with its payload at `shift`
+        ([Note: nvme shifted swap files]); cut back to `file_bytes` only when it was longer
+        (`prior_bytes`), else no stat."""
         fds: list[int] = []
         try:
             await self._open(final, os.O_WRONLY | os.O_CREAT | (_O_DIRECT if self.direct else 0), fds)

@@ -1,8 +1,8 @@
 """Small swap objects packed into one slab file, and the requests issued together merged into few syscalls.
 
 [Note: nvme swap index]
-A swap backend's directory is private and deleted by ``close()`` ([Note: nvme swap
-directories]): no other process and no later run reads it. So the backend keeps what it knows
+A swap backend's directory is private and deleted by ``close()``
+([Note: nvme swap directories]): no other process and no later run reads it. So the backend keeps what it knows
 of each key in memory, a `SwapEntry`: its size, where its payload starts in its file
 ([Note: nvme shifted swap files]) or its slot in the slab. A read needs no ``fstat`` (the size
 is known), a write no ``ftruncate`` unless the file shrinks, and the file layout is free.
