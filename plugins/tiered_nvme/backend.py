@@ -273,7 +273,7 @@ class NVMeBackend(StorageBackend):
         return f"file {str(self._file(key))!r}"
 
     async def write(self, key: str, tensor: torch.Tensor) -> None:
-        final = self._file(key)
+        check_key(key)  # the path itself only where a file is used: a slab object needs none
         src = tensor_bytes(tensor, what=f"nvme write of key {key!r}").detach()
         staged = None
         try:
@@ -284,11 +284,11 @@ class NVMeBackend(StorageBackend):
                 await self._device.wait(self._device.copy_async(host, src), what=f"write of key {key!r}")
                 src = host
             if self._store is not None:
-                await self._store.write(key, final, src)
+                await self._store.write(key, src)
             elif self.atomic:
-                await self._write_atomic(key, final, src)
+                await self._write_atomic(key, self._file(key), src)
             else:
-                await self._write_in_place(key, final, src)
+                await self._write_in_place(key, self._file(key), src)
         finally:
             if staged is not None:
                 self._staging.release(staged)
@@ -361,7 +361,7 @@ class NVMeBackend(StorageBackend):
             _close_all(fds)
 
     async def read(self, key: str, out: torch.Tensor) -> None:
-        path = self._file(key)
+        check_key(key)
         dst = tensor_bytes(out, what=f"nvme read of key {key!r}").detach()
         self._check_open()
         staged = None
@@ -371,9 +371,9 @@ class NVMeBackend(StorageBackend):
                 staged = self._staging.acquire(dst.numel(), what=f"staging of key {key!r}")
                 target = staged[: dst.numel()]
             if self._store is not None:
-                await self._store.read(key, path, target)
+                await self._store.read(key, target)
             else:
-                await self._read_file(key, path, target, None)
+                await self._read_file(key, self._file(key), target, None)
             if staged is not None:
                 await self._device.wait(self._device.copy_async(dst, target), what=f"read of key {key!r}")
         finally:
@@ -417,7 +417,7 @@ class NVMeBackend(StorageBackend):
         path = self._file(key)
         try:
             if self._store is not None:
-                await self._store.delete(key, path)
+                await self._store.delete(key)
             else:
                 await self._run([(os.unlink, path)])
         except FileNotFoundError:

@@ -5,7 +5,10 @@ A swap backend's directory is private and deleted by ``close()``
 ([Note: nvme swap directories]): no other process and no later run reads it. So the backend keeps what it knows
 of each key in memory, a `SwapEntry`: its size, where its payload starts in its file
 ([Note: nvme shifted swap files]) or its slot in the slab. A read needs no ``fstat`` (the size
-is known), a write no ``ftruncate`` unless the file shrinks, and the file layout is free.
+is known), a write no ``ftruncate`` unless the object shrank by over a quarter (and 1 MiB): a
+file keeps the blocks of a slightly larger earlier version (the same partition written from a
+buffer with another shift needs one block more or less), as a shrink and a regrow would each
+cost the filesystem an allocation. The file layout is the backend's to choose.
 
 [Note: nvme slab coalescing]
 A layer has dozens of partitions of 64 KiB - 1 MiB (norms, biases, small projections). One file

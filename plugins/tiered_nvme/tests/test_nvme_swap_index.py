@@ -171,3 +171,50 @@ def test_coalesce_bytes_zero_keeps_one_file_per_key_and_round_trips_in_the_spec(
         await b.close()
 
     asyncio.run(go())
+
+
+def test_a_failed_slab_write_is_a_storage_error_naming_the_key(tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import os
+
+    from tiered.errors import StorageIOError
+
+    async def go() -> None:
+        b = _swap(tmp_path)
+        await b.write("fine", random_bytes(8192, seed=1))
+
+        def broken(*_a, **_k):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(os, "pwritev", broken)
+        with pytest.raises(StorageIOError, match="'doomed'.*slab") as info:
+            await b.write("doomed", random_bytes(8192, seed=2))
+        assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.EIO
+        monkeypatch.undo()
+        assert not await b.exists("doomed")
+        out = torch.empty(8192, dtype=torch.uint8)
+        await b.read("fine", out)
+        assert torch.equal(out, random_bytes(8192, seed=1))
+        await b.close()
+
+    asyncio.run(go())
+
+
+def test_a_swap_file_keeps_its_blocks_for_a_small_shrink_and_gives_back_a_large_one(tmp_path: Path) -> None:
+    async def go() -> None:
+        b = _swap(tmp_path)
+        path = b.directory / "f"
+        base = _aligned((8 << 20) + ALIGN)
+        await b.write("f", base[64 : 64 + (8 << 20)])  # shifted: 8 MiB + one block on disk
+        assert path.stat().st_size == (8 << 20) + ALIGN
+        await b.write("f", base[: 8 << 20])  # one block less: kept, no truncate
+        assert path.stat().st_size == (8 << 20) + ALIGN
+        small = random_bytes(2 << 20, seed=3)
+        await b.write("f", small)  # a quarter: the disk space goes back
+        assert path.stat().st_size == -(-(b._store.entries["f"].shift + (2 << 20)) // ALIGN) * ALIGN
+        out = torch.empty_like(small)
+        await b.read("f", out)
+        assert torch.equal(out, small)
+        await b.close()
+
+    asyncio.run(go())
