@@ -385,21 +385,26 @@ def section(text: str, command: str, before: str, after: str) -> str:
 
 FINDINGS = """What was slow and what changed (the nvme backend in swap mode):
 
-- **Large partitions** (16 x 64 MiB, mixed 1-64 MiB): the backend already shares the raw pool's
-  chunking (8 MiB pieces) and width (8 workers: its `CapacityLimiter` equals the pool's 8 threads),
-  and every piece of every partition is queued at once, so large swap-mode transfers run at the
-  pool's rate; the per-object cost (an `open`, an `fstat` per read, an `fstat` per write, a
-  `close`: three or four thread handoffs per object) is below 1% of a 64 MiB move. Swap mode now
-  keeps each key's size in memory ([Note: nvme swap index]): no `fstat`, and no `ftruncate` unless
-  the object shrank.
+- **Large partitions** (16 x 64 MiB, mixed 1-64 MiB): the backend already used the raw pool's
+  chunking (8 MiB pieces) and width (8 workers: its `CapacityLimiter` equals the pool's 8
+  threads), with every piece of every partition queued at once; the per-object cost (an `open`,
+  an `fstat` per read and per write, a `close`: three or four thread handoffs) is small next to
+  a 64 MiB move. Before this change the same script (2 rounds, load average 6-14) gave large
+  1.05x / 0.98x (write / read), mixed 1.10x / 1.17x, unaligned 0.61x / 0.65x and small
+  0.16x / 0.42x: the 0.45x / 0.72x of issue 15 did not reproduce in swap mode with O_DIRECT on
+  both sides. Swap mode now keeps each key's size in memory ([Note: nvme swap index]): no
+  `fstat`, and no `ftruncate` unless an object shrank by over a quarter.
 - **Unaligned caller tensors** (`torch.empty`, 64 B past a page) went through the bounce buffer
   chunk by chunk: a memcpy of every byte on each write and read, on a CPU-starved machine. Swap
   files now store such a payload at the caller's shift ([Note: nvme shifted swap files]): all but
   a head and a tail block move straight between the tensor and the file.
 - **Small partitions** (64 KiB - 1 MiB): one file each, with an `open`, a `close`, several thread
-  handoffs and one small device request per partition. They now share one slab file and the
+  handoffs and one small device request per partition. They now share one slab file, and the
   requests issued together are merged into vectored syscalls of up to 8 MiB
-  ([Note: nvme slab coalescing]; 160 partitions move in about 16 syscalls, not 160 x 3).
+  ([Note: nvme slab coalescing]: the 160 partitions here move in 15 syscalls instead of about
+  480 calls). What is left is per-object Python work on the event loop (key check, lock, future,
+  tensor views: tens of microseconds each, much more on a CPU-starved VM), which 66 MiB in ~30 ms
+  does not amortize.
 - **Striping over two directories** on one disk cannot beat one directory; the stripe backend
   also writes each stripe as a fresh generation object with a commit record and deletes the old
   ones (not in place), which costs the allocation and metadata work that swap files avoid.
