@@ -166,3 +166,53 @@ def test_use_after_close_is_refused_for_every_backend_by_the_base_class(tmp_path
             await b.read("k", torch.empty(2))
 
     asyncio.run(main())
+
+
+class OverConcurrent(GoodBackend):
+    """Declares io_concurrency 2, but runs each write as 6 blocking calls at once, unbounded."""
+
+    io_concurrency = 2
+
+    async def write(self, key: str, tensor: torch.Tensor) -> None:
+        gate = threading.Barrier(6, timeout=5)  # all six really run at once
+        await self.bridge.run_all([(gate.wait,) for _ in range(6)])
+        await super().write(key, tensor)
+
+
+class BadBouncePath(GoodBackend):
+    """Declares 4096-byte alignment and reads a buffer off that boundary one byte late."""
+
+    static_capabilities = Capabilities(persistent=True, memory_like=False, alignment_bytes=4096)
+
+    async def read(self, key: str, out: torch.Tensor) -> None:
+        await super().read(key, out)
+        dst = tensor_bytes(out, what=key)
+        if dst.data_ptr() % 4096 and dst.numel() > 1:
+            dst[1:] = dst[:-1].clone()
+
+
+class ForgetsOnClose(GoodBackend):
+    """Declares persistent, but close() drops everything it held."""
+
+    async def close(self) -> None:
+        self._data.clear()
+
+
+def test_alignment_check_catches_a_broken_unaligned_path(tmp_path: Path) -> None:
+    _suite(GoodBackend).test_declared_alignment_holds(tmp_path / "g")
+    with pytest.raises(AssertionError, match="past an 4096-byte boundary"):
+        _suite(BadBouncePath).test_declared_alignment_holds(tmp_path / "b")
+
+
+def test_concurrency_check_catches_more_calls_than_declared(tmp_path: Path) -> None:
+    _suite(GoodBackend).test_declared_concurrency_holds(tmp_path / "g")
+    with pytest.raises(
+        AssertionError, match=r"io_concurrency 2 declared, but \d+ blocking calls ran at once"
+    ):
+        _suite(OverConcurrent).test_declared_concurrency_holds(tmp_path / "b")
+
+
+def test_persistence_check_catches_bytes_lost_at_close(tmp_path: Path) -> None:
+    _suite(GoodBackend).test_declared_persistence_survives_close_and_reopen(tmp_path / "g")
+    with pytest.raises(StorageKeyError, match="survivor"):
+        _suite(ForgetsOnClose).test_declared_persistence_survives_close_and_reopen(tmp_path / "b")

@@ -11,11 +11,11 @@ bridge]), and all chunks of all requests share it, at most ``workers`` of this b
 O_DIRECT needs the buffer address, file offset and length aligned to the logical block size
 (`ALIGN` = 4 KiB covers 512 B and 4 KiB devices):
 
-* caller tensor page-aligned (tiered's pinned buffers are): chunks go straight to/from its memory,
-  no copy; only a final partial block travels through a small bounce buffer;
-* caller tensor not aligned: every chunk is staged through a page-aligned bounce buffer taken from a
-  fixed set of ``workers`` buffers (one per worker thread, so taking one never blocks);
-* CUDA tensors are staged through pinned host buffers (no GPUDirect Storage here).
+* caller memory that lines up with the file's blocks (tiered's pinned buffers; in swap mode any
+  buffer, [Note: nvme shifted swap files]) moves straight to/from the file, only a partial head or
+  tail block through a bounce buffer; otherwise every chunk is staged through one of ``workers``
+  page-aligned bounce buffers; CUDA tensors through pinned host buffers (no GPUDirect Storage).
+  Small swap objects share one slab file ([Note: nvme slab coalescing]).
 
 [Note: nvme on-disk size]
 Files hold exactly the payload: the last block is written padded to `ALIGN` (O_DIRECT cannot write
@@ -81,19 +81,23 @@ from tiered.storage.files import (
     unwritable_error,
 )
 from tiered.storage.pool import BufferPool
-from tiered.units import format_bytes
-from tiered_nvme.swap import SwapDirectory, reclaim_stale
+from tiered_nvme.pieces import (
+    ALIGN,
+    Piece,
+    finish_file,
+    finish_in_place,
+    finish_swap_file,
+    plan,
+    read_piece,
+    write_piece,
+)
+from tiered_nvme.swap import open_swap_directory
+from tiered_nvme.swapstore import SwapStore
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _CAPABILITIES = Capabilities(persistent=True, memory_like=False, alignment_bytes=ALIGN)
-
-
-def _align_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _positive(name: str, value: Any, *, multiple_of: int = 1) -> int:
@@ -107,8 +111,8 @@ class NVMeBackend(StorageBackend):
     """Files under `path`, one per key, written and read with O_DIRECT through the I/O bridge.
 
     See [Note: nvme I/O path], [Note: nvme on-disk size], [Note: DeepSpeed aio knobs],
-    [Note: atomic file writes], [Note: nvme scratch mode] and [Note: nvme swap directories]. Falls
-    back to buffered I/O, with one logged warning, on filesystems that refuse O_DIRECT (tmpfs).
+    [Note: atomic file writes], [Note: nvme scratch mode], [Note: nvme swap directories],
+    [Note: nvme swap index]. Falls back to buffered I/O, logged once, where O_DIRECT is refused.
     """
 
     name = "nvme"
@@ -128,6 +132,7 @@ class NVMeBackend(StorageBackend):
         create: bool = False,
         atomic: bool = True,
         swap: bool = False,
+        coalesce_bytes: int = 1 << 20,
     ) -> None:
         self.block_size = _positive("block_size", block_size, multiple_of=ALIGN)
         self.queue_depth = _positive("queue_depth", queue_depth)
@@ -147,7 +152,7 @@ class NVMeBackend(StorageBackend):
         self.swap = bool(swap)
         self._path_arg = os.fspath(path)
         root = check_directory(path, backend="nvme", create=create)
-        self._swap_dir = _open_swap_directory(root) if self.swap else None
+        self._swap_dir = open_swap_directory(root) if self.swap else None
         self.directory: Path = self._swap_dir.path if self._swap_dir is not None else root
         try:
             self.direct = bool(direct) and _O_DIRECT != 0 and self._probe_direct()
@@ -160,6 +165,11 @@ class NVMeBackend(StorageBackend):
         self._bounce: queue.SimpleQueue[torch.Tensor] | None = None
         self._device = default_device()
         self._staging = BufferPool(lambda n: self._device.alloc_host(n, pin=True), name="nvme staging")
+        if isinstance(coalesce_bytes, bool) or not isinstance(coalesce_bytes, int) or coalesce_bytes < 0:
+            raise ConfigError(f"nvme backend: coalesce_bytes must be an integer >= 0, got {coalesce_bytes!r}")
+        self.coalesce_bytes = coalesce_bytes
+        # [Note: nvme swap index]: a private swap directory needs no size records on disk
+        self._store = SwapStore(self, coalesce_bytes) if self.swap and not self.atomic else None
         self._closed = False
 
     @property
@@ -216,68 +226,33 @@ class NVMeBackend(StorageBackend):
                 bounce.put(default_device().alloc_host(self.chunk_bytes, pin=True))
             self._bounce = bounce
 
-    # ---- the chunk machinery -----------------------------------------------------------------
-    def _plan(self, buf: torch.Tensor) -> list[tuple[int, int, bool]]:
-        """(offset, length, via_bounce) per syscall-sized piece of `buf`."""
-        n = buf.numel()
-        if not self.direct:
-            return [(o, min(self.chunk_bytes, n - o), False) for o in range(0, n, self.chunk_bytes)]
-        if buf.data_ptr() % ALIGN:
-            return [(o, min(self.chunk_bytes, n - o), True) for o in range(0, n, self.chunk_bytes)]
-        body = n // ALIGN * ALIGN
-        plan = [(o, min(self.chunk_bytes, body - o), False) for o in range(0, body, self.chunk_bytes)]
-        if n > body:
-            plan.append((body, n - body, True))
-        return plan
+    # ---- the chunk machinery ([Note: nvme shifted swap files] in tiered_nvme.pieces) ---------
+    def _plan(self, buf: torch.Tensor, shift: int = 0) -> list[Piece]:
+        """The syscall-sized pieces that move `buf`'s bytes, stored at file offset `shift`."""
+        mem_shift = buf.data_ptr() % ALIGN if buf.numel() else 0
+        return plan(buf.numel(), shift, mem_shift, direct=self.direct, chunk=self.chunk_bytes)
 
-    def _segments(self, mv: memoryview) -> list[memoryview]:
-        seg = max(self.block_size, -(-len(mv) // _IOV_MAX))
-        return [mv[i : i + seg] for i in range(0, len(mv), seg)]
-
-    def _pwrite_all(self, fd: int, mv: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(mv):
-            n = os.pwritev(fd, self._segments(mv[done:]), offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"pwritev wrote {n} bytes at offset {offset + done}")
-            done += n
-
-    def _pread_all(self, fd: int, mv: memoryview, offset: int) -> int:
-        done = 0
-        while done < len(mv):
-            n = os.preadv(fd, self._segments(mv[done:]), offset + done)
-            if n == 0:
-                break  # end of file: the padded tail of [Note: nvme on-disk size]
-            done += n
-        return done
-
-    def _write_piece(self, fd: int, src: torch.Tensor, offset: int, length: int, bounce: bool) -> None:
-        if not bounce:
-            self._pwrite_all(fd, src[offset : offset + length].numpy().data, offset)
+    def _write_piece(self, fd: int, src: torch.Tensor, piece: Piece, shift: int = 0) -> None:
+        if not piece.bounce:
+            write_piece(fd, src, piece, shift, self.block_size, None)
             return
         assert self._bounce is not None
         buf = self._bounce.get()
         try:
-            padded = _align_up(length)
-            buf[:length].copy_(src[offset : offset + length])
-            buf[length:padded].zero_()
-            self._pwrite_all(fd, buf[:padded].numpy().data, offset)
+            write_piece(fd, src, piece, shift, self.block_size, buf)
         finally:
             self._bounce.put(buf)
 
-    def _read_piece(self, fd: int, dst: torch.Tensor, offset: int, length: int, bounce: bool) -> None:
-        if not bounce:
-            got = self._pread_all(fd, dst[offset : offset + length].numpy().data, offset)
-        else:
-            assert self._bounce is not None
-            buf = self._bounce.get()
-            try:
-                got = self._pread_all(fd, buf[: _align_up(length)].numpy().data, offset)
-                dst[offset : offset + min(got, length)].copy_(buf[: min(got, length)])
-            finally:
-                self._bounce.put(buf)
-        if got < length:
-            raise OSError(errno.EIO, f"file ended early: got {got} of {length} bytes at offset {offset}")
+    def _read_piece(self, fd: int, dst: torch.Tensor, piece: Piece, shift: int = 0) -> None:
+        if not piece.bounce:
+            read_piece(fd, dst, piece, shift, self.block_size, None)
+            return
+        assert self._bounce is not None
+        buf = self._bounce.get()
+        try:
+            read_piece(fd, dst, piece, shift, self.block_size, buf)
+        finally:
+            self._bounce.put(buf)
 
     async def _run(self, calls: list[tuple[Any, ...]]) -> list[Any]:
         """Blocking calls on the bridge, ``workers`` at most at once; see [Note: one I/O bridge]."""
@@ -298,10 +273,17 @@ class NVMeBackend(StorageBackend):
         return f"file {str(self._file(key))!r}"
 
     def local_file(self, key: str) -> str | None:
+        if self._store is not None:
+            # Swap mode: only a key in a file of its own, payload at offset 0 and no block padding,
+            # is "exactly its bytes"; a file renamed over it then matches its index entry as is.
+            # A slab slot or a shifted payload ([Note: nvme swap index]) goes through read/write.
+            entry = self._store.entries.get(check_key(key))
+            if entry is None or entry.slot is not None or entry.shift or entry.file_bytes != entry.nbytes:
+                return None
         return str(self._file(key))  # exactly the payload: [Note: nvme on-disk size]
 
     async def write(self, key: str, tensor: torch.Tensor) -> None:
-        final = self._file(key)
+        check_key(key)  # the path itself only where a file is used: a slab object needs none
         src = tensor_bytes(tensor, what=f"nvme write of key {key!r}").detach()
         staged = None
         try:
@@ -311,10 +293,12 @@ class NVMeBackend(StorageBackend):
                 host = staged[: src.numel()]
                 await self._device.wait(self._device.copy_async(host, src), what=f"write of key {key!r}")
                 src = host
-            if self.atomic:
-                await self._write_atomic(key, final, src)
+            if self._store is not None:
+                await self._store.write(key, src)
+            elif self.atomic:
+                await self._write_atomic(key, self._file(key), src)
             else:
-                await self._write_in_place(key, final, src)
+                await self._write_in_place(key, self._file(key), src)
         finally:
             if staged is not None:
                 self._staging.release(staged)
@@ -327,8 +311,8 @@ class NVMeBackend(StorageBackend):
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (_O_DIRECT if self.direct else 0)
             await self._open(tmp, flags, fds)
             n = src.numel()
-            await self._run([(self._write_piece, fds[0], src, o, ln, b) for o, ln, b in self._plan(src)])
-            await self._run([(_finish_file, fds[0], n, self.direct, self.fsync)])
+            await self._run([(self._write_piece, fds[0], src, piece) for piece in self._plan(src)])
+            await self._run([(finish_file, fds[0], n, self.direct, self.fsync)])
             await self._run([(_close_and_replace, fds, tmp, final)])
         except BaseException as exc:
             _close_all(fds)  # only on a path that left one open; close() of an fd does not block
@@ -349,8 +333,8 @@ class NVMeBackend(StorageBackend):
             flags = os.O_WRONLY | os.O_CREAT | (_O_DIRECT if self.direct else 0)
             await self._open(final, flags, fds)
             n = src.numel()
-            await self._run([(self._write_piece, fds[0], src, o, ln, b) for o, ln, b in self._plan(src)])
-            await self._run([(_finish_in_place, fds[0], n, self.fsync)])
+            await self._run([(self._write_piece, fds[0], src, piece) for piece in self._plan(src)])
+            await self._run([(finish_in_place, fds[0], n, self.fsync)])
         except BaseException as exc:
             if isinstance(exc, OSError) and not isinstance(exc, StorageIOError):
                 raise StorageIOError(
@@ -361,10 +345,54 @@ class NVMeBackend(StorageBackend):
         finally:
             _close_all(fds)
 
+    async def _write_file_in_place(
+        self, key: str, final: Path, src: torch.Tensor, shift: int, prior_bytes: int | None, file_bytes: int
+    ) -> None:
+        """A swap file rewritten in place with its payload at `shift`
+        ([Note: nvme shifted swap files]); cut back to `file_bytes` only when it was longer
+        (`prior_bytes`), else no stat."""
+        fds: list[int] = []
+        try:
+            await self._open(final, os.O_WRONLY | os.O_CREAT | (_O_DIRECT if self.direct else 0), fds)
+            await self._run(
+                [(self._write_piece, fds[0], src, piece, shift) for piece in self._plan(src, shift)]
+            )
+            shrink = prior_bytes is not None and prior_bytes > file_bytes
+            if shrink or self.fsync:
+                await self._run([(finish_swap_file, fds[0], file_bytes if shrink else None, self.fsync)])
+        except BaseException as exc:
+            if isinstance(exc, OSError) and not isinstance(exc, StorageIOError):
+                raise StorageIOError(
+                    f"nvme backend: in-place write of key {key!r} to {str(final)!r} failed: "
+                    f"{exc.strerror or exc}; this swap file's contents are now undefined"
+                ) from exc
+            raise
+        finally:
+            _close_all(fds)
+
     async def read(self, key: str, out: torch.Tensor) -> None:
-        path = self._file(key)
+        check_key(key)
         dst = tensor_bytes(out, what=f"nvme read of key {key!r}").detach()
         self._check_open()
+        staged = None
+        try:
+            target = dst
+            if dst.device.type != "cpu":
+                staged = self._staging.acquire(dst.numel(), what=f"staging of key {key!r}")
+                target = staged[: dst.numel()]
+            if self._store is not None:
+                await self._store.read(key, target)
+            else:
+                await self._read_file(key, self._file(key), target, None)
+            if staged is not None:
+                await self._device.wait(self._device.copy_async(dst, target), what=f"read of key {key!r}")
+        finally:
+            if staged is not None:
+                self._staging.release(staged)
+
+    async def _read_file(self, key: str, path: Path, dst: torch.Tensor, shift: int | None) -> None:
+        """Fill host `dst` from `path`, payload at `shift`; None: a plain dump whose length is
+        the size record ([Note: nvme on-disk size])."""
         fds: list[int] = []
         try:
             await self._open(path, os.O_RDONLY | (_O_DIRECT if self.direct else 0), fds)
@@ -380,17 +408,12 @@ class NVMeBackend(StorageBackend):
                 ) from exc
             raise
         fd = fds[0]
-        staged = None
         try:
-            (st,) = await self._run([(os.fstat, fd)])
-            check_out_size(key, st.st_size, dst.numel(), where=f"file {str(path)!r}")
-            target = dst
-            if dst.device.type != "cpu":
-                staged = self._staging.acquire(dst.numel(), what=f"staging of key {key!r}")
-                target = staged[: dst.numel()]
-            await self._run([(self._read_piece, fd, target, o, ln, b) for o, ln, b in self._plan(target)])
-            if staged is not None:
-                await self._device.wait(self._device.copy_async(dst, target), what=f"read of key {key!r}")
+            if shift is None:
+                (st,) = await self._run([(os.fstat, fd)])
+                check_out_size(key, st.st_size, dst.numel(), where=f"file {str(path)!r}")
+                shift = 0
+            await self._run([(self._read_piece, fd, dst, piece, shift) for piece in self._plan(dst, shift)])
         except OSError as exc:
             if isinstance(exc, StorageIOError):
                 raise
@@ -399,13 +422,14 @@ class NVMeBackend(StorageBackend):
             ) from exc
         finally:
             _close_all(fds)
-            if staged is not None:
-                self._staging.release(staged)
 
     async def delete(self, key: str) -> None:
         path = self._file(key)
         try:
-            await self._run([(os.unlink, path)])
+            if self._store is not None:
+                await self._store.delete(key)
+            else:
+                await self._run([(os.unlink, path)])
         except FileNotFoundError:
             raise StorageKeyError(f"key {key!r} not found in nvme backend (no file {str(path)!r})") from None
         except OSError as exc:
@@ -414,6 +438,8 @@ class NVMeBackend(StorageBackend):
             ) from exc
 
     async def exists(self, key: str) -> bool:
+        if self._store is not None:
+            return self._store.exists(check_key(key))
         return bool((await self._run([(self._file(key).is_file,)]))[0])
 
     def capacity(self) -> Capacity:
@@ -433,6 +459,8 @@ class NVMeBackend(StorageBackend):
             log.error("nvme backend: %d I/O calls still running at close", self._limiter.borrowed_tokens)
         self._bounce = None
         self._staging.clear()
+        if self._store is not None:
+            self._store.close()
         self._remove_swap_directory()
 
     def _remove_swap_directory(self) -> None:
@@ -463,21 +491,9 @@ class NVMeBackend(StorageBackend):
             out["atomic"] = False
         if self.swap:
             out["swap"] = True
+        if self.coalesce_bytes != 1 << 20:
+            out["coalesce_bytes"] = self.coalesce_bytes
         return out
-
-
-def _finish_in_place(fd: int, nbytes: int, fsync: bool) -> None:
-    if os.fstat(fd).st_size != nbytes:
-        os.ftruncate(fd, nbytes)  # a shorter overwrite, or the O_DIRECT padding: the true size
-    if fsync:
-        os.fsync(fd)
-
-
-def _finish_file(fd: int, nbytes: int, direct: bool, fsync: bool) -> None:
-    if direct and nbytes % ALIGN:
-        os.ftruncate(fd, nbytes)  # drop the padding: [Note: nvme on-disk size]
-    if fsync:
-        os.fsync(fd)
 
 
 def _close_and_replace(fds: list[int], tmp: Path, final: Path) -> None:
@@ -488,30 +504,3 @@ def _close_and_replace(fds: list[int], tmp: Path, final: Path) -> None:
 def _close_all(fds: list[int]) -> None:
     while fds:
         os.close(fds.pop())
-
-
-def _open_swap_directory(root: Path) -> SwapDirectory:
-    """[Note: nvme swap directories]: reclaim dead processes' leftovers, then make our own."""
-    _log_reclaimed(root, reclaim_stale(root))
-    try:
-        return SwapDirectory(root)
-    except OSError as exc:
-        raise unwritable_error(root, "nvme", exc) from exc
-
-
-def _log_reclaimed(root: Path, removed: list[tuple[Path, int]]) -> None:
-    if not removed:
-        return
-    freed = sum(n for _, n in removed)
-    names = ", ".join(p.name for p, _ in removed[:3]) + (
-        f" and {len(removed) - 3} more" if len(removed) > 3 else ""
-    )
-    log.warning(  # visible by default: disk space came back that a crashed run had held
-        "nvme backend: removed %d stale swap director%s of dead processes under %s (%s): %d bytes (%s) freed",
-        len(removed),
-        "y" if len(removed) == 1 else "ies",
-        root,
-        names,
-        freed,
-        format_bytes(freed),
-    )

@@ -38,6 +38,9 @@ import socket
 import tempfile
 from pathlib import Path
 
+from tiered.storage.files import unwritable_error
+from tiered.units import format_bytes
+
 log = logging.getLogger(__name__)
 
 SWAP_PREFIX = "tiered-swap-"
@@ -177,3 +180,30 @@ def remove_tree(path: Path) -> int:
     with contextlib.suppress(FileNotFoundError):
         os.rmdir(path)
     return freed
+
+
+def open_swap_directory(root: Path) -> SwapDirectory:
+    """[Note: nvme swap directories]: reclaim dead processes' leftovers, then make our own."""
+    _log_reclaimed(root, reclaim_stale(root))
+    try:
+        return SwapDirectory(root)
+    except OSError as exc:
+        raise unwritable_error(root, "nvme", exc) from exc
+
+
+def _log_reclaimed(root: Path, removed: list[tuple[Path, int]]) -> None:
+    if not removed:
+        return
+    freed = sum(n for _, n in removed)
+    names = ", ".join(p.name for p, _ in removed[:3]) + (
+        f" and {len(removed) - 3} more" if len(removed) > 3 else ""
+    )
+    log.warning(  # visible by default: disk space came back that a crashed run had held
+        "nvme backend: removed %d stale swap director%s of dead processes under %s (%s): %d bytes (%s) freed",
+        len(removed),
+        "y" if len(removed) == 1 else "ies",
+        root,
+        names,
+        freed,
+        format_bytes(freed),
+    )

@@ -70,6 +70,9 @@ class Capabilities:
     """``read``/``write`` accept CUDA tensors directly (GPU memory, GPUDirect Storage)."""
     device: str = "cpu"
     """Where a memory-like backend's resident tensors live ("cpu", "cuda:0")."""
+    max_concurrency: int = 0
+    """Requests (reads and writes) this backend takes at once at most: the tier manager keeps no
+    more moves than this in flight on any link to or from its tier. 0: no limit of its own."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -34,6 +34,8 @@ import torch
 from tiered.errors import StorageIOError, StorageKeyError
 from tiered.storage.base import Capabilities, Capacity, StorageBackend
 from tiered.storage.bridge import IOBridge, default_bridge
+from tiered.testing.capabilities import CapabilityChecks
+from tiered.testing.data import random_bytes
 
 T = TypeVar("T")
 
@@ -61,15 +63,6 @@ def _all_cpu_dtypes() -> list[torch.dtype]:
 ALL_DTYPES = _all_cpu_dtypes()
 
 
-def random_bytes(nbytes: int, seed: int) -> torch.Tensor:
-    """`nbytes` reproducible random bytes (fast: generated as int64 words)."""
-    g = torch.Generator().manual_seed(seed)
-    words = torch.randint(
-        -(2**63), 2**63 - 1, (max(1, math.ceil(nbytes / 8)),), dtype=torch.int64, generator=g
-    )
-    return words.view(torch.uint8)[:nbytes].clone()
-
-
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
     numel = math.prod(shape)
     if dtype == torch.bool:
@@ -87,7 +80,7 @@ def unaligned_empty(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
 
 
-class BackendConformance:
+class BackendConformance(CapabilityChecks):
     """Behaviour every StorageBackend must show. Subclass and define `make_backend`.
 
     See the module docstring for an example and [Note: conformance without an event-loop plugin].

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from tiered.device import PAGE_SIZE, default_device
 from tiered.errors import CapacityError
 from tiered.storage.base import StorageBackend
 from tiered.tiers.policy import EvictionPolicy, LRUPolicy
@@ -33,11 +36,33 @@ class TierBudget:
     home_bytes: int = 0
     """Bytes of the partitions whose home is this tier (they never leave it)."""
     policy: EvictionPolicy | None = None
+    alignment_bytes: int = 1
+    """What the backend declares its buffers should be aligned to (`Capabilities`)."""
+    max_concurrency: int = 0
+    """Requests the backend takes at once at most; 0: no limit (`Capabilities`)."""
 
     @classmethod
     def of(cls, tier: Tier) -> TierBudget:
         caps = tier.backend.capabilities
-        return cls(tier, tier.resolved_budget(), caps.memory_like, caps.persistent, policy=LRUPolicy())
+        return cls(
+            tier,
+            tier.resolved_budget(),
+            caps.memory_like,
+            caps.persistent,
+            policy=LRUPolicy(),
+            alignment_bytes=max(1, int(caps.alignment_bytes)),
+            max_concurrency=max(0, int(caps.max_concurrency)),
+        )
+
+    def aligned_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zero host tensor whose first byte sits on this backend's `alignment_bytes`, for the
+        bytes the manager itself hands to it (a partition created without an initial value), so
+        they take the backend's direct path, not a bounce copy."""
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        align = self.alignment_bytes
+        raw = default_device().alloc_host(nbytes + (align if align > PAGE_SIZE else 0), pin=False)
+        off = (-raw.data_ptr()) % align
+        return raw[off : off + nbytes].zero_().view(dtype)
 
     @property
     def name(self) -> str:

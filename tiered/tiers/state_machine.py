@@ -99,7 +99,7 @@ class TierStateMachine:
                 buf = ts.backend.allocate(part.name, part.numel, part.dtype)
                 await self.transfers.loop.run_blocking(_fill, buf, init)
             else:
-                src = init.contiguous() if init is not None else torch.zeros(part.numel, dtype=part.dtype)
+                src = init.contiguous() if init is not None else ts.aligned_zeros(part.numel, part.dtype)
                 await self.transfers.io(
                     lambda: ts.backend.write(part.name, src),
                     self.transfers.ctx(part, home, "create"),

@@ -113,8 +113,14 @@ class Transfers:
         key = f"{src}->{dst}"
         sem = self._sems.get(key)
         if sem is None:
-            sem = self._sems[key] = asyncio.Semaphore(self.max_inflight)
+            sem = self._sems[key] = asyncio.Semaphore(self.link_bound(src, dst))
         return sem
+
+    def link_bound(self, src: str, dst: str) -> int:
+        """Moves in flight on src->dst at most: ``max_inflight_per_link``, lowered to what either
+        end declares it takes at once (`Capabilities.max_concurrency`, docs/backends.md)."""
+        declared = [self._tiers[t].max_concurrency for t in (src, dst)]
+        return min([self.max_inflight, *(d for d in declared if d > 0)])
 
     async def run(self, part: Partition, src: str, dst: str, op: str, fill: Callable[[], Awaitable[T]]) -> T:
         """Run `fill` as one move on link src->dst: bounded concurrency, stats, trace, context."""

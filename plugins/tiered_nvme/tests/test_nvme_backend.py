@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiered_nvme import ALIGN, NVMeBackend
+from tiered_nvme.pieces import align_up
 
 from tiered.device import default_device
 from tiered.errors import ConfigError, StorageIOError
@@ -257,8 +258,8 @@ def test_aligned_caller_buffer_needs_no_bounce_except_tail(tmp_path: Path) -> No
         aligned = default_device().alloc_host(n, pin=False)
         assert aligned.data_ptr() % ALIGN == 0
         plan = b._plan(aligned)
-        assert [p for p in plan if p[2]] == [(16 << 20, 100, True)]
-        assert all(ln % ALIGN == 0 for _, ln, bounce in plan if not bounce)
+        assert [p for p in plan if p.bounce] == [(16 << 20, ALIGN, True)]  # one block: 100 B of payload
+        assert all(span % ALIGN == 0 for _, span, bounce in plan if not bounce)
         unaligned = torch.empty(n + 1, dtype=torch.uint8)[1:]
         assert all(bounce for *_, bounce in b._plan(unaligned))
         aligned.copy_(random_bytes(n, seed=8))
@@ -302,23 +303,31 @@ def test_wrong_option_is_config_error_listing_accepted(tmp_path: Path) -> None:
 
 
 def test_plan_covers_every_byte_once_with_aligned_direct_pieces(tmp_path: Path) -> None:
+    """[Note: nvme shifted swap files]: for any payload size, file shift and buffer shift, the
+    pieces tile the payload's blocks once, every span is aligned, and a direct piece's memory is
+    aligned too; when the shifts agree, at most a head and a tail block bounce."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
     b = NVMeBackend(tmp_path, block_size=4096, queue_depth=4)  # 16 KiB chunks: many pieces
-    base = default_device().alloc_host(300_000 + ALIGN, pin=False)
+    base = default_device().alloc_host(300_000 + 2 * ALIGN, pin=False)
 
-    @settings(max_examples=60, deadline=None, database=None)
-    @given(n=st.integers(0, 300_000), shift=st.integers(0, 63))
-    def check(n: int, shift: int) -> None:
-        buf = base[shift : shift + n]
-        plan = b._plan(buf)
-        assert sum(ln for _, ln, _ in plan) == n
+    @settings(max_examples=80, deadline=None, database=None)
+    @given(
+        n=st.integers(1, 300_000), mem=st.integers(0, ALIGN - 1), same=st.booleans(), file=st.integers(0, 63)
+    )
+    def check(n: int, mem: int, same: bool, file: int) -> None:
+        shift = mem if same else file
+        buf = base[mem : mem + n]
+        plan = b._plan(buf, shift)
+        assert plan[0].offset == 0 and sum(p.span for p in plan) == align_up(shift + n)
         pos = 0
-        for off, ln, bounce in plan:
-            assert off == pos and 0 < ln <= b.chunk_bytes and off % ALIGN == 0
+        for off, span, bounce in plan:
+            assert off == pos and 0 < span <= b.chunk_bytes and off % ALIGN == 0 and span % ALIGN == 0
             if not bounce:  # O_DIRECT straight from the caller's memory: everything aligned
-                assert ln % ALIGN == 0 and (buf.data_ptr() + off) % ALIGN == 0
-            pos += ln
+                assert (buf.data_ptr() + off - shift) % ALIGN == 0
+            pos += span
+        if shift == mem:
+            assert sum(p.span for p in plan if p.bounce) <= 2 * ALIGN
 
     check()

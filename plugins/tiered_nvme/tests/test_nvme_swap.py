@@ -15,6 +15,7 @@ import pytest
 import torch
 from tiered_nvme import NVMeBackend
 from tiered_nvme.swap import LOCK_NAME, SWAP_PREFIX, host_tag
+from tiered_nvme.swapstore import SLAB_FILE
 
 from tiered.storage import open_backend
 from tiered.testing import BackendConformance, random_bytes
@@ -39,7 +40,8 @@ class TestNVMeSwapConformance(BackendConformance):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await self.roundtrip(b, "victim", random_bytes(100, seed=9))
-            assert (b.directory / "victim").stat().st_size == 100
+            # 100 B is a slab object ([Note: nvme slab coalescing]): the 8 MiB file went with it
+            assert not (b.directory / "victim").exists()
 
         self.run(tmp_path, scenario)
 
@@ -80,7 +82,8 @@ def test_swap_files_are_deleted_on_close(tmp_path: Path) -> None:
 
     async def go() -> None:
         await _fill(b)
-        assert {p.name for p in b.directory.iterdir()} >= {"k0", "k1", "k2", LOCK_NAME}
+        # k0 (1 MiB) is a slab object, k1 and k2 files of their own ([Note: nvme slab coalescing])
+        assert {p.name for p in b.directory.iterdir()} == {SLAB_FILE, "k1", "k2", LOCK_NAME}
         await b.close()
         await b.close()  # idempotent
 
@@ -176,13 +179,13 @@ def test_a_crashed_process_leftovers_are_reclaimed_but_a_live_process_is_not(tmp
 
     crashed = child("crash")
     crashed_dir = Path(crashed.stdout.readline().strip())
-    assert crashed.wait(timeout=120) == 1 and (crashed_dir / "w").stat().st_size == 3 << 20
+    assert crashed.wait(timeout=120) == 1 and (crashed_dir / "w").stat().st_size >= 3 << 20  # + shift
     alive = child("live")
     try:
         alive_dir = Path(alive.stdout.readline().strip())
         assert alive_dir.is_dir() and not crashed_dir.exists(), "the live child reclaims the crashed one's"
         b = NVMeBackend(tmp_path, atomic=False, fsync=False, swap=True)
-        assert (alive_dir / "w").stat().st_size == 3 << 20, "a live process's swap files were removed"
+        assert (alive_dir / "w").stat().st_size >= 3 << 20, "a live process's swap files were removed"
         _run(b.close())
     finally:
         alive.communicate("done\n", timeout=120)

@@ -1,0 +1,189 @@
+"""`SwapStore`: the nvme backend's swap mode, keyed by an in-memory index.
+
+See [Note: nvme swap index], [Note: nvme slab coalescing] (tiered_nvme.slab) and
+[Note: nvme shifted swap files] (tiered_nvme.pieces). Used by `NVMeBackend` when it was opened
+with ``swap=True, atomic=False`` (the offload tiers the engine derives); the backend keeps its
+contract checks, errors and staging of CUDA tensors, this object decides where the bytes go.
+Everything runs on the loop that calls the backend, except the blocking calls, which go through
+the backend's bridge under its limiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiered.errors import StorageIOError, StorageKeyError
+from tiered.storage.base import check_out_size
+from tiered_nvme.pieces import ALIGN, align_up
+from tiered_nvme.slab import Coalescer, SlabSlots, Slot, SwapEntry
+
+if TYPE_CHECKING:
+    from tiered_nvme.backend import NVMeBackend
+
+SLAB_FILE = "~slab"
+"""The slab file's name: a '~' is in no key (`check_key`), so no key's file can collide with it."""
+
+
+class SwapStore:
+    """Where a swap backend's keys live: own files (large) or slab slots (small)."""
+
+    def __init__(self, backend: NVMeBackend, coalesce_bytes: int) -> None:
+        self.backend = backend
+        self.coalesce_bytes = coalesce_bytes
+        self.entries: dict[str, SwapEntry] = {}
+        self.slots = SlabSlots()
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._slab_fd = -1
+        self._slab_lock = threading.Lock()
+        self._closed = False
+        self.coalescer = Coalescer(
+            lambda fn, *args: backend.bridge.run(fn, *args, limiter=backend._limiter),
+            self._slab,
+            direct=backend.direct,
+            chunk_bytes=backend.chunk_bytes,
+            workers=backend.workers,
+        )
+
+    @property
+    def slab_path(self) -> Path:
+        return self.backend.directory / SLAB_FILE
+
+    def _slab(self) -> int:
+        """The slab's descriptor, opened on first use (in a bridge thread, never on the loop)."""
+        with self._slab_lock:
+            if self._closed:
+                raise StorageIOError(f"nvme backend at {str(self.backend.directory)!r} is closed")
+            if self._slab_fd < 0:
+                flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if self.backend.direct else 0)
+                self._slab_fd = os.open(self.slab_path, flags, 0o600)
+            return self._slab_fd
+
+    def hold(self, key: str) -> _KeyHold:
+        """One operation per key at a time: a slot or file is never freed under a running read."""
+        return _KeyHold(self._locks, key)
+
+    def get(self, key: str) -> SwapEntry:
+        entry = self.entries.get(key)
+        if entry is None:
+            raise StorageKeyError(
+                f"key {key!r} not found in nvme backend (swap directory {str(self.backend.directory)!r})"
+            )
+        return entry
+
+    # ---- operations --------------------------------------------------------------------------
+    async def write(self, key: str, src: torch.Tensor) -> None:
+        n = src.numel()
+        async with self.hold(key):
+            old = self.entries.get(key)
+            if 0 < n <= self.coalesce_bytes:
+                slot = old.slot if old is not None and old.slot and old.slot.capacity == align_up(n) else None
+                fresh = slot is None
+                slot = slot or self.slots.take(n)
+                try:
+                    await self._slab_io(True, key, slot, src)
+                except BaseException:
+                    if fresh:
+                        self.slots.give(slot)
+                    raise
+                self.entries[key] = SwapEntry(n, slot=slot)
+                if old is not None and old.slot is None:
+                    await self.backend._run([(_unlink_quietly, self.backend._file(key))])  # was a file
+                elif old is not None and old.slot is not None and old.slot != slot:
+                    self.slots.give(old.slot)
+                return
+            shift = src.data_ptr() % ALIGN if self.backend.direct and n else 0
+            file_bytes = align_up(shift + n) if self.backend.direct else n
+            prior = old.file_bytes if old is not None and old.slot is None else None
+            if prior is not None and prior - file_bytes < max(file_bytes // 4, 1 << 20):
+                file_bytes = prior  # keep the blocks: a shrink and a regrow cost an allocation each
+            await self.backend._write_file_in_place(
+                key, self.backend._file(key), src, shift, prior, file_bytes
+            )
+            self.entries[key] = SwapEntry(n, shift=shift, file_bytes=file_bytes)
+            if old is not None and old.slot is not None:
+                self.slots.give(old.slot)
+
+    async def read(self, key: str, dst: torch.Tensor) -> None:
+        async with self.hold(key):
+            entry = self.get(key)
+            check_out_size(
+                key, entry.nbytes, dst.numel(), where=f"swap directory {str(self.backend.directory)!r}"
+            )
+            if entry.slot is not None:
+                await self._slab_io(False, key, entry.slot, dst)
+                return
+            await self.backend._read_file(key, self.backend._file(key), dst, entry.shift)
+
+    async def delete(self, key: str) -> None:
+        async with self.hold(key):
+            entry = self.get(key)
+            del self.entries[key]
+            if entry.slot is not None:
+                self.slots.give(entry.slot)
+            else:
+                await self.backend._run([(os.unlink, self.backend._file(key))])
+
+    async def _slab_io(self, write: bool, key: str, slot: Slot, buf: torch.Tensor) -> None:
+        try:
+            await self.coalescer.submit(write, slot, buf)
+        except OSError as exc:
+            if isinstance(exc, StorageIOError):
+                raise
+            op = "write" if write else "read"
+            raise StorageIOError(
+                f"nvme backend: {op} of key {key!r} in slab {str(self.slab_path)!r} (offset "
+                f"{slot.offset}) failed: {exc.strerror or exc}"
+            ) from exc
+
+    def exists(self, key: str) -> bool:
+        return key in self.entries
+
+    def close(self) -> None:
+        with self._slab_lock:
+            self._closed = True
+            if self._slab_fd >= 0:
+                os.close(self._slab_fd)
+                self._slab_fd = -1
+
+
+class _KeyHold:
+    """``async with``: the key's lock, dropped from the table when its last user leaves (a plain
+    class, not a generator context manager: this runs twice per small object)."""
+
+    __slots__ = ("_key", "_lock", "_locks")
+
+    def __init__(self, locks: dict[str, tuple[asyncio.Lock, int]], key: str) -> None:
+        self._locks, self._key = locks, key
+        lock, users = locks.get(key, (None, 0))
+        self._lock = lock or asyncio.Lock()
+        locks[key] = (self._lock, users + 1)
+
+    async def __aenter__(self) -> None:
+        try:
+            await self._lock.acquire()
+        except BaseException:
+            self._leave()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+        self._leave()
+
+    def _leave(self) -> None:
+        lock, users = self._locks[self._key]
+        if users == 1:
+            del self._locks[self._key]
+        else:
+            self._locks[self._key] = (lock, users - 1)
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
