@@ -309,10 +309,11 @@ def checksum_toggle(data: list[dict[str, torch.Tensor]], nvme_dir: str, block: i
     import threading
 
     import tiered
+    import tiered.tiers.checksum as checksum
     import tiered.tiers.transfer as transfer
 
     lock, acc = threading.Lock(), {"cpu_s": 0.0, "bytes": 0}
-    real = transfer.piece_digest
+    real = checksum.piece_digest
 
     def timed(b: torch.Tensor, offset: int, length: int) -> int:
         c0 = time.thread_time()
@@ -322,7 +323,7 @@ def checksum_toggle(data: list[dict[str, torch.Tensor]], nvme_dir: str, block: i
             acc["bytes"] += length
         return out
 
-    transfer.piece_digest = timed  # type: ignore[assignment]
+    checksum.piece_digest = transfer.piece_digest = timed  # type: ignore[assignment]
     out: dict[str, Any] = {
         "on": [],
         "off": [],
@@ -354,7 +355,7 @@ def checksum_toggle(data: list[dict[str, torch.Tensor]], nvme_dir: str, block: i
                 print(f"step {i} checksums {'on' if on else 'off'}: {dt:.3f} s (hash CPU "
                       f"{acc['cpu_s'] * 1e3:.0f} ms over {acc['bytes'] / 1e6:.0f} MB; load {load:.2f})", flush=True)  # fmt: skip
     finally:
-        transfer.piece_digest = real  # type: ignore[assignment]
+        checksum.piece_digest = transfer.piece_digest = real  # type: ignore[assignment]
     return out
 
 
