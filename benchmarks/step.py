@@ -309,10 +309,11 @@ def checksum_toggle(data: list[dict[str, torch.Tensor]], nvme_dir: str, block: i
     import threading
 
     import tiered
+    import tiered.tiers.checksum as checksum
     import tiered.tiers.transfer as transfer
 
     lock, acc = threading.Lock(), {"cpu_s": 0.0, "bytes": 0}
-    real = transfer.piece_digest
+    real = checksum.piece_digest
 
     def timed(b: torch.Tensor, offset: int, length: int) -> int:
         c0 = time.thread_time()
@@ -322,7 +323,7 @@ def checksum_toggle(data: list[dict[str, torch.Tensor]], nvme_dir: str, block: i
             acc["bytes"] += length
         return out
 
-    transfer.piece_digest = timed  # type: ignore[assignment]
+    checksum.piece_digest = transfer.piece_digest = timed  # type: ignore[assignment]
     out: dict[str, Any] = {
         "on": [],
         "off": [],
@@ -354,26 +355,51 @@ def checksum_toggle(data: list[dict[str, torch.Tensor]], nvme_dir: str, block: i
                 print(f"step {i} checksums {'on' if on else 'off'}: {dt:.3f} s (hash CPU "
                       f"{acc['cpu_s'] * 1e3:.0f} ms over {acc['bytes'] / 1e6:.0f} MB; load {load:.2f})", flush=True)  # fmt: skip
     finally:
-        transfer.piece_digest = real  # type: ignore[assignment]
+        checksum.piece_digest = transfer.piece_digest = real  # type: ignore[assignment]
     return out
 
 
 _TREE_CHILD = r"""
-import inspect, json, os, sys, tempfile, shutil
+import inspect, json, os, statistics, sys, tempfile, shutil, time
 import torch
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
 import step
 steps, warmup, runner = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 data = step.make_data(steps)
+times, cpus, losses = [], [], []
+def timed(run):
+    for b in data:
+        c0, t0 = time.process_time(), time.perf_counter()
+        losses.append(run(b))
+        times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
 if runner == "plain":
-    out = step.run_plain(data, warmup)
+    model = step.build_model().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    def one(b):
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+    timed(one)
 else:
+    import tiered
     d = tempfile.mkdtemp(prefix="tiered_tree_", dir=sys.argv[5])
-    kw = {"verify": False} if "verify" in inspect.signature(step.run_tiered).parameters else {}
-    out = step.run_tiered(data, warmup, d, **kw)
+    cfg = step.ds_json(d)
+    if "verify" in inspect.signature(step.run_tiered).parameters:  # the tree has checksums: off
+        cfg["tiered"] = {"verify_checksums": False}
+    with tiered.initialize(step.build_model(), cfg) as engine:
+        def one(b):
+            loss = engine(**b).loss
+            engine.backward(loss)
+            engine.step()
+            return float(loss.detach())
+        timed(one)
     shutil.rmtree(d, ignore_errors=True)
-print("RESULT " + json.dumps({"step_s": out["step_s"], "times": out["times"], "losses": out["losses"]}))
+print("RESULT " + json.dumps({"step_s": statistics.median(times[warmup:]),
+                              "cpu_s": statistics.median(cpus[warmup:]), "times": times, "losses": losses}))
 """
 
 
@@ -405,9 +431,11 @@ def compare_trees(trees: list[str], steps: int, warmup: int, base: Path, rounds:
                 raise RuntimeError(f"{n}: no result (rc {p.returncode}): {p.stderr.strip()[-2000:]}")
             res = json.loads(line[7:])
             out[n].append(res["step_s"])
-            out["runs"].append({"round": r, "tree": n, "step_s": res["step_s"], "load1": load,
-                                "losses": res["losses"]})  # fmt: skip
-            print(f"round {r} {n}: {res['step_s']:.3f} s/step (load {load:.2f})", flush=True)
+            out.setdefault(f"{n} cpu", []).append(res["cpu_s"])
+            out["runs"].append({"round": r, "tree": n, "step_s": res["step_s"], "cpu_s": res["cpu_s"],
+                                "load1": load, "losses": res["losses"]})  # fmt: skip
+            print(f"round {r} {n}: {res['step_s']:.3f} s/step, process CPU {res['cpu_s']:.3f} s/step "
+                  f"(load {load:.2f})", flush=True)  # fmt: skip
     return out
 
 
@@ -490,7 +518,7 @@ def main() -> int:
             xs = cmp_[n]
             per_round = [a / b for a, b in zip(xs, cmp_["plain"], strict=True)]
             print(f"{n}: s/step {_spread(xs)}; x plain {statistics.median(xs) / plain_s:.2f} "
-                  f"(per round {_spread(per_round)})")  # fmt: skip
+                  f"(per round {_spread(per_round)}); process CPU s/step {_spread(cmp_[f'{n} cpu'])}")  # fmt: skip
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1, default=str))
         return 0

@@ -64,11 +64,17 @@ def test_write_digest_is_hashed_in_pieces_on_the_bridge_and_equals_digest_of(
         assert len(calls) == 10  # the read is checked piece by piece too
 
 
-@pytest.mark.parametrize("offset", [5, 4096 * 5 + 3, 39999])
-def test_a_flip_in_any_piece_is_caught_before_use(tmp_path, small_pieces: int, offset: int) -> None:
-    init = torch.randn(10000)
+@pytest.mark.parametrize(
+    ("numel", "offset"),
+    [(10000, 5), (10000, 4096 * 5 + 3), (10000, 39999), (3000, 4096 * 2 + 1)],  # parallel; one call
+)
+def test_a_flip_in_any_piece_is_caught_before_use(
+    tmp_path, small_pieces: int, numel: int, offset: int
+) -> None:
+    assert (len(checksum.pieces(numel * 4)) > checksum.SERIAL_PIECES) == (numel == 10000)
+    init = torch.randn(numel)
     with three_tier_manager(tmp_path, verify=True, cpu_bytes=1 << 20) as m:
-        p = m.create("p", 10000, torch.float32, "nvme", init=init)
+        p = m.create("p", numel, torch.float32, "nvme", init=init)
         f = tmp_path / "nvme" / "p"
         data = bytearray(f.read_bytes())
         data[offset] ^= 0x01

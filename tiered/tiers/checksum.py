@@ -12,11 +12,11 @@ handed to training. xxh3 was chosen over crc32c by measurement on partition-size
 ~11-12 GB/s over 64 MiB), and xxhash is already a core dependency (checkpoint files use it).
 Off with ``"tiered": {"verify_checksums": false}``.
 
-The digest of a partition over one piece (`PIECE_BYTES`, 8 MiB) is the xxh3 of its bytes; of a
-larger one, the xxh3 of its pieces' digests (little-endian u64s, in order). So the pieces hash
-in parallel on the loop's bridge (`Transfers.checksum`; xxhash releases the GIL over 64 KiB) and a
-read is checked in a fraction of one thread's time: a 4 GB partition takes ~0.35 s on one thread
-at memory bandwidth, which would sit between the read and training. The cost on the step
+The digest of a partition of one piece (`PIECE_BYTES`, 8 MiB) is the xxh3 of its bytes; of a
+larger one, the xxh3 of its pieces' digests (little-endian u64s, in order). So the pieces of a
+large partition hash in parallel on the loop's bridge (`Transfers.checksum`; xxhash releases the
+GIL over 64 KiB) and its read is checked in a fraction of one thread's time: a 4 GB partition
+takes ~0.3 s on one thread at memory bandwidth, which would sit between the read and training. The cost on the step
 benchmark is in benchmarks/RESULTS.md ("Checksum cost").
 """
 
@@ -33,6 +33,10 @@ from tiered.tiers.error_context import mark
 ALGORITHM = "xxh3_64"
 PIECE_BYTES = 8 << 20
 """The bytes hashed by one call; see [Note: partition checksums]."""
+SERIAL_PIECES = 4
+"""Up to this many pieces (32 MiB, ~2.5 ms of one thread) are hashed by one bridge call: below
+it the threads' hand-offs cost more than the parallelism saves on a busy 2-core host (measured:
+17 MiB 1.3 vs 1.5 ms, 64 MiB 5.3 vs 6.2 ms, 512 MiB 292 vs 114 ms, one thread vs parallel)."""
 
 
 def host_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,16 @@ import torch
 from tiered.device import default_device
 from tiered.errors import StoredSizeError
 from tiered.tiers.budget import TierBudget
-from tiered.tiers.checksum import check_digest, combine, host_bytes, piece_digest, pieces, truncated
+from tiered.tiers.checksum import (
+    SERIAL_PIECES,
+    check_digest,
+    combine,
+    digest_of,
+    host_bytes,
+    piece_digest,
+    pieces,
+    truncated,
+)
 from tiered.tiers.error_context import raise_in_context, where
 from tiered.tiers.io_policy import IOCounters, IOPolicy, with_retries
 from tiered.tiers.loop import EventLoopThread
@@ -104,8 +113,8 @@ class Transfers:
         the bridge, so a read waits a fraction of one thread's hashing time."""
         b = host_bytes(buf) if buf.device.type == "cpu" else await self.loop.run_blocking(host_bytes, buf)
         spans = pieces(b.numel())
-        if len(spans) == 1:
-            return await self.loop.run_blocking(piece_digest, b, 0, spans[0][1])
+        if len(spans) <= SERIAL_PIECES:
+            return await self.loop.run_blocking(digest_of, b)
         got = await asyncio.gather(*(self.loop.run_blocking(piece_digest, b, o, n) for o, n in spans))
         return combine(list(got))
 

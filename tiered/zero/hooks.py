@@ -100,7 +100,8 @@ class _PreBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.cb()
+        with _no_torch_function():  # the gathers' own tensor calls, as in the forward hooks
+            ctx.cb()
         return (None, *grads)
 
 
@@ -157,6 +158,17 @@ def map_tensors(obj: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]
 def _no_torch_function() -> Any:
     """Torch-function handling (our ExternalParamMode included) off for the enclosed calls."""
     return torch._C.DisableTorchFunction()
+
+
+def _quiet(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with torch-function handling off, for the gradient hooks' own tensor calls (each
+    one a Python dispatch through `PartitionedParameter` otherwise)."""
+
+    def run(*args: Any) -> Any:
+        with _no_torch_function():
+            return fn(*args)
+
+    return run
 
 
 class ExternalParamMode(TorchFunctionMode):
@@ -349,8 +361,8 @@ class HookSet:
                 # AccumulateGrad lays the gradient out like the parameter's current data, so the
                 # parameter must be gathered when its gradient arrives (a tied or external weight
                 # whose last use was in another module): gather on demand before, flush after.
-                self._handles.append(p.register_hook(zp._grad_arriving(p)))
-                self._handles.append(p.register_post_accumulate_grad_hook(zp._on_grad_ready))
+                self._handles.append(p.register_hook(_quiet(zp._grad_arriving(p))))
+                self._handles.append(p.register_post_accumulate_grad_hook(_quiet(zp._on_grad_ready)))
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._switched = [p for p in params if type(p) is nn.Parameter]
         cls = PartitionedParameter.for_model(
