@@ -131,7 +131,9 @@ def initialize(
         pipe = pipeline_bytes(
             trainable, plans, cfg.zero.offload_optimizer.buffer_count, placement.compute_dtype
         )
-        needs = capacity_needs(zp.groups, plans, zp.gpu_need, pipeline=pipe)
+        needs = capacity_needs(
+            zp.groups, plans, zp.gpu_need, pipeline=pipe, compute_dtype=placement.compute_dtype
+        )
         check_capacity(tm, needs)
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
         extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}

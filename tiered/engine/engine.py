@@ -15,6 +15,7 @@ scheduler only advance on steps taken.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from tiered.config.schema import TieredConfig
 from tiered.engine.ds_api import DeepSpeedEngineAPI
 from tiered.engine.inputs import cast_floating
 from tiered.engine.progress import report_step
+from tiered.errors import StorageIOError
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
 from tiered.zero.full_params import gathered, iter_full_groups
@@ -60,6 +62,14 @@ def overlap_step_applies(cfg: TieredConfig) -> bool:
         )
         return False
     return True
+
+
+def _is_enospc(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        e = e.__cause__
+    return False
 
 
 class _ConstantLR:
@@ -205,6 +215,11 @@ class Engine(DeepSpeedEngineAPI):
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary run (or skip) the optimizer step."""
         self._check_open()
+        if self._backward_since_step and (self.micro_steps + 1) % self.gas == 0:
+            # the last step's write-backs end first: one that failed (a full disk) raises here,
+            # before anything of this step is done, so after `flush()` with space freed the same
+            # call goes on ([Note: a failed write-back is retried by flush])
+            self._wait_writes("engine.step()")
         self.micro_steps += 1
         self._step_applied = False
         if self.micro_steps % self.gas != 0:
@@ -462,8 +477,22 @@ class Engine(DeepSpeedEngineAPI):
         """Finish every write-back in flight and write dirty copies to their homes."""
         self._check_open()
         self._check_no_step_in_flight("flush")
-        self.optimizer.wait_writes()
+        self._wait_writes("engine.flush()")
         self.tm.flush().result()
+
+    def _wait_writes(self, what: str) -> None:
+        """The optimizer's write-backs in flight end; a full disk among their errors gets the
+        way out said ([Note: a failed write-back is retried by flush])."""
+        try:
+            self.optimizer.wait_writes()
+        except OSError as e:
+            if not _is_enospc(e):
+                raise
+            raise StorageIOError(
+                errno.ENOSPC,
+                f"{e}. The disk is full; nothing is lost: the updated values stay in memory. Free "
+                f"space there, call engine.flush() (it writes them home), then call {what} again",
+            ) from e
 
     def close(self, restore_weights: bool = True) -> None:
         """Wait for the optimizer's write-backs in flight, give the module its trained weights
