@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tiered.config.schema import TieredConfig
-from tiered.engine import client
+from tiered.engine import client, signals
 from tiered.engine.build import (
     Placement,
     build_tier_manager,
@@ -176,6 +176,7 @@ def initialize(
         capacity=needs,
     )
     mark_managed(model, engine)
+    signals.watch(engine)  # [Note: SIGTERM from a library]
     return client.finish(engine, model, req, lr_scales) if req.given else engine
 
 

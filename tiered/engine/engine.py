@@ -29,6 +29,7 @@ from tiered.config.schema import TieredConfig
 from tiered.engine.ds_api import DeepSpeedEngineAPI
 from tiered.engine.inputs import cast_floating
 from tiered.engine.progress import report_step
+from tiered.engine.signals import unwatch as unwatch_sigterm
 from tiered.errors import StorageIOError
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
@@ -497,8 +498,9 @@ class Engine(DeepSpeedEngineAPI):
     def close(self, restore_weights: bool = True) -> None:
         """Wait for the optimizer's write-backs in flight, give the module its trained weights
         back (`restore_weights`), remove the hooks, stop the tier manager and close its backends
-        (offload swap files are deleted). Dirty copies are not written home: call `flush()`
-        first where a tier of your own must hold the final values. Idempotent.
+        (offload swap files are deleted). A persistent tier of your own (``tiered.tiers``) is
+        flushed first, so its files hold the final values; a flush that fails is logged and
+        raised once the rest is closed. Idempotent.
 
         With `restore_weights` every parameter becomes an ordinary CPU tensor again holding its
         trained values in the compute dtype (gathered group by group; with several ranks a
@@ -511,8 +513,10 @@ class Engine(DeepSpeedEngineAPI):
             return
         self._closed = True
         restored: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        flush_error: Exception | None = None
         try:
             self.optimizer.close()
+            flush_error = self._flush_persistent_tiers()
             if restore_weights:
                 by_name = dict(self._module.named_parameters(remove_duplicate=False))
                 try:
@@ -538,9 +542,40 @@ class Engine(DeepSpeedEngineAPI):
                         self.tm.write_trace(trace_path)
                     except Exception:
                         log.exception("could not write the trace to %s", trace_path)
-                self.tm.close()
+                try:
+                    self.tm.close()
+                finally:
+                    unwatch_sigterm(self)  # [Note: SIGTERM from a library]
         for p, t in restored:
             p.data = t
+        if flush_error is not None:  # raised once the engine is closed all the same
+            raise flush_error
+
+    def _flush_persistent_tiers(self) -> Exception | None:
+        """Write home the dirty copies of partitions whose home outlives the process (a tier the
+        user declared: its files must hold the trained values after close); swap tiers are
+        deleted anyway. Returns the error, logged, of a flush that failed."""
+        parts = [p for g in self.zero.groups for p in (g.param, g.grad) if p is not None]
+        parts += [p for st in self.optimizer.states for p in st]
+        todo = [p for p in {id(p): p for p in parts}.values() if self._persists(p.home)]
+        if not todo:
+            return None
+        try:
+            for f in [self.tm.flush(p) for p in todo]:
+                f.result()
+        except Exception as e:  # noqa: BLE001 - returned, raised at the end of close
+            log.error(
+                "close(): the persistent tier(s) %s do not hold the final values: %s",
+                sorted({p.home for p in todo}),
+                e,
+            )
+            return e
+        log.debug("close(): flushed %d partitions to persistent tiers", len(todo))
+        return None
+
+    def _persists(self, tier: str) -> bool:
+        caps = self.tm.tier(tier).backend.capabilities
+        return bool(caps.persistent) and not caps.memory_like
 
     def _check_open(self) -> None:
         if self._closed:

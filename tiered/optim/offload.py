@@ -581,8 +581,8 @@ class OffloadedAdam:
         return futs
 
     def _retire_oldest(self) -> float:
+        _, cf = self._pending.popleft()  # first: whatever fails below, wait_writes' loop ends
         t0 = time.perf_counter()
-        _, cf = self._pending.popleft()
         first: BaseException | None = None
         for f in cf.result(timeout=self._timeout_s):
             try:  # every write of the group ends before its error is raised: none is left behind
