@@ -84,6 +84,11 @@ class ParameterNotGatheredError(TieredError, RuntimeError):
     """A partitioned parameter's values were read outside forward without gathering them first."""
 
 
+class InputDtypeError(TieredError, RuntimeError):
+    """A floating-point input of the model's forward is not in the compute dtype (fp32 inputs to
+    an fp16 or bf16 model); the message names the input, both dtypes, the module and the fix."""
+
+
 class LossScaleError(TieredError, FloatingPointError):
     """fp16 gradients overflowed while the loss scale was already at its minimum."""
 

@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from tiered.config.schema import TieredConfig
 from tiered.engine.ds_api import DeepSpeedEngineAPI
-from tiered.engine.inputs import cast_floating
+from tiered.engine.inputs import cast_floating, input_dtype_error
 from tiered.engine.progress import report_step
 from tiered.engine.signals import unwatch as unwatch_sigterm
-from tiered.errors import StorageIOError
+from tiered.errors import ParameterNotGatheredError, StorageIOError
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
 from tiered.zero.full_params import gathered, iter_full_groups
@@ -71,6 +71,28 @@ def _is_enospc(e: BaseException | None) -> bool:
             return True
         e = e.__cause__
     return False
+
+
+def _refuse_use_while_empty(module: torch.nn.Module) -> None:
+    """After a close that gave no weights back, a forward of `module` (its parameters are empty
+    tensors) is a clear error, not a shape error deep inside; the guard goes once weights are
+    assigned again."""
+    if not any(p.numel() == 0 for p in module.parameters()):
+        return
+    name = type(module).__name__
+
+    def guard(mod: torch.nn.Module, args: Any) -> None:
+        if not any(p.numel() == 0 for p in mod.parameters()):
+            handle.remove()
+            return
+        raise ParameterNotGatheredError(
+            f"{name} was closed by a tiered Engine without getting its weights back "
+            "(close(restore_weights=False), a close by the garbage collector, or a `with` block left "
+            "by an exception): its parameters are empty. Load weights into it (e.g. from the folder "
+            "engine.save_pretrained wrote), or close with restore_weights=True"
+        )
+
+    handle = module.register_forward_pre_hook(guard)
 
 
 class _ConstantLR:
@@ -163,7 +185,13 @@ class Engine(DeepSpeedEngineAPI):
         t0 = time.perf_counter()
         if self.config.precision.auto_cast and self.config.precision.dtype == torch.float16:  # fp16.auto_cast
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
-        out = self._module(*args, **kwargs)
+        try:
+            out = self._module(*args, **kwargs)
+        except RuntimeError as e:
+            clear = input_dtype_error(e, self._module, self.placement.compute_dtype, args, kwargs)
+            if clear is None:
+                raise
+            raise clear from e
         dt = time.perf_counter() - t0
         self._timing["forward_s"] += dt
         self._last["forward_s"] = self._last.get("forward_s", 0.0) + dt
@@ -548,6 +576,8 @@ class Engine(DeepSpeedEngineAPI):
                     unwatch_sigterm(self)  # [Note: SIGTERM from a library]
         for p, t in restored:
             p.data = t
+        if not restored:
+            _refuse_use_while_empty(self._module)
         if flush_error is not None:  # raised once the engine is closed all the same
             raise flush_error
 
