@@ -1,7 +1,8 @@
 """kill -9 and SIGTERM at seeded random moments of TRAINING (issue: reliability, item 6), then
 `tiered finetune --resume`: each run goes on from the last complete checkpoint, and after
 several kills the run ends bit for bit equal to one that was never interrupted. (Kills during
-checkpoint saves: tests/test_checkpoint_kill.py.) Slow: five processes of the CLI."""
+checkpoint saves: tests/test_checkpoint_format.py with checkpoint_kill_worker.py.) Slow: six
+runs of the CLI."""
 
 from __future__ import annotations
 
