@@ -169,3 +169,26 @@ def test_close_flushes_a_user_declared_persistent_tier(tmp_path: Path) -> None:
             )
     for key, want in moments.items():
         assert torch.equal(stored[key], want), key
+
+
+def test_an_error_in_a_with_block_is_not_replaced_by_a_close_that_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every write-back to the declared tier fails (a full disk), then the block raises its own
+    error: that error reaches the caller; the close's (the write-backs, the flush) is logged."""
+    from engine_support import make_batches
+
+    (tmp_path / "mine").mkdir()
+    cfg = _declared_tier_cfg(tmp_path / "mine")
+    inner = cfg["tiered"]["tiers"]["mine"]["backend"]
+    fault = {"kind": "error", "op": "write", "errno": "ENOSPC", "after": 12}  # after initialize
+    cfg["tiered"]["tiers"]["mine"]["backend"] = {"type": "faults", "inner": inner, "faults": [fault]}
+    case = CASES["mlp"]
+    with pytest.raises(ValueError, match="the block's own error"):
+        with tiered.initialize(build(case), cfg) as eng:
+            b = make_batches(case, 1, 4)[0]
+            eng.backward(case.loss(eng(**b)))
+            eng.step()
+            raise ValueError("the block's own error")
+    assert "after an error in its `with` block failed as well" in caplog.text
+    assert "No space left on device" in caplog.text or "ENOSPC" in caplog.text

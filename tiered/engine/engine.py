@@ -615,7 +615,13 @@ class Engine(DeepSpeedEngineAPI):
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(restore_weights=exc_type is None)
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the block's own error goes on: a failure to close (a flush) is logged, never over it
+            self.close(restore_weights=False)
+        except Exception:
+            log.exception("closing the engine after an error in its `with` block failed as well")
 
     def __del__(self) -> None:  # a forgotten close must not leave the loop thread running
         try:
