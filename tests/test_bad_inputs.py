@@ -257,6 +257,87 @@ def test_step_without_backward() -> None:
             engine.step()
 
 
+@pytest.mark.parametrize("how", ["tmpfs-ro", "bind-ro"])
+def test_nvme_path_on_a_read_only_filesystem_says_so(tmp_path: Path, how: str) -> None:
+    """Root only (a read-only mount; chmod cannot fake EROFS, and root ignores modes)."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only filesystem needs root")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if how == "tmpfs-ro":
+        cmd = ["mount", "-t", "tmpfs", "-o", "ro,size=1M", "tmpfs", str(ro)]
+    else:
+        (tmp_path / "src").mkdir()
+        cmd = ["mount", "--bind", "-o", "ro", str(tmp_path / "src"), str(ro)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount here: {done.stderr.strip()}")
+    try:
+        if how == "bind-ro" and os.access(ro, os.W_OK) and not os.statvfs(ro).f_flag & os.ST_RDONLY:
+            pytest.skip("this kernel ignores ro on a bind mount")
+        cfg = ds_config(param="nvme", opt="nvme", nvme_path=str(ro), mkdir=False)
+        with pytest.raises((ConfigError, StorageIOError)) as info:
+            tiered.initialize(build(CASES["mlp"]), cfg)
+        msg = str(info.value)
+        assert str(ro) in msg and "read-only filesystem" in msg, msg
+        assert "permissions" not in msg, msg
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_fp32_inputs_to_a_16_bit_model_name_the_input_the_module_and_the_fix(dtype: str) -> None:
+    from tiered.errors import InputDtypeError
+
+    with tiered.initialize(build(CASES["mlp"]), ds_config(dtype=dtype)) as engine:
+        with pytest.raises(InputDtypeError) as info:
+            engine(x=torch.randn(4, 16), y=torch.randn(4, 8))
+    msg = str(info.value)
+    want = "float16" if dtype == "fp16" else "bfloat16"
+    assert "MLP.forward: input 'x'" in msg and "torch.float32" in msg and f".to(torch.{want})" in msg, msg
+    assert (dtype == "fp16") == ("auto_cast" in msg), msg
+
+
+def test_the_module_after_close_is_a_plain_module_again() -> None:
+    case = CASES["mlp"]
+    model = build(case)
+    b = make_batches(case, 1, 4)[0]
+    engine = tiered.initialize(model, ds_config())
+    engine.backward(case.loss(engine(**b)))
+    engine.step()
+    trained = engine.state_dict_fp32()
+    engine.close()
+    assert torch.equal(model.inp.weight, trained["inp.weight"])
+    model(**b).backward()  # plain PyTorch use: forward and backward work
+    with pytest.raises(RuntimeError, match="Engine is closed"):
+        engine(**b)
+
+
+def test_the_module_after_close_without_its_weights_says_what_happened() -> None:
+    from tiered.errors import ParameterNotGatheredError
+
+    case = CASES["mlp"]
+    model = build(case)
+    b = make_batches(case, 1, 4)[0]
+    tiered.initialize(model, ds_config()).close(restore_weights=False)
+    with pytest.raises(ParameterNotGatheredError, match=r"MLP was closed .*restore_weights=False.*empty"):
+        model(**b)
+    fresh = dict(build(case).named_parameters())
+    for name, p in model.named_parameters():  # weights back: the guard goes
+        p.data = fresh[name].data
+    model(**b)
+
+
+def test_an_all_frozen_model_is_refused_at_initialize() -> None:
+    model = build(CASES["mlp"])
+    model.requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"every parameter of MLP is frozen.*unfreeze"):
+        tiered.initialize(model, ds_config())
+
+
 def test_load_checkpoint_from_a_missing_folder(tmp_path: Path) -> None:
     with tiered.initialize(build(CASES["mlp"]), ds_config()) as engine:
         with pytest.raises(CheckpointNotFoundError) as info:

@@ -110,3 +110,85 @@ def test_a_config_string_naming_code_is_not_imported(target: str, tmp_path: Path
     cfg["tiered"] = {"tiers": {"x": {"backend": {"type": target}}}}
     with pytest.raises(BackendNotFoundError):
         tiered.initialize(build(CASES["mlp"]), cfg)
+
+
+def _declared_tier_cfg(path: Path) -> dict[str, Any]:
+    cfg = ds_config(param="cpu", opt="cpu")
+    cfg["tiered"] = {
+        "tiers": {"mine": {"backend": {"type": "nvme", "path": str(path)}}},
+        "param_tier": "mine",
+        "optimizer_tier": "mine",
+    }
+    return cfg
+
+
+def test_close_flushes_a_user_declared_persistent_tier(tmp_path: Path) -> None:
+    """Trained, closed without flush(): a reopened tier holds the trained parameters (fp32: the
+    param file is the master too) and the optimizer state (issue: reliability, item 7)."""
+    import asyncio
+
+    from engine_support import make_batches
+
+    (tmp_path / "mine").mkdir()
+    case = CASES["mlp"]
+    eng = tiered.initialize(build(case), _declared_tier_cfg(tmp_path / "mine"))
+    for b in make_batches(case, 3, 4):
+        eng.backward(case.loss(eng(**b)))
+        eng.step()
+    groups = [
+        (g.param.name, g.param.numel, [(e.name, e.offset, e.numel) for e in g.entries])
+        for g in eng.zero.groups
+    ]
+    exp_avg = {g.name: eng.optimizer.state_partitions(g).exp_avg.name for g in eng.zero.groups}
+    moments = {}
+    for g in eng.zero.groups:
+        part = eng.optimizer.state_partitions(g).exp_avg
+        moments[part.name] = eng.tm.fetch(part, "cpu").result().clone()
+        eng.tm.release(part, "cpu")
+    eng.close()  # no flush() first
+    trained = {n: p.detach().reshape(-1) for n, p in eng.module.named_parameters()}
+
+    async def read_back() -> dict[str, torch.Tensor]:
+        b = open_backend({"type": "nvme", "path": str(tmp_path / "mine")})
+        try:
+            out = {}
+            for key, numel in [(k, n) for k, n, _ in groups] + [
+                (k, moments[k].numel()) for k in exp_avg.values()
+            ]:
+                out[key] = torch.empty(numel, dtype=torch.float32)
+                await b.read(key, out[key])
+            return out
+        finally:
+            await b.close()
+
+    stored = asyncio.run(read_back())
+    for key, _, entries in groups:
+        for name, offset, numel in entries:
+            assert torch.equal(stored[key][offset : offset + numel], trained[name]), (
+                f"{name}: the tier holds stale values after close()"
+            )
+    for key, want in moments.items():
+        assert torch.equal(stored[key], want), key
+
+
+def test_an_error_in_a_with_block_is_not_replaced_by_a_close_that_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every write-back to the declared tier fails (a full disk), then the block raises its own
+    error: that error reaches the caller; the close's (the write-backs, the flush) is logged."""
+    from engine_support import make_batches
+
+    (tmp_path / "mine").mkdir()
+    cfg = _declared_tier_cfg(tmp_path / "mine")
+    inner = cfg["tiered"]["tiers"]["mine"]["backend"]
+    fault = {"kind": "error", "op": "write", "errno": "ENOSPC", "after": 12}  # after initialize
+    cfg["tiered"]["tiers"]["mine"]["backend"] = {"type": "faults", "inner": inner, "faults": [fault]}
+    case = CASES["mlp"]
+    with pytest.raises(ValueError, match="the block's own error"):
+        with tiered.initialize(build(case), cfg) as eng:
+            b = make_batches(case, 1, 4)[0]
+            eng.backward(case.loss(eng(**b)))
+            eng.step()
+            raise ValueError("the block's own error")
+    assert "after an error in its `with` block failed as well" in caplog.text
+    assert "No space left on device" in caplog.text or "ENOSPC" in caplog.text

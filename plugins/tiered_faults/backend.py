@@ -127,6 +127,9 @@ class FaultsBackend(StorageBackend):
                 free = left if free is None else min(free, left)
         return Capacity(total_bytes=total, free_bytes=free)
 
+    def stored_bytes(self, nbytes: int) -> int:
+        return self.inner.stored_bytes(nbytes)
+
     def use_bridge(self, bridge: IOBridge | None) -> None:
         """The inner backend does the blocking calls: it gets the bridge too."""
         super().use_bridge(bridge)

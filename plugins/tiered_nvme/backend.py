@@ -446,6 +446,12 @@ class NVMeBackend(StorageBackend):
         st = os.statvfs(self.directory)
         return Capacity(total_bytes=st.f_blocks * st.f_frsize, free_bytes=st.f_bavail * st.f_frsize)
 
+    def stored_bytes(self, nbytes: int) -> int:
+        """A file takes whole filesystem blocks, and an O_DIRECT write (the padded last block of
+        [Note: nvme on-disk size]) whole `ALIGN` blocks while it runs."""
+        block = max(os.statvfs(self.directory).f_bsize, ALIGN if self.direct else 1)
+        return -(-nbytes // block) * block
+
     async def close(self) -> None:
         if self._closed:
             return

@@ -123,6 +123,11 @@ def check_nvme_path(value: Any, path: str) -> str:
             "point it at a directory on a local NVMe drive that you can write"
         ) from None
     if not os.access(target, os.W_OK | os.X_OK):
+        if os.statvfs(target).f_flag & os.ST_RDONLY:  # not a mode: no chmod would help
+            raise ConfigError(
+                f"{path} = {text!r} is on a read-only filesystem; remount it read-write or point it "
+                "at a directory on a writable drive"
+            )
         raise ConfigError(
             f"{path} = {text!r} is not writable by this user; fix its permissions or choose another"
         )

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tiered.config.schema import TieredConfig
-from tiered.engine import client
+from tiered.engine import client, signals
 from tiered.engine.build import (
     Placement,
     build_tier_manager,
@@ -131,7 +131,9 @@ def initialize(
         pipe = pipeline_bytes(
             trainable, plans, cfg.zero.offload_optimizer.buffer_count, placement.compute_dtype
         )
-        needs = capacity_needs(zp.groups, plans, zp.gpu_need, pipeline=pipe)
+        needs = capacity_needs(
+            zp.groups, plans, zp.gpu_need, pipeline=pipe, compute_dtype=placement.compute_dtype
+        )
         check_capacity(tm, needs)
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
         extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}
@@ -176,6 +178,7 @@ def initialize(
     if weights is not None:  # its tokenizer files go into engine.save_pretrained's export
         engine.tokenizer_source = os.fspath(weights)
     mark_managed(model, engine)
+    signals.watch(engine)  # [Note: SIGTERM from a library]
     return client.finish(engine, model, req, lr_scales) if req.given else engine
 
 

@@ -5,7 +5,9 @@ Every byte the engine will ever hold in a tier is known once the shard groups ex
 that cannot work is reported at `initialize`, never mid-step. Per tier the need is
 
     homes        sum of nbytes of the partitions whose home is the tier (params, fp32 grads,
-                 fp32 master/exp_avg/exp_avg_sq), all resident for the whole run when the tier
+                 fp32 master/exp_avg/exp_avg_sq: the specs `OffloadedAdam` creates them from,
+                 `tiered.optim.placement.state_partition_specs`, so an fp32 master that *is* the
+                 parameter is not counted twice), all resident for the whole run when the tier
                  is memory-like
     + gather     "gpu" only, when params live elsewhere: the largest module's non-persistent
                  groups gathered at once (full_numel x param bytes; x (1 + 1/world) with world > 1:
@@ -18,6 +20,15 @@ that cannot work is reported at `initialize`, never mid-step. Per tier the need 
 
 and a budget below it raises CapacityError with the numbers and what to change. The check is a
 lower bound: prefetching more than one group is backpressured by the tier manager, never required.
+
+A tier without a budget is checked against its backend's free space *now*, when the parameter
+and gradient partitions exist already and hold their space: what it must still have free is the
+partitions not yet created (the optimizer state), each as the backend stores it
+(`StorageBackend.stored_bytes`: a file takes whole filesystem blocks), plus the buffers a memory
+tier allocates later (gather, persistent, pipeline). Tiers on one filesystem are summed against
+its one free count. In-place (swap) files never grow after their first write, so a disk that
+passes this check holds the run; a tier with atomic writes (a user-declared one) needs room for
+the temp copy of each write in flight on top.
 """
 
 from __future__ import annotations
@@ -253,21 +264,30 @@ def capacity_needs(
     gpu_need: GpuGatherNeed,
     *,
     pipeline: dict[str, int],
+    compute_dtype: torch.dtype,
 ) -> dict[str, dict[str, Any]]:
     """Per tier: {"homes": bytes, "gather": bytes, "persistent": bytes, "pipeline": bytes,
-    "module": what the gather is for, "total"}. `groups` are all of them, `plans` one per
-    trainable group. See [Note: capacity check before training]."""
+    "module": what the gather is for, "total", "to_write": [nbytes of each partition not yet
+    created]}. `groups` are all of them (their param and grad partitions exist already), `plans`
+    one per trainable group. See [Note: capacity check before training]."""
+    from tiered.optim.placement import state_partition_specs
+
     need: dict[str, dict[str, Any]] = {}
 
     def at(tier: str) -> dict[str, Any]:
-        return need.setdefault(tier, {"homes": 0, "gather": 0, "persistent": 0, "pipeline": 0, "module": ""})
+        return need.setdefault(
+            tier, {"homes": 0, "gather": 0, "persistent": 0, "pipeline": 0, "module": "", "to_write": []}
+        )
 
     for g in groups:
         at(g.param.home)["homes"] += g.param.nbytes
         if g.grad is not None:
             at(g.grad.home)["homes"] += g.grad.nbytes
     for g, p in zip([g for g in groups if g.trainable], plans, strict=True):  # frozen: no state
-        at(p.state_home)["homes"] += 3 * 4 * g.shard_numel
+        for _, numel, dtype, home in state_partition_specs(g, p, compute_dtype):
+            nbytes = numel * dtype.itemsize
+            at(home)["homes"] += nbytes
+            at(home)["to_write"].append(nbytes)
     gpu = at("gpu")
     gpu["persistent"] = gpu_need.persistent_bytes
     if gpu_need.gather_bytes:
@@ -281,30 +301,80 @@ def capacity_needs(
 
 
 def check_capacity(tm: TierManager, needs: dict[str, dict[str, Any]]) -> None:
-    """Raise CapacityError, before any training, when a budget is below what the run needs."""
+    """Raise CapacityError, before any training, when a budget, or the free space of a tier
+    without one, is below what the run needs. See [Note: capacity check before training]."""
+    free_space: dict[object, list[tuple[str, int]]] = {}
     for name, d in needs.items():
         tier = tm.tier(name)
-        budget = tier.budget_bytes
-        if budget is None:
-            try:
-                budget = tier.backend.capacity().free_bytes
-            except Exception:  # noqa: BLE001 - a backend that cannot tell: nothing to check
-                budget = None
-        if budget is None or d["total"] <= budget:
+        if tier.budget_bytes is None:
+            free_space.setdefault(_space_of(tier), []).append((name, _still_needed(tier, d)))
             continue
-        parts = [f"{format_bytes(d['homes'], binary=True)} of partitions homed there"]
-        if d["gather"]:
-            parts.append(f"{format_bytes(d['gather'], binary=True)} to gather module {d['module']}")
-        if d["persistent"]:
-            parts.append(f"persistent {format_bytes(d['persistent'], binary=True)}")
-        if d["pipeline"]:
-            parts.append(f"{format_bytes(d['pipeline'], binary=True)} of optimizer pipeline buffers")
-        hint = {
-            "gpu": "raise tiered.tiers.gpu.budget, lower sub_group_size, or offload params/optimizer",
-            "cpu": "raise tiered.tiers.cpu.budget, lower sub_group_size or offload_optimizer.buffer_count,"
-            " or offload to nvme",
-        }.get(name, f"raise tiered.tiers.{name}.budget or free space there")
-        raise CapacityError(
-            f"{name} budget {format_bytes(budget, binary=True)} < {format_bytes(d['total'], binary=True)} needed "
-            f"({' + '.join(parts)}); {hint}"
-        )
+        if d["total"] > tier.budget_bytes:
+            raise CapacityError(_over_budget(name, tier.budget_bytes, d))
+    for tiers in free_space.values():
+        _check_free_space(tm, tiers)
+
+
+def _still_needed(tier: Tier, d: dict[str, Any]) -> int:
+    """Bytes of free space the run takes from now on in a tier without a budget: the partitions
+    not created yet, as the backend stores them, and the buffers memory tiers allocate later.
+    The partitions written already (the parameters) hold their space: counting them again would
+    refuse runs that fit."""
+    b = tier.backend
+    extra = d["gather"] + d["persistent"] + d["pipeline"]
+    return sum(b.stored_bytes(n) for n in d["to_write"]) + extra
+
+
+def _space_of(tier: Tier) -> object:
+    """Tiers whose files share one filesystem share its free bytes: they are checked together."""
+    directory = getattr(tier.backend, "directory", None)
+    if directory is not None:
+        try:
+            return ("dev", os.stat(directory).st_dev)
+        except OSError:
+            pass
+    return ("tier", tier.name)
+
+
+def _check_free_space(tm: TierManager, tiers: list[tuple[str, int]]) -> None:
+    first = tm.tier(tiers[0][0])
+    try:
+        free = first.backend.capacity().free_bytes
+    except Exception:  # noqa: BLE001 - a backend that cannot tell: nothing to check
+        free = None
+    need = sum(n for _, n in tiers)
+    if free is None or need <= free:
+        return
+    names = " + ".join(f"{n} bytes in tier {t!r}" for t, n in tiers)
+    directory = getattr(first.backend, "directory", None)
+    where = f" of {str(directory)!r}" if directory is not None else ""
+    hint = (
+        "free space there or point nvme_path at a larger disk"
+        if directory is not None
+        else f"set tiered.tiers.{tiers[0][0]}.budget or free space"
+    )
+    raise CapacityError(
+        f"not enough free space{where} (tier {tiers[0][0]!r}, backend {first.backend.name!r}): the run "
+        f"still writes {need} bytes ({format_bytes(need, binary=True)}: {names}; the partitions already "
+        f"written are not counted again), only {free} bytes ({format_bytes(free, binary=True)}) are "
+        f"free; {hint} (at least {need - free} more bytes)"
+    )
+
+
+def _over_budget(name: str, budget: int, d: dict[str, Any]) -> str:
+    parts = [f"{format_bytes(d['homes'], binary=True)} of partitions homed there"]
+    if d["gather"]:
+        parts.append(f"{format_bytes(d['gather'], binary=True)} to gather module {d['module']}")
+    if d["persistent"]:
+        parts.append(f"persistent {format_bytes(d['persistent'], binary=True)}")
+    if d["pipeline"]:
+        parts.append(f"{format_bytes(d['pipeline'], binary=True)} of optimizer pipeline buffers")
+    hint = {
+        "gpu": "raise tiered.tiers.gpu.budget, lower sub_group_size, or offload params/optimizer",
+        "cpu": "raise tiered.tiers.cpu.budget, lower sub_group_size or offload_optimizer.buffer_count,"
+        " or offload to nvme",
+    }.get(name, f"raise tiered.tiers.{name}.budget or free space there")
+    return (
+        f"{name} budget {format_bytes(budget, binary=True)} < {format_bytes(d['total'], binary=True)} needed "
+        f"({' + '.join(parts)}); {hint}"
+    )

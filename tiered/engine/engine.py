@@ -15,6 +15,7 @@ scheduler only advance on steps taken.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -26,8 +27,10 @@ import torch.distributed as dist
 
 from tiered.config.schema import TieredConfig
 from tiered.engine.ds_api import DeepSpeedEngineAPI
-from tiered.engine.inputs import cast_floating
+from tiered.engine.inputs import cast_floating, input_dtype_error
 from tiered.engine.progress import report_step
+from tiered.engine.signals import unwatch as unwatch_sigterm
+from tiered.errors import ParameterNotGatheredError, StorageIOError
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
 from tiered.zero.full_params import gathered, iter_full_groups
@@ -60,6 +63,36 @@ def overlap_step_applies(cfg: TieredConfig) -> bool:
         )
         return False
     return True
+
+
+def _is_enospc(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        e = e.__cause__
+    return False
+
+
+def _refuse_use_while_empty(module: torch.nn.Module) -> None:
+    """After a close that gave no weights back, a forward of `module` (its parameters are empty
+    tensors) is a clear error, not a shape error deep inside; the guard goes once weights are
+    assigned again."""
+    if not any(p.numel() == 0 for p in module.parameters()):
+        return
+    name = type(module).__name__
+
+    def guard(mod: torch.nn.Module, args: Any) -> None:
+        if not any(p.numel() == 0 for p in mod.parameters()):
+            handle.remove()
+            return
+        raise ParameterNotGatheredError(
+            f"{name} was closed by a tiered Engine without getting its weights back "
+            "(close(restore_weights=False), a close by the garbage collector, or a `with` block left "
+            "by an exception): its parameters are empty. Load weights into it (e.g. from the folder "
+            "engine.save_pretrained wrote), or close with restore_weights=True"
+        )
+
+    handle = module.register_forward_pre_hook(guard)
 
 
 class _ConstantLR:
@@ -155,7 +188,13 @@ class Engine(DeepSpeedEngineAPI):
         t0 = time.perf_counter()
         if self.config.precision.auto_cast and self.config.precision.dtype == torch.float16:  # fp16.auto_cast
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
-        out = self._module(*args, **kwargs)
+        try:
+            out = self._module(*args, **kwargs)
+        except RuntimeError as e:
+            clear = input_dtype_error(e, self._module, self.placement.compute_dtype, args, kwargs)
+            if clear is None:
+                raise
+            raise clear from e
         dt = time.perf_counter() - t0
         self._timing["forward_s"] += dt
         self._last["forward_s"] = self._last.get("forward_s", 0.0) + dt
@@ -208,6 +247,11 @@ class Engine(DeepSpeedEngineAPI):
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary run (or skip) the optimizer step."""
         self._check_open()
+        if self._backward_since_step and (self.micro_steps + 1) % self.gas == 0:
+            # the last step's write-backs end first: one that failed (a full disk) raises here,
+            # before anything of this step is done, so after `flush()` with space freed the same
+            # call goes on ([Note: a failed write-back is retried by flush])
+            self._wait_writes("engine.step()")
         self.micro_steps += 1
         self._step_applied = False
         if self.micro_steps % self.gas != 0:
@@ -486,14 +530,29 @@ class Engine(DeepSpeedEngineAPI):
         """Finish every write-back in flight and write dirty copies to their homes."""
         self._check_open()
         self._check_no_step_in_flight("flush")
-        self.optimizer.wait_writes()
+        self._wait_writes("engine.flush()")
         self.tm.flush().result()
+
+    def _wait_writes(self, what: str) -> None:
+        """The optimizer's write-backs in flight end; a full disk among their errors gets the
+        way out said ([Note: a failed write-back is retried by flush])."""
+        try:
+            self.optimizer.wait_writes()
+        except OSError as e:
+            if not _is_enospc(e):
+                raise
+            raise StorageIOError(
+                errno.ENOSPC,
+                f"{e}. The disk is full; nothing is lost: the updated values stay in memory. Free "
+                f"space there, call engine.flush() (it writes them home), then call {what} again",
+            ) from e
 
     def close(self, restore_weights: bool = True) -> None:
         """Wait for the optimizer's write-backs in flight, give the module its trained weights
         back (`restore_weights`), remove the hooks, stop the tier manager and close its backends
-        (offload swap files are deleted). Dirty copies are not written home: call `flush()`
-        first where a tier of your own must hold the final values. Idempotent.
+        (offload swap files are deleted). A persistent tier of your own (``tiered.tiers``) is
+        flushed first, so its files hold the final values; a flush that fails is logged and
+        raised once the rest is closed. Idempotent.
 
         With `restore_weights` every parameter becomes an ordinary CPU tensor again holding its
         trained values in the compute dtype (gathered group by group; with several ranks a
@@ -506,8 +565,10 @@ class Engine(DeepSpeedEngineAPI):
             return
         self._closed = True
         restored: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        flush_error: Exception | None = None
         try:
             self.optimizer.close()
+            flush_error = self._flush_persistent_tiers()
             if restore_weights:
                 by_name = dict(self._module.named_parameters(remove_duplicate=False))
                 try:
@@ -533,9 +594,42 @@ class Engine(DeepSpeedEngineAPI):
                         self.tm.write_trace(trace_path)
                     except Exception:
                         log.exception("could not write the trace to %s", trace_path)
-                self.tm.close()
+                try:
+                    self.tm.close()
+                finally:
+                    unwatch_sigterm(self)  # [Note: SIGTERM from a library]
         for p, t in restored:
             p.data = t
+        if not restored:
+            _refuse_use_while_empty(self._module)
+        if flush_error is not None:  # raised once the engine is closed all the same
+            raise flush_error
+
+    def _flush_persistent_tiers(self) -> Exception | None:
+        """Write home the dirty copies of partitions whose home outlives the process (a tier the
+        user declared: its files must hold the trained values after close); swap tiers are
+        deleted anyway. Returns the error, logged, of a flush that failed."""
+        parts = [p for g in self.zero.groups for p in (g.param, g.grad) if p is not None]
+        parts += [p for st in self.optimizer.states for p in st]
+        todo = [p for p in {id(p): p for p in parts}.values() if self._persists(p.home)]
+        if not todo:
+            return None
+        try:
+            for f in [self.tm.flush(p) for p in todo]:
+                f.result()
+        except Exception as e:  # noqa: BLE001 - returned, raised at the end of close
+            log.error(
+                "close(): the persistent tier(s) %s do not hold the final values: %s",
+                sorted({p.home for p in todo}),
+                e,
+            )
+            return e
+        log.debug("close(): flushed %d partitions to persistent tiers", len(todo))
+        return None
+
+    def _persists(self, tier: str) -> bool:
+        caps = self.tm.tier(tier).backend.capabilities
+        return bool(caps.persistent) and not caps.memory_like
 
     def _check_open(self) -> None:
         if self._closed:
@@ -545,7 +639,13 @@ class Engine(DeepSpeedEngineAPI):
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(restore_weights=exc_type is None)
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the block's own error goes on: a failure to close (a flush) is logged, never over it
+            self.close(restore_weights=False)
+        except Exception:
+            log.exception("closing the engine after an error in its `with` block failed as well")
 
     def __del__(self) -> None:  # a forgotten close must not leave the loop thread running
         try:

@@ -19,6 +19,16 @@ TierManager serialises moves of one partition: a fetch of a parameter or state w
 being evicted waits for the write-back and then reads the new bytes from home. The next step,
 ``wait_writes``, ``Engine.flush`` and ``Engine.close`` wait for them (and re-raise their errors).
 
+[Note: a failed write-back is retried by flush]
+A write-back that fails (ENOSPC on a full disk, an I/O error after its retries) loses nothing: the
+tier manager marks the home copy valid only once a write completed, so the updated copy stays,
+dirty, in the compute tier. The error must not cut a step in half either, so one met inside a
+step (the ``buffer_count`` back-pressure) is kept and the step's other groups still update;
+``wait_writes`` waits for every write in flight and raises the first error (the number of others
+is logged). `Engine.step` calls it before it counts anything, so the step that raises it has done
+nothing yet: once space is freed, ``engine.flush()`` writes the dirty copies home and the same
+``engine.step()`` goes on, ending bit for bit where an undisturbed run does.
+
 "In flight" counts groups whose reads are issued but not consumed plus groups whose write-backs
 have not finished, so the pinned staging memory is bounded by
 ``buffer_count x (12 + param bytes) x largest shard``: what `stage_bytes_needed` reports and the
@@ -90,6 +100,7 @@ from tiered.optim.placement import (
     StatePartitions,
     pipeline_bytes,
     plan_optimizer_placement,
+    state_partition_specs,
     tier_is_host,
 )
 from tiered.optim.runs import GroupSteps, ParamHyper, Run, entry_hypers
@@ -244,6 +255,8 @@ class OffloadedAdam:
         self.states: list[StatePartitions] = []
         """Per group, by position: its master / exp_avg / exp_avg_sq partitions (checkpoints)."""
         self._param_is_master: set[int] = set()  # [Note: fp32 master is the parameter]
+        self._write_errors: list[Exception] = []
+        """Write-backs that failed inside a step, raised by the next `wait_writes`."""
         for i, (g, plan) in enumerate(zip(self.groups, self.plans, strict=True)):
             master = initial_fp32(g).to(torch.float32).reshape(-1)
             if master.numel() != g.shard_numel:
@@ -251,18 +264,16 @@ class OffloadedAdam:
                     f"initial fp32 shard of group {g.name} has {master.numel()} elements, "
                     f"expected shard_numel={g.shard_numel}"
                 )
-            alias = compute_dtype == torch.float32 and plan.side == "cpu" and g.param.home == plan.state_home
+            # the same specs the engine's capacity check counted before any was written
+            specs = state_partition_specs(g, plan, compute_dtype)
+            alias = len(specs) == 2
             if alias:
                 self._param_is_master.add(i)
-            parts = StatePartitions(
-                g.param
-                if alias
-                else tm.create(
-                    f"{g.name}.master", g.shard_numel, torch.float32, plan.state_home, init=master
-                ),
-                tm.create(f"{g.name}.exp_avg", g.shard_numel, torch.float32, plan.state_home),
-                tm.create(f"{g.name}.exp_avg_sq", g.shard_numel, torch.float32, plan.state_home),
-            )
+            made = [
+                tm.create(name, numel, dtype, home, init=master if name.endswith(".master") else None)
+                for name, numel, dtype, home in specs
+            ]
+            parts = StatePartitions(g.param, *made) if alias else StatePartitions(*made)
             del master
             self.states.append(parts)
         self._totals = {
@@ -418,7 +429,7 @@ class OffloadedAdam:
         while (i := arrivals.get(k)) is not None:
             if next_read == k:
                 while bound_writes and self._pending and len(self._pending) + 1 > self.buffer_count:
-                    t_write += self._retire_oldest()
+                    t_write += self._retire_in_step()
                 reads[k] = self._issue_reads(i)
                 next_read += 1
             while (
@@ -439,7 +450,7 @@ class OffloadedAdam:
                 and self._pending[0][1].done()
                 and all(f.done() for f in self._pending[0][1].result())
             ):
-                t_write += self._retire_oldest()
+                t_write += self._retire_in_step()
             t_read += t1 - t0
             t_comp += t2 - t1
             k += 1
@@ -570,17 +581,44 @@ class OffloadedAdam:
         return futs
 
     def _retire_oldest(self) -> float:
+        _, cf = self._pending.popleft()  # first: whatever fails below, wait_writes' loop ends
         t0 = time.perf_counter()
-        _, cf = self._pending.popleft()
+        first: BaseException | None = None
         for f in cf.result(timeout=self._timeout_s):
-            f.result()
+            try:  # every write of the group ends before its error is raised: none is left behind
+                f.result()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the others
+                first = first or e
+        if first is not None:
+            raise first
         return time.perf_counter() - t0
 
+    def _retire_in_step(self) -> float:
+        """`_retire_oldest` inside a step, whose error waits for `wait_writes`: the step's other
+        groups still update ([Note: a failed write-back is retried by flush])."""
+        try:
+            return self._retire_oldest()
+        except Exception as e:  # noqa: BLE001 - raised by the next wait_writes
+            self._write_errors.append(e)
+            return 0.0
+
     def wait_writes(self) -> float:
-        """Block until every write-back issued by a step has finished; returns seconds waited."""
+        """Block until every write-back issued by a step has finished; returns seconds waited.
+        A failed one raises, once, after all the others ended: see
+        [Note: a failed write-back is retried by flush]."""
         waited = 0.0
+        errors, self._write_errors = self._write_errors, []
         while self._pending:
-            waited += self._retire_oldest()
+            try:
+                waited += self._retire_oldest()
+            except Exception as e:  # noqa: BLE001 - the first is raised below
+                errors.append(e)
+        if errors:
+            if len(errors) > 1:
+                log.error(
+                    "%d more optimizer write-backs failed as well (the first is raised)", len(errors) - 1
+                )
+            raise errors[0]
         return waited
 
     def close(self) -> None:

@@ -50,6 +50,21 @@ class StatePartitions(NamedTuple):
     exp_avg_sq: Partition
 
 
+def master_is_param(group: ShardGroup, plan: GroupPlan, compute_dtype: torch.dtype) -> bool:
+    """[Note: fp32 master is the parameter] (tiered/optim/offload.py): in an fp32 run whose CPU step
+    finds the parameter at the state's home, the param partition is the master (no copy of its own)."""
+    return compute_dtype == torch.float32 and plan.side == "cpu" and group.param.home == plan.state_home
+
+
+def state_partition_specs(
+    group: ShardGroup, plan: GroupPlan, compute_dtype: torch.dtype
+) -> list[tuple[str, int, torch.dtype, str]]:
+    """(name, numel, dtype, home) of each optimizer-state partition `OffloadedAdam` creates for
+    `group`: what it allocates, and what the engine's capacity check counts before it does."""
+    suffixes = STATE_SUFFIXES[1:] if master_is_param(group, plan, compute_dtype) else STATE_SUFFIXES
+    return [(f"{group.name}.{s}", group.shard_numel, torch.float32, plan.state_home) for s in suffixes]
+
+
 def plan_optimizer_placement(
     groups: Sequence[ShardGroup], cfg: TieredConfig, optimizer_tier: str, *, gpu_is_host: bool
 ) -> list[GroupPlan]:

@@ -218,6 +218,11 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def capacity(self) -> Capacity: ...
 
+    def stored_bytes(self, nbytes: int) -> int:
+        """Bytes of ``capacity().free_bytes`` that storing a value of `nbytes` takes (a file
+        backend rounds up to its filesystem's blocks); the engine's free-space check sums it."""
+        return nbytes
+
     # ---- the I/O bridge (see the Note) ------------------------------------------------------
     @property
     def bridge(self) -> IOBridge:

@@ -12,6 +12,7 @@ a crashed process are recognisable (`is_temp_name`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 from pathlib import Path
@@ -72,10 +73,18 @@ def check_directory(path: str | os.PathLike[str], *, backend: str, create: bool 
 
 
 def unwritable_error(directory: Path, backend: str, exc: OSError) -> StorageIOError:
-    return StorageIOError(
-        f"{backend} backend: directory {str(directory)!r} is not writable ({exc.strerror or exc}); "
-        "fix its permissions or pick another path"
+    """The error for a directory that refused a write, with the cure that fits the cause."""
+    if exc.errno == errno.EROFS:
+        hint = "it is on a read-only filesystem: remount it read-write or pick a path on a writable disk"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        hint = "fix its permissions or pick another path"
+    else:
+        hint = "pick another path"
+    err = StorageIOError(
+        f"{backend} backend: directory {str(directory)!r} is not writable ({exc.strerror or exc}); {hint}"
     )
+    err.errno = exc.errno
+    return err
 
 
 def probe_writable(directory: Path, *, backend: str) -> None:
