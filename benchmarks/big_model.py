@@ -286,6 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     signal.signal(signal.SIGTERM, _sigterm)
     workdir = Path(tempfile.mkdtemp(prefix="tiered-big-", dir=base))
+    res: dict[str, Any] = {"disk": disk}
     try:
         spec = make_spec(args, workdir)
         eng._log(
@@ -293,7 +294,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{state / GIB:.1f} GiB; gpu tier {spec['gpu_budget'] / GIB:.2f} GiB, cpu tier "
             f"{spec['cpu_budget'] / GIB:.2f} GiB; disk peak ~{disk['peak'] / 1e9:.1f} of {free / 1e9:.1f} GB free"
         )
-        res: dict[str, Any] = {"disk": disk}
         if args.weights:
             res["weights"] = {"s": 0.0, "bytes": eng.du(Path(args.weights)), "rss": 0, "given": args.weights}
         else:
@@ -301,6 +301,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             eng._log(f"weights: {res['weights']['bytes'] / 1e9:.2f} GB in {res['weights']['s']:.1f} s")
         res["train"] = _Child.run("train", spec, workdir)
         res["resume"] = _Child.run("resume", spec, workdir)
+    except BaseException:
+        if args.json:  # what the phases that finished measured, for the write-up
+            Path(args.json + ".partial").write_text(json.dumps(res, indent=1, default=float) + "\n")
+        raise
     finally:
         _Child.stop()
         if args.keep:

@@ -94,7 +94,15 @@ def engine_config(spec: dict[str, Any]) -> dict[str, Any]:
             },
         },
         "tiered": {
-            "tiers": {"gpu": {"budget": str(gpu_b)}, "cpu": {"budget": str(spec["cpu_budget"])}},
+            "tiers": {
+                "gpu": {"budget": str(gpu_b)},
+                "cpu": {"budget": str(spec["cpu_budget"])},
+                # The swap holds 16 B/param, but the engine's capacity check counts the fp32 master
+                # apart from the parameter it is (20 B/param) and compares with the free space left
+                # after this run's checkpoint: an explicit budget (the script checked the disk for
+                # its own peak before starting) keeps the resume from being refused.
+                "nvme": {"budget": str(int(1.3 * STATE_BYTES_PER_PARAM * spec["params"]))},
+            },
             "grad_tier": "nvme",
             "overlap_step_with_backward": spec["overlap"],
         },
