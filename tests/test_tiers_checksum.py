@@ -83,3 +83,19 @@ def test_a_flip_in_any_piece_is_caught_before_use(
             m.fetch(p, "cpu").result(timeout=10)
         assert p.state("cpu") is CopyState.ABSENT and m.resident_bytes("cpu") == 0
         assert m.stats()["io"]["checksum_failures"] == 1
+
+
+@pytest.mark.parametrize(
+    "nbytes", [0, 1, 4096, checksum.PIECE_BYTES, checksum.PIECE_BYTES + 1, 3 * checksum.PIECE_BYTES + 12345]
+)
+@pytest.mark.parametrize("chunk", [1 << 20, 5_000_003, 16 << 20])
+def test_a_streamed_digest_equals_the_partition_digest(nbytes: int, chunk: int) -> None:
+    """A checkpoint copies a partition file to file in chunks that do not line up with the
+    digest's pieces; what it computes on the way must be the digest the tier recorded."""
+    data = torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)
+    )
+    h = checksum.StreamingDigest(nbytes)
+    for off in range(0, nbytes, chunk):
+        h.update(data[off : off + chunk])
+    assert h.intdigest() == checksum.digest_of(data)

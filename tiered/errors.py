@@ -87,6 +87,8 @@ class ParameterNotGatheredError(TieredError, RuntimeError):
 class CollectiveOrderError(TieredError, RuntimeError):
     """Ranks reached different ZeRO-3 collectives (a gather or gradient reduction of different
     groups): their graphs diverge; the message names the modules and the leaf module to declare."""
+
+
 class InputDtypeError(TieredError, RuntimeError):
     """A floating-point input of the model's forward is not in the compute dtype (fp32 inputs to
     an fp16 or bf16 model); the message names the input, both dtypes, the module and the fix."""

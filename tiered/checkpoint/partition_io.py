@@ -34,12 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from tiered.checkpoint.pipeline import ChunkPipeline, Fill, open_direct, pread_exact, pwrite_all
 from tiered.checkpoint.stream import chunks_of
 from tiered.errors import StorageCorruptError
 from tiered.storage.files import fsync_directory, remove_quietly, temp_path
+from tiered.tiers.checksum import StreamingDigest
 
 _STAGING_TIER = "cpu"
 
@@ -117,14 +117,14 @@ def _file_chunks(
                 f"{part.nbytes}; the stored copy is truncated or was overwritten - the checkpoint was not "
                 "written (the previous one stays 'latest'); restore from a checkpoint"
             )
-        h = xxhash.xxh3_64()
+        h = StreamingDigest(part.nbytes)
 
         def fill(buf: torch.Tensor, off: int, n: int) -> None:
             pread_exact(fd, buf, off, n, direct=direct, what=_where(tm, part, path))
 
         with contextlib.closing(pipe.chunks(part.nbytes, fill)) as chunks:
             for buf, _, n in chunks:
-                h.update(buf[:n].numpy().data)
+                h.update(buf[:n])
                 yield buf[:n].view(part.dtype)
         got = h.intdigest()
         if want is not None and got != want:
@@ -224,10 +224,10 @@ def _replace_file(tm: Any, part: Any, claim: Any, final: Path, pipe: ChunkPipeli
             def drain(buf: torch.Tensor, off: int, n: int) -> None:
                 pwrite_all(fd, buf, off, n, direct=direct)
 
-            h = xxhash.xxh3_64()
+            h = StreamingDigest(part.nbytes)
             with contextlib.closing(pipe.chunks(part.nbytes, fill, drain)) as chunks:
                 for buf, _, n in chunks:
-                    h.update(buf[:n].numpy().data)
+                    h.update(buf[:n])
             if os.fstat(fd).st_size != part.nbytes:
                 os.ftruncate(fd, part.nbytes)  # the O_DIRECT padding of the last block
             if durable:

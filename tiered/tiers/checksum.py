@@ -64,6 +64,37 @@ def combine(digests: list[int]) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
 
 
+class StreamingDigest:
+    """A partition's digest over its bytes fed in order in chunks of any size (a checkpoint's
+    file-to-file copy): the same number as `digest_of` on the whole partition."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._single = nbytes <= PIECE_BYTES
+        self._hash = xxhash.xxh3_64()
+        self._in_piece = 0
+        self._pieces: list[int] = []
+
+    def update(self, chunk: torch.Tensor) -> None:
+        data = host_bytes(chunk).numpy().data
+        if self._single:
+            self._hash.update(data)
+            return
+        while len(data):
+            take = min(PIECE_BYTES - self._in_piece, len(data))
+            self._hash.update(data[:take])
+            self._in_piece += take
+            data = data[take:]
+            if self._in_piece == PIECE_BYTES:
+                self._pieces.append(self._hash.intdigest())
+                self._hash, self._in_piece = xxhash.xxh3_64(), 0
+
+    def intdigest(self) -> int:
+        if self._single:
+            return self._hash.intdigest()
+        tail = [self._hash.intdigest()] if self._in_piece else []
+        return combine(self._pieces + tail)
+
+
 def digest_of(t: torch.Tensor) -> int:
     """The digest of `t`'s bytes on this thread (`Transfers.checksum` hashes the pieces in
     parallel and gets the same number)."""
