@@ -60,15 +60,17 @@ def _backends(tmp_path: Path) -> dict[str, Any]:
     (tmp_path / "n").mkdir()
     (tmp_path / "s").mkdir()
     (tmp_path / "f").mkdir()
+    (tmp_path / "c").mkdir()
     return {
         "cpu": {"type": "cpu"},
         "nvme": {"type": "nvme", "path": str(tmp_path / "n")},
         "stripe": {"type": "stripe", "paths": [str(tmp_path / "s")]},
         "faults": {"type": "faults", "inner": {"type": "nvme", "path": str(tmp_path / "f")}},
+        "checksum": {"type": "checksum", "inner": {"type": "nvme", "path": str(tmp_path / "c")}},
     }
 
 
-@pytest.mark.parametrize("name", ["cpu", "nvme", "stripe", "faults"])
+@pytest.mark.parametrize("name", ["cpu", "nvme", "stripe", "faults", "checksum"])
 def test_an_over_long_key_is_a_storage_key_error_in_every_backend(tmp_path: Path, name: str) -> None:
     import asyncio
 
