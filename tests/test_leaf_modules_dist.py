@@ -4,8 +4,9 @@ With the leaf module declared (zero_optimization.leaf_module, DeepSpeed's key) t
 plain torch.optim.AdamW with DDP's averaging; without it the ranks raise CollectiveOrderError
 naming the module to declare, instead of hanging. Every launch fails (times out) on a hang.
 
-Placements: the MoE case in all 9 (params x optimizer), one process pair for all of them; the
-other cases in a representative subset (none/none, cpu/nvme, nvme/cpu)."""
+Placements: the MoE case, the branch and the accumulation case in all 9 (params x optimizer), one
+process pair per test; the whole model as leaf in a representative subset (none/none, cpu/nvme,
+nvme/cpu)."""
 
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ def test_moe_with_divergent_routing_in_every_placement(tmp_path: Path) -> None:
 
 def test_branch_accumulation_and_the_model_as_leaf(tmp_path: Path) -> None:
     # one process pair for the three cases (a launch costs seconds)
-    _check(tmp_path, [(name, p, o) for name in ("branch", "aux", "root") for p, o in SUBSET])
+    jobs = [(name, p, o) for name in ("branch", "aux") for p, o in ALL]
+    _check(tmp_path, jobs + [("root", p, o) for p, o in SUBSET])
 
 
 def _undeclared(rank: int, out_dir: str) -> dict[str, Any]:
