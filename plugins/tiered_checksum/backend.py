@@ -56,6 +56,15 @@ def _digest(flat: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(flat.numpy().data) if flat.numel() else xxhash.xxh3_64_intdigest(b"")
 
 
+def _host_bytes(key: str, t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes, after the key and device checks every data method starts with."""
+    check_key(key)
+    flat = tensor_bytes(t, what=f"key {key!r}")
+    if flat.device.type != "cpu":
+        raise ValueError(f"backend 'checksum', key {key!r}: pass a CPU tensor (got {flat.device})")
+    return flat
+
+
 def _pack(entries: list[tuple[int, int]]) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(_ENTRY.pack(*e) for e in entries)), dtype=torch.uint8)
 
@@ -102,10 +111,7 @@ class ChecksumBackend(StorageBackend):
         return {"verified_bytes": self.verified_bytes, "mismatches": self.mismatches}
 
     async def write(self, key: str, tensor: torch.Tensor) -> None:
-        check_key(key)
-        flat = tensor_bytes(tensor, what=f"key {key!r}")
-        if flat.device.type != "cpu":
-            raise ValueError(f"backend 'checksum', key {key!r}: pass a CPU tensor (got {flat.device})")
+        flat = _host_bytes(key, tensor)
         async with self._locks[key]:
             new = (flat.numel(), await self.bridge.run(_digest, flat))
             try:
@@ -118,10 +124,7 @@ class ChecksumBackend(StorageBackend):
                 await self.inner.write(sidecar_key(key), _pack([new]))
 
     async def read(self, key: str, out: torch.Tensor) -> None:
-        check_key(key)
-        flat = tensor_bytes(out, what=f"key {key!r}")
-        if flat.device.type != "cpu":
-            raise ValueError(f"backend 'checksum', key {key!r}: pass a CPU tensor (got {flat.device})")
+        flat = _host_bytes(key, out)
         async with self._locks[key]:
             recorded = await self._recorded(key)
             sizes = {length for length, _ in recorded}
