@@ -13,8 +13,9 @@ the engine's step (tiered/optim/offload.py, tiered/zero/group.py, tiered/zero/gr
 * optimizer state homed in a storage tier: master (unless the fp32 parameter partition is the
   master), exp_avg and exp_avg_sq are read into the compute tier and written back once per step,
   `offload_optimizer.buffer_count` groups read ahead, write-backs bounded by the same window;
-* a gradient homed in a storage tier: read and written back per flush in backward (one group at
-  a time), read again by the optimizer;
+* a gradient homed in a storage tier: written once by the flush in backward (one group at a
+  time; the first flush after zeroing overwrites it, so it is not read first), read by the
+  optimizer;
 * parameters homed in a storage tier: read for the forward, again for the backward where the
   live budget evicted them in between (the engine's reuse-distance and live-budget rules replayed
   on the forward + reversed trace, `_backward_rereads`), and the new values written back by the
@@ -188,7 +189,8 @@ def derive_pattern(
                     PartitionIO(f"{name}.{s}", n, fp32, plan.state_home, plan.compute_tier, "step", 1, 1)
                 )
         if placement.grad_tier in storage:
-            parts.append(PartitionIO(f"{name}.grad", n, fp32, placement.grad_tier, "cpu", "backward", 1, 1))
+            # one backward per step: its flush overwrites the zeroed gradient (allocated, not read)
+            parts.append(PartitionIO(f"{name}.grad", n, fp32, placement.grad_tier, "cpu", "backward", 0, 1))
             parts.append(PartitionIO(f"{name}.grad", n, fp32, placement.grad_tier, "cpu", "step", 1, 0))
         if placement.param_tier in storage and j not in kept:
             parts.append(PartitionIO(f"{name}.param", n, dtype, placement.param_tier, "gpu", "forward", 1, 0))

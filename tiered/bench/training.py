@@ -327,10 +327,12 @@ class _Replay:
         backward = self._phase("backward")
         self._prefetch_states()  # as the engine does when backward begins
         self._pass([p for p in reversed(backward) if p.stage == "gpu"], half)
-        for p in reversed(backward):  # staged gradients: one group at a time, read-add-write
+        for p in reversed(backward):  # staged gradients: one group at a time, written back
             if p.stage != "gpu":
                 part = self.parts[p.name]
-                self.tm.fetch(part, p.stage).result()
+                # the first flush after zeroing overwrites all of it: allocated, not read
+                # ([Note: gradients on nvme]); a read-add-write only where the pattern reads it
+                (self.tm.fetch(part, p.stage) if p.reads else self.tm.allocate(part, p.stage)).result()
                 self.tm.mark_dirty(part, p.stage)
                 self.tm.release(part, p.stage)
                 self.tm.evict(part, p.stage).result()
