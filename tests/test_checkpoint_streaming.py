@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 from checkpoint_support import train
-from engine_support import CASES, build, ds_config, make_batches
+from engine_support import CASES, MLP, build, ds_config, make_batches
 
 import tiered
 from tiered.checkpoint import engine_state, read_latest, read_parameters
@@ -81,13 +81,20 @@ def test_save_and_load_of_a_partition_far_larger_than_a_chunk_grow_rss_by_a_few_
 
 def test_a_corrupt_swap_file_fails_the_save_and_latest_stays(tmp_path: Path) -> None:
     case = CASES["mlp"]
-    config = ds_config(param="cpu", opt="nvme", nvme_path=str(tmp_path / "nvme"), sub_group_size=1000)
-    with tiered.initialize(build(case), config) as e:
+    config = ds_config(param="cpu", opt="nvme", nvme_path=str(tmp_path / "nvme"))
+    torch.manual_seed(0)
+    model = MLP(hidden=1024)  # a 4 MiB group: its own swap file (objects <= 1 MiB share the slab)
+    with tiered.initialize(model, config) as e:
         train(e, case, make_batches(case, 1, 4))
         first = e.save_checkpoint(tmp_path / "ck", tag="first")
         e.flush()
-        part = next(p for p in e.tm.partitions() if p.name.endswith("exp_avg") and p.valid_in() == {p.home})
-        swap = Path(e.tm.tier(part.home).backend.local_file(part.name))
+        backend = e.tm.tier("nvme").backend
+        part = next(
+            p
+            for p in e.tm.partitions()
+            if p.name.endswith("exp_avg") and p.valid_in() == {p.home} and backend.local_file(p.name)
+        )
+        swap = Path(backend.local_file(part.name))
         data = bytearray(swap.read_bytes())
         data[len(data) // 2] ^= 0x40
         swap.write_bytes(bytes(data))
