@@ -139,7 +139,7 @@ def test_builtin_classes_load_by_name(name: str) -> None:
 def test_unknown_backend_lists_known_and_nearest() -> None:
     with pytest.raises(
         BackendNotFoundError,
-        match=r"'nvmee'.*Did you mean 'nvme'.*Known backends: aiofiles, cpu, .*nvme, .*tensorstore",
+        match=r"'nvmee'.*Did you mean 'nvme'.*Known backends: aiofiles, .*cpu, .*nvme, .*tensorstore",
     ) as info:
         open_backend({"type": "nvmee", "path": "/x"})
     assert isinstance(info.value, KeyError)
