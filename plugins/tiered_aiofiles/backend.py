@@ -15,12 +15,20 @@ from tiered.errors import ConfigError, StorageIOError, StorageKeyError
 from tiered.storage.base import (
     Capabilities,
     Capacity,
+    LocalFile,
     StorageBackend,
     check_key,
     check_out_size,
     tensor_bytes,
 )
-from tiered.storage.files import check_directory, fsync_directory, probe_writable, remove_quietly, temp_path
+from tiered.storage.files import (
+    adopt_into,
+    check_directory,
+    fsync_directory,
+    probe_writable,
+    remove_quietly,
+    temp_path,
+)
 
 
 class AiofilesBackend(StorageBackend):
@@ -62,8 +70,17 @@ class AiofilesBackend(StorageBackend):
     def _file(self, key: str) -> Path:
         return self.directory / check_key(key)
 
-    def local_file(self, key: str) -> str | None:
-        return str(self._file(key))  # one plain file per key, exactly its bytes
+    def local_file(self, key: str) -> LocalFile | None:
+        path = self._file(key)  # one plain file per key, exactly its bytes
+        try:
+            return LocalFile(str(path), 0, path.stat().st_size)
+        except FileNotFoundError:
+            return None
+
+    async def adopt_file(self, key: str, path: str) -> None:
+        await self.bridge.run(
+            lambda: adopt_into(path, self._file(key), durable=self.fsync, backend="aiofiles", key=key)
+        )
 
     async def write(self, key: str, tensor: torch.Tensor) -> None:
         final = self._file(key)

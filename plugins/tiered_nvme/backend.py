@@ -67,6 +67,7 @@ from tiered.errors import ConfigError, StorageIOError, StorageKeyError
 from tiered.storage.base import (
     Capabilities,
     Capacity,
+    LocalFile,
     StorageBackend,
     check_key,
     check_out_size,
@@ -74,6 +75,7 @@ from tiered.storage.base import (
 )
 from tiered.storage.bridge import DRAIN_S, CapacityLimiter
 from tiered.storage.files import (
+    adopt_into,
     check_directory,
     fsync_directory,
     remove_quietly,
@@ -272,15 +274,22 @@ class NVMeBackend(StorageBackend):
     def locate(self, key: str) -> str:
         return f"file {str(self._file(key))!r}"
 
-    def local_file(self, key: str) -> str | None:
+    def local_file(self, key: str) -> LocalFile | None:
         if self._store is not None:
-            # Swap mode: only a key in a file of its own, payload at offset 0 and no block padding,
-            # is "exactly its bytes"; a file renamed over it then matches its index entry as is.
-            # A slab slot or a shifted payload ([Note: nvme swap index]) goes through read/write.
-            entry = self._store.entries.get(check_key(key))
-            if entry is None or entry.slot is not None or entry.shift or entry.file_bytes != entry.nbytes:
-                return None
-        return str(self._file(key))  # exactly the payload: [Note: nvme on-disk size]
+            return self._store.local_file(check_key(key))  # [Note: nvme swap index]
+        path = self._file(key)  # exactly the payload: [Note: nvme on-disk size]
+        try:
+            return LocalFile(str(path), 0, path.stat().st_size)
+        except FileNotFoundError:
+            return None
+
+    async def adopt_file(self, key: str, path: str) -> None:
+        self._check_open()
+        if self._store is not None:
+            await self._store.adopt(check_key(key), path)
+            return
+        final = self._file(key)
+        await self._run([(lambda: adopt_into(path, final, durable=self.fsync, backend="nvme", key=key),)])
 
     async def write(self, key: str, tensor: torch.Tensor) -> None:
         check_key(key)  # the path itself only where a file is used: a slab object needs none

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiered.errors import StorageIOError, StorageKeyError
-from tiered.storage.base import check_out_size
+from tiered.storage.base import LocalFile, check_out_size
+from tiered.storage.files import adopt_into
 from tiered_nvme.pieces import ALIGN, align_up
 from tiered_nvme.slab import Coalescer, SlabSlots, Slot, SwapEntry
 
@@ -101,7 +102,7 @@ class SwapStore:
             shift = src.data_ptr() % ALIGN if self.backend.direct and n else 0
             file_bytes = align_up(shift + n) if self.backend.direct else n
             prior = old.file_bytes if old is not None and old.slot is None else None
-            if prior is not None and prior - file_bytes < max(file_bytes // 4, 1 << 20):
+            if prior is not None and 0 <= prior - file_bytes < max(file_bytes // 4, 1 << 20):
                 file_bytes = prior  # keep the blocks: a shrink and a regrow cost an allocation each
             await self.backend._write_file_in_place(
                 key, self.backend._file(key), src, shift, prior, file_bytes
@@ -120,6 +121,28 @@ class SwapStore:
                 await self._slab_io(False, key, entry.slot, dst)
                 return
             await self.backend._read_file(key, self.backend._file(key), dst, entry.shift)
+
+    def local_file(self, key: str) -> LocalFile | None:
+        """Where `key`'s payload lies: its own file at its shift, or its slab slot."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        if entry.slot is not None:
+            return LocalFile(str(self.slab_path), entry.slot.offset, entry.nbytes)
+        return LocalFile(str(self.backend._file(key)), entry.shift, entry.nbytes)
+
+    async def adopt(self, key: str, path: str) -> None:
+        """`StorageBackend.adopt_file`: the file becomes `key`'s own, payload at 0, unpadded (the
+        next in-place write pads it again); a slab slot it had is freed."""
+        final = self.backend._file(key)
+        async with self.hold(key):
+            old = self.entries.get(key)
+            (nbytes,) = await self.backend._run(
+                [(lambda: adopt_into(path, final, durable=self.backend.fsync, backend="nvme", key=key),)]
+            )
+            self.entries[key] = SwapEntry(nbytes, shift=0, file_bytes=nbytes)
+            if old is not None and old.slot is not None:
+                self.slots.give(old.slot)
 
     async def delete(self, key: str) -> None:
         async with self.hold(key):

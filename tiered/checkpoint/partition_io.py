@@ -4,8 +4,9 @@
 A save reads each partition where its newest bytes already are. A memory-like copy (a host tier
 first: no device copy) is sliced into chunks in place; a copy on a CUDA device is copied to the
 host one bounded chunk at a time. When the only newest copy is the home's stored object and the
-home backend exposes it as a plain file (`StorageBackend.local_file`: nvme, aiofiles), the file
-is streamed into the checkpoint through the chunk pipeline ([Note: checkpoint chunk pipeline]),
+home backend says where it lies in a plain file (`StorageBackend.local_file`: nvme, aiofiles; an
+nvme swap file at its shift with its block padding, or a slot of the slab), those bytes are
+streamed into the checkpoint through the chunk pipeline ([Note: checkpoint chunk pipeline]),
 the home held for it ([Note: direct home I/O]) and its bytes checked against the digest the tier
 recorded when it wrote them ([Note: partition checksums]): a corrupt swap file fails the save,
 naming partition and file, instead of being copied into a checkpoint. Only a home without a local
@@ -16,8 +17,9 @@ A load fills a partition from its pieces in the checkpoint files, chunk by chunk
 order (a rank's slice of a tensor spans byte ranges of one or more files when the world size
 changed; the gaps are padding, zero). Into a memory-like home it copies the chunks straight into
 the resident copy the ZeRO-3 home views alias ([Note: home views]); into a file home it writes a
-new file beside the stored one, with its digest computed on the way, and commits it
-(`TierManager.commit_home`); else into a "cpu" copy it then evicts, which writes it home. Either
+new file of exactly the bytes beside the stored one, with its digest computed on the way, and
+commits it (`TierManager.commit_home`: the backend adopts the file, `StorageBackend.adopt_file`);
+else into a "cpu" copy it then evicts, which writes it home. Either
 way every other copy (a gathered or prefetched one on the GPU) goes stale, so nothing old is read
 afterwards.
 """
@@ -38,7 +40,8 @@ import torch
 from tiered.checkpoint.pipeline import ChunkPipeline, Fill, open_direct, pread_exact, pwrite_all
 from tiered.checkpoint.stream import chunks_of
 from tiered.errors import StorageCorruptError
-from tiered.storage.files import fsync_directory, remove_quietly, temp_path
+from tiered.storage.base import LocalFile
+from tiered.storage.files import remove_quietly, temp_path
 from tiered.tiers.checksum import StreamingDigest
 
 _STAGING_TIER = "cpu"
@@ -52,8 +55,8 @@ def _host_device(tm: Any, tier: str) -> bool:
     return str(tm.tier(tier).backend.capabilities.device) == "cpu"
 
 
-def _home_file(tm: Any, part: Any) -> str | None:
-    """The plain file holding `part`'s home bytes, where its home is one (`local_file`)."""
+def _home_file(tm: Any, part: Any) -> LocalFile | None:
+    """Where `part`'s home bytes lie in a plain file, where its home keeps them so (`local_file`)."""
     if _memory_like(tm, part.home):
         return None
     local_file = getattr(tm.tier(part.home).backend, "local_file", None)
@@ -88,39 +91,47 @@ def read_chunks(
     """`part`'s newest bytes, in order, as host tensors of its dtype of at most
     ``pipe.chunk_bytes``; `staging` (a host buffer of that size) for a copy on a CUDA device.
     See [Note: checkpoint partition I/O]."""
-    path = _home_file(tm, part)
-    if path is not None and not any(_memory_like(tm, t) for t in part.valid_in()):
+    if _home_file(tm, part) is not None and not any(_memory_like(tm, t) for t in part.valid_in()):
         claim = tm.claim_home(part, write=False)
         if claim is not None:
             try:
-                yield from _file_chunks(tm, part, path, claim.checksum, pipe)
+                loc = _home_file(tm, part)  # asked again under the claim: a write may have moved it
+                if loc is not None:
+                    yield from _file_chunks(tm, part, loc, claim.checksum, pipe)
+                    return
             finally:
                 tm.release_home(claim)
-            return
     with resident(tm, part) as t:
         yield from chunks_of(t, pipe.chunk_bytes, staging)
 
 
-def _where(tm: Any, part: Any, path: str) -> str:
-    return f"partition {part.name!r} in tier {part.home!r} (backend {tm.tier(part.home).backend.name!r}, file {path!r})"
+def _where(tm: Any, part: Any, loc: LocalFile) -> str:
+    at = f" at offset {loc.offset}" if loc.offset else ""
+    return (
+        f"partition {part.name!r} in tier {part.home!r} (backend {tm.tier(part.home).backend.name!r}, "
+        f"file {loc.path!r}{at})"
+    )
 
 
 def _file_chunks(
-    tm: Any, part: Any, path: str, want: int | None, pipe: ChunkPipeline
+    tm: Any, part: Any, loc: LocalFile, want: int | None, pipe: ChunkPipeline
 ) -> Iterator[torch.Tensor]:
-    fd, direct = open_direct(path, os.O_RDONLY)
+    # O_DIRECT where the payload starts on a block (a shifted one is read buffered: pread_exact
+    # drops O_DIRECT for the descriptor at the first refused call)
+    fd, direct = open_direct(loc.path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        if size != part.nbytes:
+        if loc.nbytes != part.nbytes or size < loc.offset + loc.nbytes:
             raise StorageCorruptError(
-                f"checkpoint save: {_where(tm, part, path)} has {size} bytes but the partition has "
-                f"{part.nbytes}; the stored copy is truncated or was overwritten - the checkpoint was not "
-                "written (the previous one stays 'latest'); restore from a checkpoint"
+                f"checkpoint save: {_where(tm, part, loc)} has {max(0, min(loc.nbytes, size - loc.offset))} "
+                f"bytes but the partition has {part.nbytes}; the stored copy is truncated or was "
+                "overwritten - the checkpoint was not written (the previous one stays 'latest'); restore "
+                "from a checkpoint"
             )
         h = StreamingDigest(part.nbytes)
 
         def fill(buf: torch.Tensor, off: int, n: int) -> None:
-            pread_exact(fd, buf, off, n, direct=direct, what=_where(tm, part, path))
+            pread_exact(fd, buf, loc.offset + off, n, direct=direct, what=_where(tm, part, loc))
 
         with contextlib.closing(pipe.chunks(part.nbytes, fill)) as chunks:
             for buf, _, n in chunks:
@@ -129,7 +140,7 @@ def _file_chunks(
         got = h.intdigest()
         if want is not None and got != want:
             raise StorageCorruptError(
-                f"checkpoint save: {_where(tm, part, path)} fails its checksum (xxh3_64 {got:#018x} "
+                f"checkpoint save: {_where(tm, part, loc)} fails its checksum (xxh3_64 {got:#018x} "
                 f"read, {want:#018x} written): the stored copy is corrupt (a bad sector, or something "
                 "else wrote the file) and was not copied; the checkpoint was not written (the previous "
                 "one stays 'latest'); restore from a checkpoint"
@@ -190,11 +201,11 @@ def load_partition(tm: Any, part: Any, segments: Sequence[Segment], pipe: ChunkP
         finally:
             tm.release(part, home)
         return
-    path = _home_file(tm, part)
-    if path is not None:
+    loc = _home_file(tm, part)
+    if loc is not None:
         claim = tm.claim_home(part, write=True)
         assert claim is not None  # a write claim always succeeds (or times out)
-        _replace_file(tm, part, claim, Path(path), pipe, fill)
+        _replace_file(tm, part, claim, Path(loc.path).parent, pipe, fill)
         return
     t = tm.allocate(part, _STAGING_TIER).result()
     try:
@@ -211,11 +222,11 @@ def _copy_chunks(t: torch.Tensor, chunks: Chunks) -> None:
             dst[off : off + n].copy_(buf[:n])
 
 
-def _replace_file(tm: Any, part: Any, claim: Any, final: Path, pipe: ChunkPipeline, fill: Fill) -> None:
-    """A new stored object beside `final`, its digest computed as it is written, then committed
-    ([Note: direct home I/O]); on any failure the old file stays and the claim is released."""
-    durable = bool(tm.tier(part.home).backend.capabilities.persistent)
-    tmp = temp_path(final.parent, part.name)
+def _replace_file(tm: Any, part: Any, claim: Any, directory: Path, pipe: ChunkPipeline, fill: Fill) -> None:
+    """A new file of exactly the bytes in the home's `directory`, its digest computed as it is
+    written, then committed: the backend adopts it ([Note: direct home I/O]); on any failure the
+    old object stays and the claim is released."""
+    tmp = temp_path(directory, part.name)
     committed = False
     try:
         fd, direct = open_direct(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -230,18 +241,10 @@ def _replace_file(tm: Any, part: Any, claim: Any, final: Path, pipe: ChunkPipeli
                     h.update(buf[:n])
             if os.fstat(fd).st_size != part.nbytes:
                 os.ftruncate(fd, part.nbytes)  # the O_DIRECT padding of the last block
-            if durable:
-                os.fsync(fd)
         finally:
             os.close(fd)
-
-        def replace() -> None:
-            os.replace(tmp, final)
-            if durable:
-                fsync_directory(final.parent)
-
-        committed = True  # commit_home releases the claim, whether the rename works or not
-        tm.commit_home(claim, replace, h.intdigest())
+        committed = True  # commit_home releases the claim, whether the adoption works or not
+        tm.commit_home(claim, tmp, h.intdigest())  # durable where the backend is: adopt_file
     finally:
         if not committed:
             tm.release_home(claim)

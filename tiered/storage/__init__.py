@@ -5,6 +5,7 @@ from __future__ import annotations
 from tiered.storage.base import (
     Capabilities,
     Capacity,
+    LocalFile,
     StorageBackend,
     check_key,
     check_out_size,
@@ -28,6 +29,7 @@ __all__ = [
     "Capacity",
     "CapacityLimiter",
     "IOBridge",
+    "LocalFile",
     "StorageBackend",
     "check_key",
     "check_out_size",

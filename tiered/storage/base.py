@@ -79,6 +79,16 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class LocalFile:
+    """Where a key's stored bytes are for `StorageBackend.local_file`: bytes
+    [offset, offset + nbytes) of the plain local file `path`."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Capacity:
     """Bytes a backend can hold; None where it cannot tell (an object store)."""
 
@@ -257,12 +267,21 @@ class StorageBackend(abc.ABC):
         """Where `key`'s bytes live, for error messages: a file path for file backends."""
         return f"key {key!r} of backend {self.name!r}"
 
-    def local_file(self, key: str) -> str | None:
-        """Optional: the path of a plain local file holding exactly `key`'s stored bytes, which a
-        caller may read, or replace atomically (rename a complete file of the same directory over
-        it), while no operation of this backend on `key` runs; None (the default) where a key is
-        not one such file. Checkpoints use it to copy large objects in bounded chunks."""
+    def local_file(self, key: str) -> LocalFile | None:
+        """Optional: where `key`'s stored bytes lie in a plain local file (`LocalFile`: the
+        bytes [offset, offset + nbytes) of `path`; the file may hold padding or other keys
+        around them), for a caller's own reads while no operation of this backend on `key`
+        runs; None (the default) where a key is not stored so. A backend that returns one also
+        implements `adopt_file`. Checkpoints use both to copy large objects in bounded chunks."""
         return None
+
+    async def adopt_file(self, key: str, path: str) -> None:
+        """Make the complete plain file `path` (in the directory of ``local_file(key).path``,
+        holding exactly the new bytes) `key`'s stored object, atomically: afterwards reads return
+        its bytes, and on failure the previous object stays whole. The file becomes the
+        backend's (renamed into place); a persistent backend makes it durable first. Called while
+        no other operation on `key` runs; only on backends whose `local_file` returns one."""
+        raise NotImplementedError(f"backend {self.name!r} stores no key as a local file (local_file is None)")
 
     def spec(self) -> dict[str, Any]:
         """A JSON-able spec that `tiered.open_backend` turns back into an equivalent backend."""

@@ -49,6 +49,36 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def adopt_into(source: str | os.PathLike[str], final: Path, *, durable: bool, backend: str, key: str) -> int:
+    """`StorageBackend.adopt_file` for a backend keeping `key` as the plain file `final`: the
+    complete file `source` (same directory) renamed over it, fsynced first and the rename made
+    durable when `durable` ([Note: atomic file writes]); the new object's size. On failure the
+    old file is untouched. Blocking: run it on the bridge."""
+    src = Path(source)
+    if src.parent.resolve() != final.parent.resolve():
+        raise StorageIOError(
+            f"{backend} backend: adopt_file of key {key!r}: {str(src)!r} is not in the key's directory "
+            f"{str(final.parent)!r} (a rename across directories may not be atomic)"
+        )
+    try:
+        nbytes = os.stat(src).st_size
+        if durable:
+            fd = os.open(src, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(src, final)
+        if durable:
+            fsync_directory(final.parent)
+    except OSError as exc:
+        raise StorageIOError(
+            f"{backend} backend: adopt_file of key {key!r} from {str(src)!r} failed: {exc.strerror or exc}; "
+            "the previous object is intact"
+        ) from exc
+    return nbytes
+
+
 def check_directory(path: str | os.PathLike[str], *, backend: str, create: bool = False) -> Path:
     """Resolve `path` to an existing, writable directory or raise StorageIOError naming it."""
     directory = Path(path).expanduser()

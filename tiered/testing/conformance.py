@@ -32,8 +32,9 @@ import pytest
 import torch
 
 from tiered.errors import StorageIOError, StorageKeyError
-from tiered.storage.base import Capabilities, Capacity, StorageBackend
+from tiered.storage.base import Capabilities, Capacity, LocalFile, StorageBackend
 from tiered.storage.bridge import IOBridge, default_bridge
+from tiered.storage.files import temp_path
 from tiered.testing.capabilities import CapabilityChecks
 from tiered.testing.data import random_bytes
 
@@ -452,28 +453,52 @@ class BackendConformance(CapabilityChecks):
 
         self.run(tmp_path, scenario)
 
-    def test_local_file_holds_exactly_the_bytes(self, tmp_path: Path) -> None:
-        """The optional `local_file` (docs/backends.md): the file is the key's bytes, and a
-        complete file renamed over it is what the next read returns."""
+    def test_local_file_and_adopt_file(self, tmp_path: Path) -> None:
+        """The optional `local_file` / `adopt_file` (docs/backends.md): the location holds the
+        key's bytes (a large object, an odd-sized one off a block, a small one); an adopted file
+        is what the next read returns, wherever the key lived before; a failed adoption leaves
+        the object whole; later writes and reads of the key still work."""
 
-        async def scenario(b: StorageBackend) -> str | None:
-            t = random_bytes(3 * 4096 + 77, seed=31)
-            await b.write("local", t)
-            path = b.local_file("local")
-            if path is None:
-                return None
-            assert Path(path).read_bytes() == t.numpy().tobytes(), f"{path} is not exactly the key's bytes"
-            new = random_bytes(t.numel() + 5, seed=32)
-            tmp = Path(path).with_name("local~replacement")
-            tmp.write_bytes(new.numpy().tobytes())
-            tmp.replace(path)
-            out = torch.empty_like(new)
-            await b.read("local", out)
-            assert torch.equal(out, new), f"a file renamed over {path} is not what the read returns"
-            return path
+        def stored(loc: LocalFile) -> bytes:
+            with open(loc.path, "rb") as f:
+                f.seek(loc.offset)
+                return f.read(loc.nbytes)
 
-        if self.run(tmp_path, scenario) is None:
-            pytest.skip("this backend keeps no key as one plain file (local_file returns None)")
+        async def scenario(b: StorageBackend) -> bool:
+            objects = {
+                "local": random_bytes(3 * 4096 + 77, seed=31),
+                "local-shifted": random_bytes(5 * 4096 + 99, seed=33)[64:],
+                "local-small": random_bytes(100, seed=34),
+                "local-big": random_bytes(3 << 20, seed=35),
+            }
+            for key, t in objects.items():
+                await b.write(key, t)
+            if all(b.local_file(k) is None for k in objects):
+                return False
+            for key, t in objects.items():
+                loc = b.local_file(key)
+                assert loc is not None, f"local_file({key!r}) is None where another key's is not"
+                assert loc.nbytes == t.numel(), f"local_file({key!r}).nbytes {loc.nbytes}, wrote {t.numel()}"
+                assert stored(loc) == t.numpy().tobytes(), f"{loc} does not hold key {key!r}'s bytes"
+            for i, (key, t) in enumerate(objects.items()):
+                new = random_bytes(t.numel() + 5 + 4096 * i, seed=40 + i)
+                tmp = temp_path(Path(b.local_file(key).path).parent, key)  # type: ignore[union-attr]
+                tmp.write_bytes(new.numpy().tobytes())
+                await b.adopt_file(key, str(tmp))
+                out = torch.empty_like(new)
+                await b.read(key, out)
+                assert torch.equal(out, new), f"an adopted file is not what the read of {key!r} returns"
+                loc = b.local_file(key)
+                assert loc is not None and stored(loc) == new.numpy().tobytes(), f"{key!r} after adopt_file"
+                with pytest.raises(StorageIOError):
+                    await b.adopt_file(key, str(tmp.with_name(tmp.name + "-missing")))
+                await b.read(key, out)
+                assert torch.equal(out, new), f"a failed adopt_file changed key {key!r}"
+                await self.roundtrip(b, key, t)  # and the key is an ordinary one again
+            return True
+
+        if not self.run(tmp_path, scenario):
+            pytest.skip("this backend keeps no key in a plain file (local_file returns None)")
 
     # ---- description ------------------------------------------------------------------------
     def test_capacity_is_sane(self, tmp_path: Path) -> None:

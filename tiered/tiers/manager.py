@@ -243,11 +243,14 @@ class TierManager:
         what = f"claim of partition {part.name!r}'s home {part.home!r}"
         return self._run(self._machine.claim_home(part, write=write), what, part.home).result()
 
-    def commit_home(self, claim: HomeClaim, replace: Callable[[], None], checksum: int | None) -> None:
-        """Run `replace` (puts the new stored object in place atomically) and make it `claim`'s
-        partition's newest value with digest `checksum`; releases the claim either way."""
+    def commit_home(self, claim: HomeClaim, source: str | os.PathLike[str], checksum: int | None) -> None:
+        """Make the complete file `source` (beside ``local_file(name).path`` of the home's
+        backend) `claim`'s partition's stored object and newest value, with digest `checksum`
+        (`StorageBackend.adopt_file`); releases the claim either way."""
         what = f"commit of partition {claim.part.name!r}'s home {claim.part.home!r}"
-        self._run(self._machine.commit_home(claim, replace, checksum), what, claim.part.home).result()
+        self._run(
+            self._machine.commit_home(claim, os.fspath(source), checksum), what, claim.part.home
+        ).result()
 
     def release_home(self, claim: HomeClaim) -> None:
         self._loop_call(self._machine.release_home, claim)

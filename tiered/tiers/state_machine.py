@@ -28,7 +28,8 @@ write-back is in flight (a faster dirty copy means home is stale: read that one 
 write, once nothing reads or writes home. While claimed, home counts as busy, so no write-back,
 refresh or drop lands on it. A writer prepares the new bytes beside the stored object and
 `commit_home` makes them the partition's newest value in one step: once no move reads home, home
-is hidden (LOADING) while the caller's `replace` (an atomic rename) runs on the bridge, then the
+is hidden (LOADING) while the backend adopts the caller's file (`StorageBackend.adopt_file`, an
+atomic rename its index learns of), then the
 version moves on, every other copy goes stale and home is VALID with the digest of what was
 written. Until the commit the old bytes stay whole and readable, and `release_home` without a
 commit changes nothing.
@@ -306,8 +307,9 @@ class TierStateMachine:
         part.moves.claim(home, asyncio.get_running_loop().create_future())
         return HomeClaim(part, write, part.checksum(home))
 
-    async def commit_home(self, claim: HomeClaim, replace: Callable[[], None], checksum: int | None) -> None:
-        """Make the bytes `replace` puts in place home's newest value, then release the claim."""
+    async def commit_home(self, claim: HomeClaim, source: str, checksum: int | None) -> None:
+        """Make the complete file `source` home's stored object and newest value, then release
+        the claim."""
         part, home = claim.part, claim.part.home
         assert claim.write and part.moves.busy(home) is not None
         deadline = deadline_after(self.timeout_s)
@@ -321,7 +323,7 @@ class TierStateMachine:
         prev = part.state(home)
         part.end_eviction(home, CopyState.LOADING)  # hidden: no move picks it as a source meanwhile
         try:
-            await self.transfers.loop.run_blocking(replace)
+            await self.tiers[home].backend.adopt_file(part.name, source)
         except BaseException:
             part.end_eviction(home, prev)  # the old bytes are still whole
             self.release_home(claim)
