@@ -11,6 +11,15 @@ manifest is the last file written. Saving a tag that already exists swaps the ne
 with renameat2(RENAME_EXCHANGE) where the kernel has it (one atomic step), else by moving the old
 one aside first (a crash between those two renames leaves it as ``.<tag>.old``: rename it back
 by hand). Names starting with "." are never checkpoints.
+
+[Note: private checkpoints]
+A checkpoint holds the whole training state (weights, optimizer moments, data position), as the
+swap files do, so it gets their permissions: the staging directory is made 0700 (nothing in it
+is reachable by another user while it is written, whatever the umask and whoever writes into it),
+every file in it is set to 0600 before it is published, ``latest`` is written 0600, and a
+``save_dir`` this creates is 0700. A ``save_dir`` the user made keeps its mode. The Hugging Face
+export (`tiered.checkpoint.export`) is the run's deliverable and is written with the process's
+ordinary permissions (umask).
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 FORMAT = "tiered-checkpoint"
 FORMAT_VERSION = 1
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
 _SPACE_MARGIN_BYTES = 16 << 20  # directory entries, the manifest, filesystem rounding
 
 
@@ -65,8 +76,8 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def write_json_durably(path: str, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+def write_json_durably(path: str, obj: Any, mode: int = 0o600) -> None:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, sort_keys=True, allow_nan=True)
         f.flush()
         os.fsync(f.fileno())
@@ -85,13 +96,14 @@ def check_free_space(save_dir: str, need_bytes: int) -> None:
 
 
 def prepare_staging(save_dir: str, tag: str) -> str:
-    """An empty staging directory for `tag` (a leftover of a crashed save is removed)."""
-    os.makedirs(save_dir, exist_ok=True)
+    """An empty staging directory for `tag` (a leftover of a crashed save is removed), owner
+    only, as a `save_dir` this creates. See [Note: private checkpoints]."""
+    os.makedirs(save_dir, mode=PRIVATE_DIR, exist_ok=True)
     path = staging_path(save_dir, tag)
     if os.path.lexists(path):
         log.info("removing %s, left by an interrupted save", path)
         shutil.rmtree(path)
-    os.mkdir(path)
+    os.mkdir(path, PRIVATE_DIR)
     return path
 
 
@@ -116,8 +128,11 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def publish(save_dir: str, tag: str, staging: str) -> str:
-    """fsync `staging`, move it to ``<save_dir>/<tag>``, fsync the parent. See [Note: atomic checkpoint]."""
+    """fsync `staging`, move it to ``<save_dir>/<tag>``, fsync the parent. See [Note: atomic checkpoint]
+    and [Note: private checkpoints]."""
+    os.chmod(staging, PRIVATE_DIR)
     for name in os.listdir(staging):
+        os.chmod(os.path.join(staging, name), PRIVATE_FILE)  # whoever wrote it, with any umask
         fsync_file(os.path.join(staging, name))
     fsync_dir(staging)
     final = os.path.join(save_dir, tag)
@@ -141,7 +156,7 @@ def publish(save_dir: str, tag: str, staging: str) -> str:
 
 def write_latest(save_dir: str, tag: str) -> None:
     tmp = os.path.join(save_dir, ".latest.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "w", encoding="utf-8") as f:
         f.write(tag)
         f.flush()
         os.fsync(f.fileno())

@@ -210,7 +210,7 @@ def save_pretrained(
         if len(names) > 1:
             index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": file_of}
             tmp = os.path.join(out_dir, f".{INDEX}.partial")
-            d.write_json_durably(tmp, index)
+            d.write_json_durably(tmp, index, mode=0o666)  # ordinary (umask): [Note: private checkpoints]
             os.replace(tmp, os.path.join(out_dir, INDEX))
         elif os.path.exists(os.path.join(out_dir, INDEX)):
             os.remove(os.path.join(out_dir, INDEX))

@@ -41,7 +41,7 @@ class CheckpointWriter:
 
     def begin(self, need_bytes: int) -> None:
         """Check the free space for `need_bytes`, then (owner) create an empty staging directory."""
-        os.makedirs(self.save_dir, exist_ok=True)
+        os.makedirs(self.save_dir, mode=d.PRIVATE_DIR, exist_ok=True)  # [Note: private checkpoints]
         d.check_free_space(self.save_dir, need_bytes)
         if self.owner:
             d.prepare_staging(self.save_dir, self.tag)
