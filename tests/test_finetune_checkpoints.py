@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -157,8 +158,16 @@ def test_no_save_on_interrupt_leaves_sigterm_alone(tmp_path: Path, job: list[str
 
 def test_keep_last_prunes_but_never_latest(tmp_path: Path, job: list[str]) -> None:
     out = tmp_path / "run"
-    assert main([*job, "--steps", "4", "--out", str(out), "--save-every", "1", "--keep-last", "2"]) == 0
+    umask = os.umask(0o022)
+    try:
+        assert main([*job, "--steps", "4", "--out", str(out), "--save-every", "1", "--keep-last", "2"]) == 0
+    finally:
+        os.umask(umask)
     ckpts = out / "checkpoints"
+    # owner only, as the swap files ([Note: private checkpoints]); the export is ordinary
+    assert stat.S_IMODE(ckpts.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in ckpts.rglob("*") if p.is_file()} == {0o600}
+    assert stat.S_IMODE((out / "final" / "config.json").stat().st_mode) == 0o644
     assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".")) == [
         "global_step3",
         "global_step4",

@@ -193,7 +193,7 @@ class CheckpointPolicy:
         """Load the checkpoint to resume from, if any, into `engine` and `stream`; returns the
         optimizer steps already done."""
         self.rank = int(engine.rank)
-        self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoints_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # [Note: private checkpoints]
         target = self.resume_target()
         if target is None:
             return 0
