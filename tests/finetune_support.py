@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import load_file
+
 TINY = {
     "model_type": "llama",
     "vocab_size": 300,
@@ -78,3 +81,39 @@ def ds_config(nvme: Path, *, param: str = "nvme", opt: str = "nvme", micro: int 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def checkpoint_job(tmp_path: Path, *, repeats: int) -> list[str]:
+    """`tiered finetune` argv (no --steps / --out) for the checkpoint tests: the tiny model,
+    parameters on NVMe and optimizer state on CPU, a WarmupLR scheduler (so resume must restore
+    it too), and `repeats` copies of one sentence as the text data."""
+    folder = write_model(tmp_path / "m")
+    data = tmp_path / "d.txt"
+    data.write_text("the fast place is small, the slow place is big. " * repeats)
+    cfg = ds_config(tmp_path / "nvme", param="nvme", opt="cpu")
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    return [
+        "finetune",
+        "--model",
+        str(folder),
+        "--config",
+        str(tmp_path / "ds.json"),
+        "--data",
+        str(data),
+        "--seq-len",
+        "16",
+    ]
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    """The full-model export a finished `--out` run wrote."""
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Same names, fp32 (the export's dtype) and equal bit for bit: what a resumed run must give."""
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == torch.float32
+        assert torch.equal(got[k], want[k]), k

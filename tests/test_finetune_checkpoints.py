@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from finetune_support import ds_config, write_model
+from finetune_support import assert_bitwise_equal, checkpoint_job, final_weights
 from safetensors.torch import load_file
 
 from tiered.cli.main import main
@@ -24,34 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture()
 def job(tmp_path: Path) -> list[str]:
-    folder = write_model(tmp_path / "m")
-    data = tmp_path / "d.txt"
-    data.write_text("the fast place is small, the slow place is big. " * 30)
-    cfg = ds_config(tmp_path / "nvme", param="nvme", opt="cpu")
-    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}
-    (tmp_path / "ds.json").write_text(json.dumps(cfg))
-    return [
-        "finetune",
-        "--model",
-        str(folder),
-        "--config",
-        str(tmp_path / "ds.json"),
-        "--data",
-        str(data),
-        "--seq-len",
-        "16",
-    ]
-
-
-def _final(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(out / "final" / "model.safetensors"))
-
-
-def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == torch.float32
-        assert torch.equal(a[k], b[k]), k
+    return checkpoint_job(tmp_path, repeats=30)
 
 
 def _env() -> dict[str, str]:
@@ -68,15 +41,15 @@ def test_resume_is_bitwise_the_uninterrupted_run(
     out = capsys.readouterr().out
     assert f'AutoModelForCausalLM.from_pretrained("{whole / "final"}")' in out
     assert main([*job, "--steps", "2", "--out", str(parts), "--save-every", "2"]) == 0
-    first = _final(parts)
+    first = final_weights(parts)
     assert (parts / "checkpoints" / "global_step2" / "manifest.json").is_file()
     capsys.readouterr()
     assert main([*job, "--steps", "4", "--out", str(parts), "--resume"]) == 0
     out = capsys.readouterr().out
     assert "resumed from" in out and "global_step2" in out
     assert "step     3/4" in out and "step     1/4" not in out  # it continued, not restarted
-    want = _final(whole)
-    _assert_bitwise(_final(parts), want)
+    want = final_weights(whole)
+    assert_bitwise_equal(final_weights(parts), want)
     assert any(not torch.equal(first[k], want[k]) for k in want)  # steps 3 and 4 did change it
     # the export is what transformers loads, with the tokenizer files next to it
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -105,7 +78,7 @@ def test_resume_in_a_subprocess(tmp_path: Path, job: list[str]) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert "step     2/3" in r.stdout and "step     1/3" not in r.stdout
-    _assert_bitwise(_final(parts), _final(whole))
+    assert_bitwise_equal(final_weights(parts), final_weights(whole))
 
 
 def test_sigterm_saves_a_checkpoint_and_resume_finishes_the_run(tmp_path: Path, job: list[str]) -> None:
@@ -133,7 +106,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes_the_run(tmp_path: Path, 
     assert 2 <= done < steps
     assert main([*job, "--steps", str(steps), "--out", str(parts), "--resume"]) == 0
     assert main([*job, "--steps", str(steps), "--out", str(whole)]) == 0
-    _assert_bitwise(_final(parts), _final(whole))
+    assert_bitwise_equal(final_weights(parts), final_weights(whole))
 
 
 def test_no_save_on_interrupt_leaves_sigterm_alone(tmp_path: Path, job: list[str]) -> None:

@@ -5,7 +5,6 @@ SIGTERM to the rank processes saves and leaves nothing behind, and only rank 0 p
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from finetune_support import ds_config, write_model
-from safetensors.torch import load_file
+from finetune_support import assert_bitwise_equal, checkpoint_job, final_weights
 
 from tiered.checkpoint.directory import find_latest_valid, read_manifest
 from tiered.cli.main import main
@@ -27,23 +25,7 @@ DRIVER = HERE / "finetune_dist_driver.py"
 
 @pytest.fixture()
 def job(tmp_path: Path) -> list[str]:
-    folder = write_model(tmp_path / "m")
-    data = tmp_path / "d.txt"
-    data.write_text("the fast place is small, the slow place is big. " * 40)
-    cfg = ds_config(tmp_path / "nvme", param="nvme", opt="cpu")
-    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}
-    (tmp_path / "ds.json").write_text(json.dumps(cfg))
-    return [
-        "finetune",
-        "--model",
-        str(folder),
-        "--config",
-        str(tmp_path / "ds.json"),
-        "--data",
-        str(data),
-        "--seq-len",
-        "16",
-    ]
+    return checkpoint_job(tmp_path, repeats=40)
 
 
 def _torchrun_cmd(tmp_path: Path, argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -65,10 +47,6 @@ def _torchrun(tmp_path: Path, argv: list[str]) -> str:
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
-
-
-def _final(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(out / "final" / "model.safetensors"))
 
 
 def _no_swap_left(nvme: Path) -> None:
@@ -93,7 +71,7 @@ def test_two_ranks_save_export_and_resume_on_two_and_on_one_rank(
     assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".")]  # no staging left
     # one export, written once (by rank 0), loadable with its tokenizer
     assert sorted(p.name for p in (whole / "final").iterdir() if p.name.startswith(".")) == []
-    want = _final(whole)
+    want = final_weights(whole)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     loaded = AutoModelForCausalLM.from_pretrained(str(whole / "final"))
@@ -112,10 +90,7 @@ def test_two_ranks_save_export_and_resume_on_two_and_on_one_rank(
         [*job, *per_rank, "--steps", "4", "--out", str(parts), "--resume", str(ckpts / "global_step2")],
     )
     assert text.count("resumed from") == 1 and "step     3/4" in text and "step     1/4" not in text
-    got = _final(parts)
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    assert_bitwise_equal(final_weights(parts), want)
 
     # 1 rank resumes the 2-rank checkpoint on the same global batch (2 x 2 rows): equal results
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -124,7 +99,7 @@ def test_two_ranks_save_export_and_resume_on_two_and_on_one_rank(
     argv = [*job, "--batch-size", "4", "--steps", "4", "--out", str(one)]
     assert main([*argv, "--resume", str(ckpts / "global_step2")]) == 0
     assert "step     3/4" in capsys.readouterr().out
-    got = _final(one)
+    got = final_weights(one)
     assert got.keys() == want.keys()
     for k, w in want.items():
         assert float((got[k] - w).norm()) <= 1e-5 * max(float(w.norm()), 1e-12), k
