@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from tiered.bench.methods import ODirectMethod, aligned_buffer
+from tiered.bench.methods import ODirectMethod, aligned_buffer, read_chunk, write_chunk
 from tiered.storage.registry import open_backend
 
 MIB = 1 << 20
@@ -190,10 +190,10 @@ class RawCase:
         return time.perf_counter() - t0
 
     def write(self) -> float:
-        return self._all(os.O_WRONLY, ODirectMethod._pwrite)
+        return self._all(os.O_WRONLY, write_chunk)
 
     def read(self) -> float:
-        return self._all(os.O_RDONLY, ODirectMethod._pread)
+        return self._all(os.O_RDONLY, read_chunk)
 
     def close(self) -> None:
         if self.own:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 
 import tiered.bench.runner as br
-from tiered.bench.methods import Method
+from tiered.bench.methods import Method, aligned_buffer, read_chunk, write_chunk
 from tiered.bench.runner import BenchOptions, run_bandwidth
 from tiered.cli.main import main
+from tiered.errors import StorageIOError
 
 MIB = 1 << 20
 
@@ -125,6 +127,27 @@ def test_real_methods_bookkeeping(tmp_path: Path) -> None:
         assert m.read_vs_ceiling == pytest.approx(m.read_gbps / ceiling.read_gbps)
     assert ceiling.write_vs_ceiling == 1.0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_chunk_write_and_read_round_trip_and_a_short_file_is_an_error(tmp_path: Path) -> None:
+    # the ceiling's one-chunk primitives, which benchmarks/nvme_pattern.py drives on its own files
+    n = 3 * 4096
+    src_mm, src = aligned_buffer(n)
+    dst_mm, dst = aligned_buffer(n)
+    src.copy_((torch.arange(n) % 251).to(torch.uint8))
+    path = tmp_path / "chunks.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        for off in (4096, 0, 8192):  # any order, as the thread pool runs them
+            write_chunk(fd, memoryview(src_mm), off, 4096)
+        for off in (8192, 0, 4096):
+            read_chunk(fd, memoryview(dst_mm), off, 4096)
+        assert torch.equal(dst, src)
+        os.ftruncate(fd, n - 100)
+        with pytest.raises(StorageIOError, match="file ended early"):
+            read_chunk(fd, memoryview(dst_mm), 8192, 4096)
+    finally:
+        os.close(fd)
 
 
 def test_bad_backend_is_an_error_row_not_a_crash(tmp_path: Path) -> None:

@@ -78,6 +78,26 @@ def drop_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
+def write_chunk(fd: int, mv: memoryview, off: int, n: int) -> None:
+    """Write `mv[off : off + n]` to `fd` at file offset `off`, retrying short writes: one chunk of
+    the ceiling's O_DIRECT copy (so `mv`, `off` and `n` must keep O_DIRECT's alignment when `fd`
+    was opened with it). Safe to run on several threads at once on disjoint chunks."""
+    done = 0
+    while done < n:
+        done += os.pwritev(fd, [mv[off + done : off + n]], off + done)
+
+
+def read_chunk(fd: int, mv: memoryview, off: int, n: int) -> None:
+    """Read file bytes `off .. off + n` of `fd` into `mv[off : off + n]`, retrying short reads;
+    the counterpart of `write_chunk`. Raises StorageIOError when the file ends first."""
+    done = 0
+    while done < n:
+        got = os.preadv(fd, [mv[off + done : off + n]], off + done)
+        if got == 0:
+            raise StorageIOError(f"short read at offset {off + done}: file ended early")
+        done += got
+
+
 class Method(abc.ABC):
     """One way of moving the buffer. See [Note: bandwidth methods]."""
 
@@ -162,26 +182,11 @@ class ODirectMethod(Method):
                     f"bench {self.name}: I/O on {self.path} took over {self.timeout_s:.0f} s"
                 ) from exc
 
-    @staticmethod
-    def _pwrite(fd: int, mv: memoryview, off: int, n: int) -> None:
-        done = 0
-        while done < n:
-            done += os.pwritev(fd, [mv[off + done : off + n]], off + done)
-
-    @staticmethod
-    def _pread(fd: int, mv: memoryview, off: int, n: int) -> None:
-        done = 0
-        while done < n:
-            got = os.preadv(fd, [mv[off + done : off + n]], off + done)
-            if got == 0:
-                raise StorageIOError(f"short read at offset {off + done}: file ended early")
-            done += got
-
     def write(self, src: torch.Tensor, mv: memoryview) -> float:
         t0 = time.perf_counter()
         fd = self._open(os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
-            self._run(fd, mv, self._pwrite)
+            self._run(fd, mv, write_chunk)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -191,7 +196,7 @@ class ODirectMethod(Method):
         t0 = time.perf_counter()
         fd = self._open(os.O_RDONLY)
         try:
-            self._run(fd, mv, self._pread)
+            self._run(fd, mv, read_chunk)
         finally:
             os.close(fd)
         return time.perf_counter() - t0
