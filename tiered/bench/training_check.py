@@ -149,6 +149,52 @@ class RealRun:
     compute the replay puts between its moves ([Note: compute between the moves])."""
 
 
+@dataclass(frozen=True)
+class _StepSample:
+    """One measured real step: its link-counter deltas, wall time and compute time."""
+
+    delta: dict[str, dict[str, float]]
+    step_s: float
+    compute_s: float
+
+
+def _real_step(engine: Any, model: nn.Module, cfg: TieredConfig, seq_len: int, seed: int) -> _StepSample:
+    """One real training step of `engine` on random tokens (seeded by `seed`), measured; the
+    compute time is forward + backward minus the training thread's tier stalls in them ([Note:
+    compute between the moves])."""
+    import time
+
+    batch = random_batch(model, cfg, seq_len, seed=seed)
+    before = engine.stats()["tiers"]
+    t0 = time.perf_counter()
+    loss = engine(**batch).loss
+    engine.backward(loss)
+    t1 = time.perf_counter()
+    mid = engine.stats()["tiers"]
+    engine.step()
+    # the step's last write-backs (they overlap the next forward in training) land in this
+    # step's window, not in the next step (or the replayed step that follows)
+    getattr(engine.optimizer, "wait_writes", lambda: None)()
+    dt = time.perf_counter() - t0
+    delta = _delta(before["links"], engine.stats()["tiers"]["links"])
+    return _StepSample(delta, dt, max(0.0, (t1 - t0) - (mid["stall_s"] - before["stall_s"])))
+
+
+def _real_run(
+    samples: list[dict[str, dict[str, float]]],
+    links: dict[str, Any],
+    storage: tuple[str, ...],
+    times: list[float],
+    computes: list[float],
+) -> RealRun:
+    """The measured steps' per-link figures (`links`: the engine's final link stats, for their
+    high-water marks) and their median step and compute times."""
+    max_inflight = {k: int(v.get("max_inflight", 0)) for k, v in links.items()}
+    return RealRun(
+        link_figures(samples, max_inflight, storage), statistics.median(times), statistics.median(computes)
+    )
+
+
 def measure_training(
     build: Callable[[], nn.Module],
     cfg: TieredConfig,
@@ -159,8 +205,6 @@ def measure_training(
     progress: Callable[[str], None] | None = None,
 ) -> RealRun:
     """Per-link figures (mean per step), the median step and compute time of a real run."""
-    import time
-
     import tiered
 
     say = progress or (lambda _m: None)
@@ -169,28 +213,17 @@ def measure_training(
     samples, times, computes = [], [], []
     with tiered.initialize(model, cfg) as engine:
         for s in range(warmup + steps):
-            batch = random_batch(model, cfg, seq_len, seed=s)
-            before = engine.stats()["tiers"]
-            t0 = time.perf_counter()
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            t1 = time.perf_counter()
-            mid = engine.stats()["tiers"]
-            engine.step()
-            getattr(engine.optimizer, "wait_writes", lambda: None)()  # this step's write-backs in its window
-            dt = time.perf_counter() - t0
-            delta = _delta(before["links"], engine.stats()["tiers"]["links"])
+            step = _real_step(engine, model, cfg, seq_len, seed=s)
             if s >= warmup:
-                samples.append(delta)
-                times.append(dt)
-                computes.append(max(0.0, (t1 - t0) - (mid["stall_s"] - before["stall_s"])))
-            say(f"training step {s + 1}/{warmup + steps}{' (warm-up)' if s < warmup else ''}: {dt:.2f} s")
+                samples.append(step.delta)
+                times.append(step.step_s)
+                computes.append(step.compute_s)
+            say(
+                f"training step {s + 1}/{warmup + steps}{' (warm-up)' if s < warmup else ''}: {step.step_s:.2f} s"
+            )
         links = engine.stats()["tiers"]["links"]
     storage = tuple(sorted({t for k in samples for link in k for t in link.split("->")} - {"gpu", "cpu"}))
-    max_inflight = {k: int(v.get("max_inflight", 0)) for k, v in links.items()}
-    return RealRun(
-        link_figures(samples, max_inflight, storage), statistics.median(times), statistics.median(computes)
-    )
+    return _real_run(samples, links, storage, times, computes)
 
 
 def compare(prediction: TrainingBenchResult, real: RealRun, steps: int) -> TrainingCheck:
@@ -216,7 +249,6 @@ def check_round_robin(
     ([Note: round-robin measurement]): a drive that drifts drifts under both. The replay's compute
     time is the real steps' so far (median), unless `compute_s` gives it; round 0 runs the real
     step first and is a warm-up for both."""
-    import time
 
     import tiered
     from tiered.bench.training import TrainingReplay, describe_step
@@ -235,24 +267,15 @@ def check_round_robin(
         with tiered.initialize(real_model, cfg) as engine:
 
             def real_step(s: int) -> None:
-                batch = random_batch(real_model, cfg, seq_len, seed=s)
-                before = engine.stats()["tiers"]
-                t0 = time.perf_counter()
-                loss = engine(**batch).loss
-                engine.backward(loss)
-                t1 = time.perf_counter()
-                mid = engine.stats()["tiers"]
-                engine.step()
-                # the step's last write-backs (they overlap the next forward in training) land
-                # in this step's window, not in the replayed step that follows
-                getattr(engine.optimizer, "wait_writes", lambda: None)()
-                dt = time.perf_counter() - t0
-                delta = _delta(before["links"], engine.stats()["tiers"]["links"])
-                computes.append(max(0.0, (t1 - t0) - (mid["stall_s"] - before["stall_s"])))
+                step = _real_step(engine, real_model, cfg, seq_len, seed=s)
+                computes.append(step.compute_s)
                 if s >= warmup:
-                    real_samples.append(delta)
-                    times.append(dt)
-                say(f"round {s + 1}/{warmup + steps} training step: {dt:.2f} s, {describe_step(delta)}")
+                    real_samples.append(step.delta)
+                    times.append(step.step_s)
+                say(
+                    f"round {s + 1}/{warmup + steps} training step: {step.step_s:.2f} s, "
+                    f"{describe_step(step.delta)}"
+                )
 
             def replay_step(s: int) -> None:
                 if compute_s is None:
@@ -269,11 +292,7 @@ def check_round_robin(
         prediction = replay.result(replay_samples, warmup)
     finally:
         replay.close()
-    storage = prediction.pattern.storage_tiers
-    max_inflight = {k: int(v.get("max_inflight", 0)) for k, v in links.items()}
-    real = RealRun(
-        link_figures(real_samples, max_inflight, storage),
-        statistics.median(times),
-        statistics.median(computes[warmup:] or computes),
+    real = _real_run(
+        real_samples, links, prediction.pattern.storage_tiers, times, computes[warmup:] or computes
     )
     return compare(prediction, real, steps)
