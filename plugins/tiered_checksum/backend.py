@@ -25,28 +25,17 @@ import asyncio
 import logging
 import struct
 from collections import defaultdict
-from dataclasses import replace
 from typing import Any
 
 import torch
 import xxhash
 
 from tiered.errors import StorageCorruptError, StorageKeyError, StoredSizeError
-from tiered.storage.base import (
-    MAX_KEY_CHARS,
-    Capabilities,
-    Capacity,
-    StorageBackend,
-    check_key,
-    check_out_size,
-    tensor_bytes,
-)
-from tiered.storage.bridge import IOBridge
-from tiered.storage.nested import forwarded_options, open_nested
+from tiered.storage.base import MAX_KEY_CHARS, StorageBackend, check_key, check_out_size, tensor_bytes
+from tiered.storage.nested import WrappingBackend
 
 log = logging.getLogger(__name__)
 
-_OWN_OPTIONS = ("inner",)
 _ENTRY = struct.Struct("<QQ")  # byte length, xxh3_64
 _SIDECAR_SIZES = (_ENTRY.size, 2 * _ENTRY.size)  # the current digest, or the new one and the old
 _SUFFIX = ".xxh3"
@@ -77,35 +66,16 @@ def sidecar_key(key: str) -> str:
     return f"xxh3-{xxhash.xxh3_128_hexdigest(key.encode())}{_SUFFIX}"
 
 
-class ChecksumBackend(StorageBackend):
+class ChecksumBackend(WrappingBackend):
     """``{"type": "checksum", "inner": SPEC}``. See [Note: digests beside the data]."""
 
     name = "checksum"
 
     def __init__(self, inner: dict[str, Any] | str | StorageBackend, **options: Any) -> None:
-        forward = forwarded_options(options, _OWN_OPTIONS, self.name)
-        self.inner = open_nested(inner, forward, where="backend 'checksum' option 'inner'")
+        self.open_inner(inner, options)
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.verified_bytes = 0
         self.mismatches = 0
-
-    @property
-    def capabilities(self) -> Capabilities:
-        # Never memory-like: a zero-copy view would bypass read, and so the check.
-        return replace(self.inner.capabilities, memory_like=False)
-
-    def capacity(self) -> Capacity:
-        return self.inner.capacity()
-
-    def use_bridge(self, bridge: IOBridge | None) -> None:
-        super().use_bridge(bridge)
-        self.inner.use_bridge(bridge)
-
-    def locate(self, key: str) -> str:
-        return self.inner.locate(key)
-
-    def spec(self) -> dict[str, Any]:
-        return {"type": self.name, "inner": self.inner.spec()}
 
     def stats(self) -> dict[str, int]:
         return {"verified_bytes": self.verified_bytes, "mismatches": self.mismatches}
@@ -188,9 +158,6 @@ class ChecksumBackend(StorageBackend):
     async def exists(self, key: str) -> bool:
         check_key(key)
         return await self.inner.exists(key)
-
-    async def close(self) -> None:
-        await self.inner.close()
 
 
 __all__ = ["ChecksumBackend", "sidecar_key"]

@@ -26,21 +26,18 @@ import logging
 import os
 import random
 from collections import Counter, deque
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from tiered.errors import ConfigError, StorageIOError
-from tiered.storage.base import Capabilities, Capacity, StorageBackend, check_key, tensor_bytes
-from tiered.storage.bridge import IOBridge
-from tiered.storage.nested import forwarded_options, open_nested
+from tiered.storage.base import Capacity, StorageBackend, check_key, tensor_bytes
+from tiered.storage.nested import WrappingBackend
 from tiered_faults.rules import FAULT_KINDS, OPS, FaultRule, parse_faults
 
 log = logging.getLogger(__name__)
 
 HISTORY_LENGTH = 1000
-_OWN_OPTIONS = ("inner", "faults", "seed")
 
 
 class _RuleState:
@@ -84,13 +81,14 @@ class _RuleState:
         }
 
 
-class FaultsBackend(StorageBackend):
+class FaultsBackend(WrappingBackend):
     """``{"type": "faults", "inner": SPEC, "faults": [RULE, ...], "seed": 0}``.
 
     See [Note: injected faults look like real ones] and, in rules.py, [Note: fault triggers].
     """
 
     name = "faults"
+    own_options = ("inner", "faults", "seed")
 
     def __init__(
         self, inner: dict[str, Any] | str | StorageBackend, faults: Any = None, seed: int = 0, **options: Any
@@ -99,7 +97,6 @@ class FaultsBackend(StorageBackend):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"backend 'faults': seed must be an integer, got {seed!r}")
         self.seed = seed
-        forward = forwarded_options(options, _OWN_OPTIONS, self.name)
         self._states = [_RuleState(r, i, seed) for i, r in enumerate(self.rules)]
         self._sizes: dict[str, int] = {}
         self._hung: set[asyncio.Future[None]] = set()
@@ -109,13 +106,9 @@ class FaultsBackend(StorageBackend):
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LENGTH)
         """The last injected faults: rule index, kind, op, key, what was done."""
         self._closed = False
-        self.inner = open_nested(inner, forward, where="backend 'faults' option 'inner'")
+        self.open_inner(inner, options)
 
     # ---- description -------------------------------------------------------------------------
-    @property
-    def capabilities(self) -> Capabilities:
-        return replace(self.inner.capabilities, memory_like=False)
-
     def capacity(self) -> Capacity:
         cap = self.inner.capacity()
         total, free = cap.total_bytes, cap.free_bytes
@@ -130,21 +123,8 @@ class FaultsBackend(StorageBackend):
     def stored_bytes(self, nbytes: int) -> int:
         return self.inner.stored_bytes(nbytes)
 
-    def use_bridge(self, bridge: IOBridge | None) -> None:
-        """The inner backend does the blocking calls: it gets the bridge too."""
-        super().use_bridge(bridge)
-        self.inner.use_bridge(bridge)
-
-    def locate(self, key: str) -> str:
-        return self.inner.locate(key)
-
     def spec(self) -> dict[str, Any]:
-        return {
-            "type": self.name,
-            "inner": self.inner.spec(),
-            "faults": [r.to_json() for r in self.rules],
-            "seed": self.seed,
-        }
+        return {**super().spec(), "faults": [r.to_json() for r in self.rules], "seed": self.seed}
 
     def stats(self) -> dict[str, Any]:
         """Operations seen, faults injected per kind, per-rule counters, bytes moved."""
@@ -324,7 +304,7 @@ class FaultsBackend(StorageBackend):
                 fut.get_loop().call_soon_threadsafe(_fail, fut, err)
             except RuntimeError:  # its loop is closed: nothing waits on it any more
                 pass
-        await self.inner.close()
+        await super().close()
 
 
 def _fail(fut: asyncio.Future[None], err: BaseException) -> None:

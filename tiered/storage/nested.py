@@ -8,6 +8,10 @@ wrapper needs, kept here so each plugin does not grow its own copy:
   the wrapped backends; any other keyword is a misspelt spec key and an error naming it;
 - an error opening a wrapped backend is re-raised with the place in the outer spec prefixed
   (``backend 'stripe' members[1]: ...``), keeping its type so callers can still catch it.
+
+`WrappingBackend` is the base of a wrapper over one inner backend (faults, checksum) that sees
+every byte on its way: it opens the inner backend by those rules and forwards what such a wrapper
+forwards unchanged (the bridge, capacity, locations, close, the inner spec in its own).
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
+from typing import Any, ClassVar
 
 from tiered.errors import ConfigError
-from tiered.storage.base import StorageBackend
+from tiered.storage.base import Capabilities, Capacity, StorageBackend
+from tiered.storage.bridge import IOBridge
 from tiered.storage.registry import open_backend
 
 
@@ -58,3 +64,47 @@ def open_nested(spec: Any, forward: dict[str, Any], *, where: str) -> StorageBac
         except Exception:  # noqa: BLE001 - a type that cannot be rebuilt from a message is raised as it came
             raise exc from None
         raise err from exc
+
+
+class WrappingBackend(StorageBackend):
+    """A backend over one inner backend (``"inner": SPEC``) whose own `write` / `read` /
+    `delete` / `exists` do something with every call before or after handing it on.
+
+    A subclass lists its spec keys in `own_options` and calls `open_inner` in its constructor
+    (once its own options are checked, so a bad option opens nothing). What it does not override
+    goes to the inner backend: the bridge (the inner backend does the blocking calls), capacity,
+    `locate`, and `close`. It is never memory-like: a resident tensor handed out by the inner
+    backend would bypass the wrapper's `read` and `write`, so `allocate`/`view` stay refused.
+    """
+
+    own_options: ClassVar[tuple[str, ...]] = ("inner",)
+    """The wrapper's spec keys, offered as the near miss of a misspelt one."""
+    inner: StorageBackend
+
+    def open_inner(self, inner: dict[str, Any] | str | StorageBackend, options: dict[str, Any]) -> None:
+        """Open (or adopt) the inner backend from `inner`, handing on the keywords of `options`
+        that `open_backend` passes; any other keyword is a ConfigError (see `forwarded_options`)."""
+        forward = forwarded_options(options, self.own_options, self.name)
+        self.inner = open_nested(inner, forward, where=f"backend {self.name!r} option 'inner'")
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return replace(self.inner.capabilities, memory_like=False)
+
+    def capacity(self) -> Capacity:
+        return self.inner.capacity()
+
+    def use_bridge(self, bridge: IOBridge | None) -> None:
+        """The inner backend does the blocking calls: it gets the bridge too."""
+        super().use_bridge(bridge)
+        self.inner.use_bridge(bridge)
+
+    def locate(self, key: str) -> str:
+        return self.inner.locate(key)
+
+    def spec(self) -> dict[str, Any]:
+        """``{"type": name, "inner": the inner spec}``; a wrapper with options of its own adds them."""
+        return {"type": self.name, "inner": self.inner.spec()}
+
+    async def close(self) -> None:
+        await self.inner.close()
