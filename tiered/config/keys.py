@@ -557,6 +557,7 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule("tiered.optimizer_tier", _S),
     KeyRule("tiered.grad_tier", _S),
     KeyRule("tiered.check_collective_order", _S),
+    KeyRule("tiered.host_mmap_threshold", _S),
 )
 
 RULES: dict[str, KeyRule] = {rule.path: rule for rule in _RULES}

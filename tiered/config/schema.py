@@ -179,6 +179,9 @@ class TieredSection:
     grad_tier: str | None = None
     """Tier holding the fp32 gradients when the optimizer is offloaded (default "cpu"; "nvme":
     [Note: gradients on nvme]); None: the default."""
+    host_mmap_threshold: int | None = 1 << 20
+    """glibc's mmap threshold fixed at initialize, so freed partitions go back to the kernel
+    ([Note: host allocations and glibc's heap]); None (``false`` in JSON): malloc left alone."""
     check_collective_order: bool = True
     """With several ranks: before each gather and gradient reduction the ranks agree on which
     group it is, so ranks that diverge get `CollectiveOrderError` instead of a hang

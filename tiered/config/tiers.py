@@ -203,12 +203,28 @@ def _flag(section: dict[str, Any], key: str, default: bool) -> bool:
     return default if value is None else as_bool(value, f"tiered.{key}")
 
 
+def _mmap_threshold(value: Any) -> int | None:
+    """tiered.host_mmap_threshold: a byte size within glibc's range, or false / null (leave
+    malloc alone): [Note: host allocations and glibc's heap]."""
+    if value is None or value is False:
+        return None
+    n = parse_bytes(value, what="tiered.host_mmap_threshold")
+    if not 4096 <= n <= 32 << 20:  # glibc refuses more on 64-bit hosts (HEAP_MAX_SIZE / 2)
+        raise ConfigError(
+            f"tiered.host_mmap_threshold = {value!r}: glibc takes 4 KiB .. 32 MiB (default 1 MiB), "
+            "or false to leave malloc alone"
+        )
+    return n
+
+
 def _io_keys(section: dict[str, Any], defaults: TieredSection) -> dict[str, Any]:
     """tiered.verify_checksums and the per-call timeout and retry keys (see
     [Note: byte-scaled I/O timeouts] in tiered.tiers.io_policy)."""
     out: dict[str, Any] = {}
     if section.get("verify_checksums") is not None:
         out["verify_checksums"] = as_bool(section["verify_checksums"], "tiered.verify_checksums")
+    if "host_mmap_threshold" in section:
+        out["host_mmap_threshold"] = _mmap_threshold(section["host_mmap_threshold"])
     for key in ("io_timeout_floor_s", "io_min_bytes_per_s"):
         if section.get(key) is not None:
             out[key] = as_float(section[key], f"tiered.{key}", minimum=0.0, min_exclusive=True)

@@ -22,6 +22,7 @@ from tiered.engine.build import (
 )
 from tiered.engine.distributed import ensure_process_group
 from tiered.engine.engine import Engine
+from tiered.engine.host_memory import fix_mmap_threshold
 from tiered.errors import ConfigError, DistributedSetupError
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ def initialize(
         from tiered.optim.schedulers import build_scheduler
 
         scheduler = build_scheduler(cfg.scheduler, base_lr=cfg.optimizer.lr)
+    fix_mmap_threshold(cfg.tiered.host_mmap_threshold)  # [Note: host allocations and glibc's heap]
     tm = build_tier_manager(cfg, rank=rank, world_size=world_size)
     zp = None
     try:
