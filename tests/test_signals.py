@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -39,6 +40,12 @@ sys.exit(7)
 """
 
 
+def _default_sigint() -> None:
+    # A child of a non-interactive shell's background job inherits SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler: give the script the terminal's default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(tmp_path: Path, *, own_handler: bool = False) -> tuple[subprocess.Popen[str], Path]:
     nvme = tmp_path / "nvme"
     nvme.mkdir(exist_ok=True)
@@ -49,6 +56,7 @@ def _start(tmp_path: Path, *, own_handler: bool = False) -> tuple[subprocess.Pop
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        preexec_fn=_default_sigint,
     )
     assert proc.stdout is not None
     for line in proc.stdout:  # training has begun: the swap folder holds files
@@ -68,6 +76,26 @@ def test_sigterm_to_a_python_api_script_removes_its_swap_folder_and_ends_as_kill
     assert proc.returncode == -signal.SIGTERM, err[-3000:]  # as a process killed by SIGTERM ends
     assert "SIGTERM: closing 1 tiered engine" in err, err[-3000:]
     assert list(nvme.iterdir()) == [], "SIGTERM left the swap folder behind"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ctrl_c_at_a_random_moment_ends_a_python_api_script_promptly_and_removes_its_swap(
+    tmp_path: Path, seed: int
+) -> None:
+    """A real SIGINT lands wherever the script is (forward, a backward hook, the step, a wait on
+    the tier manager): KeyboardInterrupt unwinds, the engine left open closes at exit, the
+    process ends as interrupted within a bounded time and the swap folder is gone."""
+    proc, nvme = _start(tmp_path)
+    time.sleep(random.Random(seed).uniform(0.05, 1.0))
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("Ctrl-C did not end the script within 60 s")
+    assert proc.returncode == -signal.SIGINT, err[-3000:]  # Python re-raises an unhandled SIGINT
+    assert "KeyboardInterrupt" in err, err[-3000:]
+    assert list(nvme.iterdir()) == [], "Ctrl-C left the swap folder behind"
 
 
 def test_a_program_s_own_sigterm_handler_is_left_alone(tmp_path: Path) -> None:
