@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's one entry point. Each command sets up everything it needs on a fresh machine:
 #   ./dev.sh demo    the main job on its embedded default (see README)
-#   ./dev.sh test    the test suite (what CI runs)
+#   ./dev.sh test    the test suite (what CI runs first)
+#   ./dev.sh slow    the tests marked slow: the fault soak, kills during training (CI runs them next)
 # Set-up: a virtual environment in .venv (TIERED_VENV overrides), torch (the CPU build unless a
 # torch is already importable there; TIERED_TORCH_SPEC overrides, e.g. for a CUDA build), then
 # this project with its test extras, editable. Re-running is cheap: set-up is skipped when done.
@@ -50,8 +51,14 @@ case "$cmd" in
     # Default run: everything except tests marked slow; cuda tests skip (with a reason) off-GPU.
     exec "$PY" -m pytest -m "not slow" "$@"
     ;;
+  slow)
+    setup
+    build_kernels
+    # Minutes each: the 1,000-step fault soak and the kill -9 / SIGTERM runs resumed bit-exactly.
+    exec "$PY" -m pytest -m slow "$@"
+    ;;
   *)
-    echo "usage: ./dev.sh demo | test [pytest args]" >&2
+    echo "usage: ./dev.sh demo | test [pytest args] | slow [pytest args]" >&2
     exit 2
     ;;
 esac
