@@ -110,7 +110,10 @@ def test_a_peft_model_exports_its_adapter_in_peft_format(folder: Path, tmp_path:
     base = build_model(resolve_model(folder), seed=0)  # the folder's weights
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     out = tmp_path / "adapter"
+    counts = model.get_nb_trainable_parameters()  # (trainable, all)
     with tiered.initialize(model, ds_config(tmp_path / "nvme", param="cpu", opt="cpu")) as engine:
+        assert sum(p.numel() for p in model.parameters()) == 0  # released, as under DeepSpeed
+        assert model.get_nb_trainable_parameters() == counts  # through ds_numel
         ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)

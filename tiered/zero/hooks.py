@@ -38,7 +38,8 @@ to `PartitionedParameter` (and back by `remove`), whose ``__torch_function__`` r
 shard group says it has some) raises `ParameterNotGatheredError` naming the parameter and the
 calls that give the values: ``engine.gathered_parameters``, ``engine.save_pretrained``,
 ``engine.close``. Metadata stays readable (shape, dtype, device, ``.grad``, ``numel``), which
-the hooks, autograd and Hugging Face read. A property that hands out a tensor of the released
+the hooks, autograd and Hugging Face read; ``shape`` and ``numel()`` are the placeholder's (0), as
+under DeepSpeed, and ``ds_numel`` gives the full count as DeepSpeed's does (peft reads it). A property that hands out a tensor of the released
 parameter (``.data``, ``.T``, ``.mT``, ``.real``, ...) hands out that empty tensor as a
 `ReleasedData`, which answers the same metadata and raises the same error on every other op
 (``p.data.sum()``, ``.clone()``, ``.numpy()``, ``.copy_()``, ``copy.deepcopy(p)`` and pickling,
@@ -329,6 +330,13 @@ class PartitionedParameter(nn.Parameter):
                     for a in kwargs.values():
                         cls._check(a, func)
             return func(*args, **(kwargs or {}))
+
+    @property
+    def ds_numel(self) -> int:
+        """The full element count, also while released (DeepSpeed's attribute of the same name,
+        which peft's ``print_trainable_parameters`` and other ZeRO-3-aware tools read where
+        ``numel()`` is 0)."""
+        return self._numel.get(id(self), 0) or self.numel()
 
     @classmethod
     def _released(cls, a: Any) -> bool:
