@@ -147,6 +147,18 @@ def test_cli_training_check_prints_both_figures(tmp_path: Path, capsys: pytest.C
     assert list((tmp_path / "offload").iterdir()) == []
 
 
+def test_dir_moves_the_replay_to_another_drive_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _write(tmp_path, _config(tmp_path))
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    argv = ["bench", "--training", "--model", str(TINY), "--config", str(cfg), "--steps", "1", "--quiet"]
+    assert main([*argv, "--dir", str(drive)]) == 0
+    assert "nvme->cpu" in capsys.readouterr().out
+    assert list(drive.iterdir()) == [] and list((tmp_path / "offload").iterdir()) == []
+
+
 def test_tune_fragment_is_valid_config_and_holds_the_best(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -121,14 +121,21 @@ class TrainingBenchResult:
 
 
 def with_directory(cfg: TieredConfig, directory: Path | None) -> TieredConfig:
-    """`cfg` with every storage tier's "path" moved under `directory` (``--dir``): the drive to
-    measure; None keeps the config's own paths (the drive training will use)."""
+    """`cfg` with every storage tier's "path" moved to `directory` (``--dir``): the drive to
+    measure; None keeps the config's own paths (the drive training will use). A swap tier (the
+    offload tiers) writes into `directory` itself, as into an nvme_path: its backend makes a
+    private folder there that closing removes. Any other tier gets ``directory/<tier>``, made
+    owner-only where missing, so two tiers' keys cannot meet."""
     if directory is None:
         return cfg
     tiers = {}
     for name, spec in cfg.tiered.tiers.items():
         if isinstance(spec.backend.get("path"), str):
-            spec = dataclasses.replace(spec, backend={**spec.backend, "path": str(directory / name)})
+            path = directory
+            if not spec.backend.get("swap"):
+                path = directory / name
+                path.mkdir(mode=0o700, exist_ok=True)
+            spec = dataclasses.replace(spec, backend={**spec.backend, "path": str(path)})
         tiers[name] = spec
     return dataclasses.replace(cfg, tiered=dataclasses.replace(cfg.tiered, tiers=tiers))
 
