@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import test_finetune_checkpoints as runs
+from finetune_support import assert_bitwise_equal, final_weights
 
 from tiered.cli.main import main
 
@@ -72,6 +73,6 @@ def test_kills_at_random_moments_of_training_then_resume_end_bitwise_equal(
     assert main([*job, "--steps", str(STEPS), "--out", str(parts), "--save-every", "3", "--resume"]) == 0
     assert main([*job, "--steps", str(STEPS), "--out", str(whole), "--save-every", "3"]) == 0
     print("kills (signal, at step, delay s, checkpoint before, after):", history)
-    runs._assert_bitwise(runs._final(parts), runs._final(whole))
+    assert_bitwise_equal(final_weights(parts), final_weights(whole))
     nvme = tmp_path / "nvme"
     assert not [p for p in nvme.iterdir() if p.name.startswith("tiered-swap-")], "a swap folder was left"
