@@ -45,10 +45,11 @@ def section(result, command: str, load: tuple[float, float, float] | None = None
     )
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace (or append) only the "## Bandwidth" section; other sections stay as they are."""
+def write_section(path: Path, text: str, heading: str = HEADING) -> None:
+    """Replace (or append) only the `heading` section ("## Bandwidth" by default); other sections
+    stay as they are. benchmarks/nvme_pattern.py writes its own section through this too."""
     old = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(old):
         new = pattern.sub(lambda _m: text.rstrip("\n") + "\n\n", old, count=1)
     else:

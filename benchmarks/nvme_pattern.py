@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import os
 import random
-import re
 import shutil
 import statistics
 import subprocess
@@ -55,6 +54,9 @@ import torch
 
 from tiered.bench.methods import ODirectMethod, aligned_buffer, read_chunk, write_chunk
 from tiered.storage.registry import open_backend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bandwidth import write_section  # a sibling script, found through its folder
 
 MIB = 1 << 20
 KIB = 1 << 10
@@ -336,16 +338,6 @@ def table(figs: dict[str, Figures], total: dict[str, int]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def write_section(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(old):
-        new = pattern.sub(lambda _m: text.rstrip("\n") + "\n\n", old, count=1)
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    path.write_text(new.rstrip("\n") + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -369,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_results:
         shown = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if a != "--write-results")
         write_section(
-            RESULTS, section(text, f"python benchmarks/nvme_pattern.py {shown}".strip(), before, after)
+            RESULTS,
+            section(text, f"python benchmarks/nvme_pattern.py {shown}".strip(), before, after),
+            HEADING,
         )
     return 0
 
