@@ -27,13 +27,16 @@ get adjacent slots, so a layer written together is read back as a few large requ
 
 Cancellation keeps the bridge's promise: a request cancelled before its run started is dropped;
 one whose run is in flight waits for it, so no syscall touches the caller's tensor after the
-cancelled call returned.
+cancelled call returned. A run's requests are settled when its task ends, however it ends: a task
+cancelled before its first step (closing a manager cancels every task at once) never ran its
+body, so without that its callers would wait for a syscall that was never issued.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -167,6 +170,7 @@ class Coalescer:
             task = asyncio.ensure_future(self._do(run))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(functools.partial(_settle, run))
 
     def merge(self, reqs: list[_Request]) -> list[_Run]:
         """Runs of adjacent slots, one direction each, within `chunk_bytes` and the iovec limit,
@@ -274,3 +278,12 @@ def _readv_all(fd: int, iovs: list[memoryview], offset: int) -> int:
             break
         done += n
     return done
+
+
+def _settle(run: _Run, task: asyncio.Task[None]) -> None:
+    """`run`'s task ended: fail the requests it left unresolved. Its syscall, if any, has returned
+    (the bridge waits for it), so their callers may let go of their tensors."""
+    exc = None if task.cancelled() else task.exception()
+    for r in run.requests:
+        if not r.future.done():
+            r.future.set_exception(exc or asyncio.CancelledError())

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import zlib
 from pathlib import Path
 
@@ -218,3 +219,48 @@ def test_a_swap_file_keeps_its_blocks_for_a_small_shrink_and_gives_back_a_large_
         await b.close()
 
     asyncio.run(go())
+
+
+def test_a_slab_run_cancelled_before_it_started_releases_its_callers(tmp_path: Path) -> None:
+    """Closing a tier manager cancels every task of its loop at once, among them a merged slab
+    run whose task has been created but not yet stepped: its body never runs, so nothing may wait
+    for the syscall it never issued. (The hang this guards against held a SIGTERM-ed training
+    script in close for the full 60 s timeout.)"""
+
+    async def go() -> None:
+        b = _swap(tmp_path)
+        coalescer = b._store.coalescer
+        me = asyncio.current_task()
+        flush = coalescer._flush
+
+        def flush_then_cancel_everything() -> None:
+            flush()  # creates the run's task; its first step is only scheduled
+            for task in asyncio.all_tasks():
+                if task is not me:
+                    task.cancel()
+
+        coalescer._flush = flush_then_cancel_everything  # type: ignore[method-assign]
+        writes = [asyncio.ensure_future(b.write(f"p{i}", _aligned(64 << 10))) for i in range(4)]
+        done, pending = await asyncio.wait(writes, timeout=10)
+        assert not pending, "a cancelled write waits for a slab run that never started"
+        assert all(w.cancelled() for w in done)
+        assert coalescer.syscalls == 0, "the cancelled run issued its syscall"
+        coalescer._flush = flush  # type: ignore[method-assign]
+        await b.close()
+
+    # in a thread of its own: without the fix the loop never ends, and the test must fail, not hang
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(go())
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert outcome, "the event loop never finished: a cancelled write is still waiting"
+    if outcome[0] is not None:
+        raise outcome[0]
