@@ -2,7 +2,7 @@
 # The project's one entry point. Each command sets up everything it needs on a fresh machine:
 #   ./dev.sh demo    the main job on its embedded default (see README)
 #   ./dev.sh test    the test suite (what CI runs first)
-#   ./dev.sh slow    the tests marked slow: the fault soak, kills during training (CI runs them next)
+#   ./dev.sh slow    the tests marked slow: the fault soak, kills during training, long builds (CI runs them next)
 # Set-up: a virtual environment in .venv (TIERED_VENV overrides), torch (the CPU build unless a
 # torch is already importable there; TIERED_TORCH_SPEC overrides, e.g. for a CUDA build), then
 # this project with its test extras, editable. Re-running is cheap: set-up is skipped when done.

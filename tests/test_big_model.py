@@ -38,6 +38,7 @@ def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess[str
     )
 
 
+@pytest.mark.slow  # 35 s: CI runs it in ./dev.sh slow
 def test_small_replica_trains_resumes_exports_and_reports(tmp_path):
     work = tmp_path / "disk"
     work.mkdir()
@@ -75,6 +76,7 @@ def test_small_replica_trains_resumes_exports_and_reports(tmp_path):
     assert list(work.iterdir()) == []  # the work directory is gone
 
 
+@pytest.mark.slow  # 21 s: CI runs it in ./dev.sh slow
 def test_stopped_run_removes_its_files_and_its_engine_process(tmp_path):
     work = tmp_path / "disk"
     work.mkdir()

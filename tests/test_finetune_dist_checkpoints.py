@@ -54,6 +54,7 @@ def _no_swap_left(nvme: Path) -> None:
     assert left == [], left
 
 
+@pytest.mark.slow  # 29 s: CI runs it in ./dev.sh slow
 def test_two_ranks_save_export_and_resume_on_two_and_on_one_rank(
     tmp_path: Path, job: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,7 +15,8 @@ from kernel_support import GRAD_DTYPES, HYPER, OUT_DTYPES, STATE_DTYPES, ref_tol
 import tiered_ext
 from tiered_ext import _avx512_emulated, _loader
 
-pytestmark = pytest.mark.native
+# slow: building the emulated module takes about 50 s; CI runs it in ./dev.sh slow
+pytestmark = [pytest.mark.native, pytest.mark.slow]
 
 SIZES = [1, 7, 15, 16, 17, 31, 33, 1037]
 GUARD = 37  # elements before and after each buffer: every view starts at an unaligned address

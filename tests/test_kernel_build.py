@@ -148,6 +148,7 @@ def _cuda_include() -> Path | None:
 CUDA_INCLUDE = _cuda_include()
 
 
+@pytest.mark.slow  # 32 s: CI runs it in ./dev.sh slow
 @pytest.mark.skipif(
     CUDA_INCLUDE is None, reason="no CUDA toolkit headers next to nvcc: the binding check needs them"
 )
