@@ -143,6 +143,15 @@ def test_chunk_write_and_read_round_trip_and_a_short_file_is_an_error(tmp_path: 
         for off in (8192, 0, 4096):
             read_chunk(fd, memoryview(dst_mm), off, 4096)
         assert torch.equal(dst, src)
+        # at a base: the buffer is one region of a larger file (nvme_pattern's one-file reference)
+        for off in (0, 4096, 8192):
+            write_chunk(fd, memoryview(src_mm), off, 4096, base=n)
+        assert os.fstat(fd).st_size == 2 * n
+        dst.zero_()
+        for off in (8192, 4096, 0):
+            read_chunk(fd, memoryview(dst_mm), off, 4096, base=n)
+        assert torch.equal(dst, src)
+        assert torch.equal(torch.frombuffer(bytearray(os.pread(fd, n, n)), dtype=torch.uint8), src)
         os.ftruncate(fd, n - 100)
         with pytest.raises(StorageIOError, match="file ended early"):
             read_chunk(fd, memoryview(dst_mm), 8192, 4096)

@@ -78,23 +78,24 @@ def drop_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def write_chunk(fd: int, mv: memoryview, off: int, n: int) -> None:
-    """Write `mv[off : off + n]` to `fd` at file offset `off`, retrying short writes: one chunk of
-    the ceiling's O_DIRECT copy (so `mv`, `off` and `n` must keep O_DIRECT's alignment when `fd`
-    was opened with it). Safe to run on several threads at once on disjoint chunks."""
+def write_chunk(fd: int, mv: memoryview, off: int, n: int, base: int = 0) -> None:
+    """Write `mv[off : off + n]` to `fd` at file offset `base + off` (`mv` starts at file offset
+    `base`), retrying short writes: one chunk of the ceiling's O_DIRECT copy (so `mv`, `off`, `n`
+    and `base` must keep O_DIRECT's alignment when `fd` was opened with it). Safe to run on several
+    threads at once on disjoint chunks."""
     done = 0
     while done < n:
-        done += os.pwritev(fd, [mv[off + done : off + n]], off + done)
+        done += os.pwritev(fd, [mv[off + done : off + n]], base + off + done)
 
 
-def read_chunk(fd: int, mv: memoryview, off: int, n: int) -> None:
-    """Read file bytes `off .. off + n` of `fd` into `mv[off : off + n]`, retrying short reads;
-    the counterpart of `write_chunk`. Raises StorageIOError when the file ends first."""
+def read_chunk(fd: int, mv: memoryview, off: int, n: int, base: int = 0) -> None:
+    """Read file bytes `base + off .. base + off + n` of `fd` into `mv[off : off + n]`, retrying
+    short reads; the counterpart of `write_chunk`. Raises StorageIOError when the file ends first."""
     done = 0
     while done < n:
-        got = os.preadv(fd, [mv[off + done : off + n]], off + done)
+        got = os.preadv(fd, [mv[off + done : off + n]], base + off + done)
         if got == 0:
-            raise StorageIOError(f"short read at offset {off + done}: file ended early")
+            raise StorageIOError(f"short read at offset {base + off + done}: file ended early")
         done += got
 
 
