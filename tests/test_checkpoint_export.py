@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import os
@@ -98,6 +99,12 @@ def test_close_gives_the_module_its_trained_weights_back(tmp_path: Path) -> None
     batch = make_batches(case, 1, 2)[0]
     assert torch.isfinite(model(**batch).loss)  # plain PyTorch use again
     model.save_pretrained(tmp_path / "plain")  # and HF's own export
+    # nothing of tiered's is left on it: torch.save of the whole module and deepcopy work
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert all(torch.equal(p.detach(), want[k]) for k, p in loaded.named_parameters())
+    assert all(torch.equal(p.detach(), want[k]) for k, p in copy.deepcopy(model).named_parameters())
+    assert not [k for m in model.modules() for k in vars(m) if "tiered" in k]
     model2 = build(case)
     e2 = tiered.initialize(model2, ds_config(param="cpu", opt="cpu"))
     e2.close(restore_weights=False)  # the opt-out for models that do not fit in memory

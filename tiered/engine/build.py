@@ -154,6 +154,15 @@ def mark_managed(model: torch.nn.Module, engine: object) -> None:
     model.__dict__[_MANAGED_ATTR] = weakref.ref(engine)
 
 
+def unmark_managed(model: torch.nn.Module, engine: object) -> None:
+    """`engine` closed: the module is an ordinary one again. The marker goes, so that nothing
+    of tiered's is left on it (a weak reference would break ``torch.save(model)`` and
+    ``copy.deepcopy``); a marker of a later engine stays."""
+    ref = model.__dict__.get(_MANAGED_ATTR)
+    if ref is not None and ref() in (engine, None):
+        del model.__dict__[_MANAGED_ATTR]
+
+
 def tier_order(names: Sequence[str]) -> list[str]:
     """Fastest first: gpu, cpu, nvme, then custom tiers in the order given."""
     known = [n for n in _ORDER if n in names]

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tiered.config.schema import TieredConfig
+from tiered.engine.build import unmark_managed
 from tiered.engine.ds_api import DeepSpeedEngineAPI
 from tiered.engine.inputs import cast_floating, input_dtype_error
 from tiered.engine.progress import report_step
@@ -598,6 +599,7 @@ class Engine(DeepSpeedEngineAPI):
                     self.tm.close()
                 finally:
                     unwatch_sigterm(self)  # [Note: SIGTERM from a library]
+                    unmark_managed(self._module, self)
         for p, t in restored:
             p.data = t
         if not restored:
