@@ -280,3 +280,88 @@ def test_compute_time_is_spent_between_the_moves(tmp_path: Path) -> None:
     assert res.compute_s == 0.5 and "0.500 s of forward + backward compute" in res.to_markdown()
     with pytest.raises(ConfigError, match="--compute-s must be >= 0"):
         bench_training(model, cfg, steps=1, compute_s=-1)
+
+
+def test_a_measured_real_step_leaves_no_move_to_land_after_its_window(tmp_path: Path) -> None:
+    """`--check` interleaves real and replayed steps: a move the real step started that landed
+    after its window (the next forward's parameters, which the step prefetches) was counted by
+    no real step and ran during the replayed one, and the real nvme->gpu figure came out 40% low."""
+    import time
+
+    import tiered
+    from tiered.bench.training import _delta
+    from tiered.bench.training_check import _real_step
+
+    raw = _config(tmp_path, offload_param={"max_in_cpu": 0})
+    (tmp_path / "offload").mkdir()
+    source = resolve_model(TINY)
+    model = build_model(source)
+    cfg = load_config(raw, model=model)
+    with tiered.initialize(model, cfg) as engine:
+        for s in range(3):
+            step = _real_step(engine, model, cfg, 16, seed=s)
+            after = engine.stats()["tiers"]["links"]
+            time.sleep(0.5)  # anything still in flight lands now
+            late = {k: v for k, v in _delta(after, engine.stats()["tiers"]["links"]).items() if v["bytes"]}
+            assert late == {}, f"step {s}: moves landed after its window: {late}"
+            if s:
+                assert step.delta["nvme->gpu"]["bytes"] > 0
+
+
+def test_the_pattern_prefetches_the_next_forward_after_the_step_as_the_engine_does(tmp_path: Path) -> None:
+    """`ZeroCoordinator.params_updated` prefetches the next forward's first groups up to
+    stage3_prefetch_bucket_size, within the live budget, and not when the step overlaps backward."""
+    source = resolve_model(TINY)
+    model = build_model(source, meta=True)
+
+    def pattern(**zero: Any) -> Any:
+        room = {"stage3_prefetch_bucket_size": 1e9, "stage3_max_live_parameters": 1e9}
+        raw = _config(tmp_path, offload_param={"max_in_cpu": 0}, **{**room, **zero})
+        return derive_pattern(model, load_config(raw, model=model), gpu_budget_bytes=None, gpu_is_host=True)
+
+    roomy = pattern()
+    forward = [p.name for p in roomy.partitions if p.phase == "forward"]
+    assert forward and roomy.after_step_prefetch == frozenset(forward)  # the bucket covers it all
+    first = [p for p in roomy.partitions if p.phase == "forward"][0]
+    one = pattern(stage3_prefetch_bucket_size=1)
+    assert one.after_step_prefetch == {first.name}  # the group that crosses the bucket is included
+    tight = pattern(stage3_max_live_parameters=first.numel - 1)
+    assert tight.after_step_prefetch == frozenset()
+    raw = _config(
+        tmp_path,
+        offload_param={"max_in_cpu": 0},
+        stage3_prefetch_bucket_size=1e9,
+        stage3_max_live_parameters=1e9,
+    )
+    raw["tiered"] = {"overlap_step_with_backward": True}
+    applies = derive_pattern(model, load_config(raw, model=model), gpu_budget_bytes=None, gpu_is_host=True)
+    assert (
+        applies.after_step_prefetch == roomy.after_step_prefetch
+    )  # gradient clipping: the step is after backward
+    raw["gradient_clipping"] = 0.0
+    overlapped = derive_pattern(model, load_config(raw, model=model), gpu_budget_bytes=None, gpu_is_host=True)
+    assert overlapped.after_step_prefetch == frozenset()
+
+
+def test_with_parameters_on_nvme_every_storage_link_moves_a_real_step_s_bytes(tmp_path: Path) -> None:
+    """fp32, the parameter is the master: the step's state prefetch reads the first groups'
+    masters from their copies still live in "gpu" (not from NVMe), and the step prefetches the
+    next forward's parameters. The replay moves what a real step moves on every storage link,
+    to the block, not within a tolerance that would hide a group."""
+    raw = _config(
+        tmp_path,
+        offload_param={"max_in_cpu": 0},
+        stage3_prefetch_bucket_size=1e9,
+        stage3_max_live_parameters=1e9,
+        stage3_max_reuse_distance=1e9,
+    )
+    (tmp_path / "offload").mkdir()
+    source = resolve_model(TINY)
+    model = build_model(source, meta=True)
+    cfg = load_config(raw, model=model)
+    predicted = bench_training(model, cfg, steps=1, warmup=1)
+    assert predicted.pattern.live_into_step and predicted.pattern.after_step_prefetch
+    real = measure_training(lambda: build_model(source), cfg, steps=2, warmup=1, seq_len=16)
+    for m in real.links:
+        p = predicted.link(m.link)
+        assert p is not None and abs(m.bytes_per_step - p.bytes_per_step) <= 16 << 10, (m.link, m, p)

@@ -236,7 +236,7 @@ def test_frozen_parameters_get_no_gradient_and_are_released(tmp_path):
         with pytest.raises(ValueError, match="frozen"):
             zp.read_grad_shard(frozen[0])
         assert all(p.numel() == 0 for p in model.parameters())
-        assert all(s.pins == 0 for s in zp._st)
+        assert all(s.pins == 0 for s in zp.runtimes)
 
 
 def test_params_updated_prefetches_the_next_forward_and_sees_new_values(tmp_path):

@@ -94,13 +94,23 @@ class TrainingPattern:
     prefetch_groups: int = 0
     """Groups whose optimizer state the engine starts reading when backward begins
     (`OffloadedAdam.prefetch_states`: buffer_count, or every group with pipeline_read)."""
+    live_into_step: frozenset[str] = frozenset()
+    """Parameter partitions (fp32, the parameter is the master) of the groups whose states the
+    engine prefetches when backward begins and that are still live in "gpu" then (not evicted
+    between their forward and backward uses): that prefetch reads their master from the "gpu"
+    copy (a memory link), not from storage. The replay keeps them there after the forward."""
+    after_step_prefetch: frozenset[str] = frozenset()
+    """Parameter partitions the step prefetches into "gpu" for the next forward once it wrote
+    them (`ZeroCoordinator.params_updated`): those reads happen at the end of the step, not in
+    the forward, which then finds them resident."""
 
     def predicted_bytes(self) -> dict[str, int]:
         """Bytes per step per link ("nvme->cpu", ...)."""
         out: dict[str, int] = {}
         for p in self.partitions:
             if p.reads:
-                k = f"{p.home}->{p.stage}"
+                src = "gpu" if p.phase == "step" and p.name in self.live_into_step else p.home
+                k = f"{src}->{p.stage}"
                 out[k] = out.get(k, 0) + p.reads * p.nbytes
             if p.writes:
                 k = f"{p.stage}->{p.home}"
@@ -176,6 +186,13 @@ def derive_pattern(
         cfg.zero.max_live_parameters_numel,
         cfg.zero.max_reuse_distance_numel,
     )
+    prefetched = _after_step_prefetch(cfg, planned, shards)
+    state_prefetch = (
+        len(trainable)
+        if cfg.zero.offload_optimizer.pipeline_read
+        else min(len(trainable), max(1, int(cfg.zero.offload_optimizer.buffer_count)))
+    )
+    live_into_step: set[str] = set()
     parts: list[PartitionIO] = []
     notes: list[str] = []
     fp32 = torch.float32
@@ -198,6 +215,10 @@ def derive_pattern(
                 parts.append(
                     PartitionIO(f"{name}.param", n, dtype, placement.param_tier, "gpu", "backward", 1, 0)
                 )
+            elif alias and j < state_prefetch and not planned[i].persistent:
+                # still live in "gpu" when backward begins and the step's state prefetch reads the
+                # master (the parameter itself): from that copy, not from storage
+                live_into_step.add(f"{name}.param")
             # the step writes the new values back; where the parameter is the master it reads it too
             stage = plan.compute_tier if alias else plan.stage_tier
             parts.append(
@@ -220,10 +241,37 @@ def derive_pattern(
         link_bound=link_bound(),
         storage_tiers=tuple(sorted(storage)),
         notes=tuple(notes),
-        prefetch_groups=len(trainable)
-        if cfg.zero.offload_optimizer.pipeline_read
-        else min(len(trainable), max(1, int(cfg.zero.offload_optimizer.buffer_count))),
+        prefetch_groups=state_prefetch,
+        live_into_step=frozenset(live_into_step),
+        after_step_prefetch=frozenset(
+            p.name
+            for p in parts
+            if p.phase == "forward" and p.name in {f"g{i:04d}.param" for i in prefetched}
+        ),
     )
+
+
+def _after_step_prefetch(cfg: TieredConfig, planned: Sequence[Any], shards: list[int]) -> set[int]:
+    """The groups (by index) the engine prefetches after a step for the next forward: the first
+    ones of the forward until ``prefetch_bucket_size`` elements are covered (the trace's
+    `upcoming`), as long as they fit the live budget (persistent groups do not count in it).
+    None where the step overlaps backward (the engine prefetches only between passes)."""
+    from tiered.engine.engine import overlap_step_applies
+
+    if overlap_step_applies(cfg):
+        return set()
+    out: set[int] = set()
+    total = live = 0
+    for i, pg in enumerate(planned):  # forward order: the groups are planned in module order
+        if total >= cfg.zero.prefetch_bucket_size_numel:
+            break
+        if not pg.persistent:
+            if live + shards[i] > cfg.zero.max_live_parameters_numel:
+                break
+            live += shards[i]
+        out.add(i)
+        total += shards[i]
+    return out
 
 
 def _backward_rereads(numel: list[int], persistent: list[bool], max_live: int, max_reuse: int) -> set[int]:

@@ -344,6 +344,19 @@ class _Replay:
                 self.tm.release(part, p.stage)
                 self.tm.evict(part, p.stage).result()
         self._optimizer(self._phase("step"))
+        self._prefetch_next_forward()
+
+    def _prefetch_next_forward(self) -> None:
+        """The next forward's first parameter groups, read now, as the engine's step issues
+        them (`ZeroCoordinator.params_updated`); waited for, as `--check` waits for the real
+        step's, so their bytes land in this step."""
+        futs = [
+            self.tm.prefetch(self.parts[p.name], p.stage)
+            for p in self._phase("forward")
+            if p.name in self.pattern.after_step_prefetch
+        ]
+        for f in futs:
+            f.result()
 
     def _step_groups(self) -> list[list[PartitionIO]]:
         by_group: dict[str, list[PartitionIO]] = {}
@@ -373,7 +386,8 @@ class _Replay:
             fut.result()
             self.compute(compute_s * p.numel / total)
             tm.release(self.parts[p.name], p.stage)
-            tm.evict(self.parts[p.name], p.stage).result()  # clean: frees it
+            if not (p.phase == "forward" and p.name in self.pattern.live_into_step):
+                tm.evict(self.parts[p.name], p.stage).result()  # clean: frees it
 
         for p in moves:
             inflight.append((p, tm.fetch(self.parts[p.name], p.stage)))

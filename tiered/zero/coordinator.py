@@ -209,11 +209,6 @@ class ZeroParameters:
             ws,
         )
 
-    @property
-    def _st(self) -> list[GroupRuntime]:
-        # the name tests read the per-group state by (it was a list of _GroupState)
-        return self.runtimes
-
     # ---- public ------------------------------------------------------------------------------
     def initial_fp32_shard(self, group: ShardGroup) -> torch.Tensor:
         """fp32 master values of this rank's shard of `group`, as partitioned. Once per group."""
@@ -229,6 +224,12 @@ class ZeroParameters:
         # (issued after the step, which would otherwise overwrite them)
         if not self.trace.in_pass:
             self._prefetch_ahead(-1)
+
+    def wait_prefetches(self) -> None:
+        """Block until the prefetches in flight landed (kept for the next gather): a benchmark's
+        step window then holds the next forward's groups that `params_updated` prefetched."""
+        for f in [rt.inflight for rt in self.runtimes if rt.inflight is not None]:
+            f.result()
 
     def remove_hooks(self) -> None:
         self._pass.exit_modes()
