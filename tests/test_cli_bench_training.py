@@ -309,7 +309,7 @@ def test_a_measured_real_step_leaves_no_move_to_land_after_its_window(tmp_path: 
 
 
 def test_the_pattern_prefetches_the_next_forward_after_the_step_as_the_engine_does(tmp_path: Path) -> None:
-    """`ZeroCoordinator.params_updated` prefetches the next forward's first groups up to
+    """`ZeroParameters.params_updated` prefetches the next forward's first groups up to
     stage3_prefetch_bucket_size, within the live budget, and not when the step overlaps backward."""
     source = resolve_model(TINY)
     model = build_model(source, meta=True)

@@ -21,7 +21,12 @@ the engine's step (tiered/optim/offload.py, tiered/zero/group.py, tiered/zero/gr
   on the forward + reversed trace, `_backward_rereads`), and the new values written back by the
   step, except the groups kept in "cpu" by
   ``offload_param.max_in_cpu`` ([Note: max_in_cpu]), which move no storage bytes after their
-  first step.
+  first step. Two reads are not where the forward would make them: the step prefetches the next
+  forward's first groups, up to ``stage3_prefetch_bucket_size`` within the live budget, once it
+  wrote them (`ZeroParameters.params_updated`; not when the step overlaps backward), and the
+  state prefetch at the start of backward reads the first groups' fp32 masters (the parameter
+  itself) from their copies still live in "gpu", not from storage (`after_step_prefetch`,
+  `live_into_step`).
 
 Every move also passes the tier manager's per-link bound (`max_inflight_per_link`, 4), so the
 concurrency a link sees is the smaller of that and what the pipeline asks. The replay
@@ -101,7 +106,7 @@ class TrainingPattern:
     copy (a memory link), not from storage. The replay keeps them there after the forward."""
     after_step_prefetch: frozenset[str] = frozenset()
     """Parameter partitions the step prefetches into "gpu" for the next forward once it wrote
-    them (`ZeroCoordinator.params_updated`): those reads happen at the end of the step, not in
+    them (`ZeroParameters.params_updated`): those reads happen at the end of the step, not in
     the forward, which then finds them resident."""
 
     def predicted_bytes(self) -> dict[str, int]:
@@ -193,6 +198,7 @@ def derive_pattern(
         else min(len(trainable), max(1, int(cfg.zero.offload_optimizer.buffer_count)))
     )
     live_into_step: set[str] = set()
+    after_step: set[str] = set()
     parts: list[PartitionIO] = []
     notes: list[str] = []
     fp32 = torch.float32
@@ -211,6 +217,8 @@ def derive_pattern(
             parts.append(PartitionIO(f"{name}.grad", n, fp32, placement.grad_tier, "cpu", "step", 1, 0))
         if placement.param_tier in storage and j not in kept:
             parts.append(PartitionIO(f"{name}.param", n, dtype, placement.param_tier, "gpu", "forward", 1, 0))
+            if i in prefetched:
+                after_step.add(f"{name}.param")
             if moving.index(j) in reread:
                 parts.append(
                     PartitionIO(f"{name}.param", n, dtype, placement.param_tier, "gpu", "backward", 1, 0)
@@ -243,11 +251,7 @@ def derive_pattern(
         notes=tuple(notes),
         prefetch_groups=state_prefetch,
         live_into_step=frozenset(live_into_step),
-        after_step_prefetch=frozenset(
-            p.name
-            for p in parts
-            if p.phase == "forward" and p.name in {f"g{i:04d}.param" for i in prefetched}
-        ),
+        after_step_prefetch=frozenset(after_step),
     )
 
 

@@ -348,7 +348,7 @@ class _Replay:
 
     def _prefetch_next_forward(self) -> None:
         """The next forward's first parameter groups, read now, as the engine's step issues
-        them (`ZeroCoordinator.params_updated`); waited for, as `--check` waits for the real
+        them (`ZeroParameters.params_updated`); waited for, as `--check` waits for the real
         step's, so their bytes land in this step."""
         futs = [
             self.tm.prefetch(self.parts[p.name], p.stage)
