@@ -24,8 +24,8 @@ back concurrently, and compares it with the reference that moves the same bytes:
   requests (at most 254 segments) carry more bytes each. Training's partitions are separate
   allocations, like the 16 mappings.
 
-The raw pool's own buffers hold random bytes, as the backend cases' do (a never-written buffer is
-the kernel's zero page, which a virtual disk may write faster than real data).
+Every source holds random bytes (a never-written buffer is the kernel's zero page, which a virtual
+disk may write faster than real data: 3.3 vs 2.1-2.4 GB/s on the same files here).
 
 Both sides use O_DIRECT, so neither read is served by the page cache (on a VM,
 posix_fadvise(DONTNEED) may not drop the host's cache, and a buffered read could beat the disk).
@@ -186,40 +186,16 @@ async def _gather(calls: list[Any]) -> None:
 
 
 class RawCase:
-    """The raw O_DIRECT pool of `tiered bench` (its threads, its chunking) moving one region per
-    partition, in place (the files are made at their sizes first, as swap files are after the
+    """The raw O_DIRECT pool of `tiered bench` (its threads, its chunking) moving `bufs` (written
+    from their sources, read into their destinations, as whole pages: `Buffers.pages`) one region
+    per partition, in place (the files are made at their sizes first, as swap files are after the
     first step): one file per region, or every region end to end in one file when `files` has one
-    path. With `bufs`, the regions are written from the case's own source tensors and read into
-    its destinations (the bytes and the memory the backend case moves); without, from one buffer
-    of random bytes per region that the reference allocates itself."""
+    path."""
 
-    def __init__(
-        self,
-        name: str,
-        pool: ODirectMethod,
-        files: list[Path],
-        sizes: list[int],
-        *,
-        own: bool,
-        bufs: Buffers | None = None,
-    ):
+    def __init__(self, name: str, pool: ODirectMethod, files: list[Path], bufs: Buffers, *, own: bool):
         self.name, self.pool, self.files, self.own, self.bufs = name, pool, files, own, bufs
-        self.total = sum(sizes) if bufs is None else bufs.total
-        self.keep: list[Any] = []
-        if bufs is not None:
-            src, dst = (list(side) for side in zip(*bufs.pages(), strict=True))
-        else:
-            gen = torch.Generator().manual_seed(len(sizes))
-            src = []
-            for n in sizes:
-                mm, t = aligned_buffer(_pad(n))
-                # the same kind of bytes the backend cases move: a buffer never written is the
-                # kernel's shared zero page, which some virtual disks take faster (measured here:
-                # 3.3 GB/s from zero pages vs 2.1-2.4 from random bytes on the same files)
-                t.copy_(torch.randint(0, 256, (t.numel(),), dtype=torch.uint8, generator=gen))
-                self.keep.append(mm)
-                src.append(memoryview(mm)[: _pad(n)])
-            dst = src
+        self.total = bufs.total
+        src, dst = (list(side) for side in zip(*bufs.pages(), strict=True))
         one_file = len(files) == 1
         bases = [sum(len(m) for m in src[:i]) if one_file else 0 for i in range(len(src))]
         # (file index, file offset of the region, source, destination)
@@ -257,9 +233,8 @@ class RawCase:
 
     def read(self) -> float:
         dt = self._all(os.O_RDONLY, read_chunk, False)
-        if self.bufs is not None:  # what it read is the case's bytes: never let them pass its check
-            for t in self.bufs.dst:
-                t.zero_()
+        for t in self.bufs.dst:  # what it read is the case's bytes: never let them pass its check
+            t.zero_()
         return dt
 
     def close(self) -> None:
@@ -325,24 +300,24 @@ def build_cases(
     (root / "one").mkdir()
     big = Buffers(large_sizes(), True)
     raw_file = [root / "raw" / "one.bin"]
-    raw1 = RawCase(reference("large"), pool, raw_file, big.sizes, own=True, bufs=big)
+    raw1 = RawCase(reference("large"), pool, raw_file, big, own=True)
     cases[raw1.name] = raw1
     if "onebuffer" in wanted:
-        cases[ONE_BUFFER] = RawCase(ONE_BUFFER, pool, raw_file, [big.total], own=False)
+        cases[ONE_BUFFER] = RawCase(ONE_BUFFER, pool, raw_file, Buffers([big.total], True), own=False)
     large = BackendCase("large", nvme, big, loop)
     cases["large"] = large
     if "raw16" in wanted:
         files = [large.backend.directory / k for k in large.keys]
         large.write()
-        cases["raw 16 files"] = RawCase("raw 16 files", pool, files, big.sizes, own=False, bufs=big)
+        cases["raw 16 files"] = RawCase("raw 16 files", pool, files, big, own=False)
     if "mixed" in wanted:
         mixed = Buffers(mixed_sizes(), True)
-        ref = RawCase(reference("mixed"), pool, raw_file, mixed.sizes, own=False, bufs=mixed)
+        ref = RawCase(reference("mixed"), pool, raw_file, mixed, own=False)
         cases[ref.name] = ref
         cases["mixed"] = BackendCase("mixed", nvme, mixed, loop, prefix="m")
     if "unaligned" in wanted:
         off = Buffers(large_sizes(), False)
-        ref = RawCase(reference("unaligned"), pool, raw_file, off.sizes, own=False, bufs=off)
+        ref = RawCase(reference("unaligned"), pool, raw_file, off, own=False)
         cases[ref.name] = ref
         cases["unaligned"] = BackendCase("unaligned", nvme, off, loop, share=large)
     if "small" in wanted:

@@ -43,7 +43,7 @@ def test_the_reference_moves_the_case_s_own_pages_into_one_file(
     assert all(t.data_ptr() % 4096 == (0 if aligned else pattern.UNALIGNED_BY) for t in bufs.src + bufs.dst)
     pool = ODirectMethod(threads=2, chunk_bytes=4096)
     try:
-        ref = pattern.RawCase("ref", pool, [tmp_path / "one.bin"], sizes, own=True, bufs=bufs)
+        ref = pattern.RawCase("ref", pool, [tmp_path / "one.bin"], bufs, own=True)
         assert ref.total == sum(sizes)
         ref.write()
         data = (tmp_path / "one.bin").read_bytes()
@@ -68,12 +68,12 @@ def test_the_reference_moves_the_case_s_own_pages_into_one_file(
         pool.close()
 
 
-def test_without_buffers_the_reference_makes_its_own_random_ones(pattern, tmp_path: Path) -> None:
+def test_the_one_buffer_reference_writes_random_bytes(pattern, tmp_path: Path) -> None:
     if not direct_io_supported(tmp_path)[0]:
         pytest.skip("the temp directory's filesystem refuses O_DIRECT")
     pool = ODirectMethod(threads=2, chunk_bytes=4096)
     try:
-        ref = pattern.RawCase("own", pool, [tmp_path / "one.bin"], [8192], own=True)
+        ref = pattern.RawCase("own", pool, [tmp_path / "one.bin"], pattern.Buffers([8192], True), own=True)
         ref.write()
         data = torch.frombuffer(bytearray((tmp_path / "one.bin").read_bytes()), dtype=torch.uint8)
         assert data.numel() == 8192 and data.unique().numel() > 100, "not random bytes (the zero page?)"
