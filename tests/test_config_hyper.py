@@ -192,18 +192,21 @@ def test_warmup_steps_without_a_scheduler_warns(caplog: pytest.LogCaptureFixture
 def _finetune(config: dict, **kw: object) -> str:
     pytest.importorskip("transformers")
     from tiered.cli.finetune import finetune_job
+    from tiered.cli.finetune_options import FinetuneOptions
 
     out = io.StringIO()
     finetune_job(
-        model_path=ROOT / "examples" / "tiny-llama",
-        config=config,
-        data_path=ROOT / "examples" / "corpus.txt",
-        seq_len=16,
-        batch_size=2,
-        steps=1,
-        out=out,
-        **kw,
-    )  # type: ignore[arg-type]
+        FinetuneOptions(
+            model_path=ROOT / "examples" / "tiny-llama",
+            config=config,
+            data_path=ROOT / "examples" / "corpus.txt",
+            seq_len=16,
+            batch_size=2,
+            steps=1,
+            **kw,  # type: ignore[arg-type]
+        ),
+        out,
+    )
     return out.getvalue()
 
 

@@ -144,16 +144,19 @@ def test_train_equals_plain_pytorch_adamw_with_nvme_offload(
 
 def test_finetune_job_compare_reports_match(files: dict[str, Path]) -> None:
     from tiered.cli.finetune import finetune_job
+    from tiered.cli.finetune_options import FinetuneOptions
 
     out = io.StringIO()
     job = finetune_job(
-        model_path=files["model"],
-        config=files["config"],
-        data_path=files["data"],
-        seq_len=16,
-        steps=3,
-        compare_torch=True,
-        out=out,
+        FinetuneOptions(
+            model_path=files["model"],
+            config=files["config"],
+            data_path=files["data"],
+            seq_len=16,
+            steps=3,
+            compare_torch=True,
+        ),
+        out,
     )
     assert job.max_rel_diff is not None and job.max_rel_diff <= REL
     assert job.reference_losses is not None

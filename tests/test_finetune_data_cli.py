@@ -128,6 +128,7 @@ def test_activation_check_uses_the_free_memory(files: dict[str, Path], tmp_path:
     import io
 
     from tiered.cli.finetune import finetune_job
+    from tiered.cli.finetune_options import FinetuneOptions
 
     kw: dict[str, Any] = {
         "model_path": files["model"],
@@ -135,12 +136,11 @@ def test_activation_check_uses_the_free_memory(files: dict[str, Path], tmp_path:
         "data_path": files["data"],
         "seq_len": 16,
         "steps": 1,
-        "out": io.StringIO(),
     }
     with pytest.raises(CapacityError, match=r"exceed the test memory, 1000 B"):
-        finetune_job(**kw, free_memory=(1000, "test memory"))
+        finetune_job(FinetuneOptions(**kw, free_memory=(1000, "test memory")), io.StringIO())
     assert not (files["tmp"] / "nvme").exists()
-    job = finetune_job(**kw, free_memory=(10**12, "test memory"))
+    job = finetune_job(FinetuneOptions(**kw, free_memory=(10**12, "test memory")), io.StringIO())
     assert job.result.steps_done == 1
 
 

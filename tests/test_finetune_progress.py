@@ -11,6 +11,7 @@ import pytest
 from finetune_support import ds_config, write_jsonl, write_model
 
 from tiered.cli.finetune import finetune_job
+from tiered.cli.finetune_options import FinetuneOptions
 from tiered.finetune.loop import StepLog
 from tiered.finetune.progress import BarProgress, LineProgress, make_progress
 
@@ -46,7 +47,8 @@ def test_finetune_on_a_terminal_draws_the_bar(tmp_path: Path) -> None:
     cfg.write_text(json.dumps(ds_config(tmp_path / "nvme")))
     term = Terminal()
     job = finetune_job(
-        model_path=model, config=cfg, data_path=data, seq_len=16, steps=3, out=term, eval_fraction=0.2
+        FinetuneOptions(model_path=model, config=cfg, data_path=data, seq_len=16, steps=3, eval_fraction=0.2),
+        term,
     )
     text = term.getvalue()
     assert job.result.steps_done == 3

@@ -15,6 +15,7 @@ from finetune_support import ds_config, write_jsonl, write_model
 from torch import nn
 
 from tiered.cli.finetune import finetune_job
+from tiered.cli.finetune_options import FinetuneOptions
 from tiered.cli.main import main
 from tiered.finetune.trace import ComputeTracer, traced_blocks
 from tiered.tiers.trace import TraceRecorder
@@ -109,7 +110,8 @@ def test_trace_records_compute_links_adam_and_steps(tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"
     out = io.StringIO()
     job = finetune_job(
-        model_path=model, config=cfg, data_path=data, seq_len=16, steps=2, out=out, trace_path=trace
+        FinetuneOptions(model_path=model, config=cfg, data_path=data, seq_len=16, steps=2, trace_path=trace),
+        out,
     )
     assert job.result.steps_done == 2
     doc = json.loads(trace.read_text())
@@ -144,17 +146,19 @@ def test_no_compute_hooks_unless_tracing(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(trace_mod.ComputeTracer, "__init__", refuse)
     model, data, cfg = _setup(tmp_path)
     out = io.StringIO()
-    finetune_job(model_path=model, config=cfg, data_path=data, seq_len=16, steps=1, out=out)
+    finetune_job(FinetuneOptions(model_path=model, config=cfg, data_path=data, seq_len=16, steps=1), out)
     assert "trace written" not in out.getvalue()
     with pytest.raises(Installed):  # the same run with --trace does install them
         finetune_job(
-            model_path=model,
-            config=cfg,
-            data_path=data,
-            seq_len=16,
-            steps=1,
-            out=out,
-            trace_path=tmp_path / "t.json",
+            FinetuneOptions(
+                model_path=model,
+                config=cfg,
+                data_path=data,
+                seq_len=16,
+                steps=1,
+                trace_path=tmp_path / "t.json",
+            ),
+            out,
         )
 
 

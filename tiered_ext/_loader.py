@@ -1,10 +1,12 @@
 """Builds the native kernels on first use, caches them, and falls back to the reference.
 
 [Note: extension naming and caching]
-torch.utils.cpp_extension.load caches a build under TORCH_EXTENSIONS_DIR by extension name. The
-name carries a hash of every source file, the compile flags, and the torch and Python versions,
-so editing a kernel or upgrading torch builds a fresh extension instead of loading a stale one
-(torch's own staleness check only looks at sources it was given, not at the torch that built them).
+Each kernel is built in a folder of its own, `<cache>/<kind>-<key>`, named `tiered_ext_<kind>_<key>`;
+the key hashes every source file, the compile flags and the build environment (torch, compiler,
+Python environment, source folder), so editing a kernel or upgrading torch builds a fresh extension
+instead of loading a stale one, and two environments never rebuild each other's ([Note: one kernel
+cache per environment] in _cache.py). A build that has to compile is announced before it starts
+and when it ends (it takes minutes); `tiered build-ext` does it ahead of time.
 
 [Note: fallback, never silent]
 If the build fails (no compiler, TIERED_EXT_DISABLE=1, a broken toolchain), the pure-torch
@@ -15,11 +17,10 @@ announced.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,8 @@ from types import ModuleType
 import torch
 
 from tiered.errors import KernelBuildWarning
+
+from ._cache import BuildEnvironment, build_key, build_lock, cache_root, is_built
 
 log = logging.getLogger("tiered_ext")
 
@@ -63,15 +66,48 @@ _lock = threading.Lock()
 _state: dict[str, tuple[ModuleType | None, str]] = {}
 
 
-def extension_name(kind: str, sources: list[Path], flags: list[str]) -> str:
-    h = hashlib.sha256()
-    for path in sources:
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    h.update(" ".join(flags).encode())
-    h.update(torch.__version__.encode())
-    h.update(f"{sys.version_info.major}.{sys.version_info.minor}".encode())
-    return f"tiered_ext_{kind}_{h.hexdigest()[:16]}"
+def extension_name(
+    kind: str, sources: list[Path], flags: list[str], env: BuildEnvironment | None = None
+) -> str:
+    """The module name of a `kind` build: `tiered_ext_<kind>_<key>` ([Note: extension naming and caching])."""
+    env = env if env is not None else BuildEnvironment.current(CSRC)
+    return f"tiered_ext_{kind}_{build_key(sources, flags, env)}"
+
+
+def build_dir(kind: str, name: str) -> Path:
+    """The cache folder of the build `name` (see extension_name)."""
+    return cache_root() / f"{kind}-{name.rsplit('_', 1)[-1]}"
+
+
+def cpu_build() -> tuple[str, Path]:
+    """(module name, build folder) of the CPU Adam in this environment."""
+    name = extension_name("cpu", CPU_SOURCES + CPU_HEADERS, CPU_CFLAGS + CPU_LDFLAGS)
+    return name, build_dir("cpu", name)
+
+
+# What each kind is called in the build announcement.
+_TITLES = {"cpu": "tiered's CPU Adam kernel", "gpu": "tiered's CUDA Adam kernel"}
+
+
+def _load_extension(kind: str, name: str, **kwargs: object) -> ModuleType:
+    """cpp_extension.load into this environment's cache folder, under the build lock, announced
+    when it compiles ([Note: the build lock] in _cache.py)."""
+    from torch.utils import cpp_extension
+
+    where = build_dir(kind, name)
+    title = _TITLES[kind]
+    with build_lock(where, title):
+        compiles = not is_built(where, name)
+        if compiles:
+            # WARNING, not INFO: a pause of minutes nobody was told about reads as a hang.
+            log.warning("building %s, once per environment, ~1-4 min (into %s)", title, where)
+        t0 = time.perf_counter()
+        mod = cpp_extension.load(name=name, build_directory=str(where), verbose=False, **kwargs)  # type: ignore[arg-type]
+        if compiles:
+            log.warning(
+                "built %s in %.0f s; later runs in this environment load it", title, time.perf_counter() - t0
+            )
+    return mod
 
 
 def _short(exc: BaseException) -> str:
@@ -86,17 +122,15 @@ def _short(exc: BaseException) -> str:
 def _build_cpu() -> tuple[ModuleType | None, str]:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return None, f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
-    from torch.utils import cpp_extension
-
-    name = extension_name("cpu", CPU_SOURCES + CPU_HEADERS, CPU_CFLAGS + CPU_LDFLAGS)
+    name, _ = cpu_build()
     try:
-        mod = cpp_extension.load(
-            name=name,
+        mod = _load_extension(
+            "cpu",
+            name,
             sources=[str(p) for p in CPU_SOURCES],
             extra_include_paths=[str(CSRC / "cpu_adam")],
             extra_cflags=CPU_CFLAGS,
             extra_ldflags=CPU_LDFLAGS,
-            verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - a compiler error, a missing toolchain: fall back, loudly
         return None, _short(exc)
@@ -176,17 +210,15 @@ def _build_gpu() -> tuple[ModuleType | None, str]:
         return None, f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
     if torch.version.cuda is None or not torch.cuda.is_available():
         return None, "no CUDA torch/GPU here; CPU tensors run the CPU kernel"
-    from torch.utils import cpp_extension
-
     name = extension_name("gpu", GPU_SOURCES + GPU_HEADERS, GPU_CUDA_CFLAGS)
     try:
-        mod = cpp_extension.load(
-            name=name,
+        mod = _load_extension(
+            "gpu",
+            name,
             sources=[str(p) for p in GPU_SOURCES],
             extra_include_paths=[str(CSRC / "gpu_adam")],
             extra_cflags=["-O3"],
             extra_cuda_cflags=GPU_CUDA_CFLAGS,
-            verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - as for the CPU build: fall back, loudly
         return None, _short(exc)

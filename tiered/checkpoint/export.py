@@ -40,6 +40,7 @@ module its trained weights back: ``model.merge_and_unload().save_pretrained(dir)
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -177,7 +178,7 @@ def save_pretrained(
     if writer:
         os.makedirs(out_dir, exist_ok=True)
         d.check_free_space(out_dir, sum(s.nbytes for s in specs))
-        _write_config(model, out_dir)
+        _write_config(model, out_dir, dtype)
         write_tokenizer(out_dir, tokenizer)
     current: list[Any] = [None, -1]  # open StreamWriter, shard index
 
@@ -230,9 +231,13 @@ def _finish(w: StreamWriter | None, out_dir: str) -> None:
     os.replace(w.path, final)
 
 
-def _write_config(model: torch.nn.Module, out_dir: str) -> None:
+def _write_config(model: torch.nn.Module, out_dir: str, dtype: torch.dtype) -> None:
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "save_pretrained"):
+        # The dtype the weights are written in, not the model's: from_pretrained loads by it (a copy:
+        # the model's own config is not ours to change).
+        cfg = copy.deepcopy(cfg)
+        cfg.dtype = dtype
         cfg.save_pretrained(out_dir)
     gen = getattr(model, "generation_config", None)
     if gen is not None and hasattr(gen, "save_pretrained"):

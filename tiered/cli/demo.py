@@ -63,6 +63,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="DIR",
         help="the fine-tuning's run folder, kept: the trained model in DIR/final (default: temporary)",
     )
+    p.add_argument(
+        "--overwrite", action="store_true", help="--out holds an earlier run's checkpoints: replace them"
+    )
     p.add_argument("--plan-only", action="store_true", help="only the 40B plan")
     p.add_argument("--quick", action="store_true", help="fewer fine-tuning steps")
     p.add_argument("--bench", action="store_true", help="add a quick bandwidth run of the file backends")
@@ -87,7 +90,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from tiered.cli.demo_finetune import run_demo
 
     # run_demo prints the 40B plan's verdict after the fine-tuning part.
-    keep = {"run_dir": Path(args.out)} if args.out else {}  # tiered finetune --out
+    keep = (
+        {"run_dir": Path(args.out), "overwrite": args.overwrite} if args.out else {}
+    )  # tiered finetune --out
     demo_status = run_demo(args.quick, Path(args.dir) if args.dir else None, out, **keep)
     if not args.bench:
         return demo_status

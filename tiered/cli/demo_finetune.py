@@ -83,14 +83,18 @@ def plan_verdict(out: TextIO) -> int:
 
 
 def run_demo(
-    quick: bool, workdir: Path | None, out: TextIO | None = None, run_dir: Path | None = None
+    quick: bool,
+    workdir: Path | None,
+    out: TextIO | None = None,
+    run_dir: Path | None = None,
+    overwrite: bool = False,
 ) -> int:
     """Run the demo (see the module doc); 0 when the loss went down and tiered matched plain
     PyTorch, 1 otherwise. `workdir` holds the temporary NVMe folder (default: system temp);
     `run_dir` is the fine-tuning's --out (default: a folder inside that temporary one, removed
-    with it)."""
+    with it, and then no line to load the model is printed); `overwrite`: --overwrite."""
     from tiered.cli.finetune import finetune_job
-    from tiered.finetune.checkpointing import CheckpointPolicy
+    from tiered.cli.finetune_options import CheckpointOptions, FinetuneOptions
 
     out = out or sys.stdout
     w = out.write
@@ -105,22 +109,25 @@ def run_demo(
     w(f"   (DeepSpeed config {ex / 'ds_config.json'}, unchanged but for nvme_path)\n\n")
     out.flush()
     with tempfile.TemporaryDirectory(prefix="tiered-finetune-demo-", dir=workdir) as tmp:
-        policy = CheckpointPolicy(run_dir if run_dir is not None else Path(tmp) / "run")
-        job = finetune_job(
-            model_path=ex / "tiny-llama",
-            config=ex / "ds_config.json",
-            data_path=ex / "corpus.txt",
-            seq_len=SEQ_LEN,
-            steps=steps,
-            log_every=1 if quick else 2,
-            nvme_path=str(Path(tmp) / "nvme"),
-            compare_torch=True,
-            out=out,
-            checkpoint=policy,
+        # A temporary run folder is removed with `tmp`: the job then prints no line to load it.
+        checkpoints = CheckpointOptions(
+            run_dir if run_dir is not None else Path(tmp) / "run",
+            temporary=run_dir is None,
+            overwrite=overwrite,
         )
-    if run_dir is None and not job.result.interrupted:
-        w(
-            f"(the demo's --out folder {policy.out_dir} was temporary and is removed: tiered demo --out DIR keeps it)\n"
+        job = finetune_job(
+            FinetuneOptions(
+                model_path=ex / "tiny-llama",
+                config=ex / "ds_config.json",
+                data_path=ex / "corpus.txt",
+                seq_len=SEQ_LEN,
+                steps=steps,
+                log_every=1 if quick else 2,
+                nvme_path=str(Path(tmp) / "nvme"),
+                compare_torch=True,
+                checkpoints=checkpoints,
+            ),
+            out,
         )
     status = 0
     r = job.result
@@ -151,12 +158,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--out", default=None, metavar="DIR", help="keep the trained model in DIR/final (default: temporary)"
     )
+    p.add_argument("--overwrite", action="store_true", help="--out holds an earlier run: replace it")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     return run_demo(
-        bool(args.quick), Path(args.dir) if args.dir else None, run_dir=Path(args.out) if args.out else None
+        bool(args.quick),
+        Path(args.dir) if args.dir else None,
+        run_dir=Path(args.out) if args.out else None,
+        overwrite=bool(args.overwrite),
     )
 
 

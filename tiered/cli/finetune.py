@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tiered.cli.finetune_options import (
+    FinetuneOptions,
     add_checkpoint_arguments,
     add_data_arguments,
     add_model_arguments,
     add_observability_arguments,
     checkpoint_policy,
+    clear_for_overwrite,
     report_checkpoints,
 )
 from tiered.errors import ConfigError
@@ -151,6 +153,8 @@ class JobResult:
     reference_losses: tuple[float, ...] | None = None
     max_rel_diff: float | None = None
     max_rel_param: str | None = None
+    checkpoints: Any = None
+    """The job's tiered.finetune.checkpointing.CheckpointPolicy (saved, resumed_from, stop), or None."""
 
     def to_json(self) -> dict[str, Any]:
         doc = self.result.to_json()
@@ -165,10 +169,13 @@ class JobResult:
         return doc
 
 
-def _check_output(path: str | None, option: str) -> None:
+def _check_output(path: str | None, option: str, out_dir: str | None = None) -> None:
+    """The folder of an output file exists, or is inside --out (which the run creates)."""
     if path is None:
         return
     parent = Path(path).resolve().parent
+    if out_dir is not None and _inside(parent, Path(out_dir)):
+        return
     if not parent.is_dir():
         raise ConfigError(
             f"{option} {path}: folder {parent} does not exist; create it or choose another path"
@@ -241,158 +248,77 @@ def prepare_model(model: Any, *, lora: str | None, gradient_checkpointing: bool,
     return model
 
 
-def finetune_job(
-    *,
-    model_path: str | Path,
-    config: str | Path | dict[str, Any],
-    data_path: str | Path,
-    seq_len: int = 128,
-    batch_size: int | None = None,
-    steps: int = 10,
-    lr: float | None = None,
-    weight_decay: float | None = None,
-    warmup_steps: int | None = None,
-    seed: int = 0,
-    log_every: int = 1,
-    nvme_path: str | None = None,
-    compare_torch: bool = False,
-    out: TextIO | None = None,
-    text_field: str = "text",
-    eval_fraction: float | None = None,
-    eval_data: str | Path | None = None,
-    eval_every: int | None = None,
-    lora: str | None = None,
-    gradient_checkpointing: bool = False,
-    gradient_checkpointing_reentrant: bool = False,
-    free_memory: tuple[int, str] | None = None,
-    trace_path: str | Path | None = None,
-    plot_path: str | Path | None = None,
-    checkpoint: Any = None,
-) -> JobResult:
-    """Build, train, print progress and stats to `out`; see the module doc. Raises ConfigError
-    (a TieredError) naming the path or key on bad input, before anything trains. `free_memory`
-    overrides the measured free memory of the compute device (bytes, what it is) for the
-    activation check. `trace_path` / `plot_path`: --trace / --plot. Under torch.distributed
-    each rank trains its slice of the global batch and only rank 0 writes to `out`, the trace
-    and the plot ([Note: ranks in finetune]). `checkpoint` (a
-    tiered.finetune.checkpointing.CheckpointPolicy) resumes, saves and exports the run
-    ([Note: run directory])."""
+def finetune_job(options: FinetuneOptions, out: TextIO | None = None) -> JobResult:
+    """Build, train, print progress and stats to `out`; see the module doc. Reads `options` and
+    changes nothing in it. Raises ConfigError (a TieredError) naming the path or key on bad input,
+    before anything trains. Under torch.distributed each rank trains its slice of the global batch
+    and only rank 0 writes to `out`, the trace and the plot ([Note: ranks in finetune]). With
+    `options.checkpoints` the run resumes, saves and exports ([Note: run directory]); the job's
+    CheckpointPolicy (what it saved, where the export went) is in the result."""
     import contextlib
     import io
 
-    import torch
-
-    from tiered.config.hyper import check_complete
-    from tiered.config.loader import load_config, read_config_file
-    from tiered.finetune import (
-        TrainOptions,
-        apply_overrides,
-        build_model,
-        max_rel_diff,
-        reference_train,
-        resolve_model,
-        tier_table,
-        tokenizer_for,
-        train,
-    )
-    from tiered.finetune.activations import check_activations, estimate_activations
-    from tiered.finetune.loop import micro_batch_size
+    from tiered.finetune import TrainOptions, build_model, resolve_model, tier_table, tokenizer_for, train
     from tiered.finetune.lora import parse_lora_spec
     from tiered.finetune.packing import eval_batches
     from tiered.finetune.progress import BarProgress, make_progress
 
+    o = options
     rank, world = _rank_world()
     out = out or sys.stdout
     if rank != 0:
         out = io.StringIO()  # only rank 0 prints ([Note: ranks in finetune])
     w = out.write
-    opts = TrainOptions(steps=steps, log_every=log_every)
-    if compare_torch and world > 1:
+    if o.compare_torch and world > 1:
         raise ConfigError(
             f"--compare-torch runs the plain-PyTorch reference in one process, but WORLD_SIZE={world}: "
             "compare a 1-process run instead"
         )
-    if plot_path is not None:
+    if o.plot_path is not None:
         _check_plot_available()
-    source = resolve_model(model_path)
-    if isinstance(config, dict):
-        raw = config
-    else:
-        if not Path(config).is_file():
-            raise ConfigError(
-                f"--config {config}: no such file; pass a DeepSpeed ds_config.json or a tiered config"
-            )
-        raw = read_config_file(config)
-    for option, path in (("--data", data_path), ("--eval-data", eval_data)):
-        if path is not None and not Path(path).exists():
-            raise ConfigError(
-                f"{option} {path}: no such file or folder; pass a text/JSONL/parquet file, "
-                "a folder of them or a saved Hugging Face dataset"
-            )
-    if eval_every is not None and eval_fraction is None and eval_data is None:
-        raise ConfigError("--eval-every needs --eval-fraction or --eval-data (what to evaluate on)")
-    if lora is not None:
-        parse_lora_spec(lora)  # a malformed spec fails before the model is built
-    raw = apply_overrides(raw, lr=lr, batch_size=batch_size, nvme_path=nvme_path)
-    raw, trace_file, trace_is_temp = _with_trace(raw, trace_path, plot_path, rank)
-    raw, hp = _hyperparameter_flags(raw, weight_decay=weight_decay, warmup_steps=warmup_steps, steps=steps)
+    source = resolve_model(o.model_path)
+    policy = _checkpoint_policy(o, source.folder)
+    raw, trace_file, trace_is_temp, hp = _job_config(o, rank)
 
     # streamed into the tiers from the shards ([Note: streaming load]) unless LoRA renames the
     # parameters or --compare-torch needs a real copy: those load the files into the model first
-    streamed = source.folder if source.weight_files and lora is None and not compare_torch else None
-    model = build_model(source, seed=seed, meta=streamed is not None)
+    streamed = source.folder if source.weight_files and o.lora is None and not o.compare_torch else None
+    model = build_model(source, seed=o.seed, meta=streamed is not None)
     hf: Any = model.config
     vocab = int(hf.vocab_size)
     max_pos = getattr(hf, "max_position_embeddings", None)
-    if isinstance(max_pos, int) and seq_len > max_pos:
-        raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings {max_pos}")
+    if isinstance(max_pos, int) and o.seq_len > max_pos:
+        raise ConfigError(f"--seq-len {o.seq_len} exceeds the model's max_position_embeddings {max_pos}")
     tokenizer = tokenizer_for(source.folder, vocab)
     data = prepare_data(
-        data_path=data_path,
+        data_path=o.data_path,
         tokenizer=tokenizer,
         hf_config=hf,
-        seq_len=seq_len,
-        seed=seed,
-        text_field=text_field,
-        eval_fraction=eval_fraction,
-        eval_data=eval_data,
+        seq_len=o.seq_len,
+        seed=o.seed,
+        text_field=o.text_field,
+        eval_fraction=o.eval_fraction,
+        eval_data=o.eval_data,
     )
     model = prepare_model(
         model,
-        lora=lora,
-        gradient_checkpointing=gradient_checkpointing,
-        reentrant=gradient_checkpointing_reentrant,
+        lora=o.lora,
+        gradient_checkpointing=o.gradient_checkpointing,
+        reentrant=o.gradient_checkpointing_reentrant,
     )
-    new_dirs = _missing_dirs(raw)
-    try:  # validating the config creates nvme_path (as DeepSpeed does): undo that on a refusal
-        cfg = load_config(raw, model=model, hyperparameters=hp)
-        check_complete(cfg.unset, flags=_FLAGS)  # before anything is printed as if it were chosen
-        micro = micro_batch_size(cfg, batch_size)
-        if compare_torch and cfg.precision.dtype != torch.float32:
-            raise ConfigError(
-                f"--compare-torch compares fp32 runs only, but --config "
-                f"{config if not isinstance(config, dict) else ''} enables bf16/fp16; drop --compare-torch or "
-                "the bf16/fp16 section"
-            )
-        act = estimate_activations(
-            hf, batch=micro, seq_len=seq_len, dtype=cfg.precision.dtype, checkpointing=gradient_checkpointing
-        )
-        check_activations(act, torch.device("cuda" if torch.cuda.is_available() else "cpu"), free_memory)
-    except BaseException:
-        _remove_empty(new_dirs)
-        raise
+    cfg, micro, act = _load_checked(o, raw, hp, model, hf)
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     w(
         f"model: {type(model).__name__} from {source.config_path}, {n_params:,} parameters"
-        f"{f' ({n_train:,} trainable: LoRA {parse_lora_spec(lora).describe()})' if lora is not None else ''}"
+        f"{f' ({n_train:,} trainable: LoRA {parse_lora_spec(o.lora).describe()})' if o.lora is not None else ''}"
         f"{' (weights from ' + str(len(source.weight_files)) + ' safetensors files)' if source.weight_files else ''}\n"
     )
-    w(f"data: {data_path}, {data.summary}\n")
+    w(f"data: {o.data_path}, {data.summary}\n")
     w(
-        f"batch: seq_len {seq_len}, micro-batch {micro}, gradient accumulation {cfg.gradient_accumulation_steps}, "
-        f"{steps} steps; {act.describe()}"
-        f"{'; gradient checkpointing' + (' (reentrant)' if gradient_checkpointing_reentrant else '') if gradient_checkpointing else ''}\n"
+        f"batch: seq_len {o.seq_len}, micro-batch {micro}, gradient accumulation {cfg.gradient_accumulation_steps}, "
+        f"{o.steps} steps; {act.describe()}"
+        f"{'; gradient checkpointing' + (' (reentrant)' if o.gradient_checkpointing_reentrant else '') if o.gradient_checkpointing else ''}\n"
     )
     from tiered.engine.build import choose_placement  # the tiers the engine really uses
 
@@ -400,50 +326,40 @@ def finetune_job(
         f"placement: {choose_placement(cfg).describe(cfg)}, "
         f"{str(cfg.precision.dtype).removeprefix('torch.')}; lr {cfg.optimizer.lr:g} ({cfg.optimizer.type})\n"
     )
-    reference = copy.deepcopy(model) if compare_torch else None
+    reference = copy.deepcopy(model) if o.compare_torch else None
 
     held = data.eval
     eval_rows = held.rows if held is not None else 0
-    if checkpoint is not None:
-        checkpoint.model_folder = source.folder
-        checkpoint.lora = lora is not None
-        if compare_torch and checkpoint.resume is not None:
-            raise ConfigError(
-                "--compare-torch with --resume: the plain-PyTorch run starts from the initial weights; drop one"
-            )
-        if checkpoint.merge_lora and lora is None:
-            raise ConfigError("--merge-lora needs --lora (there is no adapter to merge)")
-    guard: Any = (
-        checkpoint.stop
-        if checkpoint is not None and checkpoint.save_on_interrupt
-        else contextlib.nullcontext()
-    )
+    guard: Any = policy.stop if policy is not None and policy.save_on_interrupt else contextlib.nullcontext()
     if world > 1:
         w(f"ranks: {world} (each trains {micro} of the {micro * world} rows of a global micro-batch)\n")
-    progress = make_progress(out, steps)  # [Note: progress output]
+    if o.checkpoints is not None:
+        clear_for_overwrite(o.checkpoints)  # every check passed: the earlier run's files go now
+    _make_output_folders(o)
+    progress = make_progress(out, o.steps)  # [Note: progress output]
     try:
         with guard:
             result = train(
                 model,
                 cfg,
-                _rank_stream(data.train, micro, seed, rank, world),
-                opts,
+                _rank_stream(data.train, micro, o.seed, rank, world),
+                TrainOptions(steps=o.steps, log_every=o.log_every),
                 on_log=progress.step,
-                keep_state=compare_torch,
+                keep_state=o.compare_torch,
                 eval_data=(lambda: eval_batches(held, micro)) if held is not None else None,
-                eval_every=eval_every or steps,
+                eval_every=o.eval_every or o.steps,
                 on_eval=lambda st, loss: progress.eval(st, loss, eval_rows),
                 link_rates=isinstance(progress, BarProgress),
                 trace_compute=trace_file is not None,
                 weights=streamed,
-                checkpoints=checkpoint,
+                checkpoints=policy,
             )
     finally:
         progress.close()
-    if checkpoint is not None and checkpoint.merge_lora and not result.interrupted:
-        w(f"merged model written to {checkpoint.export_merged(model)}\n")
+    if policy is not None and policy.merge_lora and not result.interrupted:
+        w(f"merged model written to {policy.export_merged(model)}\n")
     if result.interrupted:
-        w(f"interrupted after {result.steps_done} of {steps} steps; engine closed\n")
+        w(f"interrupted after {result.steps_done} of {o.steps} steps; engine closed\n")
     w(
         f"\n{result.steps_done} steps, {result.tokens:,} tokens in {result.train_s:.2f} s: "
         f"{result.tokens_per_s:,.0f} tokens/s (engine set-up {result.init_s:.2f} s)\n"
@@ -452,32 +368,137 @@ def finetune_job(
         w(f"loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}\n")
     w("\n" + tier_table(result.stats) + "\n")
     if trace_file is not None:
-        _report_trace(w, result, trace_file, trace_is_temp, plot_path)
-    if checkpoint is not None:
-        report_checkpoints(checkpoint, result, out)
-    job = JobResult(result)
+        _report_trace(w, result, trace_file, trace_is_temp, o.plot_path)
+    if policy is not None and o.checkpoints is not None:
+        report_checkpoints(policy, result, out, temporary=o.checkpoints.temporary)
+    job = JobResult(result, checkpoints=policy)
     if reference is not None and not result.interrupted:
-        w(
-            f"\nplain PyTorch ({'AdamW' if cfg.optimizer.adamw_mode else 'Adam'}, fp32), same data and init, "
-            f"{result.steps_done} steps...\n"
-        )
-        t0 = time.perf_counter()
-        ref_losses, ref_state = reference_train(
-            reference, cfg, _train_stream(data.train, micro, seed), result.steps_done
-        )
-        ref_s = time.perf_counter() - t0
-        diff, name = max_rel_diff(result.state or {}, ref_state)
-        job = JobResult(result, tuple(ref_losses), diff, name)
-        w(
-            f"final loss: tiered {result.losses[-1]:.6f}, plain PyTorch {ref_losses[-1]:.6f} "
-            f"(rel diff {abs(result.losses[-1] - ref_losses[-1]) / max(abs(ref_losses[-1]), 1e-12):.2e})\n"
-        )
-        w(f"max relative parameter difference: {diff:.2e} ({name})\n")
-        w(
-            f"plain PyTorch (everything in memory, no offload): {result.tokens / ref_s:,.0f} tokens/s "
-            f"in {ref_s:.2f} s\n"
-        )
+        job = _compare_with_torch(w, job, reference, cfg, data.train, micro, o.seed)
     return job
+
+
+def _checkpoint_policy(o: FinetuneOptions, model_folder: Path) -> Any:
+    """The job's CheckpointPolicy, or None without checkpoint options; the combinations that
+    cannot work are refused first."""
+    if o.checkpoints is None:
+        return None
+    if o.compare_torch and o.checkpoints.resume is not None:
+        raise ConfigError(
+            "--compare-torch with --resume: the plain-PyTorch run starts from the initial weights; drop one"
+        )
+    if o.checkpoints.merge_lora and o.lora is None:
+        raise ConfigError("--merge-lora needs --lora (there is no adapter to merge)")
+    return checkpoint_policy(o.checkpoints, model_folder=model_folder, lora=o.lora is not None)
+
+
+def _job_config(o: FinetuneOptions, rank: int) -> tuple[dict[str, Any], Path | None, bool, Any]:
+    """The raw config with the command line applied (a copy: a dict in `o` is left as it is),
+    the trace file (and whether it is temporary) and the caller's hyper-parameters; the input
+    paths are checked first."""
+    from tiered.config.loader import read_config_file
+    from tiered.finetune import apply_overrides
+    from tiered.finetune.lora import parse_lora_spec
+
+    if isinstance(o.config, dict):
+        raw = copy.deepcopy(o.config)
+    else:
+        if not Path(o.config).is_file():
+            raise ConfigError(
+                f"--config {o.config}: no such file; pass a DeepSpeed ds_config.json or a tiered config"
+            )
+        raw = read_config_file(o.config)
+    for option, path in (("--data", o.data_path), ("--eval-data", o.eval_data)):
+        if path is not None and not Path(path).exists():
+            raise ConfigError(
+                f"{option} {path}: no such file or folder; pass a text/JSONL/parquet file, "
+                "a folder of them or a saved Hugging Face dataset"
+            )
+    if o.eval_every is not None and o.eval_fraction is None and o.eval_data is None:
+        raise ConfigError("--eval-every needs --eval-fraction or --eval-data (what to evaluate on)")
+    if o.lora is not None:
+        parse_lora_spec(o.lora)  # a malformed spec fails before the model is built
+    raw = apply_overrides(raw, lr=o.lr, batch_size=o.batch_size, nvme_path=o.nvme_path)
+    raw, trace_file, trace_is_temp = _with_trace(raw, o.trace_path, o.plot_path, rank)
+    raw, hp = _hyperparameter_flags(
+        raw, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, steps=o.steps
+    )
+    return raw, trace_file, trace_is_temp, hp
+
+
+def _load_checked(
+    o: FinetuneOptions, raw: dict[str, Any], hp: Any, model: Any, hf: Any
+) -> tuple[Any, int, Any]:
+    """(config, micro-batch, activation estimate), refused before anything is printed as if it
+    were chosen; validating the config creates nvme_path (as DeepSpeed does): a refusal undoes that."""
+    import torch
+
+    from tiered.config.loader import load_config
+    from tiered.finetune.activations import check_activations, estimate_activations
+    from tiered.finetune.loop import micro_batch_size
+
+    new_dirs = _missing_dirs(raw)
+    try:
+        cfg = load_config(raw, model=model, hyperparameters=hp)
+        check_complete_for_cli(cfg.unset, o.config_name)
+        micro = micro_batch_size(cfg, o.batch_size)
+        if o.compare_torch and cfg.precision.dtype != torch.float32:
+            raise ConfigError(
+                f"--compare-torch compares fp32 runs only, but {o.config_name} enables bf16/fp16; drop "
+                "--compare-torch or the bf16/fp16 section"
+            )
+        act = estimate_activations(
+            hf,
+            batch=micro,
+            seq_len=o.seq_len,
+            dtype=cfg.precision.dtype,
+            checkpointing=o.gradient_checkpointing,
+        )
+        check_activations(act, torch.device("cuda" if torch.cuda.is_available() else "cpu"), o.free_memory)
+    except BaseException:
+        _remove_empty(new_dirs)
+        raise
+    return cfg, micro, act
+
+
+def _compare_with_torch(
+    w: Any, job: JobResult, reference: Any, cfg: Any, rows: Any, micro: int, seed: int
+) -> JobResult:
+    """The same steps with plain PyTorch AdamW from the same init and data, and the differences."""
+    from tiered.finetune import max_rel_diff, reference_train
+
+    result = job.result
+    w(
+        f"\nplain PyTorch ({'AdamW' if cfg.optimizer.adamw_mode else 'Adam'}, fp32), same data and init, "
+        f"{result.steps_done} steps...\n"
+    )
+    t0 = time.perf_counter()
+    ref_losses, ref_state = reference_train(
+        reference, cfg, _train_stream(rows, micro, seed), result.steps_done
+    )
+    ref_s = time.perf_counter() - t0
+    diff, name = max_rel_diff(result.state or {}, ref_state)
+    w(
+        f"final loss: tiered {result.losses[-1]:.6f}, plain PyTorch {ref_losses[-1]:.6f} "
+        f"(rel diff {abs(result.losses[-1] - ref_losses[-1]) / max(abs(ref_losses[-1]), 1e-12):.2e})\n"
+    )
+    w(f"max relative parameter difference: {diff:.2e} ({name})\n")
+    w(
+        f"plain PyTorch (everything in memory, no offload): {result.tokens / ref_s:,.0f} tokens/s in {ref_s:.2f} s\n"
+    )
+    return JobResult(result, tuple(ref_losses), diff, name, checkpoints=job.checkpoints)
+
+
+def _make_output_folders(o: FinetuneOptions) -> None:
+    """The folders of --trace / --plot inside --out, which the run creates ([Note: run directory])."""
+    if o.checkpoints is None:
+        return
+    for path in (o.trace_path, o.plot_path):
+        if path is not None and _inside(Path(path), o.checkpoints.out_dir):
+            Path(path).resolve().parent.mkdir(parents=True, exist_ok=True)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
 
 
 def _missing_dirs(raw: dict[str, Any]) -> list[Path]:
@@ -519,6 +540,43 @@ _FLAGS = {
     "total_steps": "--steps",
     "micro_batch_size": "--batch-size",
 }
+# What a config key with no flag could hold: the refusal shows it as the fix.
+_JSON_EXAMPLES = {
+    "optimizer.params.betas": "[0.9, 0.999]",
+    "optimizer.params.eps": "1e-8",
+    "gradient_accumulation_steps": "1",
+    "gradient_clipping": "1.0",
+    "fp16.enabled": "false",
+    "bf16.enabled": "false",
+}
+
+
+def check_complete_for_cli(unset: tuple[str, ...], config_name: str) -> None:
+    """`tiered finetune`'s form of config.hyper.check_complete: every "auto" or missing
+    hyper-parameter named with what a command-line user can do about it, the flag that exists
+    or the JSON key to write (never tiered.initialize's keywords, which this command has not)."""
+    from tiered.config.hyper import KEYWORD_OF
+
+    if not unset:
+        return
+    lines = []
+    for path in unset:
+        flag = _FLAGS.get(KEYWORD_OF.get(path, ""))
+        if path == "optimizer":
+            lines.append(
+                f"{config_name} has no optimizer section, so no learning rate: pass --lr (and "
+                '--weight-decay as your trainer would), or add "optimizer": {"type": "AdamW", "params": '
+                '{"lr": ...}}'
+            )
+        elif flag is not None:
+            lines.append(f'{path} is "auto" or missing in {config_name}: pass {flag}, or write a value there')
+        else:
+            example = _JSON_EXAMPLES.get(path)
+            lines.append(
+                f'{path} is "auto" or missing in {config_name} and tiered finetune has no flag for it: '
+                f"write a value there{f' (e.g. {example})' if example else ''}"
+            )
+    raise ConfigError("tiered never invents a hyper-parameter; " + "; ".join(lines))
 
 
 def _hyperparameter_flags(
@@ -669,7 +727,7 @@ def _report_trace(w: Any, result: Any, trace_file: Path, temp: bool, plot_path: 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     for option in ("stats_json", "trace", "plot"):
-        _check_output(getattr(args, option), "--" + option.replace("_", "-"))
+        _check_output(getattr(args, option), "--" + option.replace("_", "-"), args.out)
     created = setup_distributed()
     try:
         return _run(args, out)
@@ -682,45 +740,15 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def _run(args: argparse.Namespace, out: TextIO) -> int:
     rank, _ = _rank_world()
-    policy = checkpoint_policy(args)
-    job = finetune_job(
-        model_path=args.model,
-        config=args.config,
-        data_path=args.data,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
-        seed=args.seed,
-        log_every=args.log_every,
-        nvme_path=args.nvme_path,
-        compare_torch=args.compare_torch,
-        out=out,
-        checkpoint=policy,
-        **_data_and_model_kwargs(args),
-    )
+    job = finetune_job(FinetuneOptions.from_args(args), out)
     if args.stats_json and rank == 0:
         doc = job.to_json()
         doc["args"] = {k: v for k, v in vars(args).items() if k not in ("run",)}
+        if job.checkpoints is not None:
+            Path(args.stats_json).resolve().parent.mkdir(parents=True, exist_ok=True)  # inside --out
         _write_json(args.stats_json, doc)
         out.write(f"stats written to {args.stats_json}\n")
+    policy = job.checkpoints
     if job.result.interrupted and policy is not None and policy.stop.exit_signal is not None:
         return 128 + int(policy.stop.exit_signal)
     return 130 if job.result.interrupted else 0
-
-
-def _data_and_model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """finetune_job's keywords from the options of `add_data_arguments` / `add_model_arguments`."""
-    return {
-        "text_field": args.text_field,
-        "eval_fraction": args.eval_fraction,
-        "eval_data": args.eval_data,
-        "eval_every": args.eval_every,
-        "lora": args.lora,
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "gradient_checkpointing_reentrant": args.gradient_checkpointing_reentrant,
-        "trace_path": args.trace,
-        "plot_path": args.plot,
-    }

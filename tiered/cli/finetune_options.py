@@ -1,13 +1,97 @@
 """The option groups of `tiered finetune` (data, model, checkpoints, trace and plot) and the
-objects they build; tiered/cli/finetune.py wires them into the command."""
+frozen objects they build (`FinetuneOptions`, `CheckpointOptions`); tiered/cli/finetune.py wires
+them into the command."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from tiered.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """--out and the checkpoint options ([Note: run directory]); the job builds its
+    CheckpointPolicy from them. `temporary`: the run folder is removed after the job (the demo),
+    so no line that loads the export is printed."""
+
+    out_dir: Path
+    save_every: int | None = None
+    keep_last: int | None = None
+    resume: str | None = None
+    save_on_interrupt: bool = True
+    merge_lora: bool = False
+    overwrite: bool = False
+    temporary: bool = False
+
+
+@dataclass(frozen=True)
+class FinetuneOptions:
+    """Everything one `tiered finetune` run is told (the command's options, or the demo's
+    choices); `finetune_job` reads it and changes nothing in it. `free_memory` overrides the
+    measured free memory of the compute device (bytes, what it is) for the activation check."""
+
+    model_path: str | Path
+    config: str | Path | dict[str, Any]
+    data_path: str | Path
+    seq_len: int = 128
+    batch_size: int | None = None
+    steps: int = 10
+    lr: float | None = None
+    weight_decay: float | None = None
+    warmup_steps: int | None = None
+    seed: int = 0
+    log_every: int = 1
+    nvme_path: str | None = None
+    compare_torch: bool = False
+    text_field: str = "text"
+    eval_fraction: float | None = None
+    eval_data: str | Path | None = None
+    eval_every: int | None = None
+    lora: str | None = None
+    gradient_checkpointing: bool = False
+    gradient_checkpointing_reentrant: bool = False
+    free_memory: tuple[int, str] | None = None
+    trace_path: str | Path | None = None
+    plot_path: str | Path | None = None
+    checkpoints: CheckpointOptions | None = None
+
+    @property
+    def config_name(self) -> str:
+        """How the refusals name the config: its file, or "the config" for a dict."""
+        return "the config" if isinstance(self.config, dict) else f"--config {self.config}"
+
+    @staticmethod
+    def from_args(args: argparse.Namespace) -> FinetuneOptions:
+        """The options of a parsed `tiered finetune` command line."""
+        return FinetuneOptions(
+            model_path=args.model,
+            config=args.config,
+            data_path=args.data,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            warmup_steps=args.warmup_steps,
+            seed=args.seed,
+            log_every=args.log_every,
+            nvme_path=args.nvme_path,
+            compare_torch=args.compare_torch,
+            text_field=args.text_field,
+            eval_fraction=args.eval_fraction,
+            eval_data=args.eval_data,
+            eval_every=args.eval_every,
+            lora=args.lora,
+            gradient_checkpointing=args.gradient_checkpointing,
+            gradient_checkpointing_reentrant=args.gradient_checkpointing_reentrant,
+            trace_path=args.trace,
+            plot_path=args.plot,
+            checkpoints=checkpoint_options(args),
+        )
 
 
 def add_observability_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,16 +148,20 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGINT/SIGTERM stop without saving (default: finish the step, save, exit)",
     )
     g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="--out holds another run's checkpoints: delete them (and its DIR/final) and start afresh "
+        "(without it such an --out is refused; --resume continues that run instead)",
+    )
+    g.add_argument(
         "--merge-lora",
         action="store_true",
         help="with --lora: also write the adapters merged into the base model to DIR/final/merged/",
     )
 
 
-def checkpoint_policy(args: argparse.Namespace) -> Any:
-    """The CheckpointPolicy of the options above, or None without --out (which they then need)."""
-    from tiered.finetune.checkpointing import CheckpointPolicy
-
+def checkpoint_options(args: argparse.Namespace) -> CheckpointOptions | None:
+    """The CheckpointOptions of the options above, or None without --out (which they then need)."""
     if args.out is None:
         given = [
             flag
@@ -82,24 +170,68 @@ def checkpoint_policy(args: argparse.Namespace) -> Any:
                 ("--keep-last", args.keep_last),
                 ("--resume", args.resume),
                 ("--merge-lora", args.merge_lora or None),
+                ("--overwrite", args.overwrite or None),
             )
             if v is not None
         ]
         if given:
             raise ConfigError(f"{', '.join(given)} needs --out DIR (where checkpoints and the model go)")
         return None
-    return CheckpointPolicy(
+    if args.overwrite and args.resume is not None:
+        raise ConfigError("--overwrite starts afresh and --resume continues: pass one of them")
+    return CheckpointOptions(
         Path(args.out),
         save_every=args.save_every,
         keep_last=args.keep_last,
         resume=args.resume,
         save_on_interrupt=not args.no_save_on_interrupt,
         merge_lora=args.merge_lora,
-        lora=args.lora is not None,
+        overwrite=args.overwrite,
     )
 
 
-def report_checkpoints(policy: Any, result: Any, out: TextIO) -> None:
+def checkpoint_policy(options: CheckpointOptions, *, model_folder: Path, lora: bool) -> Any:
+    """The job's own CheckpointPolicy (it records what the run saved) for `options`. An --out
+    holding another run's checkpoints is refused unless --resume or --overwrite: starting afresh
+    beside them would let a later --resume continue the other run ([Note: run directory])."""
+    from tiered.finetune.checkpointing import CheckpointPolicy
+
+    policy = CheckpointPolicy(
+        options.out_dir,
+        save_every=options.save_every,
+        keep_last=options.keep_last,
+        resume=options.resume,
+        save_on_interrupt=options.save_on_interrupt,
+        merge_lora=options.merge_lora,
+        lora=lora,
+        model_folder=model_folder,
+    )
+    held = policy.checkpoints_dir
+    if options.resume is None and not options.overwrite and held.is_dir() and any(held.iterdir()):
+        raise ConfigError(
+            f"--out {options.out_dir}: {held} holds another run's checkpoints; pass --resume to "
+            "continue that run, --overwrite to delete them and start afresh, or another --out"
+        )
+    return policy
+
+
+def clear_for_overwrite(options: CheckpointOptions) -> None:
+    """--overwrite: the earlier run's checkpoints and export go before this run saves its own."""
+    import shutil
+
+    from tiered.finetune.checkpointing import CHECKPOINTS, FINAL
+
+    if not options.overwrite:
+        return
+    for name in (CHECKPOINTS, FINAL):
+        path = options.out_dir / name
+        if path.is_symlink():
+            raise ConfigError(f"--overwrite: {path} is a symbolic link; tiered deletes only folders it wrote")
+        if path.is_dir():
+            shutil.rmtree(path)
+
+
+def report_checkpoints(policy: Any, result: Any, out: TextIO, *, temporary: bool = False) -> None:
     """Where the run's checkpoints and model are, and the one line that loads the model."""
     w = out.write
     if policy.resumed_from:
@@ -107,6 +239,11 @@ def report_checkpoints(policy: Any, result: Any, out: TextIO) -> None:
     if result.interrupted:
         if policy.saved:
             w(f"checkpoint saved: {policy.saved[-1]}; continue with the same command and --resume\n")
+        return
+    if temporary:
+        w(
+            f"model written to {policy.final_path} (a temporary folder, removed at the end; --out DIR keeps it)\n"
+        )
         return
     w(f"model written to {policy.final_path}; load it with:\n  {policy.load_line()}\n")
 

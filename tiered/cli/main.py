@@ -28,6 +28,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("bench", "tiered.cli.bench", "measure offload bandwidth of the storage backends"),
     ("backends", "tiered.cli.backends", "list the registered storage backends"),
     ("demo", "tiered.cli.demo", "the main job on its default: plan a 40B model, then a quick bench"),
+    ("build-ext", "tiered.cli.build_ext", "build the native Adam kernels once for this environment"),
 )
 
 EPILOG = """\
@@ -37,6 +38,7 @@ examples:
   tiered bench --dir /mnt/nvme0 --size 1GiB --json bench.json
   tiered backends
   tiered demo
+  tiered build-ext
 
 Run `tiered COMMAND --help` for the options of one command.
 """

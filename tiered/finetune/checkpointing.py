@@ -295,9 +295,10 @@ class CheckpointPolicy:
 
     def load_line(self) -> str:
         """The one line that loads the export."""
-        final = str(self.final_dir)
+        # absolute: the line is run from wherever the user is, not from where the run started
+        final = str(self.final_dir.resolve())
         if self.lora:
-            base = str(self.model_folder) if self.model_folder is not None else "BASE_MODEL"
+            base = str(Path(self.model_folder).resolve()) if self.model_folder is not None else "BASE_MODEL"
             return f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{final}")'
         return f'AutoModelForCausalLM.from_pretrained("{final}")'
 

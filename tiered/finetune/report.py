@@ -11,20 +11,30 @@ def _b(n: Any) -> str:
     return "-" if n is None else format_bytes(int(n), binary=True)
 
 
-def tier_table(stats: dict[str, Any]) -> str:
+def tier_table(stats: dict[str, Any], *, gpu_is_host: bool | None = None) -> str:
     """Peak and current resident bytes, reads, writes and stall seconds per tier; then bytes
-    moved, GB/s and operations per link (source->destination); then totals."""
+    moved, GB/s and operations per link (source->destination); then totals. Without a GPU
+    (`gpu_is_host`, default: no CUDA device here) the "gpu" tier is the compute device's memory,
+    which is host memory, and the table says so."""
     tiers = stats.get("tiers", {})
     lines = [
         f"{'tier':<16} {'budget':>11} {'peak resident':>14} {'resident':>11} {'reads':>7} "
         f"{'writes':>7} {'stall s':>8}"
     ]
+    if gpu_is_host is None:
+        import torch
+
+        gpu_is_host = not torch.cuda.is_available()
+    host_gpu = gpu_is_host and "gpu" in tiers.get("tiers", {})
     for name, t in tiers.get("tiers", {}).items():
+        label = "gpu (host mem)" if host_gpu and name == "gpu" else name
         lines.append(
-            f"{name:<16} {_b(t.get('budget_bytes')):>11} {_b(t.get('peak_bytes')):>14} "
+            f"{label:<16} {_b(t.get('budget_bytes')):>11} {_b(t.get('peak_bytes')):>14} "
             f"{_b(t.get('resident_bytes')):>11} {t.get('reads', 0):>7} {t.get('writes', 0):>7} "
             f"{t.get('stall_s', 0.0):>8.3f}"
         )
+    if host_gpu:
+        lines.append('(no GPU here: the "gpu" tier is the compute device\'s memory, i.e. host memory)')
     lines.append("")
     lines.append(f"{'link':<16} {'bytes moved':>11} {'GB/s':>8} {'ops':>7} {'busy s':>8}")
     links = tiers.get("links", {})

@@ -1,0 +1,167 @@
+"""Where a native kernel is built and cached, and the lock that keeps two builds apart.
+
+[Note: one kernel cache per environment]
+torch caches a JIT extension by name under TORCH_EXTENSIONS_DIR (default: a folder under the home
+directory), and its build.ninja holds the include paths of the torch and Python that built it. So
+two virtual environments, or two checkouts, sharing a name rebuild each other's build every time
+one follows the other, and a TORCH_EXTENSIONS_DIR set by one entry point (dev.sh) and not by
+another (the `tiered` script, `python -c`) builds the kernel twice. tiered therefore chooses the
+build folder itself: `<cache>/<kind>-<key>`, where the key hashes everything the binary depends
+on (`BuildEnvironment`: torch's install folder and version, the C++ compiler and its version, the
+Python environment and version, the source folder) plus the sources' bytes and the flags. The
+same environment finds the same build from every entry point, two environments never share one,
+and editing a kernel or upgrading torch or the compiler builds afresh. `<cache>` is
+TIERED_EXT_CACHE, else `$XDG_CACHE_HOME/tiered/ext`, else `~/.cache/tiered/ext`; TORCH_EXTENSIONS_DIR
+is deliberately not consulted (a variable set in one shell only is what split the cache).
+
+[Note: the build lock]
+torch serialises builds of one folder with a `lock` file created with O_EXCL and removed when the
+build ends; a process killed during the build leaves it behind and every later process waits for
+it forever, silently. Around torch's build tiered holds an advisory flock(2) on
+`tiered-build.lock` in the same folder, with the holder's pid, host and start time written in it.
+The kernel drops a flock when its process dies, so: a process that gets the flock is the only
+tiered builder of that folder, and a torch `lock` it finds is stale (its builder is gone) and is
+removed with a WARNING; a process that does not get it logs who holds it and waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tiered_ext")
+
+CACHE_ENV = "TIERED_EXT_CACHE"
+HOLDER_FILE = "tiered-build.lock"
+TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build folder
+# How often a waiting process repeats whom it waits for.
+WAIT_REPORT_S = 60.0
+
+
+def _compiler() -> str:
+    """The C++ compiler torch's build uses (CXX, else c++), resolved, with its version line."""
+    name = os.environ.get("CXX", "c++")
+    path = shutil.which(name) or name
+    try:
+        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        version = (proc.stdout or proc.stderr).strip().splitlines()[:1]
+    except (OSError, subprocess.SubprocessError):
+        version = []
+    return f"{os.path.realpath(path) if os.path.exists(path) else path} {version[0] if version else '?'}"
+
+
+@dataclass(frozen=True)
+class BuildEnvironment:
+    """What a native build depends on besides its sources and flags ([Note: one kernel cache
+    per environment])."""
+
+    torch_dir: str
+    torch_version: str
+    compiler: str
+    python_prefix: str
+    python_version: str
+    source_dir: str
+
+    @staticmethod
+    def current(source_dir: Path) -> BuildEnvironment:
+        return BuildEnvironment(
+            torch_dir=str(Path(torch.__file__).resolve().parent),
+            torch_version=f"{torch.__version__} {torch.version.git_version} cuda={torch.version.cuda}",
+            compiler=_compiler(),
+            python_prefix=str(Path(sys.prefix).resolve()),
+            python_version=sys.version.split()[0],
+            source_dir=str(source_dir.resolve()),
+        )
+
+
+def build_key(sources: Sequence[Path], flags: Sequence[str], env: BuildEnvironment) -> str:
+    """16 hex digits over the sources' names and bytes, the flags and `env`."""
+    h = hashlib.sha256()
+    for path in sources:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(json.dumps(env.__dict__, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    """The folder that holds every kernel build ([Note: one kernel cache per environment])."""
+    given = os.environ.get(CACHE_ENV)
+    if given:
+        return Path(given).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "tiered" / "ext"
+
+
+def is_built(build_dir: Path, name: str) -> bool:
+    """Whether `build_dir` already holds the linked module `name` (loading it then takes seconds)."""
+    return any(build_dir.glob(f"{name}*.so"))
+
+
+def _holder_text(path: Path) -> str:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        return "an unknown process"
+    started = doc.get("started")
+    since = f", building since {time.strftime('%H:%M:%S', time.localtime(started))}" if started else ""
+    return f"process {doc.get('pid', '?')} on {doc.get('host', '?')}{since}"
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, what: str) -> Iterator[None]:
+    """Hold the build lock of `build_dir` ([Note: the build lock]): wait, naming the holder,
+    while another live process builds there; remove torch's lock left by a dead one."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    holder = build_dir / HOLDER_FILE
+    fd = os.open(holder, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waited = time.monotonic()
+            log.warning(
+                "tiered_ext: waiting for %s, which %s builds in %s", what, _holder_text(holder), build_dir
+            )
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.2)
+                if time.monotonic() - waited > WAIT_REPORT_S:
+                    waited = time.monotonic()
+                    log.warning("tiered_ext: still waiting for %s (%s)", what, _holder_text(holder))
+        stale = build_dir / TORCH_LOCK
+        if stale.exists() or stale.is_symlink():
+            log.warning(
+                "tiered_ext: removing the stale build lock %s (the process that built %s there is gone)",
+                stale,
+                what,
+            )
+            stale.unlink(missing_ok=True)
+        os.ftruncate(fd, 0)
+        os.pwrite(
+            fd,
+            json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode(),
+            0,
+        )
+        yield
+    finally:
+        os.close(fd)  # drops the flock
