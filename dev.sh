@@ -5,19 +5,25 @@
 #   ./dev.sh slow    the tests marked slow: the fault soak, kills during training, long builds (CI runs them next)
 # Set-up: a virtual environment in .venv (TIERED_VENV overrides), torch (the CPU build unless a
 # torch is already importable there; TIERED_TORCH_SPEC overrides, e.g. for a CUDA build), then
-# this project with its test extras, editable. Re-running is cheap: set-up is skipped when done.
+# this project with its test extras, editable, then the native kernels (`tiered build-ext`, into
+# the environment's own kernel cache, where every later run finds them: no run builds them in its
+# first step). Re-running is cheap: set-up is skipped when done. Each part says how long it took.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 VENV=${TIERED_VENV:-.venv}
 PY="$VENV/bin/python"
-# One cache for the native kernels, built once by setup() and reused by demo and test alike.
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
+
+now() { date +%s.%N; }
+took() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.0f", b - a }'; }
 
 setup() {
+  local t0
+  t0=$(now)
   [ -x "$PY" ] || python3 -m venv "$VENV"
   local stamp="$VENV/.tiered-setup"
   if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then return; fi
+  echo "dev.sh: installing torch and tiered into $VENV (once)" >&2
   "$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   if ! "$PY" -c "import torch" 2>/dev/null; then
     # The CPU build keeps CI fast; a GPU machine sets TIERED_TORCH_SPEC to its CUDA build.
@@ -25,12 +31,17 @@ setup() {
   fi
   "$PY" -m pip install -q -e ".[test]"
   touch "$stamp"
+  echo "dev.sh: set-up: install $(took "$t0") s" >&2
 }
 
 build_kernels() {
-  # Cached after the first build (rebuilt when sources or torch change); a failed build is
-  # reported here and the pure-torch reference runs, with a warning (tests cover that path).
-  "$PY" -m tiered_ext.build --quiet || true
+  # Cached per environment after the first build (rebuilt when sources, torch or the compiler
+  # change; tiered_ext/_cache.py); a failed build is reported here and the pure-torch reference
+  # runs, with a warning (tests cover that path).
+  local t0
+  t0=$(now)
+  "$PY" -m tiered.cli.main build-ext || true
+  echo "dev.sh: set-up: kernel build (or cache check) $(took "$t0") s" >&2
 }
 
 cmd=${1:-help}
@@ -39,7 +50,11 @@ case "$cmd" in
   demo)
     setup
     build_kernels
-    exec "$PY" -m tiered.cli.main demo "$@"
+    t0=$(now)
+    status=0
+    "$PY" -m tiered.cli.main demo "$@" || status=$?
+    echo "dev.sh: demo $(took "$t0") s" >&2
+    exit "$status"
     ;;
   test)
     setup

@@ -29,7 +29,7 @@ def _id(x) -> str:
 
 @pytest.fixture(scope="session")
 def emu():
-    """The emulated-AVX-512 module, built (or loaded from TORCH_EXTENSIONS_DIR) once per session."""
+    """The emulated-AVX-512 module, built (or loaded from the kernel cache) once per session."""
     if os.environ.get(_loader.DISABLE_ENV):
         pytest.skip(f"native kernels disabled by {_loader.DISABLE_ENV}")
     try:

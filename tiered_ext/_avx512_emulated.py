@@ -9,8 +9,8 @@ dispatcher reports AVX-512 as supported, so set_isa("avx512") runs the AVX-512 V
 vector body on any x86-64 CPU (slowly). The module's emulated() returns True.
 
 Never imported by the product code: tests/test_kernel_avx512_emulated.py uses it. The build is
-cached in TORCH_EXTENSIONS_DIR under its own name ([Note: extension naming and caching] in
-_loader.py; the name also covers simd_emulation.h and the SIMDe version).
+cached in the environment's kernel cache under its own name ([Note: extension naming and caching]
+in _loader.py; the name also covers simd_emulation.h and the SIMDe version).
 """
 
 from __future__ import annotations
@@ -60,8 +60,6 @@ _lock = threading.Lock()
 
 @functools.cache
 def _build(verbose: bool) -> ModuleType:
-    from torch.utils import cpp_extension
-
     inc = simde_include_dir()
     cflags = _loader.CPU_CFLAGS + EMULATION_CFLAGS
     # The include directory and SIMDe's version take part in the name (only the hash, not the command).
@@ -69,8 +67,9 @@ def _build(verbose: bool) -> ModuleType:
     name = _loader.extension_name(
         "cpuemu", _loader.CPU_SOURCES + _loader.CPU_HEADERS + [EMULATION_HEADER], hashed_flags
     )
-    return cpp_extension.load(
-        name=name,
+    return _loader.load_extension(
+        "cpuemu",
+        name,
         sources=[str(p) for p in _loader.CPU_SOURCES],
         extra_include_paths=[str(_loader.CSRC / "cpu_adam"), str(inc)],
         extra_cflags=cflags,

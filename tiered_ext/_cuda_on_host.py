@@ -3,7 +3,7 @@
 gpu_adam.cu built with -DTIERED_GPU_ADAM_HOST_EMULATION exports tiered_gpu_adam_emulate(), which
 runs every (block, thread) of the launch the binding would make, in a host loop, over the same
 chunk table and scalars ([Note: the kernel body on the host] in csrc/gpu_adam/gpu_adam.cu). nvcc
-builds it once into TORCH_EXTENSIONS_DIR, under a name that hashes the sources, the flags and
+builds it once into the kernel cache (tiered_ext/_cache.py), under a name that hashes the sources, the flags and
 nvcc's version. What this checks: the kernel's indexing, dtype dispatch and per-element arithmetic.
 What it cannot: the launch, device memory and the intrinsics themselves, which need a GPU.
 """
@@ -17,11 +17,11 @@ import shutil
 import subprocess
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from . import _loader
+from ._cache import cache_root
 from ._gpu import check_lists
 
 SOURCE = _loader.CSRC / "gpu_adam" / "gpu_adam.cu"
@@ -62,7 +62,7 @@ def _build() -> ctypes.CDLL:
         h.update(path.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(version.encode())
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    root = cache_root()  # the product kernels' cache ([Note: one kernel cache per environment])
     target = root / f"tiered_ext_cuda_on_host_{h.hexdigest()[:16]}" / "gpu_adam_host.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

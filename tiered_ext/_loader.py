@@ -86,10 +86,14 @@ def cpu_build() -> tuple[str, Path]:
 
 
 # What each kind is called in the build announcement.
-_TITLES = {"cpu": "tiered's CPU Adam kernel", "gpu": "tiered's CUDA Adam kernel"}
+_TITLES = {
+    "cpu": "tiered's CPU Adam kernel",
+    "gpu": "tiered's CUDA Adam kernel",
+    "cpuemu": "tiered's CPU Adam kernel with AVX-512 emulated (tests)",
+}
 
 
-def _load_extension(kind: str, name: str, **kwargs: object) -> ModuleType:
+def load_extension(kind: str, name: str, verbose: bool = False, **kwargs: object) -> ModuleType:
     """cpp_extension.load into this environment's cache folder, under the build lock, announced
     when it compiles ([Note: the build lock] in _cache.py)."""
     from torch.utils import cpp_extension
@@ -102,7 +106,7 @@ def _load_extension(kind: str, name: str, **kwargs: object) -> ModuleType:
             # WARNING, not INFO: a pause of minutes nobody was told about reads as a hang.
             log.warning("building %s, once per environment, ~1-4 min (into %s)", title, where)
         t0 = time.perf_counter()
-        mod = cpp_extension.load(name=name, build_directory=str(where), verbose=False, **kwargs)  # type: ignore[arg-type]
+        mod = cpp_extension.load(name=name, build_directory=str(where), verbose=verbose, **kwargs)  # type: ignore[arg-type]
         if compiles:
             log.warning(
                 "built %s in %.0f s; later runs in this environment load it", title, time.perf_counter() - t0
@@ -124,7 +128,7 @@ def _build_cpu() -> tuple[ModuleType | None, str]:
         return None, f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
     name, _ = cpu_build()
     try:
-        mod = _load_extension(
+        mod = load_extension(
             "cpu",
             name,
             sources=[str(p) for p in CPU_SOURCES],
@@ -212,7 +216,7 @@ def _build_gpu() -> tuple[ModuleType | None, str]:
         return None, "no CUDA torch/GPU here; CPU tensors run the CPU kernel"
     name = extension_name("gpu", GPU_SOURCES + GPU_HEADERS, GPU_CUDA_CFLAGS)
     try:
-        mod = _load_extension(
+        mod = load_extension(
             "gpu",
             name,
             sources=[str(p) for p in GPU_SOURCES],
