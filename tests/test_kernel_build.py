@@ -61,7 +61,7 @@ def test_disabled_build_falls_back_to_reference_with_a_warning(tmp_path: Path) -
 
 def test_broken_compiler_falls_back_to_reference_with_a_warning(tmp_path: Path) -> None:
     # A fresh, empty extension cache and a "compiler" that always fails: the build really runs and fails.
-    out = _probe({"CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}, tmp_path)
+    out = _probe({"CXX": "/bin/false", "TIERED_EXT_CACHE": str(tmp_path / "ext")}, tmp_path)
     assert out["cpu_adam"].startswith("reference (build failed: ")
     assert out["equal_to_reference"]
     assert len(out["warnings"]) == 1 and "native CPU Adam unavailable" in out["warnings"][0]

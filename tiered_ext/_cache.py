@@ -120,7 +120,7 @@ def _holder_text(path: Path) -> str:
     except (OSError, ValueError):
         return "an unknown process"
     started = doc.get("started")
-    since = f", building since {time.strftime('%H:%M:%S', time.localtime(started))}" if started else ""
+    since = f" (building for {time.time() - started:.0f} s)" if isinstance(started, (int, float)) else ""
     return f"process {doc.get('pid', '?')} on {doc.get('host', '?')}{since}"
 
 
@@ -137,7 +137,7 @@ def build_lock(build_dir: Path, what: str) -> Iterator[None]:
         except BlockingIOError:
             waited = time.monotonic()
             log.warning(
-                "tiered_ext: waiting for %s, which %s builds in %s", what, _holder_text(holder), build_dir
+                "tiered_ext: waiting for %s, which builds %s in %s", _holder_text(holder), what, build_dir
             )
             while True:
                 try:
@@ -147,7 +147,9 @@ def build_lock(build_dir: Path, what: str) -> Iterator[None]:
                     time.sleep(0.2)
                 if time.monotonic() - waited > WAIT_REPORT_S:
                     waited = time.monotonic()
-                    log.warning("tiered_ext: still waiting for %s (%s)", what, _holder_text(holder))
+                    log.warning(
+                        "tiered_ext: still waiting for %s, which builds %s", _holder_text(holder), what
+                    )
         stale = build_dir / TORCH_LOCK
         if stale.exists() or stale.is_symlink():
             log.warning(
