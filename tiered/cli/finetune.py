@@ -377,7 +377,7 @@ def finetune_job(options: FinetuneOptions, out: TextIO | None = None) -> JobResu
     return job
 
 
-def _checkpoint_policy(o: FinetuneOptions, model_folder: Path) -> Any:
+def _checkpoint_policy(o: FinetuneOptions, model_folder: Path | None) -> Any:
     """The job's CheckpointPolicy, or None without checkpoint options; the combinations that
     cannot work are refused first."""
     if o.checkpoints is None:

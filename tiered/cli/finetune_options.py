@@ -190,7 +190,7 @@ def checkpoint_options(args: argparse.Namespace) -> CheckpointOptions | None:
     )
 
 
-def checkpoint_policy(options: CheckpointOptions, *, model_folder: Path, lora: bool) -> Any:
+def checkpoint_policy(options: CheckpointOptions, *, model_folder: Path | None, lora: bool) -> Any:
     """The job's own CheckpointPolicy (it records what the run saved) for `options`. An --out
     holding another run's checkpoints is refused unless --resume or --overwrite: starting afresh
     beside them would let a later --resume continue the other run ([Note: run directory])."""

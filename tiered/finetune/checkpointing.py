@@ -12,7 +12,11 @@ in ``DIR/final/merged/``. Each checkpoint's client_state carries the data positi
 else (counters, optimizer, loss scaler, lr position, RNG states), so a resumed run is bit for bit
 the run that was never stopped. ``--keep-last K`` deletes the oldest complete checkpoints only
 after a newer one is complete (save_checkpoint returned: renamed into place and ``latest``
-moved), and never the one ``latest`` names.
+moved), and never the one ``latest`` names. An ``--out`` whose ``checkpoints/`` holds anything is
+refused unless ``--resume`` (continue that run) or ``--overwrite`` (delete ``DIR/checkpoints`` and
+``DIR/final`` once every other check passed, then start afresh): starting afresh beside another
+run's checkpoints would let a later ``--resume`` continue the other run. ``--trace``, ``--plot``
+and ``--stats-json`` may name files inside ``DIR``; their folders are created with it.
 
 [Note: stop on a signal]
 With a run directory, the first SIGINT or SIGTERM only asks the loop to stop: the step in
