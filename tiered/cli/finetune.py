@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from tiered.cli.finetune_config import hyperparameter_flags, load_checked
 from tiered.cli.finetune_options import (
     FinetuneOptions,
     add_checkpoint_arguments,
@@ -306,7 +307,7 @@ def finetune_job(options: FinetuneOptions, out: TextIO | None = None) -> JobResu
         gradient_checkpointing=o.gradient_checkpointing,
         reentrant=o.gradient_checkpointing_reentrant,
     )
-    cfg, micro, act = _load_checked(o, raw, hp, model, hf)
+    cfg, micro, act = load_checked(o, raw, hp, model, hf)
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     w(
@@ -419,45 +420,10 @@ def _job_config(o: FinetuneOptions, rank: int) -> tuple[dict[str, Any], Path | N
         parse_lora_spec(o.lora)  # a malformed spec fails before the model is built
     raw = apply_overrides(raw, lr=o.lr, batch_size=o.batch_size, nvme_path=o.nvme_path)
     raw, trace_file, trace_is_temp = _with_trace(raw, o.trace_path, o.plot_path, rank)
-    raw, hp = _hyperparameter_flags(
+    raw, hp = hyperparameter_flags(
         raw, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, steps=o.steps
     )
     return raw, trace_file, trace_is_temp, hp
-
-
-def _load_checked(
-    o: FinetuneOptions, raw: dict[str, Any], hp: Any, model: Any, hf: Any
-) -> tuple[Any, int, Any]:
-    """(config, micro-batch, activation estimate), refused before anything is printed as if it
-    were chosen; validating the config creates nvme_path (as DeepSpeed does): a refusal undoes that."""
-    import torch
-
-    from tiered.config.loader import load_config
-    from tiered.finetune.activations import check_activations, estimate_activations
-    from tiered.finetune.loop import micro_batch_size
-
-    new_dirs = _missing_dirs(raw)
-    try:
-        cfg = load_config(raw, model=model, hyperparameters=hp)
-        check_complete_for_cli(cfg.unset, o.config_name)
-        micro = micro_batch_size(cfg, o.batch_size)
-        if o.compare_torch and cfg.precision.dtype != torch.float32:
-            raise ConfigError(
-                f"--compare-torch compares fp32 runs only, but {o.config_name} enables bf16/fp16; drop "
-                "--compare-torch or the bf16/fp16 section"
-            )
-        act = estimate_activations(
-            hf,
-            batch=micro,
-            seq_len=o.seq_len,
-            dtype=cfg.precision.dtype,
-            checkpointing=o.gradient_checkpointing,
-        )
-        check_activations(act, torch.device("cuda" if torch.cuda.is_available() else "cpu"), o.free_memory)
-    except BaseException:
-        _remove_empty(new_dirs)
-        raise
-    return cfg, micro, act
 
 
 def _compare_with_torch(
@@ -501,115 +467,12 @@ def _inside(path: Path, folder: Path) -> bool:
     return path.resolve().is_relative_to(folder.resolve())
 
 
-def _missing_dirs(raw: dict[str, Any]) -> list[Path]:
-    """The offload folders of `raw` (nvme_path) and their ancestors that do not exist yet, deepest first."""
-    zero = raw.get("zero_optimization")
-    found: list[Path] = []
-    for key in ("offload_param", "offload_optimizer"):
-        sec = zero.get(key) if isinstance(zero, dict) else None
-        path = sec.get("nvme_path") if isinstance(sec, dict) else None
-        if isinstance(path, str):
-            p = Path(path).expanduser().absolute()
-            while not p.exists() and p not in found:
-                found.append(p)
-                p = p.parent
-    return sorted(found, key=lambda q: len(q.parts), reverse=True)
-
-
-def _remove_empty(dirs: list[Path]) -> None:
-    for d in dirs:
-        try:
-            d.rmdir()  # only if empty: never removes what someone else put there
-        except OSError:
-            pass
-
-
 def _train_stream(rows: Any, micro: int, seed: int) -> Any:
     """The seeded packed-row stream ([Note: batch order and its state]); looked up at call time
     so tests can wrap it."""
     import tiered.finetune as ft
 
     return ft.PackedBatches(rows, micro, seed)
-
-
-# The flag that supplies each hyper-parameter keyword (for "tiered never invents" errors).
-_FLAGS = {
-    "lr": "--lr",
-    "weight_decay": "--weight-decay",
-    "warmup_steps": "--warmup-steps",
-    "total_steps": "--steps",
-    "micro_batch_size": "--batch-size",
-}
-# What a config key with no flag could hold: the refusal shows it as the fix.
-_JSON_EXAMPLES = {
-    "optimizer.params.betas": "[0.9, 0.999]",
-    "optimizer.params.eps": "1e-8",
-    "gradient_accumulation_steps": "1",
-    "gradient_clipping": "1.0",
-    "fp16.enabled": "false",
-    "bf16.enabled": "false",
-}
-
-
-def check_complete_for_cli(unset: tuple[str, ...], config_name: str) -> None:
-    """`tiered finetune`'s form of config.hyper.check_complete: every "auto" or missing
-    hyper-parameter named with what a command-line user can do about it, the flag that exists
-    or the JSON key to write (never tiered.initialize's keywords, which this command has not)."""
-    from tiered.config.hyper import KEYWORD_OF
-
-    if not unset:
-        return
-    lines = []
-    for path in unset:
-        flag = _FLAGS.get(KEYWORD_OF.get(path, ""))
-        if path == "optimizer":
-            lines.append(
-                f"{config_name} has no optimizer section, so no learning rate: pass --lr (and "
-                '--weight-decay as your trainer would), or add "optimizer": {"type": "AdamW", "params": '
-                '{"lr": ...}}'
-            )
-        elif flag is not None:
-            lines.append(f'{path} is "auto" or missing in {config_name}: pass {flag}, or write a value there')
-        else:
-            example = _JSON_EXAMPLES.get(path)
-            lines.append(
-                f'{path} is "auto" or missing in {config_name} and tiered finetune has no flag for it: '
-                f"write a value there{f' (e.g. {example})' if example else ''}"
-            )
-    raise ConfigError("tiered never invents a hyper-parameter; " + "; ".join(lines))
-
-
-def _hyperparameter_flags(
-    raw: dict[str, Any], *, weight_decay: float | None, warmup_steps: int | None, steps: int
-) -> tuple[dict[str, Any], Any]:
-    """Apply --weight-decay / --warmup-steps like --lr (they override a value the config gives),
-    and --steps as total_num_steps where the config says "auto"; what the config leaves out goes
-    to load_config as the caller's values ([Note: caller-supplied hyper-parameters])."""
-    from tiered.config.hyper import Hyperparameters
-    from tiered.config.values import is_auto
-
-    raw = copy.deepcopy(raw)
-    opt, sched = raw.get("optimizer"), raw.get("scheduler")
-    opt_params = opt.get("params") if isinstance(opt, dict) else None
-    sched_params = sched.get("params") if isinstance(sched, dict) else None
-    if weight_decay is not None and isinstance(opt_params, dict):
-        opt_params["weight_decay"] = weight_decay
-        weight_decay = None
-    if warmup_steps is not None and isinstance(sched_params, dict):
-        sched_params["warmup_num_steps"] = max(1, warmup_steps)
-        warmup_steps = None
-    total = sched_params.get("total_num_steps") if isinstance(sched_params, dict) else None
-    try:
-        hp = Hyperparameters(
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            total_steps=steps if total is not None and is_auto(total) else None,
-        )
-    except ConfigError as exc:
-        raise ConfigError(
-            str(exc).replace("weight_decay=", "--weight-decay").replace("warmup_steps=", "--warmup-steps")
-        ) from None
-    return raw, hp
 
 
 def _write_json(path: str, doc: dict[str, Any]) -> None:
