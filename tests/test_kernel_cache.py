@@ -203,3 +203,10 @@ def test_a_killed_builders_lock_is_reclaimed(tmp_path: Path, caplog: pytest.LogC
     assert not (tmp_path / "b" / "lock").exists()
     doc = json.loads((tmp_path / "b" / _cache.HOLDER_FILE).read_text())
     assert doc["pid"] == os.getpid()
+
+
+def test_a_lock_that_is_not_a_regular_file_is_refused_not_hung_on(tmp_path: Path) -> None:
+    (tmp_path / "b").mkdir()
+    os.mkfifo(tmp_path / "b" / _cache.HOLDER_FILE)
+    with pytest.raises(OSError, match="is not a regular file"), _cache.build_lock(tmp_path / "b", "k"):
+        pass

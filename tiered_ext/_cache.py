@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -130,8 +131,11 @@ def build_lock(build_dir: Path, what: str) -> Iterator[None]:
     while another live process builds there; remove torch's lock left by a dead one."""
     build_dir.mkdir(parents=True, exist_ok=True)
     holder = build_dir / HOLDER_FILE
-    fd = os.open(holder, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    # O_NONBLOCK: a FIFO planted under the name must not hang the open; it is then refused below.
+    fd = os.open(holder, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{holder} is not a regular file; remove it (tiered writes its build lock there)")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
