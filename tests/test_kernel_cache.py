@@ -16,6 +16,7 @@ import sysconfig
 import textwrap
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -94,22 +95,24 @@ def test_a_build_is_announced_before_and_after_and_a_cached_one_is_not(
     monkeypatch.setenv(_cache.CACHE_ENV, str(tmp_path))
     calls: list[str] = []
 
-    def fake_load(*, name: str, build_directory: str, **kwargs: object) -> ModuleType:
+    def fake_load(*, name: str, build_directory: str, **kwargs: Any) -> ModuleType:
         calls.append(name)
+        kwargs["extra_cflags"].append("-DADDED_BY_TORCH")  # as torch's load does to its lists
         (Path(build_directory) / f"{name}.so").write_bytes(b"")  # what a finished build leaves
         return _FakeModule(name)
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     name = _loader.cpu_build()[0]
     with caplog.at_level(logging.WARNING, logger="tiered_ext"):
-        _loader.load_extension("cpu", name, sources=[])
+        _loader.load_extension("cpu", name, sources=[], extra_cflags=_loader.CPU_CFLAGS)
+    assert _loader.cpu_build()[0] == name  # the build did not change what this process looks up
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
     assert lines[0].startswith("building tiered's CPU Adam kernel, once per environment, ~1-4 min")
     assert lines[1].startswith("built tiered's CPU Adam kernel in ")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tiered_ext"):
-        _loader.load_extension("cpu", name, sources=[])
+        _loader.load_extension("cpu", name, sources=[], extra_cflags=_loader.CPU_CFLAGS)
     assert caplog.records == [] and calls == [name, name]  # loaded from the cache: nothing to say
 
 
