@@ -217,7 +217,10 @@ def _build_gpu() -> tuple[ModuleType | None, str]:
         return None, f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
     if torch.version.cuda is None or not torch.cuda.is_available():
         return None, "no CUDA torch/GPU here; CPU tensors run the CPU kernel"
-    name = extension_name("gpu", GPU_SOURCES + GPU_HEADERS, GPU_CUDA_CFLAGS)
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    # the CUDA toolkit is part of what the binary depends on, as the C++ compiler is
+    name = extension_name("gpu", GPU_SOURCES + GPU_HEADERS, [*GPU_CUDA_CFLAGS, f"CUDA_HOME={CUDA_HOME}"])
     try:
         mod = load_extension(
             "gpu",
