@@ -213,3 +213,16 @@ def test_a_lock_that_is_not_a_regular_file_is_refused_not_hung_on(tmp_path: Path
     os.mkfifo(tmp_path / "b" / _cache.HOLDER_FILE)
     with pytest.raises(OSError, match="is not a regular file"), _cache.build_lock(tmp_path / "b", "k"):
         pass
+
+
+def test_tiered_build_ext_builds_ahead_and_says_so(tmp_path: Path) -> None:
+    """`tiered build-ext` (what ./dev.sh set-up runs): the announcement, the status line, the
+    cache folder; exit 1 when only the reference runs (here: a compiler that always fails)."""
+    proc = _run(
+        [sys.executable, "-m", "tiered.cli.main", "build-ext"],
+        _env(CXX="/bin/false", **{_cache.CACHE_ENV: str(tmp_path)}),
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "building tiered's CPU Adam kernel, once per environment, ~1-4 min" in proc.stderr
+    assert "tiered_ext: cpu_adam=reference (build failed" in proc.stdout
+    assert f"CPU Adam cache folder {tmp_path}" in proc.stdout
