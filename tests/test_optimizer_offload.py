@@ -176,10 +176,10 @@ def test_ratio_splits_groups_between_cpu_and_gpu_kernels(tmp_path: Any) -> None:
     try:
         st = opt.stats()
         assert st["groups_cpu"] == 3 and st["groups_gpu"] == 2  # round(0.6 * 5)
-        cpu_side = {g.name for g, p in zip(groups, opt.plans, strict=True) if p.side == "cpu"}
+        cpu_side = {og.name for og in opt.groups if og.plan.side == "cpu"}
         assert cpu_side == {"g0002", "g0000", "g0003"}  # the three largest (250, 100, 64)
-        for i, p in enumerate(opt.plans):
-            assert opt.states[i][0].home == ("cpu" if p.side == "cpu" else "gpu")
+        for og in opt.groups:
+            assert og.states.master.home == ("cpu" if og.plan.side == "cpu" else "gpu")
         for g, want in zip(groups, ref, strict=True):
             torch.testing.assert_close(read(tm, g.param), want, rtol=1e-6, atol=1e-7)
     finally:
@@ -251,7 +251,7 @@ def test_prefetch_states_reads_ahead_within_the_budget(tmp_path: Any, pipeline_r
     opt, tm, groups, ref = run_both(tmp_path, opt_tier="nvme", param_home="cpu", buffer_count=2, steps=1)
     try:
         opt.wait_writes()
-        assert not any(p.is_resident("cpu") for st in opt.states for p in st)  # all written back
+        assert not any(p.is_resident("cpu") for og in opt.groups for p in og.states)  # all written back
         z = opt.cfg.zero
         opt.cfg = replace(
             opt.cfg,
@@ -259,7 +259,7 @@ def test_prefetch_states_reads_ahead_within_the_budget(tmp_path: Any, pipeline_r
         )
         for f in opt.prefetch_states():
             f.result()
-        resident = [all(p.is_resident("cpu") for p in st) for st in opt.states]
+        resident = [all(p.is_resident("cpu") for p in og.states) for og in opt.groups]
         assert resident == (
             [True] * len(groups) if pipeline_read else [True, True] + [False] * (len(groups) - 2)
         )
@@ -284,7 +284,7 @@ def test_fp32_parameter_serves_as_master_where_it_lives_on_the_optimizer_tier(
     opt, tm, groups, _ = run_both(tmp_path, opt_tier=opt_tier, param_home=param_home, dtype=dtype, steps=1)
     try:
         opt.wait_writes()
-        assert all((st[0] is g.param) is shared for st, g in zip(opt.states, groups, strict=True))
+        assert all((og.states.master is g.param) is shared for og, g in zip(opt.groups, groups, strict=True))
         assert any(p.name.endswith(".master") for p in tm.partitions()) is not shared
         if opt_tier == "nvme" and param_home == "nvme":
             before = tm.stats()["links"].get("cpu->nvme", {}).get("bytes", 0)

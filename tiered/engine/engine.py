@@ -612,7 +612,7 @@ class Engine(DeepSpeedEngineAPI):
         user declared: its files must hold the trained values after close); swap tiers are
         deleted anyway. Returns the error, logged, of a flush that failed."""
         parts = [p for g in self.zero.groups for p in (g.param, g.grad) if p is not None]
-        parts += [p for st in self.optimizer.states for p in st]
+        parts += self.optimizer.own_partitions()
         todo = [p for p in {id(p): p for p in parts}.values() if self._persists(p.home)]
         if not todo:
             return None

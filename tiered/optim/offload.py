@@ -1,7 +1,10 @@
 """The offloaded Adam/AdamW: one fused update per sub-group, pipelined across the tiers.
 
 [Note: sub-group pipeline]
-The optimizer state (fp32 master, exp_avg, exp_avg_sq) of each shard group lives in its own
+Each trainable shard group has an `OptimGroup` (tiered/optim/group.py) owning its plan, its
+state and gradient partitions, its step counts and this step's received mask, and moving them
+(reads, write-backs) itself; `OffloadedAdam` is the pipeline that orders the groups. The
+optimizer state (fp32 master, exp_avg, exp_avg_sq) of each shard group lives in its own
 partitions on the optimizer tier ("gpu" when offload_optimizer.device is none, else "cpu" or
 "nvme"). A step walks the groups in execution order (so the next forward's first layers get their
 new parameters first) and keeps up to ``buffer_count`` groups in flight at once:
@@ -85,7 +88,6 @@ model is half-stepped: restart from a checkpoint rather than train on.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -95,15 +97,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from tiered.config.schema import TieredConfig
+from tiered.optim.arrivals import Arrivals
+from tiered.optim.group import OptimGroup, params_kept_in_cpu
+from tiered.optim.kernels import adam_update
 from tiered.optim.placement import (
     GroupPlan,
     StatePartitions,
     pipeline_bytes,
     plan_optimizer_placement,
-    state_partition_specs,
     tier_is_host,
 )
-from tiered.optim.runs import GroupSteps, ParamHyper, Run, entry_hypers
+from tiered.optim.runs import ParamHyper, entry_hypers
 from tiered.shards import ShardGroup
 
 if TYPE_CHECKING:
@@ -115,6 +119,7 @@ __all__ = [
     "GradsReceived",
     "GroupPlan",
     "OffloadedAdam",
+    "OptimGroup",
     "ParamHyper",
     "StatePartitions",
     "pipeline_bytes",
@@ -131,56 +136,9 @@ class GradsReceived(Protocol):
     def received_across_ranks(self, groups: Sequence[ShardGroup]) -> list[torch.Tensor]: ...
 
 
-class _Arrivals:
-    """Group indices in the order they became ready to step; each index once. `get(k)` blocks
-    until the k-th arrived (or returns None once closed with fewer)."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._items: list[int] = []
-        self._seen: set[int] = set()
-        self._closed = False
-        self._cv = threading.Condition()
-        self._timeout_s = timeout_s
-
-    def put(self, i: int) -> None:
-        with self._cv:
-            if i in self._seen or self._closed:
-                return
-            self._seen.add(i)
-            self._items.append(i)
-            self._cv.notify_all()
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-
-    def available(self) -> int:
-        with self._cv:
-            return len(self._items)
-
-    def at(self, k: int) -> int:
-        with self._cv:
-            return self._items[k]
-
-    def get(self, k: int) -> int | None:
-        with self._cv:
-            if not self._cv.wait_for(lambda: len(self._items) > k or self._closed, timeout=self._timeout_s):
-                raise TimeoutError(
-                    f"overlapped optimizer step: no group became ready within {self._timeout_s:.0f} s "
-                    "(tiered.timeout_s); did backward stop without engine.step()?"
-                )
-            return self._items[k] if len(self._items) > k else None
-
-
-def _kernels() -> Any:
-    import tiered_ext
-
-    return tiered_ext
-
-
 class OffloadedAdam:
-    """Adam/AdamW over `ShardGroup`s whose state lives in TierManager partitions.
+    """Adam/AdamW over `OptimGroup`s whose state lives in TierManager partitions: the pipeline
+    that orders their reads, updates and write-backs.
 
     See [Note: sub-group pipeline], [Note: write-back after the step], [Note: max_in_cpu],
     [Note: pipeline_read] and [Note: twin-flow ratio].
@@ -206,7 +164,6 @@ class OffloadedAdam:
         (parameter groups); the others use the config's. `grads_received`: which parameters got a
         gradient this step (None: all of them, every step)."""
         self.tm = tm
-        self.groups = list(groups)
         self.cfg = cfg
         self.opt = cfg.optimizer
         self.compute_dtype = compute_dtype
@@ -221,61 +178,33 @@ class OffloadedAdam:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-opt-write")
         # The overlapped step's pipeline runs here while backward runs in the caller's thread.
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-opt-step")
-        self._overlap: tuple[_Arrivals, Future[dict[str, float]]] | None = None
-        self._index = {g.name: i for i, g in enumerate(groups)}
+        self._overlap: tuple[Arrivals, Future[dict[str, float]]] | None = None
         self._timeout_s = float(getattr(cfg.tiered, "timeout_s", 600.0))
+        shards = list(groups)
         if plans is None:
-            plans = plan_optimizer_placement(
-                self.groups, cfg, optimizer_tier, gpu_is_host=tier_is_host(tm, "gpu")
-            )
-        if len(plans) != len(self.groups):
+            plans = plan_optimizer_placement(shards, cfg, optimizer_tier, gpu_is_host=tier_is_host(tm, "gpu"))
+        if len(plans) != len(shards):
             raise ValueError(
-                f"{len(plans)} optimizer plans for {len(self.groups)} groups: one per trainable group"
+                f"{len(plans)} optimizer plans for {len(shards)} groups: one per trainable group"
             )
-        self.plans: list[GroupPlan] = list(plans)
         self.grads_received = grads_received
         default = ParamHyper(float(self.opt.weight_decay), 1.0)
-        self.param_steps: list[GroupSteps] = [
-            GroupSteps(g, h)
-            for g, h in zip(self.groups, entry_hypers(self.groups, default, param_hyper), strict=True)
-        ]
-        """Per group, by position: its entries' own step counts and the runs of its shard."""
-        self._masks: dict[int, torch.Tensor | None] = {}
-        """Per group of the step in progress: which entries received a gradient (None: all)."""
-        self._grads: list[Partition] = []
-        """Per group, by position: its fp32 gradient partition (every stepped group has one)."""
-        for g in self.groups:
+        hypers = entry_hypers(shards, default, param_hyper)
+        keep = params_kept_in_cpu(shards, plans, int(cfg.zero.offload_param.max_in_cpu_numel))
+        for g in shards:
             if g.grad is None:
                 raise ValueError(
                     f"OffloadedAdam steps trainable groups only; group {g.name} is frozen (no gradient)"
                 )
-            self._grads.append(g.grad)
-        """Per group, by position: where its step runs and its state lives."""
-        self._keep_in_cpu = self._params_kept_in_cpu()
-        self.states: list[StatePartitions] = []
-        """Per group, by position: its master / exp_avg / exp_avg_sq partitions (checkpoints)."""
-        self._param_is_master: set[int] = set()  # [Note: fp32 master is the parameter]
+        self.groups: list[OptimGroup] = []
+        """Per trainable group, in execution order: its plan, partitions, step counts, mask."""
+        for g, plan, h, kept in zip(shards, plans, hypers, keep, strict=True):
+            self.groups.append(
+                OptimGroup(tm, g, plan, h, initial_fp32(g), compute_dtype=compute_dtype, keep_in_cpu=kept)
+            )
+        self._index = {og.name: i for i, og in enumerate(self.groups)}
         self._write_errors: list[Exception] = []
         """Write-backs that failed inside a step, raised by the next `wait_writes`."""
-        for i, (g, plan) in enumerate(zip(self.groups, self.plans, strict=True)):
-            master = initial_fp32(g).to(torch.float32).reshape(-1)
-            if master.numel() != g.shard_numel:
-                raise ValueError(
-                    f"initial fp32 shard of group {g.name} has {master.numel()} elements, "
-                    f"expected shard_numel={g.shard_numel}"
-                )
-            # the same specs the engine's capacity check counted before any was written
-            specs = state_partition_specs(g, plan, compute_dtype)
-            alias = len(specs) == 2
-            if alias:
-                self._param_is_master.add(i)
-            made = [
-                tm.create(name, numel, dtype, home, init=master if name.endswith(".master") else None)
-                for name, numel, dtype, home in specs
-            ]
-            parts = StatePartitions(g.param, *made) if alias else StatePartitions(*made)
-            del master
-            self.states.append(parts)
         self._totals = {
             "read_wait_s": 0.0,
             "compute_s": 0.0,
@@ -285,21 +214,17 @@ class OffloadedAdam:
         }
         self.last_step: dict[str, float] = {}
 
-    def _params_kept_in_cpu(self) -> set[int]:
-        keep, total = set(), 0
-        limit = int(self.cfg.zero.offload_param.max_in_cpu_numel)
-        for i, (g, p) in enumerate(zip(self.groups, self.plans, strict=True)):
-            if (
-                p.stage_tier == "cpu"
-                and g.param.home not in ("cpu", "gpu")
-                and total + g.shard_numel <= limit
-            ):
-                keep.add(i)
-                total += g.shard_numel
-        return keep
-
     def stage_bytes_needed(self) -> dict[str, int]:
-        return pipeline_bytes(self.groups, self.plans, self.buffer_count, self.compute_dtype)
+        return pipeline_bytes(
+            [og.group for og in self.groups],
+            [og.plan for og in self.groups],
+            self.buffer_count,
+            self.compute_dtype,
+        )
+
+    def group(self, group: ShardGroup) -> OptimGroup:
+        """The optimizer's side of trainable `group`."""
+        return self.groups[self._index[group.name]]
 
     # ---- the step --------------------------------------------------------------------------
     def prefetch_states(self) -> list[TierFuture]:
@@ -309,19 +234,18 @@ class OffloadedAdam:
         futs: list[TierFuture] = []
         count = len(self.groups) if self.cfg.zero.offload_optimizer.pipeline_read else self.buffer_count
         room: dict[str, float] = {}
-        for i in range(min(count, len(self.groups))):
-            plan = self.plans[i]
-            if plan.state_home == plan.compute_tier:
+        for og in self.groups[:count]:
+            need = og.prefetch_bytes()
+            if not need:
                 continue
-            tier = plan.compute_tier
+            tier = og.plan.compute_tier
             if tier not in room:
                 budget = tm.tier(tier).budget_bytes
                 room[tier] = float("inf") if budget is None else (budget - tm.resident_bytes(tier)) / 2
-            need = sum(p.nbytes for p in self.states[i])
             if need > room[tier]:
                 break
             room[tier] -= need
-            futs.extend(tm.prefetch(part, tier) for part in self.states[i])
+            futs.extend(og.prefetch())
         return futs
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
@@ -334,9 +258,9 @@ class OffloadedAdam:
         self.wait_writes()
         self.step_count += 1
         masks = self._received_across_ranks()
-        arrivals = _Arrivals(self._timeout_s)
-        for i in range(len(self.groups)):
-            if self._receives(i, masks[i]):
+        arrivals = Arrivals(self._timeout_s)
+        for i, og in enumerate(self.groups):
+            if og.receive(masks[i]):
                 arrivals.put(i)
         arrivals.close()
         self._record(self._pipeline(arrivals, lr, grad_scale))
@@ -345,18 +269,12 @@ class OffloadedAdam:
     def _received_across_ranks(self) -> list[torch.Tensor | None]:
         if self.grads_received is None:
             return [None] * len(self.groups)
-        return list(self.grads_received.received_across_ranks(self.groups))
-
-    def _receives(self, i: int, mask: torch.Tensor | None) -> bool:
-        """Record group i's mask for this step; False if none of its parameters got a gradient."""
-        self._masks[i] = mask
-        return mask is None or bool(mask.any())
+        return list(self.grads_received.received_across_ranks([og.group for og in self.groups]))
 
     def _advance(self) -> None:
         """The step is done: parameters that got no gradient fall a step behind."""
-        for i, steps in enumerate(self.param_steps):
-            steps.advance(self._masks.get(i, torch.zeros(len(self.groups[i].entries), dtype=torch.uint8)))
-        self._masks = {}
+        for og in self.groups:
+            og.advance()
 
     # ---- overlapped with backward: see [Note: step overlapped with backward] ------------------
     def begin_overlapped_step(self, lr: float, grad_scale: float = 1.0) -> None:
@@ -366,7 +284,7 @@ class OffloadedAdam:
             raise RuntimeError("an overlapped step is already running; call finish_overlapped_step() first")
         self.wait_writes()
         self.step_count += 1
-        arrivals = _Arrivals(self._timeout_s)
+        arrivals = Arrivals(self._timeout_s)
         fut = self._stepper.submit(self._pipeline, arrivals, lr, grad_scale)
         self._overlap = (arrivals, fut)
 
@@ -379,7 +297,7 @@ class OffloadedAdam:
         mask = None if self.grads_received is None else self.grads_received.received_local(group)
         # complete here means complete on every rank; otherwise wait for the ranks' verdict
         if mask is None or bool(mask.all()):
-            self._receives(i, mask)
+            self.groups[i].receive(mask)
             self._overlap[0].put(i)
 
     @property
@@ -398,8 +316,8 @@ class OffloadedAdam:
         try:
             if not abort:
                 masks = self._received_across_ranks()  # every rank calls this: a collective
-                for i in range(len(self.groups)):
-                    if i not in self._masks and self._receives(i, masks[i]):
+                for i, og in enumerate(self.groups):
+                    if not og.received and og.receive(masks[i]):
                         arrivals.put(i)
         finally:
             arrivals.close()
@@ -418,7 +336,7 @@ class OffloadedAdam:
             self._totals[k] = self._totals.get(k, 0) + v
         self._totals["steps"] += 1
 
-    def _pipeline(self, arrivals: _Arrivals, lr: float, grad_scale: float) -> dict[str, float]:
+    def _pipeline(self, arrivals: Arrivals, lr: float, grad_scale: float) -> dict[str, float]:
         """Update the groups in the order `arrivals` yields them, reading ahead up to
         buffer_count groups. See [Note: sub-group pipeline]."""
         reads: dict[int, list[TierFuture]] = {}
@@ -430,13 +348,13 @@ class OffloadedAdam:
             if next_read == k:
                 while bound_writes and self._pending and len(self._pending) + 1 > self.buffer_count:
                     t_write += self._retire_in_step()
-                reads[k] = self._issue_reads(i)
+                reads[k] = self.groups[i].issue_reads()
                 next_read += 1
             while (
                 next_read < arrivals.available()
                 and (next_read - k) + bound_writes * len(self._pending) < self.buffer_count
             ):
-                reads[next_read] = self._issue_reads(arrivals.at(next_read))
+                reads[next_read] = self.groups[arrivals.at(next_read)].issue_reads()
                 next_read += 1
             t0 = time.perf_counter()
             master, exp_avg, exp_avg_sq, grad = (f.result() for f in reads.pop(k))
@@ -444,7 +362,7 @@ class OffloadedAdam:
             self._update(i, master, exp_avg, exp_avg_sq, grad, lr, grad_scale)
             t2 = time.perf_counter()
             self.tm.record_span(f"adam {self.groups[i].name}", "adam", t1, t2, step=self.step_count)
-            self._pending.append((i, self._writer.submit(self._issue_writes, i)))
+            self._pending.append((i, self._writer.submit(self._finish_group, i)))
             while (
                 self._pending
                 and self._pending[0][1].done()
@@ -461,12 +379,6 @@ class OffloadedAdam:
         t_write += time.perf_counter() - t3
         return {"read_wait_s": t_read, "compute_s": t_comp, "write_wait_s": t_write}
 
-    def _issue_reads(self, i: int) -> list[TierFuture]:
-        plan = self.plans[i]
-        return [self.tm.fetch(p, plan.compute_tier) for p in self.states[i]] + [
-            self.tm.fetch(self._grads[i], plan.compute_tier)
-        ]
-
     def _update(
         self,
         i: int,
@@ -477,107 +389,29 @@ class OffloadedAdam:
         lr: float,
         grad_scale: float,
     ) -> None:
-        g, plan = self.groups[i], self.plans[i]
-        ext = _kernels()
-        runs = self.param_steps[i].runs(self._masks.get(i))
-        alias = i in self._param_is_master  # [Note: fp32 master is the parameter]: updated in place
+        og = self.groups[i]
         lowp = self.compute_dtype != torch.float32
-        out = None if alias else self.tm.allocate(g.param, plan.stage_tier).result()
+        out = og.staging_buffer()  # None: [Note: fp32 master is the parameter], updated in place
         if lowp and out is not None and out.device != master.device:
-            raise RuntimeError(f"group {g.name}: staging buffer on {out.device}, master on {master.device}")
-        if len(runs) == 1 and runs[0].stepped:  # the whole shard alike: one tensor, as ever
-            kw = self._kernel_args(runs[0], lr, grad_scale)
-            if out is None:
-                ext.adam_step(master, grad, exp_avg, exp_avg_sq, **kw)
-            elif plan.side == "cpu":
-                ext.adam_step(master, grad, exp_avg, exp_avg_sq, out_lowp=out if lowp else None, **kw)
-            else:
-                ext.gpu_adam_step(
-                    [master], [grad], [exp_avg], [exp_avg_sq], out_lowp=[out] if lowp else None, **kw
-                )
-        else:
-            self._step_runs(
-                runs, plan.side, master, grad, exp_avg, exp_avg_sq, out if lowp else None, lr, grad_scale
-            )
+            raise RuntimeError(f"group {og.name}: staging buffer on {out.device}, master on {master.device}")
+        adam_update(
+            self.opt,
+            og.runs(),
+            og.plan.side,
+            (master, grad, exp_avg, exp_avg_sq),
+            out if lowp else None,
+            step_count=self.step_count,
+            lr=lr,
+            grad_scale=grad_scale,
+        )
         if out is not None and not lowp:
             out.copy_(master)
 
-    def _kernel_args(self, run: Run, lr: float, grad_scale: float) -> dict[str, Any]:
-        return dict(
-            step=self.step_count - run.lag,
-            lr=float(lr) * run.hyper.lr_scale,
-            beta1=float(self.opt.betas[0]),
-            beta2=float(self.opt.betas[1]),
-            eps=float(self.opt.eps),
-            weight_decay=float(run.hyper.weight_decay),
-            adamw_mode=bool(self.opt.adamw_mode),
-            grad_scale=float(grad_scale),
-        )
-
-    def _step_runs(
-        self,
-        runs: Sequence[Run],
-        side: str,
-        master: torch.Tensor,
-        grad: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        out_lowp: torch.Tensor | None,
-        lr: float,
-        grad_scale: float,
-    ) -> None:
-        """Step a shard run by run (one kernel call per distinct hyper-parameter set, each run a
-        tensor with its own step count); skipped runs only refresh the compute-dtype copy."""
-        ext = _kernels()
-        by_hyper: dict[ParamHyper, list[Run]] = {}
-        for r in runs:
-            if r.stepped:
-                by_hyper.setdefault(r.hyper, []).append(r)
-            elif out_lowp is not None:  # a fresh staging buffer: it must hold the unchanged values
-                out_lowp[r.start : r.stop].copy_(master[r.start : r.stop])
-        for hyper_runs in by_hyper.values():
-            kw = self._kernel_args(hyper_runs[0], lr, grad_scale)
-            del kw["step"]
-
-            def cut(t: torch.Tensor) -> list[torch.Tensor]:
-                return [t[r.start : r.stop] for r in hyper_runs]  # noqa: B023 (used at once)
-
-            outs = cut(out_lowp) if out_lowp is not None else None
-            steps = [self.step_count - r.lag for r in hyper_runs]
-            if side == "cpu":
-                ext.check_scalars(step=min(steps), **{k: v for k, v in kw.items() if k != "adamw_mode"})
-                ext._adam_step_many(
-                    cut(master), cut(grad), cut(exp_avg), cut(exp_avg_sq), steps=steps, out_lowp=outs, **kw
-                )
-            else:
-                ext.gpu_adam_step(
-                    cut(master), cut(grad), cut(exp_avg), cut(exp_avg_sq), step=steps, out_lowp=outs, **kw
-                )
-
-    def _issue_writes(self, i: int) -> list[TierFuture]:
-        g, plan = self.groups[i], self.plans[i]
-        tm, futs = self.tm, []
-        alias = i in self._param_is_master
-        for part in self.states[i][1:] if alias else self.states[i]:
-            if not (plan.compute_tier == plan.state_home and part.valid_in() == {plan.state_home}):
-                # (an in-place update of the only copy, at home in memory, needs no bookkeeping)
-                tm.mark_dirty(part, plan.compute_tier)
-            tm.release(part, plan.compute_tier)
-            if plan.compute_tier != plan.state_home:
-                futs.append(tm.evict(part, plan.compute_tier))
-        grad = self._grads[i]
-        tm.release(grad, plan.compute_tier)
-        if plan.compute_tier != grad.home:
-            futs.append(tm.evict(grad, plan.compute_tier))  # clean: free
-        # the new parameter: in the staging tier, or (alias) in the compute tier the master came to
-        new_in = plan.compute_tier if alias else plan.stage_tier
-        if alias and not (new_in == g.param.home and g.param.valid_in() == {new_in}):
-            tm.mark_dirty(g.param, new_in)
-        tm.release(g.param, new_in)
-        if new_in != g.param.home and i not in self._keep_in_cpu:  # see [Note: max_in_cpu]
-            futs.append(tm.evict(g.param, new_in))
+    def _finish_group(self, i: int) -> list[TierFuture]:
+        og = self.groups[i]
+        futs = og.issue_writes()
         if self.on_params_written is not None:
-            self.on_params_written(g)
+            self.on_params_written(og.group)
         return futs
 
     def _retire_oldest(self) -> float:
@@ -630,47 +464,45 @@ class OffloadedAdam:
             self._stepper.shutdown(wait=True)
             self._writer.shutdown(wait=True)
 
-    # ---- introspection ---------------------------------------------------------------------
+    # ---- introspection: each group answers for itself ------------------------------------
     def state_partitions(self, group: ShardGroup) -> StatePartitions:
         """`group`'s master / exp_avg / exp_avg_sq partitions (checkpoints); the step count they
         belong to is `step_count`."""
-        return self.states[self._index[group.name]]
+        return self.group(group).states
 
     def master_shard(self, group_index: int) -> torch.Tensor:
         """A host copy of one group's fp32 master shard (tests, checkpoints)."""
-        part = self.states[group_index][0]
-        tier = self.plans[group_index].compute_tier
-        t = self.tm.fetch(part, tier).result()
-        try:
-            return t.detach().to("cpu", copy=True)
-        finally:
-            self.tm.release(part, tier)
+        return self.groups[group_index].master_shard()
+
+    def own_partitions(self) -> list[Partition]:
+        """Every partition the optimizer created (not the parameters', even where one is a master)."""
+        return [p for og in self.groups for p in og.own_partitions()]
 
     def checkpoint_partitions(self) -> dict[str, dict[str, Any]]:
         """For checkpoints (tiered/checkpoint): group name -> {"master", "exp_avg", "exp_avg_sq":
         Partition}; "master" is the group's parameter partition where that partition is the
         master (see [Note: fp32 master is the parameter])."""
-        return {g.name: parts._asdict() for g, parts in zip(self.groups, self.states, strict=True)}
+        return {og.name: og.checkpoint_partitions() for og in self.groups}
 
     def param_step_counts(self) -> dict[str, int]:
         """Per parameter name: its own step count (checkpoints; equal to `step_count` for every
         parameter that got a gradient in every step). See [Note: parameters without a gradient
         are not stepped]."""
         out: dict[str, int] = {}
-        for steps in self.param_steps:
-            out.update(steps.steps(self.step_count))
+        for og in self.groups:
+            out.update(og.param_step_counts(self.step_count))
         return out
 
     def load_param_step_counts(self, counts: Mapping[str, int] | None) -> None:
         """Set the per-parameter step counts (after `step_count`); None (an older checkpoint):
         every parameter counts every step."""
-        for steps in self.param_steps:
-            steps.load_steps(counts or {}, self.step_count)
+        for og in self.groups:
+            og.load_param_step_counts(counts or {}, self.step_count)
 
     def stats(self) -> dict[str, Any]:
         return {
-            "groups_cpu": sum(p.side == "cpu" for p in self.plans),
-            "groups_gpu": sum(p.side == "gpu" for p in self.plans),
+            "groups_cpu": sum(og.plan.side == "cpu" for og in self.groups),
+            "groups_gpu": sum(og.plan.side == "gpu" for og in self.groups),
             "buffer_count": self.buffer_count,
             "step_count": self.step_count,
             "last_step": dict(self.last_step),
