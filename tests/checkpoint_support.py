@@ -28,8 +28,11 @@ def full_state(engine: Any) -> dict[str, Any]:
     opt = {}
     for gname, parts in engine.optimizer.checkpoint_partitions().items():
         for kind, part in parts.items():
-            with resident(engine.tm, part) as t:
-                opt[f"{gname}.{kind}"] = t.detach().to("cpu", copy=True)
+            tiles = []
+            for p in part if isinstance(part, tuple) else (part,):  # a group stepped in tiles
+                with resident(engine.tm, p) as t:
+                    tiles.append(t.detach().to("cpu", copy=True))
+            opt[f"{gname}.{kind}"] = torch.cat(tiles)
     return {
         "params": params,
         "opt": opt,

@@ -194,9 +194,9 @@ def test_pipeline_bytes_formula(tmp_path: Any) -> None:
         plans = plan_groups(groups, config("nvme"), "nvme", gpu_is_host=True)
         # per group: 3 fp32 states read from nvme + bf16 param staged in cpu = 14 B/elem;
         # buffer_count 2 -> the two largest groups (250, 100)
-        assert pipeline_bytes(groups, plans, 2, torch.bfloat16) == {"cpu": 14 * (250 + 100)}
+        assert pipeline_bytes(groups, plans, 2, torch.bfloat16, 1 << 16) == {"cpu": 14 * (250 + 100)}
         plans_cpu = plan_groups(groups, config("cpu"), "cpu", gpu_is_host=True)
-        assert pipeline_bytes(groups, plans_cpu, 2, torch.bfloat16) == {"cpu": 2 * (250 + 100)}
+        assert pipeline_bytes(groups, plans_cpu, 2, torch.bfloat16, 1 << 16) == {"cpu": 2 * (250 + 100)}
     finally:
         tm.close()
 

@@ -98,6 +98,20 @@ def _tensor_names(gs: GroupState) -> dict[str, str]:
     return names
 
 
+def tiles_of(parts: Any) -> list[tuple[int, Any]]:
+    """(start in the shard, partition) of each tile holding one kind of a group's state: the
+    partition itself, or the tiles' partitions in shard order where the optimizer steps the group
+    in tiles (see [Note: sub-group pipeline] in tiered/optim/offload.py). The checkpoint holds
+    one tensor per kind either way."""
+    if not isinstance(parts, tuple):
+        return [(0, parts)]
+    out, start = [], 0
+    for p in parts:
+        out.append((start, p))
+        start += p.numel
+    return out
+
+
 def _written(gs: GroupState) -> list[tuple[str, Any]]:
     """(tensor name, partition) of each distinct partition of the group, in file order."""
     out, seen = [], set()
@@ -145,7 +159,10 @@ def save_engine_state(
     rng_json, rng_tensors = rng.capture()
     written = [(n, p) for gs in groups for n, p in _written(gs)]
     specs = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in rng_tensors.items()]
-    specs += [TensorSpec(n, p.dtype, (p.numel,)) for n, p in written]
+    specs += [
+        TensorSpec(n, tiles_of(p)[0][1].dtype, (sum(t.numel for _, t in tiles_of(p)),)) for n, p in written
+    ]
+    flat = [t for _, p in written for _, t in tiles_of(p)]
     need = comm.all_sum(file_bytes(specs))
     w = CheckpointWriter(save_dir, tag, owner=rank == 0)
     failed: BaseException | None = None
@@ -163,12 +180,12 @@ def save_engine_state(
             for t in tm.tier_names
             if tm.tier(t).backend.capabilities.memory_like
         )
-        with ChunkPipeline(_buffer_bytes(chunk_bytes, [p for _, p in written])) as pipe:
+        with ChunkPipeline(_buffer_bytes(chunk_bytes, flat)) as pipe:
             buf = torch.empty(pipe.chunk_bytes, dtype=torch.uint8, pin_memory=True) if on_device else None
 
             def chunks() -> Iterator[torch.Tensor]:
                 yield from rng_tensors.values()
-                for _, part in written:
+                for part in flat:
                     yield from read_chunks(tm, part, pipe, buf)
 
             rec = w.write_file(rank_file(rank), specs, chunks(), {"format": d.FORMAT, "rank": str(rank)})
@@ -389,7 +406,8 @@ def load_engine_state(
                     src_off = int(p["start_in_shard"]) + lo - int(p["start_in_param"])
                     copies.append((s_shard + lo - s_param, src_off, hi - lo, src_name, int(p["rank"])))
                     need_files.add(int(p["rank"]))
-            plan.append((part, kind, copies))
+            for start, tile in tiles_of(part):  # each tile takes the copies' bytes that fall in it
+                plan.append((tile, kind, _within(copies, start, start + tile.numel)))
     own = comm.rank if comm.rank in ranks else None
     if own is not None:
         need_files.add(own)
@@ -421,6 +439,19 @@ def load_engine_state(
             lay = ranks[own]
             with safe_open(os.path.join(path, lay["file"]), "pt") as f:
                 rng.restore(lay["rng"], {k: f.get_tensor(k) for k in lay["rng"]["tensors"]})
+
+
+def _within(
+    copies: list[tuple[int, int, int, str, int]], start: int, stop: int
+) -> list[tuple[int, int, int, str, int]]:
+    """The parts of `copies` (destination offsets in the shard) inside [start, stop), with
+    destinations relative to `start`."""
+    out = []
+    for dst, src_off, n, name, rank in copies:
+        lo, hi = max(dst, start), min(dst + n, stop)
+        if lo < hi:
+            out.append((lo - start, src_off + lo - dst, hi - lo, name, rank))
+    return out
 
 
 def _segment(

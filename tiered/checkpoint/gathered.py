@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tiered.checkpoint.engine_state import tiles_of
 from tiered.checkpoint.partition_io import write_partition
 
 
@@ -63,6 +64,8 @@ def gathered_parameters(
         write_partition(tm, g.param, shard)
         master = optimizer_parts.get(g.name, {}).get("master")
         if master is not None and master is not g.param:
-            write_partition(tm, master, shard.to(torch.float32))
+            fp32 = shard.to(torch.float32)
+            for start, tile in tiles_of(master):  # a group stepped in tiles: one partition each
+                write_partition(tm, tile, fp32[start : start + tile.numel])
     if shards:
         zero.params_updated()

@@ -69,7 +69,12 @@ def initialize(
     """
     from tiered.config.loader import config_for_training
     from tiered.optim.offload import OffloadedAdam
-    from tiered.optim.placement import pipeline_bytes, plan_optimizer_placement, tier_is_host
+    from tiered.optim.placement import (
+        optimizer_tile_numel,
+        pipeline_bytes,
+        plan_optimizer_placement,
+        tier_is_host,
+    )
     from tiered.zero import ZeroParameters
 
     if not isinstance(model, torch.nn.Module):
@@ -130,11 +135,17 @@ def initialize(
         plans = plan_optimizer_placement(
             trainable, cfg, placement.optimizer_tier, gpu_is_host=tier_is_host(tm, "gpu")
         )
+        tile = optimizer_tile_numel(cfg)  # the one OffloadedAdam steps with: [Note: sub-group pipeline]
         pipe = pipeline_bytes(
-            trainable, plans, cfg.zero.offload_optimizer.buffer_count, placement.compute_dtype
+            trainable, plans, cfg.zero.offload_optimizer.buffer_count, placement.compute_dtype, tile
         )
         needs = capacity_needs(
-            zp.groups, plans, zp.gpu_need, pipeline=pipe, compute_dtype=placement.compute_dtype
+            zp.groups,
+            plans,
+            zp.gpu_need,
+            pipeline=pipe,
+            compute_dtype=placement.compute_dtype,
+            tile_numel=tile,
         )
         check_capacity(tm, needs)
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]

@@ -14,9 +14,10 @@ that cannot work is reported at `initialize`, never mid-step. Per tier the need 
                  shard + full buffer) + every persistent group (resident for the whole run); the
                  ZeRO-3 scheduler computes these once, when it plans the groups
                  (`tiered.zero.budget.check_gather_budgets`, its `ZeroParameters.gpu_need`)
-    + pipeline   the optimizer's staging buffers (`tiered.optim.offload.pipeline_bytes`):
-                 buffer_count x the largest (3 x 4 B states + 4 B grad + param bytes) x shard_numel
-                 of the groups whose bytes are not at home in that tier
+    + pipeline   the optimizer's staging buffers (`tiered.optim.placement.pipeline_bytes`):
+                 buffer_count x the largest tile's states (3 x 4 B x at most sub_group_size
+                 elements) + buffer_count x the largest groups' whole gradient and parameter
+                 (4 B + param bytes) x shard_numel, of the bytes not at home in that tier
 
 and a budget below it raises CapacityError with the numbers and what to change. The check is a
 lower bound: prefetching more than one group is backpressured by the tier manager, never required.
@@ -274,6 +275,7 @@ def capacity_needs(
     *,
     pipeline: dict[str, int],
     compute_dtype: torch.dtype,
+    tile_numel: int,
 ) -> dict[str, dict[str, Any]]:
     """Per tier: {"homes": bytes, "gather": bytes, "persistent": bytes, "pipeline": bytes,
     "module": what the gather is for, "total", "to_write": [nbytes of each partition not yet
@@ -293,7 +295,7 @@ def capacity_needs(
         if g.grad is not None:
             at(g.grad.home)["homes"] += g.grad.nbytes
     for g, p in zip([g for g in groups if g.trainable], plans, strict=True):  # frozen: no state
-        for _, numel, dtype, home in state_partition_specs(g, p, compute_dtype):
+        for _, numel, dtype, home in state_partition_specs(g, p, compute_dtype, tile_numel):
             nbytes = numel * dtype.itemsize
             at(home)["homes"] += nbytes
             at(home)["to_write"].append(nbytes)

@@ -1,24 +1,43 @@
 """One trainable shard group as the offloaded optimizer sees it: its plan, its partitions, its
-step counts, this step's received mask, and the tier protocol that moves them (the pipeline in
-tiered/optim/offload.py only orders the groups).
+step counts, this step's received mask, and the tier protocol that moves them, tile by tile (the
+pipeline in tiered/optim/offload.py only orders the tiles).
 
 Lifetime: the engine's. An `OptimGroup` is made once at initialize, when its state partitions
-are created, and lives until the engine closes; the mask is the only per-step field.
+are created, and lives until the engine closes; per step it holds only its received mask and,
+from its first tile's read to its last tile's write, the whole-group reads and staging buffer.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from tiered.optim.placement import GroupPlan, StatePartitions, state_partition_specs
+from tiered.optim.placement import (
+    STATE_SUFFIXES,
+    GroupPlan,
+    StatePartitions,
+    master_is_param,
+    state_partition_specs,
+    tile_bounds,
+)
 from tiered.optim.runs import GroupSteps, ParamHyper, Run
 from tiered.shards import ShardGroup
 
 if TYPE_CHECKING:
     from tiered.tiers import Partition, TierFuture, TierManager
+
+
+class Tile(NamedTuple):
+    """One slice [start, stop) of a group's shard, stepped as one unit of the pipeline, and its
+    state partitions (the master is the group's whole parameter partition where
+    [Note: fp32 master is the parameter])."""
+
+    start: int
+    stop: int
+    states: StatePartitions
 
 
 class OptimGroup:
@@ -34,9 +53,10 @@ class OptimGroup:
         *,
         compute_dtype: torch.dtype,
         keep_in_cpu: bool,
+        tile_numel: int,
     ) -> None:
-        """Create `group`'s state partitions (the specs the engine's capacity check counted),
-        the master filled from `initial_fp32` (its fp32 shard)."""
+        """Create `group`'s state partitions, tile by tile (the specs the engine's capacity check
+        counted), the master filled from `initial_fp32` (its fp32 shard)."""
         if group.grad is None:
             raise ValueError(
                 f"OffloadedAdam steps trainable groups only; group {group.name} is frozen (no gradient)"
@@ -56,18 +76,26 @@ class OptimGroup:
                 f"initial fp32 shard of group {group.name} has {master.numel()} elements, "
                 f"expected shard_numel={group.shard_numel}"
             )
-        specs = state_partition_specs(group, plan, compute_dtype)
-        self.param_is_master = len(specs) == 2
+        self.param_is_master = master_is_param(group, plan, compute_dtype)
         """[Note: fp32 master is the parameter]: the param partition is the master."""
-        made = [
-            tm.create(name, numel, dtype, home, init=master if name.endswith(".master") else None)
-            for name, numel, dtype, home in specs
-        ]
+        specs = iter(state_partition_specs(group, plan, compute_dtype, tile_numel))
+        self.tiles: list[Tile] = []
+        """Its shard's tiles in order (one, the whole shard, unless its states are staged)."""
+        for a, b in tile_bounds(group, plan, tile_numel):
+            made = []
+            for name, numel, dtype, home in itertools.islice(specs, 2 if self.param_is_master else 3):
+                init = master[a:b] if name[len(group.name) + 1 :].startswith("master") else None
+                made.append(tm.create(name, numel, dtype, home, init=init))
+            states = StatePartitions(group.param, *made) if self.param_is_master else StatePartitions(*made)
+            self.tiles.append(Tile(a, b, states))
         del master
-        self.states = StatePartitions(group.param, *made) if self.param_is_master else StatePartitions(*made)
-        """Its master / exp_avg / exp_avg_sq partitions."""
         self._received = False
         self._mask: torch.Tensor | None = None
+        # this step's whole-group reads (the gradient; the parameter where it is the master) and
+        # staging buffer, taken by its first tile and given back by its last
+        self._grad_read: TierFuture[torch.Tensor] | None = None
+        self._master_read: TierFuture[torch.Tensor] | None = None
+        self._out: torch.Tensor | None = None
 
     @property
     def name(self) -> str:
@@ -76,6 +104,16 @@ class OptimGroup:
     @property
     def shard_numel(self) -> int:
         return self.group.shard_numel
+
+    @property
+    def states(self) -> StatePartitions:
+        """Its master / exp_avg / exp_avg_sq partitions (a group stepped in one tile)."""
+        if len(self.tiles) != 1:
+            raise ValueError(
+                f"group {self.name} is stepped in {len(self.tiles)} tiles, each with its own state "
+                "partitions: ask its .tiles (or checkpoint_partitions())"
+            )
+        return self.tiles[0].states
 
     # ---- this step's received set: [Note: parameters without a gradient are not stepped] ----
     def receive(self, mask: torch.Tensor | None) -> bool:
@@ -88,9 +126,18 @@ class OptimGroup:
         """Its received set of this step is recorded (`receive` was called)."""
         return self._received
 
-    def runs(self) -> list[Run]:
-        """The shard's runs for this step's received set."""
-        return self.steps.runs(self._mask)
+    def runs(self, j: int = 0) -> list[Run]:
+        """Tile `j`'s runs for this step's received set, relative to the tile."""
+        runs = self.steps.runs(self._mask)
+        a, b = self.tiles[j].start, self.tiles[j].stop
+        if (a, b) == (0, self.shard_numel):
+            return runs
+        clipped = []
+        for r in runs:
+            lo, hi = max(r.start, a), min(r.stop, b)
+            if lo < hi:
+                clipped.append(r._replace(start=lo - a, stop=hi - a))
+        return clipped
 
     def advance(self) -> None:
         """The step is done: entries that got no gradient (all, if never received) fall behind."""
@@ -101,42 +148,81 @@ class OptimGroup:
     # ---- the tier protocol ---------------------------------------------------------------
     def own_partitions(self) -> list[Partition]:
         """The partitions this group's optimizer owns (the parameter's is zero's, even as master)."""
-        return [p for p in self.states if p is not self.group.param]
+        return [p for t in self.tiles for p in t.states if p is not self.group.param]
 
-    def prefetch_bytes(self) -> int:
-        """Bytes `prefetch` would bring into the compute tier (0: the states live there)."""
+    def _read_by(self, j: int) -> list[Partition]:
+        """The state partitions tile `j`'s read brings in (the whole parameter, where it is the
+        master, with the first tile only)."""
+        return [p for p in self.tiles[j].states if j == 0 or p is not self.group.param]
+
+    def prefetch_bytes(self, j: int) -> int:
+        """Bytes `prefetch(j)` would bring into the compute tier (0: the states live there)."""
         if self.plan.state_home == self.plan.compute_tier:
             return 0
-        return sum(p.nbytes for p in self.states)
+        return sum(p.nbytes for p in self._read_by(j))
 
-    def prefetch(self) -> list[TierFuture]:
-        """Start reading the states into the compute tier, unpinned ([Note: pipeline_read])."""
-        return [self.tm.prefetch(p, self.plan.compute_tier) for p in self.states]
+    def prefetch(self, j: int) -> list[TierFuture]:
+        """Start reading tile `j`'s states into the compute tier, unpinned ([Note: pipeline_read])."""
+        return [self.tm.prefetch(p, self.plan.compute_tier) for p in self._read_by(j)]
 
-    def issue_reads(self) -> list[TierFuture]:
-        """Fetch (pin) master, exp_avg, exp_avg_sq and the gradient into the compute tier."""
-        tier = self.plan.compute_tier
-        return [self.tm.fetch(p, tier) for p in self.states] + [self.tm.fetch(self.grad, tier)]
+    def issue_reads(self, j: int) -> list[TierFuture[torch.Tensor]]:
+        """Fetch (pin) tile `j`'s master, exp_avg, exp_avg_sq into the compute tier, and with the
+        first tile the whole gradient (and the parameter where it is the master); the futures of
+        (master, exp_avg, exp_avg_sq, grad), the whole-group ones whole (`tile_views`)."""
+        tier, tm, st = self.plan.compute_tier, self.tm, self.tiles[j].states
+        if j == 0 and self.param_is_master:
+            self._master_read = tm.fetch(self.group.param, tier)
+        master = self._master_read if self.param_is_master else tm.fetch(st.master, tier)
+        exp_avg, exp_avg_sq = tm.fetch(st.exp_avg, tier), tm.fetch(st.exp_avg_sq, tier)
+        if j == 0:
+            self._grad_read = tm.fetch(self.grad, tier)
+        if master is None or self._grad_read is None:
+            raise RuntimeError(f"group {self.name}: tile {j} read before tile 0")
+        return [master, exp_avg, exp_avg_sq, self._grad_read]
 
-    def staging_buffer(self) -> torch.Tensor | None:
-        """A pinned buffer for the new compute-dtype parameter in the stage tier (None where the
-        master is the parameter and is updated in place)."""
+    def tile_views(
+        self,
+        j: int,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tile `j`'s (master, grad, exp_avg, exp_avg_sq) from what `issue_reads(j)` fetched."""
+        if len(self.tiles) == 1:
+            return master, grad, exp_avg, exp_avg_sq
+        a, b = self.tiles[j].start, self.tiles[j].stop
+        return (master[a:b] if self.param_is_master else master), grad[a:b], exp_avg, exp_avg_sq
+
+    def staging_buffer(self, j: int) -> torch.Tensor | None:
+        """Tile `j`'s part of a pinned buffer for the new compute-dtype parameter in the stage
+        tier, allocated whole with the first tile (None where the master is the parameter and is
+        updated in place)."""
         if self.param_is_master:
             return None
-        return self.tm.allocate(self.group.param, self.plan.stage_tier).result()
+        if j == 0:
+            self._out = self.tm.allocate(self.group.param, self.plan.stage_tier).result()
+        assert self._out is not None, f"group {self.name}: tile {j} stepped before tile 0"
+        return self._out if len(self.tiles) == 1 else self._out[self.tiles[j].start : self.tiles[j].stop]
 
-    def issue_writes(self) -> list[TierFuture]:
-        """After the update: the states dirty where they changed, everything unpinned, what was
-        staged away from home evicted (a write-back when home is slower); the futures."""
+    def issue_writes(self, j: int) -> list[TierFuture]:
+        """After tile `j`'s update: its states dirty where they changed, unpinned, evicted when
+        staged away from home (a write-back when home is slower); after the last tile the same
+        for the gradient (clean: freed) and the new parameter. The futures."""
         plan, tm, futs = self.plan, self.tm, []
         param = self.group.param
-        for part in self.own_partitions():
+        for part in self.tiles[j].states:
+            if part is param:
+                continue
             if not (plan.compute_tier == plan.state_home and part.valid_in() == {plan.state_home}):
                 # (an in-place update of the only copy, at home in memory, needs no bookkeeping)
                 tm.mark_dirty(part, plan.compute_tier)
             tm.release(part, plan.compute_tier)
             if plan.compute_tier != plan.state_home:
                 futs.append(tm.evict(part, plan.compute_tier))
+        if j < len(self.tiles) - 1:
+            return futs
+        self._grad_read = self._master_read = self._out = None
         tm.release(self.grad, plan.compute_tier)
         if plan.compute_tier != self.grad.home:
             futs.append(tm.evict(self.grad, plan.compute_tier))  # clean: free
@@ -152,17 +238,29 @@ class OptimGroup:
     # ---- checkpoints and tests -----------------------------------------------------------
     def master_shard(self) -> torch.Tensor:
         """A host copy of its fp32 master shard."""
-        part, tier = self.states.master, self.plan.compute_tier
-        t = self.tm.fetch(part, tier).result()
-        try:
-            return t.detach().to("cpu", copy=True)
-        finally:
-            self.tm.release(part, tier)
+        tier = self.plan.compute_tier
+        parts = [self.group.param] if self.param_is_master else [t.states.master for t in self.tiles]
+        out = []
+        for part in parts:
+            t = self.tm.fetch(part, tier).result()
+            try:
+                out.append(t.detach().to("cpu", copy=True))
+            finally:
+                self.tm.release(part, tier)
+        return out[0] if len(out) == 1 else torch.cat(out)
 
-    def checkpoint_partitions(self) -> dict[str, Partition]:
-        """{"master", "exp_avg", "exp_avg_sq": Partition}; "master" is the parameter partition
-        where that is the master."""
-        return self.states._asdict()
+    def checkpoint_partitions(self) -> dict[str, Partition | tuple[Partition, ...]]:
+        """{"master", "exp_avg", "exp_avg_sq": Partition}, or where the group is stepped in
+        several tiles, per kind the tiles' partitions in shard order; "master" is the parameter
+        partition where that is the master."""
+        if len(self.tiles) == 1:
+            return dict(self.tiles[0].states._asdict())
+        out: dict[str, Partition | tuple[Partition, ...]] = {
+            kind: tuple(getattr(t.states, kind) for t in self.tiles) for kind in STATE_SUFFIXES
+        }
+        if self.param_is_master:
+            out["master"] = self.group.param
+        return out
 
     def param_step_counts(self, step_count: int) -> dict[str, int]:
         return self.steps.steps(step_count)

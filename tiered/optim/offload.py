@@ -3,18 +3,49 @@
 [Note: sub-group pipeline]
 Each trainable shard group has an `OptimGroup` (tiered/optim/group.py) owning its plan, its
 state and gradient partitions, its step counts and this step's received mask, and moving them
-(reads, write-backs) itself; `OffloadedAdam` is the pipeline that orders the groups. The
-optimizer state (fp32 master, exp_avg, exp_avg_sq) of each shard group lives in its own
-partitions on the optimizer tier ("gpu" when offload_optimizer.device is none, else "cpu" or
-"nvme"). A step walks the groups in execution order (so the next forward's first layers get their
-new parameters first) and keeps up to ``buffer_count`` groups in flight at once:
+(reads, write-backs) itself; `OffloadedAdam` is the pipeline that orders them. The optimizer
+state (fp32 master, exp_avg, exp_avg_sq) of each shard group lives in partitions of its own on
+the optimizer tier ("gpu" when offload_optimizer.device is none, else "cpu" or "nvme").
 
-    read  group i+1.. : fetch states + fp32 grad into the compute tier (async, TierManager)
-    adam  group i     : tiered_ext.adam_step (CPU) / gpu_adam_step (GPU side), the new
-                        compute-dtype parameter written in the same pass into a buffer the
-                        TierManager allocated for ``group.param``
-    write group i-1.. : states marked dirty, released and evicted from the compute tier (a write
-                        back when their home is slower, e.g. nvme), params evicted to their home
+Tiles. The group planner never splits a parameter (tiered/zero/plan.py), so one parameter larger
+than ``sub_group_size`` (a 128k-vocabulary embedding: 1.05B elements) makes a group that large.
+Where a group's states are read from a slower home (offload_optimizer.device nvme, or any home
+that is not the compute tier), its states are therefore partitions per *tile* of at most
+``sub_group_size`` elements (`tile_bounds`; names ``<group>.<state>.t<index>``), and the step
+takes one tile at a time: DeepSpeed's meaning of the key, an optimizer step over at most that
+many elements. A group whose states live in the compute tier stages nothing and keeps one tile,
+the whole shard. The tile is never below `MIN_TILE_NUMEL` (one 64 Ki block of the CPU kernel's
+threads): ``sub_group_size`` 0 (one parameter per group, in DeepSpeed) would otherwise mean
+one-element tiles. Adam is elementwise and the kernel gives an element the same bits on any path
+([Note: bitwise-identical paths] in tiered_ext/csrc/cpu_adam/scalar_ops.h), so a tiled step is bitwise the untiled one; a
+checkpoint holds one tensor per state either way, so it loads into any tiling.
+
+A step walks the groups in execution order (so the next forward's first layers get their new
+parameters first), tile by tile, and keeps up to ``buffer_count`` tiles in flight at once:
+
+    read  tile k+1.. : fetch its states into the compute tier (async, TierManager); with a
+                       group's first tile, its whole fp32 gradient too
+    adam  tile k     : tiered_ext.adam_step (CPU) / gpu_adam_step (GPU side), the new
+                       compute-dtype parameter written in the same pass into a buffer the
+                       TierManager allocated for ``group.param`` (with the group's first tile)
+    write tile k-1.. : states marked dirty, released and evicted from the compute tier (a write
+                       back when their home is slower, e.g. nvme); after a group's last tile,
+                       its gradient released and its new parameter evicted to its home
+
+The gradient and the parameter are zero's partitions, one per group, and the tier manager moves
+a partition whole, so they are staged whole: tiles bound the 8-12 B/element of state, not the
+2-4 B of the parameter (nor the 4 B of a gradient kept on nvme, ``tiered.grad_tier``). "In
+flight" counts tiles whose reads are issued but not consumed plus tiles whose write-backs have
+not finished; a group's whole buffers live while one of its tiles is in flight, so at most
+``buffer_count`` groups hold them. The pinned staging is then bounded by
+
+    buffer_count x the largest tiles x (12 B, or 8 B where the parameter is the master)
+    + buffer_count x the largest groups x (4 B grad if not at home + param bytes if staged)
+
+per tier (`tiered.optim.placement.pipeline_bytes`): what `stage_bytes_needed` reports and the
+engine checks against the budgets before training (for the 36B, 128k-vocabulary headline at
+``sub_group_size`` 1e8 and ``buffer_count`` 4, bf16, parameters and states on nvme, gradients in cpu: 4.8 GB of
+state tiles + 5.1 GB of whole parameters instead of ~46 GB for the four largest groups whole).
 
 [Note: write-back after the step]
 The step returns with the last groups' write-backs still in flight. That is safe because the
@@ -32,11 +63,6 @@ is logged). `Engine.step` calls it before it counts anything, so the step that r
 nothing yet: once space is freed, ``engine.flush()`` writes the dirty copies home and the same
 ``engine.step()`` goes on, ending bit for bit where an undisturbed run does.
 
-"In flight" counts groups whose reads are issued but not consumed plus groups whose write-backs
-have not finished, so the pinned staging memory is bounded by
-``buffer_count x (12 + param bytes) x largest shard``: what `stage_bytes_needed` reports and the
-engine checks against the cpu budget before training.
-
 [Note: max_in_cpu]
 New parameters staged in "cpu" whose home is slower (nvme) stay there, dirty, for up to
 ``offload_param.max_in_cpu`` elements (DeepSpeed's knob of the same meaning, "parameter elements
@@ -49,8 +75,8 @@ written through to NVMe every step: on benchmarks/step.py that was 143 of 428 MB
 
 [Note: pipeline_read]
 At the start of the last backward of a step the engine calls `prefetch_states`: the first
-``buffer_count`` groups' states start moving into the compute tier, so the step does not begin
-with a read. With ``offload_optimizer.pipeline_read`` every group's states are prefetched, in step
+``buffer_count`` tiles' states start moving into the compute tier, so the step does not begin
+with a read. With ``offload_optimizer.pipeline_read`` every tile's states are prefetched, in step
 order, while backward runs (the read link is otherwise idle then): the step then mostly finds its
 states resident, at the cost of holding them in the cpu tier transiently. Prefetches are unpinned
 and issued only while they fit in half of the cpu tier's free budget, so they never crowd out
@@ -103,6 +129,7 @@ from tiered.optim.kernels import adam_update
 from tiered.optim.placement import (
     GroupPlan,
     StatePartitions,
+    optimizer_tile_numel,
     pipeline_bytes,
     plan_optimizer_placement,
     tier_is_host,
@@ -180,6 +207,8 @@ class OffloadedAdam:
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-opt-step")
         self._overlap: tuple[Arrivals, Future[dict[str, float]]] | None = None
         self._timeout_s = float(getattr(cfg.tiered, "timeout_s", 600.0))
+        self.tile_numel = optimizer_tile_numel(cfg)
+        """Elements per tile of a group whose states are staged ([Note: sub-group pipeline])."""
         shards = list(groups)
         if plans is None:
             plans = plan_optimizer_placement(shards, cfg, optimizer_tier, gpu_is_host=tier_is_host(tm, "gpu"))
@@ -200,7 +229,16 @@ class OffloadedAdam:
         """Per trainable group, in execution order: its plan, partitions, step counts, mask."""
         for g, plan, h, kept in zip(shards, plans, hypers, keep, strict=True):
             self.groups.append(
-                OptimGroup(tm, g, plan, h, initial_fp32(g), compute_dtype=compute_dtype, keep_in_cpu=kept)
+                OptimGroup(
+                    tm,
+                    g,
+                    plan,
+                    h,
+                    initial_fp32(g),
+                    compute_dtype=compute_dtype,
+                    keep_in_cpu=kept,
+                    tile_numel=self.tile_numel,
+                )
             )
         self._index = {og.name: i for i, og in enumerate(self.groups)}
         self._write_errors: list[Exception] = []
@@ -220,6 +258,7 @@ class OffloadedAdam:
             [og.plan for og in self.groups],
             self.buffer_count,
             self.compute_dtype,
+            self.tile_numel,
         )
 
     def group(self, group: ShardGroup) -> OptimGroup:
@@ -232,10 +271,11 @@ class OffloadedAdam:
         the step's reads find them resident; returns the prefetch futures. See [Note: pipeline_read]."""
         tm = self.tm
         futs: list[TierFuture] = []
-        count = len(self.groups) if self.cfg.zero.offload_optimizer.pipeline_read else self.buffer_count
+        jobs = [(og, j) for og in self.groups for j in range(len(og.tiles))]
+        count = len(jobs) if self.cfg.zero.offload_optimizer.pipeline_read else self.buffer_count
         room: dict[str, float] = {}
-        for og in self.groups[:count]:
-            need = og.prefetch_bytes()
+        for og, j in jobs[:count]:
+            need = og.prefetch_bytes(j)
             if not need:
                 continue
             tier = og.plan.compute_tier
@@ -245,7 +285,7 @@ class OffloadedAdam:
             if need > room[tier]:
                 break
             room[tier] -= need
-            futs.extend(og.prefetch())
+            futs.extend(og.prefetch(j))
         return futs
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
@@ -337,32 +377,48 @@ class OffloadedAdam:
         self._totals["steps"] += 1
 
     def _pipeline(self, arrivals: Arrivals, lr: float, grad_scale: float) -> dict[str, float]:
-        """Update the groups in the order `arrivals` yields them, reading ahead up to
-        buffer_count groups. See [Note: sub-group pipeline]."""
-        reads: dict[int, list[TierFuture]] = {}
+        """Update the groups tile by tile in the order `arrivals` yields them, reading ahead up to
+        buffer_count tiles. See [Note: sub-group pipeline]."""
+        jobs: list[tuple[int, int]] = []  # (group, tile) in step order
+        expanded = 0  # arrivals turned into jobs
+
+        def expand(i: int) -> None:
+            nonlocal expanded
+            jobs.extend((i, j) for j in range(len(self.groups[i].tiles)))
+            expanded += 1
+
+        reads: dict[int, list[TierFuture[torch.Tensor]]] = {}
         t_read = t_comp = t_write = 0.0
         k = next_read = 0
         # pipeline_write: write-backs are not counted against the window (see [Note: pipeline_read])
         bound_writes = not self.cfg.zero.offload_optimizer.pipeline_write
-        while (i := arrivals.get(k)) is not None:
+        while True:
+            if k == len(jobs):
+                if (i := arrivals.get(expanded)) is None:
+                    break
+                expand(i)
+            while expanded < arrivals.available():
+                expand(arrivals.at(expanded))
+            i, j = jobs[k]
             if next_read == k:
                 while bound_writes and self._pending and len(self._pending) + 1 > self.buffer_count:
                     t_write += self._retire_in_step()
-                reads[k] = self.groups[i].issue_reads()
+                reads[k] = self.groups[i].issue_reads(j)
                 next_read += 1
             while (
-                next_read < arrivals.available()
+                next_read < len(jobs)
                 and (next_read - k) + bound_writes * len(self._pending) < self.buffer_count
             ):
-                reads[next_read] = self.groups[arrivals.at(next_read)].issue_reads()
+                reads[next_read] = self.groups[jobs[next_read][0]].issue_reads(jobs[next_read][1])
                 next_read += 1
             t0 = time.perf_counter()
             master, exp_avg, exp_avg_sq, grad = (f.result() for f in reads.pop(k))
             t1 = time.perf_counter()
-            self._update(i, master, exp_avg, exp_avg_sq, grad, lr, grad_scale)
+            self._update(i, j, master, exp_avg, exp_avg_sq, grad, lr, grad_scale)
             t2 = time.perf_counter()
-            self.tm.record_span(f"adam {self.groups[i].name}", "adam", t1, t2, step=self.step_count)
-            self._pending.append((i, self._writer.submit(self._finish_group, i)))
+            tile = {"tile": j} if len(self.groups[i].tiles) > 1 else {}
+            self.tm.record_span(f"adam {self.groups[i].name}", "adam", t1, t2, step=self.step_count, **tile)
+            self._pending.append((i, self._writer.submit(self._finish_tile, i, j)))
             while (
                 self._pending
                 and self._pending[0][1].done()
@@ -382,6 +438,7 @@ class OffloadedAdam:
     def _update(
         self,
         i: int,
+        j: int,
         master: torch.Tensor,
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
@@ -389,14 +446,16 @@ class OffloadedAdam:
         lr: float,
         grad_scale: float,
     ) -> None:
+        """Step tile `j` of group `i` (tensors as its reads returned them)."""
         og = self.groups[i]
         lowp = self.compute_dtype != torch.float32
-        out = og.staging_buffer()  # None: [Note: fp32 master is the parameter], updated in place
+        master, grad, exp_avg, exp_avg_sq = og.tile_views(j, master, exp_avg, exp_avg_sq, grad)
+        out = og.staging_buffer(j)  # None: [Note: fp32 master is the parameter], updated in place
         if lowp and out is not None and out.device != master.device:
             raise RuntimeError(f"group {og.name}: staging buffer on {out.device}, master on {master.device}")
         adam_update(
             self.opt,
-            og.runs(),
+            og.runs(j),
             og.plan.side,
             (master, grad, exp_avg, exp_avg_sq),
             out if lowp else None,
@@ -407,10 +466,10 @@ class OffloadedAdam:
         if out is not None and not lowp:
             out.copy_(master)
 
-    def _finish_group(self, i: int) -> list[TierFuture]:
+    def _finish_tile(self, i: int, j: int) -> list[TierFuture]:
         og = self.groups[i]
-        futs = og.issue_writes()
-        if self.on_params_written is not None:
+        futs = og.issue_writes(j)
+        if j == len(og.tiles) - 1 and self.on_params_written is not None:
             self.on_params_written(og.group)
         return futs
 

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from tiered.tiers import Partition, TierManager
 
 STATE_SUFFIXES = ("master", "exp_avg", "exp_avg_sq")
+MIN_TILE_NUMEL = 1 << 16
+"""The smallest tile: one block of the CPU kernel's threads (tiered_ext: 64 Ki elements); a
+smaller ``sub_group_size`` (0 means one parameter per group in DeepSpeed) would only add
+partitions and round trips, not bound anything further."""
 _FP32 = 4
 
 
@@ -56,13 +60,42 @@ def master_is_param(group: ShardGroup, plan: GroupPlan, compute_dtype: torch.dty
     return compute_dtype == torch.float32 and plan.side == "cpu" and group.param.home == plan.state_home
 
 
+def optimizer_tile_numel(cfg: TieredConfig) -> int:
+    """Elements per tile of the optimizer pipeline: ``sub_group_size``, at least `MIN_TILE_NUMEL`.
+    See [Note: sub-group pipeline]."""
+    return max(int(cfg.zero.sub_group_size_numel), MIN_TILE_NUMEL)
+
+
+def tile_bounds(group: ShardGroup, plan: GroupPlan, tile_numel: int) -> list[tuple[int, int]]:
+    """The [start, stop) slices of `group`'s shard its step takes one at a time: tiles of
+    `tile_numel` elements (the last one shorter) where its states are read from a slower home,
+    else the whole shard (nothing is staged). See [Note: sub-group pipeline]."""
+    n = group.shard_numel
+    if tile_numel <= 0:
+        raise ValueError(f"tile_numel must be positive, got {tile_numel}")
+    if plan.state_home == plan.compute_tier or n <= tile_numel:
+        return [(0, n)]
+    return [(a, min(a + tile_numel, n)) for a in range(0, n, tile_numel)]
+
+
 def state_partition_specs(
-    group: ShardGroup, plan: GroupPlan, compute_dtype: torch.dtype
+    group: ShardGroup, plan: GroupPlan, compute_dtype: torch.dtype, tile_numel: int
 ) -> list[tuple[str, int, torch.dtype, str]]:
-    """(name, numel, dtype, home) of each optimizer-state partition `OffloadedAdam` creates for
-    `group`: what it allocates, and what the engine's capacity check counts before it does."""
+    """(name, numel, dtype, home) of each optimizer-state partition `OptimGroup` creates for
+    `group`, tile by tile (`tile_bounds`; a tiled one's names end in ``.t<index>``): what it
+    allocates, and what the engine's capacity check counts before it does."""
     suffixes = STATE_SUFFIXES[1:] if master_is_param(group, plan, compute_dtype) else STATE_SUFFIXES
-    return [(f"{group.name}.{s}", group.shard_numel, torch.float32, plan.state_home) for s in suffixes]
+    bounds = tile_bounds(group, plan, tile_numel)
+    return [
+        (
+            f"{group.name}.{s}" + (f".t{j:04d}" if len(bounds) > 1 else ""),
+            b - a,
+            torch.float32,
+            plan.state_home,
+        )
+        for j, (a, b) in enumerate(bounds)
+        for s in suffixes
+    ]
 
 
 def plan_optimizer_placement(
@@ -92,32 +125,62 @@ def plan_optimizer_placement(
 
 
 def pipeline_bytes(
-    groups: Sequence[ShardGroup], plans: Sequence[GroupPlan], buffer_count: int, compute_dtype: torch.dtype
+    groups: Sequence[ShardGroup],
+    plans: Sequence[GroupPlan],
+    buffer_count: int,
+    compute_dtype: torch.dtype,
+    tile_numel: int,
 ) -> dict[str, int]:
-    """Staging bytes per tier the pipeline holds beyond the partitions' homes:
-    per side, the ``buffer_count`` largest of (3 states x 4 B if read from a slower home
-    + 4 B grad if not resident there + param bytes if staged away from home) x shard_numel.
-    See [Note: sub-group pipeline]."""
-    need: dict[str, int] = {}
+    """Staging bytes per tier the pipeline holds beyond the partitions' homes, at most, whatever
+    the order the groups become ready in: a pure function of the trainable `groups`, their
+    `plans` (one each), ``offload_optimizer.buffer_count``, the compute dtype and the tile size
+    (`optimizer_tile_numel`). Per side of the step ("cpu", "gpu"), the sum of
+
+    - tile bytes: the ``buffer_count`` largest tiles (`tile_bounds`) of 4 B x its elements per
+      state read from a slower home (master, exp_avg, exp_avg_sq; the master not where the
+      parameter is the master); and
+    - group bytes: the ``buffer_count`` largest groups of 4 B x shard_numel for a gradient not
+      at home in the compute tier, plus the parameter staged whole away from its home
+      (param bytes x shard_numel; 4 B where the fp32 parameter is the master, fetched into the
+      compute tier),
+
+    each term counted in the tier it is staged in (the compute tier, the stage tier). The
+    pipeline keeps at most ``buffer_count`` tiles in flight, and a group's whole-group buffers
+    live while one of its tiles is, so this is a bound the engine's capacity check and the step
+    both hold to. See [Note: sub-group pipeline]."""
     psize = torch.tensor([], dtype=compute_dtype).element_size()
-    for side in ("cpu", "gpu"):
-        per_group = []
-        for g, p in zip(groups, plans, strict=True):
-            if p.side != side:
-                continue
-            b = 0
-            if p.state_home != p.compute_tier:
-                b += 3 * _FP32 * g.shard_numel
-            assert g.grad is not None, f"group {g.name} is frozen: it has no optimizer step"
-            if g.grad.home != p.compute_tier:
-                b += _FP32 * g.shard_numel
-            if g.param.home != p.stage_tier:
-                b += psize * g.shard_numel
-            per_group.append(b)
-        if per_group:
-            depth = min(max(1, buffer_count), len(per_group))
-            need[side] = need.get(side, 0) + sum(sorted(per_group, reverse=True)[:depth])
-    return need
+    depth = max(1, buffer_count)
+    tiles: dict[str, list[int]] = {}
+    whole: dict[str, list[int]] = {}
+    for g, p in zip(groups, plans, strict=True):
+        assert g.grad is not None, f"group {g.name} is frozen: it has no optimizer step"
+        alias = master_is_param(g, p, compute_dtype)
+        n_states = 2 if alias else 3
+        if p.state_home != p.compute_tier:
+            tiles.setdefault(p.compute_tier, []).extend(
+                n_states * _FP32 * (b - a) for a, b in tile_bounds(g, p, tile_numel)
+            )
+        grad_b = _FP32 * g.shard_numel if g.grad.home != p.compute_tier else 0
+        if alias:
+            param_b, param_in = (
+                (_FP32 * g.shard_numel if g.param.home != p.compute_tier else 0),
+                p.compute_tier,
+            )
+        else:
+            param_b, param_in = (psize * g.shard_numel if g.param.home != p.stage_tier else 0), p.stage_tier
+        # one entry per group and tier (a group's buffers in one tier live together)
+        by_tier: dict[str, int] = {}
+        if grad_b:
+            by_tier[p.compute_tier] = by_tier.get(p.compute_tier, 0) + grad_b
+        if param_b:
+            by_tier[param_in] = by_tier.get(param_in, 0) + param_b
+        for tier, b in by_tier.items():
+            whole.setdefault(tier, []).append(b)
+    need: dict[str, int] = {}
+    for table in (tiles, whole):
+        for tier, sizes in table.items():
+            need[tier] = need.get(tier, 0) + sum(sorted(sizes, reverse=True)[:depth])
+    return {t: b for t, b in need.items() if b}
 
 
 def tier_is_host(tm: TierManager, name: str) -> bool:
