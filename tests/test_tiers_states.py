@@ -100,3 +100,24 @@ def test_many_threads_fetching_one_partition_share_the_move_and_pins_balance(mgr
     assert out == [True] * 8
     assert p.pin_count("gpu") == 0
     assert mgr.stats()["links"]["nvme->gpu"]["ops"] == 1
+
+
+def test_discard_drops_a_dirty_copy_without_its_write_back(mgr):
+    # [Note: discarded copies]: the home keeps the bytes it stored, which are the value again
+    p = mgr.create("p", 64, torch.float32, "nvme", init=torch.full((64,), 3.0))
+    c = mgr.allocate(p, "cpu").result()
+    c.fill_(5.0)
+    mgr.release(p, "cpu")
+    assert p.state("nvme") is CopyState.STALE and p.dirty_in() == {"cpu"}
+    writes = mgr.stats()["links"].get("cpu->nvme", {}).get("bytes", 0)
+    mgr.discard(p, "cpu").result()
+    assert p.state("cpu") is CopyState.ABSENT and p.valid_in() == {"nvme"}
+    assert mgr.stats()["links"].get("cpu->nvme", {}).get("bytes", 0) == writes  # nothing written
+    assert mgr.resident_bytes("cpu") == 0
+    assert torch.equal(mgr.fetch(p, "cpu").result(), torch.full((64,), 3.0))
+    mgr.release(p, "cpu")
+    with pytest.raises(ValueError, match="its home"):
+        mgr.discard(p, "nvme")
+    # a clean copy is dropped as by evict
+    mgr.discard(p, "cpu").result()
+    assert p.state("cpu") is CopyState.ABSENT

@@ -89,6 +89,9 @@ class OptimGroup:
             states = StatePartitions(group.param, *made) if self.param_is_master else StatePartitions(*made)
             self.tiles.append(Tile(a, b, states))
         del master
+        self.grad_bytes_saved = 0
+        """Gradient bytes neither written home nor read back ([Note: gradient consumed from memory])."""
+        self.grad_consumed_steps = 0
         self._received = False
         self._mask: torch.Tensor | None = None
         # this step's whole-group reads (the gradient; the parameter where it is the master) and
@@ -223,8 +226,14 @@ class OptimGroup:
         if j < len(self.tiles) - 1:
             return futs
         self._grad_read = self._master_read = self._out = None
+        # dirty where zero left it for this step, checked while still pinned (nothing moves it)
+        consumed = plan.compute_tier != self.grad.home and plan.compute_tier in self.grad.dirty_in()
         tm.release(self.grad, plan.compute_tier)
-        if plan.compute_tier != self.grad.home:
+        if consumed:  # [Note: gradient consumed from memory]: never written home, nor read back
+            self.grad_bytes_saved += 2 * self.grad.nbytes
+            self.grad_consumed_steps += 1
+            futs.append(tm.discard(self.grad, plan.compute_tier))
+        elif plan.compute_tier != self.grad.home:
             futs.append(tm.evict(self.grad, plan.compute_tier))  # clean: free
         # the new parameter: in the staging tier, or (alias) in the compute tier the master came to
         new_in = plan.compute_tier if self.param_is_master else plan.stage_tier

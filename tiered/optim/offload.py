@@ -47,6 +47,26 @@ engine checks against the budgets before training (for the 36B, 128k-vocabulary 
 ``sub_group_size`` 1e8 and ``buffer_count`` 4, bf16, parameters and states on nvme, gradients in cpu: 4.8 GB of
 state tiles + 5.1 GB of whole parameters instead of ~46 GB for the four largest groups whole).
 
+[Note: gradient consumed from memory]
+With the step overlapped with backward ([Note: step overlapped with backward]: no clipping, no
+fp16 overflow check) and no gradient accumulation, a group's gradient is complete, and final,
+when its flush ends, and its Adam runs next. With the gradient homed in storage
+(``tiered.grad_tier: "nvme"``, [Note: gradients on nvme]) the flush would write it to NVMe and
+the step read it straight back: 8 B per element per step. The engine then asks zero to keep each
+flushed gradient in "cpu" (`ZeroParameters.keep_flushed_grads`), dirty and unpinned; the step's
+fetch finds it resident, and after the update `OptimGroup.issue_writes` drops it with
+`TierManager.discard` ([Note: discarded copies] in tiered/tiers/manager.py) instead of writing
+it home: the gradient is dead after the step (the next backward's first flush overwrites all of
+it, [Note: lazy gradient zeroing] in tiered/zero/group.py). Exactness is untouched (the same
+fp32 values, from memory instead of a round trip through a file). What must wait is parked by the
+tier manager itself: a kept gradient is an ordinary dirty copy, so if the cpu budget needs its
+room before the step reaches it (backward running far ahead of the stepper), the manager writes
+it home and the step reads it from there as before; only gradients still dirty when their step
+ends count as consumed. `stats()["grad_consumed_from_memory"]` gives the group steps and bytes
+saved (a write and a read of the gradient each). With clipping the global norm must be known
+before any update, and with accumulation the gradient is read again by the next micro-batch's
+flush, so both keep the round trip.
+
 [Note: write-back after the step]
 The step returns with the last groups' write-backs still in flight. That is safe because the
 TierManager serialises moves of one partition: a fetch of a parameter or state whose copy is
@@ -563,6 +583,13 @@ class OffloadedAdam:
             "groups_cpu": sum(og.plan.side == "cpu" for og in self.groups),
             "groups_gpu": sum(og.plan.side == "gpu" for og in self.groups),
             "buffer_count": self.buffer_count,
+            "tile_numel": self.tile_numel,
+            "tiles": sum(len(og.tiles) for og in self.groups),
+            # [Note: gradient consumed from memory]
+            "grad_consumed_from_memory": {
+                "group_steps": sum(og.grad_consumed_steps for og in self.groups),
+                "bytes_saved": sum(og.grad_bytes_saved for og in self.groups),
+            },
             "step_count": self.step_count,
             "last_step": dict(self.last_step),
             "total": dict(self._totals),

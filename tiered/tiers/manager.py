@@ -5,6 +5,15 @@ thread, then hands the operation, written once as a coroutine or a small functio
 `TierStateMachine`, to the manager's loop (see [Note: one loop, one bridge]): methods that move
 bytes return a `TierFuture` at once, the others wait for their plain call on the loop. The
 facade writes no state of its own ([Note: reserve before move], [Note: copy states]).
+
+[Note: discarded copies]
+`discard` is `evict` for bytes nobody will read again: a dirty copy is freed without its
+write-back, and (when no other copy is dirty) the home's stored bytes become the partition's
+value again, unverified by a checksum (none was recorded for them as the newest). Its one user is
+the optimizer step, for a gradient it consumed from memory ([Note: gradient consumed from memory]
+in tiered/optim/offload.py): the gradient is dead after the step (the next backward overwrites
+it), so writing it to a slower home and never reading it back would be bytes for nothing. A copy
+that was clean anyway is dropped as by `evict`.
 """
 
 from __future__ import annotations
@@ -220,6 +229,21 @@ class TierManager:
             )
         return self._run(
             self._machine.evict(part, tier), f"evict of partition {part.name!r} from tier {tier!r}", tier
+        )
+
+    def discard(self, part: Partition, tier: str) -> TierFuture[None]:
+        """Remove `part`'s copy in `tier` without writing it back, even when it is the dirty
+        newest one: the caller declares its bytes dead. See [Note: discarded copies]."""
+        self._check(part, tier, "discard")
+        if tier == part.home:
+            raise ValueError(
+                f"discard of partition {part.name!r} in tier {tier!r}: that is its home; discard a copy "
+                "in a faster tier"
+            )
+        return self._run(
+            self._machine.evict(part, tier, discard=True),
+            f"discard of partition {part.name!r} from tier {tier!r}",
+            tier,
         )
 
     def flush(self, part: Partition | None = None) -> TierFuture[None]:

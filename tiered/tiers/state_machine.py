@@ -216,7 +216,10 @@ class TierStateMachine:
         self._wrote(part, tier)
         self._changed.notify()
 
-    async def evict(self, part: Partition, tier: str) -> None:
+    async def evict(self, part: Partition, tier: str, *, discard: bool = False) -> None:
+        """Remove the copy in `tier`, written back first if it is the dirty newest one; with
+        `discard` never written back: its bytes are dead and the home's are the value again
+        ([Note: discarded copies] in tiered/tiers/manager.py)."""
         deadline = deadline_after(self.timeout_s)
         while True:
             check_managed(self.parts, part)
@@ -238,6 +241,9 @@ class TierStateMachine:
             )
         if part.state(tier) is ABSENT:
             return
+        if discard and part.state(tier) is DIRTY and part.state(part.home) is STALE:
+            if not any(st is DIRTY for t, st in part.copies().items() if t != tier):
+                part.written_back(part.version)  # nothing lands: the home's bytes stand
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         await self._finish_evict(part, tier, part.claim_eviction(tier, fut), fut)
 

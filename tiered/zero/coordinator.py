@@ -270,6 +270,14 @@ class ZeroParameters:
         """Call `callback(group)` each time a group's gradients for this backward were flushed."""
         self._grad_callbacks.append(callback)
 
+    def keep_flushed_grads(self, enabled: bool = True) -> None:
+        """Leave each flushed gradient homed in storage (``tiered.grad_tier: "nvme"``) in "cpu",
+        dirty, for the optimizer step to consume from memory instead of writing it home here and
+        reading it back there. For an engine whose step is overlapped with backward without
+        accumulation: see [Note: gradient consumed from memory] in tiered/optim/offload.py."""
+        for rt in self.runtimes:
+            rt.keep_flushed_grads = enabled
+
     def seal_for_step(self, group: ShardGroup) -> None:
         """The optimizer is about to update `group` while backward continues (see [Note: step
         overlapped with backward] in tiered/optim/offload.py): any later gather of it in this

@@ -49,14 +49,19 @@ class StagedGradHome:
             self.staged = fut.result()
         return self.staged
 
-    def write_back(self) -> None:
+    def write_back(self, *, keep: bool = False) -> None:
+        """The staged values are final: written home and freed, or with `keep` left in "cpu",
+        dirty and unpinned, for the optimizer step to consume from memory ([Note: gradient
+        consumed from memory] in tiered/optim/offload.py; the manager still writes it home
+        should the cpu budget need its room first)."""
         t, self.staged = self.staged, None
         assert t is not None, f"{self.part.name}: write_back without open"
         self.sq_norm = float(torch.dot(t, t).item()) if t.numel() else 0.0
         tm = self.tm
         tm.mark_dirty(self.part, STAGE_TIER)
         tm.release(self.part, STAGE_TIER)
-        tm.evict(self.part, STAGE_TIER).result()  # written home before the staged copy is freed
+        if not keep:
+            tm.evict(self.part, STAGE_TIER).result()  # written home before the staged copy is freed
 
     def read_copy(self) -> torch.Tensor:
         tm = self.tm

@@ -148,6 +148,9 @@ class GroupRuntime:
         self._home_views: dict[str, torch.Tensor] = {}
         self._initial_fp32 = initial_fp32
         self._initial_taken = False
+        self.keep_flushed_grads = False
+        """A flushed gradient homed in storage stays in "cpu" for the step to consume
+        (`ZeroParameters.keep_flushed_grads`: [Note: gradient consumed from memory])."""
         self._staged_grad = (  # a gradient home in storage: [Note: gradients on nvme]
             StagedGradHome(ctx.tm, group.grad)
             if group.grad is not None and is_staged(ctx.tm, group.grad)
@@ -168,10 +171,12 @@ class GroupRuntime:
             self._home_views[part.name] = t
         return t
 
-    def _home_written(self, part: Partition) -> None:
-        """The home copy was modified in place: tell the manager if another copy went stale."""
+    def _home_written(self, part: Partition, *, for_step: bool = False) -> None:
+        """The home copy was modified in place: tell the manager if another copy went stale.
+        `for_step`: a flushed gradient the optimizer step will read next (a staged one stays in
+        "cpu" where `keep_flushed_grads` says so)."""
         if self._staged_grad is not None and part is self._staged_grad.part:
-            self._staged_grad.write_back()
+            self._staged_grad.write_back(keep=for_step and self.keep_flushed_grads)
             return
         if part.valid_in() != frozenset((part.home,)):
             self.ctx.tm.mark_dirty(part, part.home)
@@ -381,7 +386,7 @@ class GroupRuntime:
                         dst.zero_()
                 if fresh:
                     t[g.numel :].zero_()  # alignment padding (entries fill [0, numel) in order)
-                self._home_written(g.grad)
+                self._home_written(g.grad, for_step=True)
             else:
                 dev = next((gr.device for _, gr in grads if gr is not None), ctx.device)
                 full = torch.zeros(g.full_numel, dtype=torch.float32, device=dev)
@@ -393,7 +398,7 @@ class GroupRuntime:
                 shard = comm.reduce_scatter_mean(full, ctx.process_group)
                 t = self.home_view(g.grad, overwrite=fresh)
                 t.copy_(shard) if fresh else t.add_(shard.to(t.device))
-                self._home_written(g.grad)
+                self._home_written(g.grad, for_step=True)
         self.drop_param_grads()
         ctx.counters["grad_flushes"] += 1
 
