@@ -314,7 +314,7 @@ def _backward_rereads(numel: list[int], persistent: list[bool], max_live: int, m
 
 def _kept_in_cpu(shards: list[int], plans: Sequence[Any], param_tier: str, limit: int) -> set[int]:
     """The trainable groups (by position) whose new parameters stay in "cpu": the engine's
-    OffloadedAdam._params_kept_in_cpu rule ([Note: max_in_cpu]), in execution order."""
+    tiered.optim.group.params_kept_in_cpu rule ([Note: max_in_cpu]), in execution order."""
     keep, total = set(), 0
     for j, (n, p) in enumerate(zip(shards, plans, strict=True)):
         if p.stage_tier == "cpu" and param_tier not in MEMORY_TIERS and total + n <= int(limit):

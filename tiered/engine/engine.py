@@ -159,7 +159,7 @@ class Engine(DeepSpeedEngineAPI):
         self.overlap_step = overlap_step_applies(cfg)
         if self.overlap_step:
             zp.on_group_grads_complete(self._group_grads_complete)
-            if self.gas == 1:  # [Note: gradient consumed from memory] in tiered/optim/offload.py
+            if self.gas == 1:  # [Note: gradient consumed from memory] in tiered/optim/group.py
                 zp.keep_flushed_grads()
 
     # ---- the training loop -----------------------------------------------------------------

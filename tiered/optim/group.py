@@ -5,6 +5,36 @@ pipeline in tiered/optim/offload.py only orders the tiles).
 Lifetime: the engine's. An `OptimGroup` is made once at initialize, when its state partitions
 are created, and lives until the engine closes; per step it holds only its received mask and,
 from its first tile's read to its last tile's write, the whole-group reads and staging buffer.
+
+[Note: max_in_cpu]
+New parameters staged in "cpu" whose home is slower (nvme) stay there, dirty, for up to
+``offload_param.max_in_cpu`` elements (DeepSpeed's knob of the same meaning, "parameter elements
+to maintain in CPU memory when offloading to NVMe", default 1e9): the next forward gathers them
+with a memory copy instead of an NVMe read, and no step writes them to NVMe. The copy is an
+ordinary dirty copy of the tier manager, so when the cpu budget needs the room it is written
+home and dropped (write-back); ``Engine.flush`` writes it home too. Beyond the limit the staging
+copy is evicted right after the step (written back and freed). (Until this version the copy was
+written through to NVMe every step: on benchmarks/step.py that was 143 of 428 MB written per step.)
+
+[Note: gradient consumed from memory]
+With the step overlapped with backward ([Note: step overlapped with backward]: no clipping, no
+fp16 overflow check) and no gradient accumulation, a group's gradient is complete, and final,
+when its flush ends, and its Adam runs next. With the gradient homed in storage
+(``tiered.grad_tier: "nvme"``, [Note: gradients on nvme]) the flush would write it to NVMe and
+the step read it straight back: 8 B per element per step. The engine then asks zero to keep each
+flushed gradient in "cpu" (`ZeroParameters.keep_flushed_grads`), dirty and unpinned; the step's
+fetch finds it resident, and after the update `OptimGroup.issue_writes` drops it with
+`TierManager.discard` ([Note: discarded copies] in tiered/tiers/manager.py) instead of writing
+it home: the gradient is dead after the step (the next backward's first flush overwrites all of
+it, [Note: lazy gradient zeroing] in tiered/zero/group.py). Exactness is untouched (the same
+fp32 values, from memory instead of a round trip through a file). What must wait is parked by the
+tier manager itself: a kept gradient is an ordinary dirty copy, so if the cpu budget needs its
+room before the step reaches it (backward running far ahead of the stepper), the manager writes
+it home and the step reads it from there as before; only gradients still dirty when their step
+ends count as consumed. `stats()["grad_consumed_from_memory"]` gives the group steps and bytes
+saved (a write and a read of the gradient each). With clipping the global norm must be known
+before any update, and with accumulation the gradient is read again by the next micro-batch's
+flush, so both keep the round trip.
 """
 
 from __future__ import annotations

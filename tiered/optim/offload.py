@@ -48,52 +48,6 @@ engine checks against the budgets before training. For the 36B, 128k-vocabulary 
 states on nvme, gradients in cpu, ``buffer_count`` 4 and ``sub_group_size`` 1e8, that is 9.94 GB
 (4.8 GB of state tiles, 5.1 GB of whole parameters) instead of 36.0 GB with the groups whole.
 
-[Note: gradient consumed from memory]
-With the step overlapped with backward ([Note: step overlapped with backward]: no clipping, no
-fp16 overflow check) and no gradient accumulation, a group's gradient is complete, and final,
-when its flush ends, and its Adam runs next. With the gradient homed in storage
-(``tiered.grad_tier: "nvme"``, [Note: gradients on nvme]) the flush would write it to NVMe and
-the step read it straight back: 8 B per element per step. The engine then asks zero to keep each
-flushed gradient in "cpu" (`ZeroParameters.keep_flushed_grads`), dirty and unpinned; the step's
-fetch finds it resident, and after the update `OptimGroup.issue_writes` drops it with
-`TierManager.discard` ([Note: discarded copies] in tiered/tiers/manager.py) instead of writing
-it home: the gradient is dead after the step (the next backward's first flush overwrites all of
-it, [Note: lazy gradient zeroing] in tiered/zero/group.py). Exactness is untouched (the same
-fp32 values, from memory instead of a round trip through a file). What must wait is parked by the
-tier manager itself: a kept gradient is an ordinary dirty copy, so if the cpu budget needs its
-room before the step reaches it (backward running far ahead of the stepper), the manager writes
-it home and the step reads it from there as before; only gradients still dirty when their step
-ends count as consumed. `stats()["grad_consumed_from_memory"]` gives the group steps and bytes
-saved (a write and a read of the gradient each). With clipping the global norm must be known
-before any update, and with accumulation the gradient is read again by the next micro-batch's
-flush, so both keep the round trip.
-
-[Note: write-back after the step]
-The step returns with the last groups' write-backs still in flight. That is safe because the
-TierManager serialises moves of one partition: a fetch of a parameter or state whose copy is
-being evicted waits for the write-back and then reads the new bytes from home. The next step,
-``wait_writes``, ``Engine.flush`` and ``Engine.close`` wait for them (and re-raise their errors).
-
-[Note: a failed write-back is retried by flush]
-A write-back that fails (ENOSPC on a full disk, an I/O error after its retries) loses nothing: the
-tier manager marks the home copy valid only once a write completed, so the updated copy stays,
-dirty, in the compute tier. The error must not cut a step in half either, so one met inside a
-step (the ``buffer_count`` back-pressure) is kept and the step's other groups still update;
-``wait_writes`` waits for every write in flight and raises the first error (the number of others
-is logged). `Engine.step` calls it before it counts anything, so the step that raises it has done
-nothing yet: once space is freed, ``engine.flush()`` writes the dirty copies home and the same
-``engine.step()`` goes on, ending bit for bit where an undisturbed run does.
-
-[Note: max_in_cpu]
-New parameters staged in "cpu" whose home is slower (nvme) stay there, dirty, for up to
-``offload_param.max_in_cpu`` elements (DeepSpeed's knob of the same meaning, "parameter elements
-to maintain in CPU memory when offloading to NVMe", default 1e9): the next forward gathers them
-with a memory copy instead of an NVMe read, and no step writes them to NVMe. The copy is an
-ordinary dirty copy of the tier manager, so when the cpu budget needs the room it is written
-home and dropped (write-back); ``Engine.flush`` writes it home too. Beyond the limit the staging
-copy is evicted right after the step (written back and freed). (Until this version the copy was
-written through to NVMe every step: on benchmarks/step.py that was 143 of 428 MB written per step.)
-
 [Note: pipeline_read]
 At the start of the last backward of a step the engine calls `prefetch_states`: the first
 ``buffer_count`` tiles' states start moving into the compute tier, so the step does not begin
@@ -105,14 +59,6 @@ the pipeline's own buffers (the manager may drop them for free under pressure). 
 ``offload_optimizer.pipeline_write`` the write-backs in flight no longer count against the
 ``buffer_count`` window: they drain while the next groups compute and during the next forward,
 bounded only by the cpu budget (the manager's backpressure), the other half of the same trade.
-
-[Note: fp32 master is the parameter]
-In an fp32 run the master *is* the parameter, bit for bit. When the parameter's home is also the
-optimizer tier (both "cpu", or both "nvme") and the CPU kernel steps the group, the group's
-parameter partition serves as its master: no second copy is kept, read, written or copied into
-(on the step benchmark that removes 2 of the 7 shard-sized transfers per step: the master's read
-and write). Elsewhere (bf16/fp16, or a parameter kept on the GPU while the state is offloaded)
-the master is a partition of its own on the optimizer tier.
 
 [Note: step overlapped with backward]
 With ``tiered.overlap_step_with_backward`` (off by default) and nothing that needs the whole
@@ -134,9 +80,9 @@ model is half-stepped: restart from a checkpoint rather than train on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
@@ -156,6 +102,7 @@ from tiered.optim.placement import (
     tier_is_host,
 )
 from tiered.optim.runs import ParamHyper, entry_hypers
+from tiered.optim.writebacks import WriteBacks
 from tiered.shards import ShardGroup
 
 if TYPE_CHECKING:
@@ -220,10 +167,8 @@ class OffloadedAdam:
         self.on_params_written = on_params_written
         self.step_count = 0
         """Optimizer steps taken (1-based in the kernel: torch's bias correction)."""
-        self._pending: deque[tuple[int, Future[list[TierFuture]]]] = deque()
-        # One FIFO thread finishes groups (mark dirty, unpin, evict): each of those is a round
-        # trip to the manager's loop, which would otherwise stall the kernel of the next group.
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-opt-write")
+        self._writes = WriteBacks(float(getattr(cfg.tiered, "timeout_s", 600.0)))
+        """The write-backs in flight: see [Note: write-back after the step]."""
         # The overlapped step's pipeline runs here while backward runs in the caller's thread.
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-opt-step")
         self._overlap: tuple[Arrivals, Future[dict[str, float]]] | None = None
@@ -262,8 +207,6 @@ class OffloadedAdam:
                 )
             )
         self._index = {og.name: i for i, og in enumerate(self.groups)}
-        self._write_errors: list[Exception] = []
-        """Write-backs that failed inside a step, raised by the next `wait_writes`."""
         self._totals = {
             "read_wait_s": 0.0,
             "compute_s": 0.0,
@@ -422,13 +365,13 @@ class OffloadedAdam:
                 expand(arrivals.at(expanded))
             i, j = jobs[k]
             if next_read == k:
-                while bound_writes and self._pending and len(self._pending) + 1 > self.buffer_count:
-                    t_write += self._retire_in_step()
+                while bound_writes and len(self._writes) + 1 > self.buffer_count:
+                    t_write += self._writes.retire_in_step()
                 reads[k] = self.groups[i].issue_reads(j)
                 next_read += 1
             while (
                 next_read < len(jobs)
-                and (next_read - k) + bound_writes * len(self._pending) < self.buffer_count
+                and (next_read - k) + bound_writes * len(self._writes) < self.buffer_count
             ):
                 reads[next_read] = self.groups[jobs[next_read][0]].issue_reads(jobs[next_read][1])
                 next_read += 1
@@ -439,20 +382,14 @@ class OffloadedAdam:
             t2 = time.perf_counter()
             tile = {"tile": j} if len(self.groups[i].tiles) > 1 else {}
             self.tm.record_span(f"adam {self.groups[i].name}", "adam", t1, t2, step=self.step_count, **tile)
-            self._pending.append((i, self._writer.submit(self._finish_tile, i, j)))
-            while (
-                self._pending
-                and self._pending[0][1].done()
-                and all(f.done() for f in self._pending[0][1].result())
-            ):
-                t_write += self._retire_in_step()
+            self._writes.submit(functools.partial(self._finish_tile, i, j))
+            while self._writes.oldest_done():
+                t_write += self._writes.retire_in_step()
             t_read += t1 - t0
             t_comp += t2 - t1
             k += 1
         t3 = time.perf_counter()
-        for _, cf in self._pending:
-            # every evict must be claimed before the next forward can pin a partition again
-            cf.result(timeout=self._timeout_s)
+        self._writes.all_issued()
         t_write += time.perf_counter() - t3
         return {"read_wait_s": t_read, "compute_s": t_comp, "write_wait_s": t_write}
 
@@ -494,46 +431,11 @@ class OffloadedAdam:
             self.on_params_written(og.group)
         return futs
 
-    def _retire_oldest(self) -> float:
-        _, cf = self._pending.popleft()  # first: whatever fails below, wait_writes' loop ends
-        t0 = time.perf_counter()
-        first: BaseException | None = None
-        for f in cf.result(timeout=self._timeout_s):
-            try:  # every write of the group ends before its error is raised: none is left behind
-                f.result()
-            except Exception as e:  # noqa: BLE001 - re-raised below, after the others
-                first = first or e
-        if first is not None:
-            raise first
-        return time.perf_counter() - t0
-
-    def _retire_in_step(self) -> float:
-        """`_retire_oldest` inside a step, whose error waits for `wait_writes`: the step's other
-        groups still update ([Note: a failed write-back is retried by flush])."""
-        try:
-            return self._retire_oldest()
-        except Exception as e:  # noqa: BLE001 - raised by the next wait_writes
-            self._write_errors.append(e)
-            return 0.0
-
     def wait_writes(self) -> float:
         """Block until every write-back issued by a step has finished; returns seconds waited.
         A failed one raises, once, after all the others ended: see
-        [Note: a failed write-back is retried by flush]."""
-        waited = 0.0
-        errors, self._write_errors = self._write_errors, []
-        while self._pending:
-            try:
-                waited += self._retire_oldest()
-            except Exception as e:  # noqa: BLE001 - the first is raised below
-                errors.append(e)
-        if errors:
-            if len(errors) > 1:
-                log.error(
-                    "%d more optimizer write-backs failed as well (the first is raised)", len(errors) - 1
-                )
-            raise errors[0]
-        return waited
+        [Note: a failed write-back is retried by flush] in tiered/optim/writebacks.py."""
+        return self._writes.wait()
 
     def close(self) -> None:
         """Wait for the write-backs in flight and stop the worker threads. Idempotent."""
@@ -542,7 +444,7 @@ class OffloadedAdam:
             self.wait_writes()
         finally:
             self._stepper.shutdown(wait=True)
-            self._writer.shutdown(wait=True)
+            self._writes.shutdown()
 
     # ---- introspection: each group answers for itself ------------------------------------
     def state_partitions(self, group: ShardGroup) -> StatePartitions:

@@ -7,6 +7,14 @@ initialize, and the staging bytes that choice costs (what the engine's capacity 
 ``round(ratio * n)`` largest groups (ties by execution order) run on the CPU (their state on the
 optimizer tier), the rest keep their state in "gpu" and run ``tiered_ext.gpu_adam_step`` there.
 (DeepSpeed's Twin-Flow assigns the *last* fraction by index; by size is what bounds GPU memory.)
+
+[Note: fp32 master is the parameter]
+In an fp32 run the master *is* the parameter, bit for bit. When the parameter's home is also the
+optimizer tier (both "cpu", or both "nvme") and the CPU kernel steps the group, the group's
+parameter partition serves as its master: no second copy is kept, read, written or copied into
+(on the step benchmark that removes 2 of the 7 shard-sized transfers per step: the master's read
+and write). Elsewhere (bf16/fp16, or a parameter kept on the GPU while the state is offloaded)
+the master is a partition of its own on the optimizer tier.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ class StatePartitions(NamedTuple):
 
 
 def master_is_param(group: ShardGroup, plan: GroupPlan, compute_dtype: torch.dtype) -> bool:
-    """[Note: fp32 master is the parameter] (tiered/optim/offload.py): in an fp32 run whose CPU step
+    """[Note: fp32 master is the parameter]: in an fp32 run whose CPU step
     finds the parameter at the state's home, the param partition is the master (no copy of its own)."""
     return compute_dtype == torch.float32 and plan.side == "cpu" and group.param.home == plan.state_home
 

@@ -11,7 +11,7 @@ facade writes no state of its own ([Note: reserve before move], [Note: copy stat
 write-back, and (when no other copy is dirty) the home's stored bytes become the partition's
 value again, unverified by a checksum (none was recorded for them as the newest). Its one user is
 the optimizer step, for a gradient it consumed from memory ([Note: gradient consumed from memory]
-in tiered/optim/offload.py): the gradient is dead after the step (the next backward overwrites
+in tiered/optim/group.py): the gradient is dead after the step (the next backward overwrites
 it), so writing it to a slower home and never reading it back would be bytes for nothing. A copy
 that was clean anyway is dropped as by `evict`.
 """

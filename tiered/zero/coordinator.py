@@ -274,7 +274,7 @@ class ZeroParameters:
         """Leave each flushed gradient homed in storage (``tiered.grad_tier: "nvme"``) in "cpu",
         dirty, for the optimizer step to consume from memory instead of writing it home here and
         reading it back there. For an engine whose step is overlapped with backward without
-        accumulation: see [Note: gradient consumed from memory] in tiered/optim/offload.py."""
+        accumulation: see [Note: gradient consumed from memory] in tiered/optim/group.py."""
         for rt in self.runtimes:
             rt.keep_flushed_grads = enabled
 

@@ -52,7 +52,7 @@ class StagedGradHome:
     def write_back(self, *, keep: bool = False) -> None:
         """The staged values are final: written home and freed, or with `keep` left in "cpu",
         dirty and unpinned, for the optimizer step to consume from memory ([Note: gradient
-        consumed from memory] in tiered/optim/offload.py; the manager still writes it home
+        consumed from memory] in tiered/optim/group.py; the manager still writes it home
         should the cpu budget need its room first)."""
         t, self.staged = self.staged, None
         assert t is not None, f"{self.part.name}: write_back without open"
