@@ -20,6 +20,8 @@ BLOCK = 256
 """Elements per block of the 8-bit codes: one fp32 scale (the block's absolute maximum) each,
 1/64 B per element on top of the byte (as bitsandbytes' block-wise 8-bit optimizers)."""
 _FP32_SLACK = 1e-6
+_BF16_SAFE = 3.38e38
+"""Below this magnitude stochastic rounding to bf16 cannot reach inf (bf16's largest is 3.39e38)."""
 """Relative slack for the fp32 arithmetic of encode and decode (log2, exp2, the scale)."""
 
 
@@ -100,13 +102,10 @@ class Bf16StochasticCodec(MomentCodec):
         noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=generator)
         dst = out.view(torch.int16)
         dst.copy_(bits.add(noise).bitwise_right_shift_(16))  # int32 -> int16 keeps the low half
-        bad = ~torch.isfinite(x)
-        if bool(bad.any()):
-            out.view(torch.bfloat16)[bad] = x[bad].to(torch.bfloat16)
-        # rounding the largest finite magnitudes up may reach inf: those keep the nearest value
-        over = torch.isinf(out.view(torch.bfloat16)) & ~bad
-        if bool(over.any()):
-            out.view(torch.bfloat16)[over] = x[over].to(torch.bfloat16)
+        if x.numel() and not float(x.abs().amax()) <= _BF16_SAFE:  # one reduction; NaN fails it too
+            # non-finite values, and the largest finite ones (rounding up may reach inf): nearest
+            odd = ~torch.isfinite(x) | (x.abs() > _BF16_SAFE)
+            out.view(torch.bfloat16)[odd] = x[odd].to(torch.bfloat16)
 
     def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
         self._check(out, buf, "decode")
