@@ -1,7 +1,8 @@
 """StripeBackend: RAID-0 over member backends (directories on several drives, or any specs).
 
 See [Note: stripe layout] and [Note: stripe commit] in layout.py for where the bytes go and why a
-write is atomic across members. One member is that member itself: every call goes straight
+write is atomic across members, and [Note: stripe scratch mode] for the in-place rewrite over
+scratch members (the engine's swap files). One member is that member itself: every call goes straight
 through with the caller's key, no stripe record, so its files are the member's own (a one-path
 stripe set *is* an nvme backend on that path, memory-like members stay memory-like).
 """
@@ -32,19 +33,27 @@ from tiered.storage.bridge import IOBridge
 from tiered.storage.nested import forwarded_options, open_nested
 from tiered.units import parse_bytes
 from tiered_stripe.layout import (
+    PAGE_BYTES,
     RECORD_BYTES,
     StripeRecord,
     home_member,
+    object_stripe_bytes,
     record_key,
     stripe_key,
     stripes,
 )
-from tiered_stripe.members import close_now, run_all
+from tiered_stripe.members import close_now, finish_all, run_all
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STRIPE_BYTES = 1 << 20
-_OWN_OPTIONS = ("members", "paths", "stripe_bytes", "member_options")
+_OWN_OPTIONS = ("members", "paths", "stripe_bytes", "member_options", "atomic")
+
+
+def _is_scratch(member: StorageBackend) -> bool:
+    """A member in a declared scratch mode (in-place writes, docs/backends.md): its spec says
+    ``"atomic": false`` (the nvme backend's [Note: nvme scratch mode], the one such mode today)."""
+    return member.spec().get("atomic") is False
 
 
 def _member_specs(members: Any, paths: Any, member_options: Any) -> tuple[list[Any], str]:
@@ -121,8 +130,13 @@ class StripeBackend(StorageBackend):
         paths: Sequence[str] | None = None,
         stripe_bytes: int | str = DEFAULT_STRIPE_BYTES,
         member_options: dict[str, Any] | None = None,
+        atomic: bool | None = None,
         **options: Any,
     ) -> None:
+        if atomic is not None and not isinstance(atomic, bool):
+            raise ConfigError(
+                f"backend 'stripe': atomic must be true, false or left out (then it follows the members), got {atomic!r}"
+            )
         self.stripe_bytes = parse_bytes(stripe_bytes, what="backend 'stripe' option 'stripe_bytes'")
         if self.stripe_bytes < 1:
             raise ConfigError(f"backend 'stripe': stripe_bytes must be at least 1 byte, got {stripe_bytes!r}")
@@ -139,6 +153,10 @@ class StripeBackend(StorageBackend):
             raise
         self.members: tuple[StorageBackend, ...] = tuple(opened)
         self._single = len(opened) == 1
+        self._boundary = math.lcm(PAGE_BYTES, *(m.capabilities.alignment_bytes for m in opened))
+        self._atomic_option = atomic
+        self.atomic = atomic if atomic is not None else not all(_is_scratch(m) for m in opened)
+        """False: rewrite an object in place when its layout is unchanged ([Note: stripe scratch mode])."""
         self._records: dict[str, StripeRecord] = {}  # this process is the only writer: a cache
         self._locks = _KeyLocks()
         self._closed = False
@@ -186,6 +204,8 @@ class StripeBackend(StorageBackend):
                 out["member_options"] = dict(self._member_options)
         else:
             out["members"] = [m.spec() for m in self.members]
+        if self._atomic_option is not None:
+            out["atomic"] = self._atomic_option
         return out
 
     def _describe(self, member: int) -> str:
@@ -294,12 +314,44 @@ class StripeBackend(StorageBackend):
             except StorageIOError as exc:  # a corrupt record is replaced by this write
                 log.warning("%s; overwriting it", exc)
                 old = None
-            rec = StripeRecord(count, self.stripe_bytes, n, secrets.randbits(63))
+            size = object_stripe_bytes(n, self.stripe_bytes, count, self._boundary)
+            if not self.atomic and old is not None and old.holds(count, size, n):
+                return await self._write_in_place(key, flat, old, home)
+            rec = StripeRecord(count, size, n, secrets.randbits(63))
             try:
                 await self._write_committed(key, flat, rec, home)
             finally:
                 if old is not None and self._records.get(key) is rec:  # committed, even if cancelled
                     await self._discard(key, old)
+
+    async def _write_in_place(self, key: str, flat: torch.Tensor, rec: StripeRecord, home: int) -> None:
+        """Over the stripes of the generation the record names: [Note: stripe scratch mode]."""
+        plan = stripes(rec.nbytes, rec.stripe_bytes, rec.members, home)
+        try:
+            await finish_all(
+                [
+                    self._stripe_io("write", key, i, m, stripe_key(key, rec.generation, i), flat[a:b])
+                    for i, m, a, b in plan
+                ]
+            )
+        except asyncio.CancelledError:
+            raise  # finish_all ran every stripe write to its end: the new object is whole
+        except BaseException:
+            # some stripes hold the new bytes, some the old: drop the key rather than keep a mix
+            self._records.pop(key, None)
+            try:
+                await self.members[home].delete(record_key(key))
+            except StorageKeyError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - the stripes go next: a read then finds one missing
+                log.warning(
+                    "stripe backend: could not delete the record of torn key %r on %s: %s",
+                    key,
+                    self._describe(home),
+                    exc,
+                )
+            await self._discard(key, rec)
+            raise
 
     async def _write_committed(self, key: str, flat: torch.Tensor, rec: StripeRecord, home: int) -> None:
         """Stripes first, then the record: [Note: stripe commit]."""

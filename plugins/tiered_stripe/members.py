@@ -6,6 +6,13 @@ member call still runs. A stripe read writes into the caller's tensor and a stri
 it, so returning while a sibling still touches that memory (gather does, after the first error)
 would hand the caller a buffer someone else is using. On the first error the other calls are
 cancelled and awaited; the first error (in stripe order) is raised as it is, not as a group.
+
+`finish_all` is the same except for a cancel from outside: it does not pass it on to the calls
+but waits for them to finish, then raises CancelledError. An in-place stripe write runs through it
+([Note: stripe scratch mode]): cut short by a cancel it would leave the key's stripes a mix of two
+versions, finished it leaves the new one whole (the contract lets a cancelled write commit, as long
+as it does so before the cancelled call returns). An error of one call still cancels the others,
+and wins over a cancel: the caller must learn that the stripes are a mix.
 """
 
 from __future__ import annotations
@@ -46,14 +53,27 @@ def close_now(backends: Sequence[StorageBackend]) -> None:
 
 async def run_all(calls: Sequence[Awaitable[T]]) -> list[T]:
     """Run `calls` concurrently. See [Note: all-or-nothing member calls]."""
+    return await _run(calls, finish=False)
+
+
+async def finish_all(calls: Sequence[Awaitable[T]]) -> list[T]:
+    """Run `calls` concurrently to their end even when cancelled. See [Note: all-or-nothing member calls]."""
+    return await _run(calls, finish=True)
+
+
+async def _run(calls: Sequence[Awaitable[T]], *, finish: bool) -> list[T]:
     tasks = [asyncio.ensure_future(c) for c in calls]
     if not tasks:
         return []
     cancelled = False
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    except asyncio.CancelledError:
-        cancelled = True
+    while True:
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            cancelled = True
+            if finish:  # keep waiting: the calls run on, the cancel is raised once they are done
+                continue
+        break
     pending = [t for t in tasks if not t.done()]
     for t in pending:
         t.cancel()
@@ -64,6 +84,8 @@ async def run_all(calls: Sequence[Awaitable[T]]) -> list[T]:
             cancelled = True  # a second cancel: the calls must still stop before we return
         pending = [t for t in pending if not t.done()]
     errors = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
+    if finish and errors:
+        raise errors[0]
     if cancelled:
         raise asyncio.CancelledError
     if errors:

@@ -112,6 +112,7 @@ def dump_config(cfg: TieredConfig) -> dict[str, Any]:
             "grad_tier": cfg.tiered.grad_tier,
             "check_collective_order": cfg.tiered.check_collective_order,
             "host_mmap_threshold": cfg.tiered.host_mmap_threshold,
+            "optimizer_state_format": cfg.tiered.optimizer_state_format,
         },
     }
     if cfg.scheduler is not None:

@@ -558,6 +558,7 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule("tiered.grad_tier", _S),
     KeyRule("tiered.check_collective_order", _S),
     KeyRule("tiered.host_mmap_threshold", _S),
+    KeyRule("tiered.optimizer_state_format", _S),
 )
 
 RULES: dict[str, KeyRule] = {rule.path: rule for rule in _RULES}

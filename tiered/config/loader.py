@@ -25,7 +25,7 @@ from tiered.config.schema import SchedulerConfig, TieredConfig
 from tiered.config.sections import parse_aio, parse_optimizer, parse_precision, parse_zero
 from tiered.config.tiers import parse_tiered
 from tiered.config.values import AUTO, as_bool, as_choice, as_count, as_float, as_section, is_auto
-from tiered.errors import ConfigError
+from tiered.errors import ConfigError, UnsupportedConfigError
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,22 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+def _check_state_format_optimizer(config: dict[str, Any]) -> None:
+    """A compressed tiered.optimizer_state_format stores Adam's moments: with another optimizer
+    it is refused by name before the optimizer section is parsed (which refuses it generically)."""
+    section = config.get("tiered")
+    fmt = section.get("optimizer_state_format") if isinstance(section, dict) else None
+    opt = config.get("optimizer")
+    kind = opt.get("type") if isinstance(opt, dict) else None
+    if fmt in (None, "fp32") or not isinstance(kind, str):
+        return
+    if kind.strip().lower() not in ("adam", "adamw"):
+        raise UnsupportedConfigError(
+            f"tiered.optimizer_state_format = {fmt!r} compresses Adam's exp_avg and exp_avg_sq, but "
+            f"optimizer.type is {kind!r}; use Adam or AdamW, or tiered.optimizer_state_format 'fp32'"
+        )
+
+
 def load_config(
     source: dict[str, Any] | str | os.PathLike[str],
     *,
@@ -95,6 +111,7 @@ def load_config(
     check_section(config, "")
     zero = parse_zero(config.get("zero_optimization"), model)
     aio = parse_aio(config.get("aio"))
+    _check_state_format_optimizer(config)
     optimizer = parse_optimizer(config.get("optimizer"))
     lr_unset = "optimizer" in unset or "optimizer.params.lr" in unset
     precision = parse_precision(config)

@@ -151,6 +151,11 @@ class TierSpec:
     """None means: as much as the backend reports free."""
 
 
+OPTIMIZER_STATE_FORMATS = ("fp32", "bf16", "int8")
+"""The values of ``tiered.optimizer_state_format`` ([Note: compressed optimizer state] in
+tiered/optim/state_format.py, whose codecs these names select)."""
+
+
 @dataclass(frozen=True)
 class TieredSection:
     """The engine's own keys, under `"tiered"`."""
@@ -182,6 +187,9 @@ class TieredSection:
     host_mmap_threshold: int | None = 1 << 20
     """glibc's mmap threshold fixed at initialize, so freed partitions go back to the kernel
     ([Note: host allocations and glibc's heap]); None (``false`` in JSON): malloc left alone."""
+    optimizer_state_format: str = "fp32"
+    """How the offloaded Adam stores exp_avg / exp_avg_sq: "fp32" (exact), or opt-in compressed
+    "bf16" / "int8" ([Note: compressed optimizer state]); the fp32 master is kept either way."""
     check_collective_order: bool = True
     """With several ranks: before each gather and gradient reduction the ranks agree on which
     group it is, so ranks that diverge get `CollectiveOrderError` instead of a hang

@@ -32,7 +32,7 @@ import os
 from typing import Any
 
 from tiered.config.keys import check_section, is_comment, unknown_key_error
-from tiered.config.schema import AioConfig, TieredSection, TierSpec, ZeroConfig
+from tiered.config.schema import OPTIMIZER_STATE_FORMATS, AioConfig, TieredSection, TierSpec, ZeroConfig
 from tiered.config.values import as_bool, as_count, as_float, as_section, as_str, errno_codes, is_auto
 from tiered.errors import ConfigError
 from tiered.units import parse_bytes
@@ -195,7 +195,21 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
         optimizer_tier=opt_tier,
         grad_tier=grad_tier,
         check_collective_order=_flag(section, "check_collective_order", defaults.check_collective_order),
+        optimizer_state_format=_state_format(section.get("optimizer_state_format")),
     ), (False if overlap is None else as_bool(overlap, "tiered.overlap_step_with_backward"))
+
+
+def _state_format(value: Any) -> str:
+    """tiered.optimizer_state_format: one of OPTIMIZER_STATE_FORMATS ([Note: compressed optimizer
+    state] in tiered/optim/state_format.py); absent or null: "fp32"."""
+    if value is None:
+        return TieredSection().optimizer_state_format
+    if value not in OPTIMIZER_STATE_FORMATS:
+        raise ConfigError(
+            f"tiered.optimizer_state_format = {value!r} is not an optimizer-state format; use one of "
+            f"{', '.join(repr(n) for n in OPTIMIZER_STATE_FORMATS)} (default 'fp32', exact)"
+        )
+    return str(value)
 
 
 def _flag(section: dict[str, Any], key: str, default: bool) -> bool:

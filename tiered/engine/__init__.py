@@ -23,7 +23,7 @@ from tiered.engine.build import (
 from tiered.engine.distributed import ensure_process_group
 from tiered.engine.engine import Engine
 from tiered.engine.host_memory import fix_mmap_threshold
-from tiered.errors import ConfigError, DistributedSetupError
+from tiered.errors import ConfigError, DistributedSetupError, UnsupportedConfigError
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,7 @@ def initialize(
             "there is nothing to train: unfreeze some parameters (or add LoRA adapters)"
         )
     cfg = config_for_training(config, model=model, world_size=world_size, **hyperparameters)
+    _check_state_format(cfg)
     hyper, lr_scales = client.param_hyper(cfg, req) if req.given else (None, [1.0])
     load_plan = None
     if weights is not None:  # names, shapes and coverage, before any tier exists
@@ -193,6 +194,21 @@ def initialize(
     mark_managed(model, engine)
     signals.watch(engine)  # [Note: SIGTERM from a library]
     return client.finish(engine, model, req, lr_scales) if req.given else engine
+
+
+def _check_state_format(cfg: TieredConfig) -> None:
+    """tiered.optimizer_state_format against the optimizer, and against what this version's
+    offloaded optimizer stores: the compressed codecs ([Note: compressed optimizer state]) are not
+    wired into its state partitions yet, so a compressed format is refused, never ignored."""
+    from tiered.optim.state_format import state_format
+
+    fmt = state_format(cfg.tiered.optimizer_state_format, optimizer=cfg.optimizer.type)
+    if not fmt.lossless:
+        raise UnsupportedConfigError(
+            f"tiered.optimizer_state_format = {fmt.name!r}: this version's offloaded optimizer stores "
+            "its state in fp32 only (the bf16 and int8 codecs of tiered.optim.state_format are not yet "
+            "wired into its state partitions); use 'fp32' or leave the key out"
+        )
 
 
 from tiered.engine.pretrained import from_pretrained  # noqa: E402 - it calls initialize, defined above

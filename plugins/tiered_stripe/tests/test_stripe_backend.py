@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiered_nvme import NVMeBackend
 from tiered_stripe import StripeBackend
-from tiered_stripe.layout import home_member, record_key, stripe_key
+from tiered_stripe.layout import home_member, object_stripe_bytes, record_key, stripe_key, stripes
 
 from tiered.errors import BackendNotFoundError, ConfigError, StorageIOError, StorageKeyError
 from tiered.storage import open_backend
@@ -58,6 +58,17 @@ class TestStripeTinyStripeMixedMembersConformance(BackendConformance):
         )
 
 
+SWAP = {"atomic": False, "fsync": False, "swap": True}  # how the engine opens its swap tiers
+
+
+class TestStripeScratchMembersConformance(BackendConformance):
+    """Members in the engine's swap mode: the set rewrites unchanged layouts in place
+    ([Note: stripe scratch mode]) and still passes the atomic same-key and cancel checks."""
+
+    def make_backend(self, tmp_path):
+        return StripeBackend(paths=_dirs(tmp_path, 2), member_options=SWAP, stripe_bytes=1 << 16)
+
+
 def _run(coro):
     return asyncio.run(coro)
 
@@ -65,21 +76,42 @@ def _run(coro):
 # ---- layout -------------------------------------------------------------------------------
 def test_stripes_land_round_robin_from_the_home_member(tmp_path: Path) -> None:
     dirs = [Path(d) for d in _dirs(tmp_path, 3)]
-    data = random_bytes(10 * 1000 + 7, seed=1)
+    data = random_bytes(10 * 4096 + 7, seed=1)  # 3 stripes of 16 KiB (N/3 rounded up to a page)
 
     async def main() -> None:
         async with StripeBackend(paths=[str(d) for d in dirs], stripe_bytes=1000) as b:
             await b.write("obj", data)
             rec = b._records["obj"]
+            assert rec.stripe_bytes == 4 * 4096, "one stripe per member, cut on a page"
             home = home_member("obj", 3)
             assert (dirs[home] / record_key("obj")).is_file()
-            for i in range(11):
+            for i in range(3):
                 f = dirs[(home + i) % 3] / stripe_key("obj", rec.generation, i)
-                assert f.read_bytes() == data[i * 1000 : (i + 1) * 1000].numpy().tobytes(), f"stripe {i}"
+                want = data[i * 16384 : (i + 1) * 16384].numpy().tobytes()
+                assert f.read_bytes() == want, f"stripe {i}"
+            assert not (dirs[home] / stripe_key("obj", rec.generation, 3)).exists()
             sizes = [sum(p.stat().st_size for p in d.iterdir() if p.name.startswith("d")) for d in dirs]
-            assert sum(sizes) == data.numel() and max(sizes) - min(sizes) <= 1000  # spread evenly
+            assert sum(sizes) == data.numel() and min(sizes) > 0  # every member holds a share
 
     _run(main())
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "stripe_bytes", "members", "want"),
+    [
+        (64 << 20, 8 << 20, 2, 32 << 20),  # one stripe per member
+        (64 << 20, 48 << 20, 2, 48 << 20),  # stripe_bytes larger than the share: it wins
+        (10_007, 1 << 20, 3, 1 << 20),  # at most stripe_bytes: whole on its home member
+        (3 * 4096 + 1, 1, 3, 2 * 4096),  # the share rounded up to a page: 2 stripes, not 4
+        (0, 4096, 2, 4096),
+    ],
+)
+def test_object_stripe_size_is_one_stripe_per_member_at_least_stripe_bytes(
+    nbytes: int, stripe_bytes: int, members: int, want: int
+) -> None:
+    size = object_stripe_bytes(nbytes, stripe_bytes, members)
+    assert size == want
+    assert len(stripes(nbytes, size, members, 0)) <= members
 
 
 def test_one_member_is_that_member_alone(tmp_path: Path) -> None:
@@ -126,10 +158,10 @@ def test_stripes_move_concurrently(tmp_path: Path) -> None:
 # ---- atomicity across members -------------------------------------------------------------
 def test_a_failed_stripe_write_keeps_the_old_object_and_leaves_no_stripes(tmp_path: Path) -> None:
     dirs = _dirs(tmp_path, 3)
-    # 6 stripes over 3 members: 2 stripe writes per member per object; each member's 3rd fails
-    fail_third = [{"kind": "error", "op": "write", "key": "d*", "nth": 3, "errno": "EIO"}]
-    members = [{"type": "faults", "inner": {"type": "nvme", "path": d}, "faults": fail_third} for d in dirs]
-    old, new = random_bytes(6000, seed=4), random_bytes(6000, seed=5)
+    # 3 stripes over 3 members: 1 stripe write per member per object; each member's 2nd fails
+    fail_second = [{"kind": "error", "op": "write", "key": "d*", "nth": 2, "errno": "EIO"}]
+    members = [{"type": "faults", "inner": {"type": "nvme", "path": d}, "faults": fail_second} for d in dirs]
+    old, new = random_bytes(30_000, seed=4), random_bytes(30_000, seed=5)
 
     async def main() -> None:
         async with StripeBackend(members=members, stripe_bytes=1000) as b:
@@ -137,7 +169,7 @@ def test_a_failed_stripe_write_keeps_the_old_object_and_leaves_no_stripes(tmp_pa
             names_before = sorted(p.name for d in dirs for p in Path(d).iterdir())
             with pytest.raises(
                 StorageIOError,
-                match=r"write of key 'k' stripe [0-5] .*on member \d \('faults'\).*injected EIO",
+                match=r"write of key 'k' stripe [0-2] .*on member \d \('faults'\).*injected EIO",
             ) as info:
                 await b.write("k", new)
             assert info.value.errno == 5  # the member's errno survives the added context
@@ -150,6 +182,90 @@ def test_a_failed_stripe_write_keeps_the_old_object_and_leaves_no_stripes(tmp_pa
             await b.write("k", new)  # nothing wedged: the next write goes through
             await b.read("k", out)
             assert torch.equal(out, new)
+
+    _run(main())
+
+
+# ---- scratch mode: in place over scratch members ---------------------------------------------
+def _member_files(dirs: list[str]) -> dict[str, int]:
+    """Every file under the member directories, by path, with its inode."""
+    return {str(p): p.stat().st_ino for d in dirs for p in sorted(Path(d).rglob("*")) if p.is_file()}
+
+
+def test_scratch_members_make_an_unchanged_layout_rewrite_in_place(tmp_path: Path) -> None:
+    dirs = _dirs(tmp_path, 2)
+    versions = [random_bytes(3 << 20, seed=20 + i) for i in range(3)]
+
+    async def main() -> None:
+        async with StripeBackend(paths=dirs, member_options={"atomic": False, "fsync": False}) as b:
+            assert b.atomic is False  # follows the members
+            await b.write("w", versions[0])
+            gen, files = b._records["w"].generation, _member_files(dirs)
+            for v in versions[1:]:
+                await b.write("w", v)
+                assert b._records["w"].generation == gen, "a same-layout write took a new generation"
+                assert _member_files(dirs) == files, "a same-layout write made or renamed files"
+                out = torch.empty_like(v)
+                await b.read("w", out)
+                assert torch.equal(out, v)
+            await b.write("w", random_bytes(5 << 20, seed=29))  # another size: a fresh generation
+            assert b._records["w"].generation != gen
+        async with StripeBackend(paths=dirs) as durable:
+            assert durable.atomic is True  # atomic members: the commit per write, as before
+        async with StripeBackend(paths=dirs, member_options={"atomic": False}, atomic=True) as kept:
+            await kept.write("a", versions[0])
+            gen = kept._records["a"].generation
+            await kept.write("a", versions[1])
+            assert kept._records["a"].generation != gen  # "atomic": true keeps a generation per write
+
+    _run(main())
+
+
+def test_a_failed_in_place_write_drops_the_key_instead_of_keeping_a_mix(tmp_path: Path) -> None:
+    dirs = _dirs(tmp_path, 2)
+    fail_second = [{"kind": "error", "op": "write", "key": "d*", "nth": 2, "errno": "EIO"}]
+    members = [
+        {"type": "faults", "inner": {"type": "nvme", "path": dirs[0], **SWAP}, "faults": fail_second},
+        {"type": "nvme", "path": dirs[1], **SWAP},
+    ]
+    old, new = random_bytes(1 << 20, seed=21), random_bytes(1 << 20, seed=22)
+
+    async def main() -> None:
+        async with StripeBackend(members=members, stripe_bytes=4096, atomic=False) as b:
+            await b.write("torn", old)
+            with pytest.raises(StorageIOError, match=r"write of key 'torn' stripe \d .*injected EIO"):
+                await b.write("torn", new)  # member 1's stripe lands, member 0's fails: a mix
+            with pytest.raises(StorageKeyError, match=r"key 'torn' not found"):
+                await b.read("torn", torch.empty_like(new))
+            assert not await b.exists("torn")
+            await b.write("torn", new)  # a fresh generation, whole
+            out = torch.empty_like(new)
+            await b.read("torn", out)
+            assert torch.equal(out, new)
+
+    _run(main())
+
+
+def test_a_cancelled_in_place_write_finishes_every_stripe_before_it_returns(tmp_path: Path) -> None:
+    dirs = _dirs(tmp_path, 2)
+    slow = [{"kind": "delay", "op": "write", "key": "d*", "delay_s": 0.3}]
+    members = [
+        {"type": "faults", "inner": {"type": "nvme", "path": dirs[0], **SWAP}, "faults": slow},
+        {"type": "nvme", "path": dirs[1], **SWAP},
+    ]
+    old, new = random_bytes(1 << 20, seed=23), random_bytes(1 << 20, seed=24)
+
+    async def main() -> None:
+        async with StripeBackend(members=members, stripe_bytes=4096, atomic=False) as b:
+            await b.write("c", old)
+            task = asyncio.ensure_future(b.write("c", new))
+            await asyncio.sleep(0.05)  # member 1's stripe is written, member 0's is in its delay
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            out = torch.empty_like(new)
+            await b.read("c", out)
+            assert torch.equal(out, new), "a cancelled in-place write left a mix"
 
     _run(main())
 
@@ -251,6 +367,7 @@ def test_spec_round_trips_members_and_paths(tmp_path: Path) -> None:
     async def main() -> None:
         for spec in (
             {"type": "stripe", "stripe_bytes": 65536, "paths": d, "member_options": {"fsync": False}},
+            {"type": "stripe", "stripe_bytes": 65536, "paths": d, "atomic": False},
             {
                 "type": "stripe",
                 "stripe_bytes": 4096,
@@ -282,6 +399,7 @@ def test_spec_round_trips_members_and_paths(tmp_path: Path) -> None:
         ({"paths": ["/a"], "member_options": {"path": "/b"}}, "without 'type' or 'path'"),
         ({"paths": ["/a"], "stripe_bytes": "lots"}, "stripe_bytes"),
         ({"paths": ["/a"], "stripe_bytes": 0}, "at least 1 byte"),
+        ({"paths": ["/a"], "atomic": "no"}, "atomic must be true, false or left out"),
         ({"paths": ["/a"], "stripe_byte": 4096}, "unknown option 'stripe_byte'. Did you mean 'stripe_bytes'"),
         ({"members": [{"type": "cpu"}, 7]}, r"members\[1\]: expected a backend spec"),
     ],

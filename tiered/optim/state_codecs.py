@@ -1,0 +1,219 @@
+"""Codecs for one Adam moment: fp32 bytes, bf16 with stochastic rounding, 8-bit block-wise log codes.
+
+Each codec turns a flat fp32 tensor into a flat uint8 buffer of `encoded_bytes(numel)` bytes and
+back, and states the error of that round trip (`error_bound`) as [Note: compressed optimizer
+state] in tiered/optim/state_format.py documents it. Every lossy codec rounds stochastically:
+Adam's moments move by a small fraction of themselves per step ((1 - beta2) = 0.1% for
+exp_avg_sq), less than half a step of any 8- or 16-bit code, so round-to-nearest would freeze them
+(an exp_avg_sq that can only grow); rounding up with the probability of the remainder keeps each
+stored value unbiased (E[decode(encode(x))] = x) and lets the moments drift as they should.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+
+import torch
+
+BLOCK = 256
+"""Elements per block of the 8-bit codes: one fp32 scale (the block's absolute maximum) each,
+1/64 B per element on top of the byte (as bitsandbytes' block-wise 8-bit optimizers)."""
+_FP32_SLACK = 1e-6
+_BF16_SAFE = 3.38e38
+"""Below this magnitude stochastic rounding to bf16 cannot reach inf (bf16's largest is 3.39e38)."""
+"""Relative slack for the fp32 arithmetic of encode and decode (log2, exp2, the scale)."""
+
+
+def _flat_f32(x: torch.Tensor, what: str) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
+        raise ValueError(f"{what}: expected a flat contiguous float32 tensor, got {x.dtype} {tuple(x.shape)}")
+    return x
+
+
+class MomentCodec(abc.ABC):
+    """Encodes one moment tensor into bytes and back; see the module docstring."""
+
+    name: str
+    lossless: bool = False
+    """decode(encode(x)) == x bit for bit."""
+
+    @abc.abstractmethod
+    def encoded_bytes(self, numel: int) -> int:
+        """Bytes of the encoding of `numel` elements."""
+
+    @abc.abstractmethod
+    def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
+        """Write the encoding of flat fp32 `x` into flat uint8 `out` (`encoded_bytes(x.numel())`)."""
+
+    @abc.abstractmethod
+    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the values `buf` encodes into flat fp32 `out` (deterministic: no randomness)."""
+
+    @abc.abstractmethod
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        """Per element, a bound on |decode(encode(x)) - x| that every encoding of `x` meets."""
+
+    def _check(self, x: torch.Tensor, buf: torch.Tensor, what: str) -> None:
+        _flat_f32(x, f"{self.name} {what}")
+        want = self.encoded_bytes(x.numel())
+        if buf.dtype != torch.uint8 or buf.numel() != want or not buf.is_contiguous():
+            raise ValueError(
+                f"{self.name} {what}: the encoded buffer must be {want} contiguous uint8 bytes for "
+                f"{x.numel()} elements, got {buf.numel()} of {buf.dtype}"
+            )
+
+
+class Fp32Codec(MomentCodec):
+    """The fp32 bytes themselves: exact."""
+
+    name = "fp32"
+    lossless = True
+
+    def encoded_bytes(self, numel: int) -> int:
+        return 4 * numel
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
+        self._check(x, out, "encode")
+        out.view(torch.float32).copy_(x)
+
+    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        self._check(out, buf, "decode")
+        out.copy_(buf.view(torch.float32))
+
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
+class Bf16StochasticCodec(MomentCodec):
+    """bfloat16 (8 significant bits, fp32's exponent range), rounded stochastically: the 16 low
+    bits of the fp32 pattern plus a uniform 16-bit integer, carried into the kept half. The sign is
+    untouched, so a non-negative moment stays non-negative and 0 stays 0; non-finite values are
+    rounded to nearest (an inf stays inf, a NaN a NaN)."""
+
+    name = "bf16"
+
+    def encoded_bytes(self, numel: int) -> int:
+        return 2 * numel
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
+        self._check(x, out, "encode")
+        bits = x.view(torch.int32)
+        noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=generator)
+        dst = out.view(torch.int16)
+        dst.copy_(bits.add(noise).bitwise_right_shift_(16))  # int32 -> int16 keeps the low half
+        if x.numel() and not float(x.abs().amax()) <= _BF16_SAFE:  # one reduction; NaN fails it too
+            # non-finite values, and the largest finite ones (rounding up may reach inf): nearest
+            odd = ~torch.isfinite(x) | (x.abs() > _BF16_SAFE)
+            out.view(torch.bfloat16)[odd] = x[odd].to(torch.bfloat16)
+
+    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        self._check(out, buf, "decode")
+        out.copy_(buf.view(torch.bfloat16))
+
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        # below one ulp: 2^(floor(log2|x|) - 7) <= 2^-7 |x|; fp32 subnormals keep a fixed ulp
+        return torch.clamp(x.abs() * 2.0**-7, min=2.0**-133)
+
+
+class BlockLogCodec(MomentCodec):
+    """8-bit codes on a logarithmic grid below each block's absolute maximum.
+
+    A block of `BLOCK` elements stores its maximum magnitude ``top`` as fp32 and each element as a
+    code c: 0 is zero, c >= 1 is ``top * 2**((c - levels) / steps_per_octave)``, so the grid has a
+    constant relative step ``r = 2**(1/steps_per_octave)`` from ``top`` down to the smallest level
+    ``low = top * 2**((1 - levels) / steps_per_octave)``. An element between two levels is rounded to
+    the upper one with the probability that keeps its expectation (below ``low``: between 0 and
+    ``low``). Signed codes keep the sign in the top bit (127 levels); unsigned ones use 255 levels.
+    With ``sqrt_domain`` the codec stores sqrt(x) (x >= 0; a negative input, which Adam's
+    exp_avg_sq never is, encodes as 0) and decodes its square: never negative, zero exact, and
+    relative precision kept for the small values the update divides by.
+
+    Bytes: the block scales (fp32, first, so they stay aligned) then one code per element.
+    """
+
+    def __init__(self, name: str, *, signed: bool, steps_per_octave: int, sqrt_domain: bool = False) -> None:
+        self.name = name
+        self.signed = signed
+        self.levels = 127 if signed else 255
+        self.steps = steps_per_octave
+        self.sqrt_domain = sqrt_domain
+        self.step_ratio = 2.0 ** (1.0 / steps_per_octave)
+        self.low_fraction = 2.0 ** ((1 - self.levels) / steps_per_octave)
+        """The smallest non-zero level, as a fraction of the block's maximum."""
+
+    def encoded_bytes(self, numel: int) -> int:
+        return 4 * math.ceil(numel / BLOCK) + numel
+
+    def _split(self, buf: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        nb = math.ceil(numel / BLOCK)
+        return buf[: 4 * nb].view(torch.float32), buf[4 * nb :]
+
+    def _level(self, top: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+        """The magnitude of each code (code 0: zero), `top` broadcast per block."""
+        mag = top * torch.exp2((code.float() - self.levels) / self.steps)
+        return torch.where(code > 0, mag, top * 0.0)  # a NaN scale (non-finite block) stays NaN
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.clamp_min(0).sqrt() if self.sqrt_domain else x
+        nb = math.ceil(x.numel() / BLOCK)
+        if nb * BLOCK != x.numel():
+            y = torch.nn.functional.pad(y, (0, nb * BLOCK - x.numel()))
+        return y.view(nb, BLOCK)
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
+        self._check(x, out, "encode")
+        n = x.numel()
+        scales, codes = self._split(out, n)
+        if n == 0:
+            return
+        y = self._blocks(x)
+        mag = y.abs()
+        top = mag.amax(dim=1, keepdim=True)
+        # a block holding inf or NaN decodes as NaN throughout: visible, as in the exact state
+        scales.copy_(torch.where(torch.isfinite(top), top, math.nan).view(-1))
+        safe = torch.where(top > 0, top, torch.ones_like(top))
+        pos = self.levels + self.steps * torch.log2(mag / safe)  # -inf for 0
+        lo_code = pos.floor().clamp_(0, self.levels).to(torch.int16)
+        hi_code = (lo_code + 1).clamp_(max=self.levels)
+        lo, hi = self._level(top, lo_code), self._level(top, hi_code)
+        width = hi - lo
+        up = torch.where(width > 0, (mag - lo) / torch.where(width > 0, width, torch.ones_like(width)), 0.0)
+        u = torch.rand(y.shape, generator=generator)
+        code = torch.where(u < up, hi_code, lo_code)
+        if self.signed:
+            code = code | torch.where(y < 0, 128, 0).to(torch.int16)
+        codes.copy_(code.view(-1)[:n].to(torch.uint8))
+
+    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        self._check(out, buf, "decode")
+        n = out.numel()
+        if n == 0:
+            return
+        scales, codes = self._split(buf, n)
+        nb = scales.numel()
+        c = torch.zeros(nb * BLOCK, dtype=torch.int16)
+        c[:n] = codes.to(torch.int16)
+        c = c.view(nb, BLOCK)
+        top = scales.view(nb, 1)
+        if self.signed:
+            val = self._level(top, c & 127)
+            val = torch.where(c >= 128, -val, val)
+        else:
+            val = self._level(top, c)
+        if self.sqrt_domain:
+            val = val * val
+        out.copy_(val.view(-1)[:n])
+
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        """On the stored value y (x, or sqrt(x)): below one grid step, (r - 1)|y| at or above the
+        smallest level, below that level itself under it; in the sqrt domain |v' - v| = |s' - s|(s' + s)
+        <= d(2s + d) for the bound d on s."""
+        _flat_f32(x, f"{self.name} error_bound")
+        y = self._blocks(x).abs()
+        top = y.amax(dim=1, keepdim=True)
+        low = top * self.low_fraction
+        d = torch.where(y >= low, (self.step_ratio - 1.0) * y, low) * (1 + _FP32_SLACK) + top * _FP32_SLACK
+        if self.sqrt_domain:
+            d = d * (2 * y + d)
+        return d.view(-1)[: x.numel()]
