@@ -107,7 +107,9 @@ def test_latest_may_only_name_a_tag_beside_it(tmp_path: Path, pointer: str) -> N
     if pointer == "ABS":
         pointer = str(tmp_path / "other" / "s")
     (tmp_path / "ck" / "latest").write_text(pointer)
-    with pytest.raises(CheckpointCorruptError, match="latest may only name a checkpoint folder beside it") as ei:
+    with pytest.raises(
+        CheckpointCorruptError, match="latest may only name a checkpoint folder beside it"
+    ) as ei:
         load_tensors(tmp_path / "ck")
     assert str(tmp_path / "ck" / "latest") in str(ei.value)
 
@@ -221,8 +223,8 @@ def test_a_second_saver_waits_its_turn_then_fails_naming_the_holder(tmp_path: Pa
 
 
 def save_tensors_locked(ck: Path, tag: str, timeout_s: float) -> None:
-    from tiered.checkpoint.writer import CheckpointWriter
     from tiered.checkpoint.stream import TensorSpec, chunks_of, file_bytes
+    from tiered.checkpoint.writer import CheckpointWriter
 
     t = _t(3)
     specs = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in t.items()]
@@ -278,7 +280,9 @@ def test_concurrent_savers_into_one_folder_all_succeed_and_latest_always_verifie
 def _run_folder(tmp_path: Path, steps: list[int]) -> CheckpointPolicy:
     policy = CheckpointPolicy(out_dir=tmp_path / "run", keep_last=2)
     for s in steps:
-        save_tensors(policy.checkpoints_dir, f"global_step{s}", _t(s), manifest={"training": {"global_steps": s}})
+        save_tensors(
+            policy.checkpoints_dir, f"global_step{s}", _t(s), manifest={"training": {"global_steps": s}}
+        )
     return policy
 
 

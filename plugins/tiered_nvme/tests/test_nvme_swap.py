@@ -246,3 +246,26 @@ def test_a_fifo_named_lock_in_a_stale_looking_swap_directory_is_left_alone_witho
     assert not dead.exists()
     warned = [r.getMessage() for r in caplog.records if str(trap / LOCK_NAME) in r.getMessage()]
     assert warned and "not a lock file this user wrote" in warned[0], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("numel", [1 << 20, 64], ids=["own-file", "in-the-slab"])
+def test_a_truncated_swap_file_is_corruption_not_retried_and_says_what_to_do(
+    tmp_path: Path, caplog, numel: int
+) -> None:
+    from tiered.errors import StorageCorruptError
+    from tiered.tiers import Tier, TierManager
+
+    nv = NVMeBackend(tmp_path, atomic=False, fsync=False, swap=True)
+    with TierManager([Tier("cpu", open_backend({"type": "cpu"})), Tier("nvme", nv)], timeout_s=30) as m:
+        p = m.create("p", numel, torch.float32, "nvme", init=torch.ones(numel))
+        victim = nv.directory / (SLAB_FILE if numel == 64 else "p")
+        assert victim.is_file()
+        os.truncate(victim, 0)
+        with caplog.at_level(logging.WARNING), pytest.raises(StorageCorruptError) as ei:
+            m.fetch(p, "cpu").result()
+    msg = str(ei.value)
+    assert "partition 'p'" in msg and str(victim) in msg and "ended early" in msg
+    assert "restore the training state from a checkpoint" in msg
+    assert not [r for r in caplog.records if "transient error, retry" in r.getMessage()], (
+        "retried as transient"
+    )
