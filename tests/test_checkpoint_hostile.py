@@ -317,3 +317,22 @@ def test_pruning_deletes_nothing_while_a_kept_checkpoint_does_not_verify(
         assert policy.prune(2) == []
     assert (root / "global_step1").is_dir()
     assert any("does not verify" in r.getMessage() for r in caplog.records)
+
+
+# ---- a closed engine -------------------------------------------------------------------------
+def test_every_call_on_a_closed_engine_says_the_engine_is_closed(tmp_path: Path) -> None:
+    from engine_support import CASES, build, ds_config
+
+    import tiered
+
+    e = tiered.initialize(build(CASES["mlp"]), ds_config(param="cpu", opt="cpu"))
+    e.save_checkpoint(tmp_path / "ck")
+    e.close()
+    for call in (
+        lambda: e.state_dict_fp32(),
+        lambda: e.save_checkpoint(tmp_path / "ck"),
+        lambda: e.load_checkpoint(tmp_path / "ck"),
+        lambda: e.save_pretrained(tmp_path / "hf"),
+    ):
+        with pytest.raises(RuntimeError, match="this tiered Engine is closed; create a new one"):
+            call()
