@@ -110,8 +110,9 @@ async def wait_done(fut: asyncio.Future[None], deadline: float, describe: Callab
         await asyncio.wait_for(asyncio.shield(fut), max(0.0, remaining))
     except TimeoutError:
         await asyncio.sleep(0)  # a move bounded by the same deadline fails in this same instant
-        if fut.done() and not fut.cancelled() and fut.exception() is not None:
-            raise fut.exception() from None  # its message names the backend and key
+        err = fut.exception() if fut.done() and not fut.cancelled() else None
+        if err is not None:
+            raise err from None  # its message names the backend and key
         move = getattr(fut, "tiered_move", None)
         raise mark(TierTimeoutError(describe() + (f"; the move waited on: {move}" if move else ""))) from None
 
