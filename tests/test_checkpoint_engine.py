@@ -39,7 +39,7 @@ def test_manifest_records_layout_counters_config_and_checksums(tmp_path: Path) -
         path = e.save_checkpoint(tmp_path / "ck", tag="mine", client_state={"note": "x"})
         params = e.state_dict_fp32()
     m = json.loads((Path(path) / "manifest.json").read_text())
-    assert m["tag"] == "mine" and m["world_size"] == 1 and m["format_version"] == 1
+    assert m["tag"] == "mine" and m["world_size"] == 1 and m["format_version"] == 2
     assert m["training"]["global_steps"] == 2 and m["training"]["optimizer_step"] == 2
     assert m["config"]["zero_optimization"]["sub_group_size"] == 1000
     assert set(m["files"]) == {"rank00000.safetensors"} and "xxh3_64" in m["files"]["rank00000.safetensors"]
@@ -164,7 +164,7 @@ def test_a_full_disk_during_an_engine_save_keeps_the_previous_checkpoint(
         with pytest.raises(CheckpointSpaceError, match="global_step2.partial/rank00000.safetensors"):
             e.save_checkpoint(tmp_path / "ck")
         monkeypatch.undo()
-        assert sorted(os.listdir(tmp_path / "ck")) == ["global_step1", "latest"]
+        assert sorted(os.listdir(tmp_path / "ck")) == [".lock", "global_step1", "latest"]
         e.load_checkpoint(tmp_path / "ck")  # verifies checksums
         after = full_state(e)
     assert after["counters"] == before["counters"]

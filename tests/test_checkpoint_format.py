@@ -48,7 +48,7 @@ def test_streamed_file_loads_with_safe_open(tmp_path: Path) -> None:
     assert read_latest(tmp_path) == "s1"
     _, manifest, loaded = load_tensors(tmp_path)
     assert manifest["tag"] == "s1" and all(torch.equal(loaded[k], v) for k, v in t.items())
-    assert sorted(os.listdir(tmp_path)) == ["latest", "s1"]  # no staging or temp file left
+    assert sorted(os.listdir(tmp_path)) == [".lock", "latest", "s1"]  # no staging or temp file left
 
 
 def test_stream_writer_refuses_wrong_bytes(tmp_path: Path) -> None:
@@ -110,7 +110,7 @@ def test_saving_an_existing_tag_replaces_it_whole(tmp_path: Path) -> None:
     save_tensors(tmp_path, "s", {"only": torch.ones(3)})
     _, _, t = load_tensors(tmp_path, "s")
     assert list(t) == ["only"]
-    assert sorted(os.listdir(tmp_path)) == ["latest", "s"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "latest", "s"]
 
 
 @pytest.mark.parametrize("fail_after", [0, 5000, 40_000])
@@ -139,7 +139,7 @@ def test_disk_full_mid_write_keeps_the_previous_checkpoint(
         isinstance(ei.value, OSError) and isinstance(ei.value, TieredError) and ei.value.errno == errno.ENOSPC
     )
     assert read_latest(tmp_path) == "good"
-    assert sorted(os.listdir(tmp_path)) == ["good", "latest"]  # the staging directory is gone
+    assert sorted(os.listdir(tmp_path)) == [".lock", "good", "latest"]  # the staging directory is gone
     _, _, t = load_tensors(tmp_path)
     assert torch.equal(t["w"], _tensors(1)["w"])
 
@@ -152,7 +152,7 @@ def test_free_space_is_checked_before_writing(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(directory.shutil, "disk_usage", lambda p: usage._replace(free=1000))
     with pytest.raises(CheckpointSpaceError, match=r"it needs 80\d\d\d bytes .* 1000 bytes are free"):
         save_tensors(tmp_path, "next", {"x": torch.zeros(20_000)})
-    assert sorted(os.listdir(tmp_path)) == ["good", "latest"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "good", "latest"]
 
 
 def _expected(step: int) -> dict[str, torch.Tensor]:

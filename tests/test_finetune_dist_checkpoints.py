@@ -63,13 +63,13 @@ def test_two_ranks_save_export_and_resume_on_two_and_on_one_rank(
     text = _torchrun(tmp_path, [*job, *per_rank, "--steps", "4", "--out", str(whole), "--save-every", "2"])
     ckpts = whole / "checkpoints"
     # one checkpoint per save, each complete (checksums verified), holding both ranks' state
-    assert sorted(p.name for p in ckpts.iterdir()) == ["global_step2", "global_step4", "latest"]
+    assert sorted(p.name for p in ckpts.iterdir()) == [".lock", "global_step2", "global_step4", "latest"]
     assert find_latest_valid(str(ckpts)) == "global_step4"
     for tag in ("global_step2", "global_step4"):
         m = read_manifest(str(ckpts / tag))
         assert m["world_size"] == 2 and {"rank00000.safetensors", "rank00001.safetensors"} <= set(m["files"])
         assert not [p.name for p in (ckpts / tag).iterdir() if p.name.startswith(".")]
-    assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".")]  # no staging left
+    assert [p.name for p in ckpts.iterdir() if p.name.startswith(".")] == [".lock"]  # no staging left
     # one export, written once (by rank 0), loadable with its tokenizer
     assert sorted(p.name for p in (whole / "final").iterdir() if p.name.startswith(".")) == []
     want = final_weights(whole)
@@ -174,6 +174,8 @@ def test_sigterm_to_the_ranks_saves_one_checkpoint_and_leaves_nothing_behind(
     assert tag is not None and (ckpts / "latest").read_text() == tag
     m = read_manifest(str(ckpts / tag))
     assert m["world_size"] == 2 and 2 <= m["training"]["global_steps"] < 500
-    assert sorted(p.name for p in ckpts.iterdir()) == sorted([tag, "latest"])  # --keep-last 1, by rank 0
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted(
+        [".lock", tag, "latest"]
+    )  # --keep-last 1, by rank 0
     assert not (run / "final").exists()  # stopped early: no export of a half-trained model
     _no_swap_left(tmp_path / "nvme")

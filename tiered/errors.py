@@ -118,6 +118,16 @@ class CheckpointSpaceError(TieredError, OSError):
     """Not enough free space for a checkpoint (checked before writing, or the disk filled up)."""
 
 
+class CheckpointPathError(TieredError, OSError):
+    """A checkpoint folder or entry is not what tiered writes there (a file where a folder goes, a
+    symlink, no write permission); the message names the path and the fix."""
+
+
+class CheckpointLockError(TieredError, TimeoutError):
+    """Another process held a checkpoint folder's save lock for the whole wait; the message names
+    the lock file and its holder (pid, host)."""
+
+
 class DistributedSetupError(ConfigError, RuntimeError):
     """A multi-process launch (torchrun: WORLD_SIZE > 1) without a torch.distributed process group."""
 

@@ -63,7 +63,7 @@ from typing import Any
 import torch
 
 from tiered.device import default_device
-from tiered.errors import ConfigError, StorageIOError, StorageKeyError
+from tiered.errors import ConfigError, StorageCorruptError, StorageIOError, StorageKeyError
 from tiered.storage.base import (
     Capabilities,
     Capacity,
@@ -85,6 +85,8 @@ from tiered.storage.files import (
 from tiered.storage.pool import BufferPool
 from tiered_nvme.pieces import (
     ALIGN,
+    TRUNCATED_REMEDY,
+    FileEndedEarly,
     Piece,
     finish_file,
     finish_in_place,
@@ -426,8 +428,10 @@ class NVMeBackend(StorageBackend):
         except OSError as exc:
             if isinstance(exc, StorageIOError):
                 raise
-            raise StorageIOError(
+            short = isinstance(exc, FileEndedEarly)  # corruption, not retried
+            raise (StorageCorruptError if short else StorageIOError)(
                 f"nvme backend: read of key {key!r} from {str(path)!r} failed: {exc.strerror or exc}"
+                + (f"; {TRUNCATED_REMEDY}" if short else "")
             ) from exc
         finally:
             _close_all(fds)

@@ -31,6 +31,19 @@ from typing import NamedTuple
 
 import torch
 
+TRUNCATED_REMEDY = (
+    "the file is shorter than what was written (truncated by another process, or a disk that filled "
+    "up): those bytes are lost and were not used; restore the training state from a checkpoint "
+    "(engine.load_checkpoint, tiered finetune --resume)"
+)
+
+
+class FileEndedEarly(OSError):
+    """A read found fewer bytes than were stored: the file was truncated behind the backend's
+    back. Corruption, not a transient error: it carries no errno, so it is never retried
+    ([Note: retries of transient errors] in tiered.tiers.io_policy)."""
+
+
 ALIGN = 4096
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -123,7 +136,7 @@ def write_piece(
 def read_piece(
     fd: int, dst: torch.Tensor, piece: Piece, shift: int, block: int, bounce: torch.Tensor | None
 ) -> None:
-    """Read `piece` into payload `dst`; EIO if the file ends before the payload does."""
+    """Read `piece` into payload `dst`; FileEndedEarly if the file ends before the payload does."""
     lo, hi = payload_window(piece, shift, dst.numel())
     if not piece.bounce:
         got = pread_all(fd, dst[lo:hi].numpy().data, piece.offset, block)
@@ -135,7 +148,7 @@ def read_piece(
         need = at + hi - lo
         dst[lo : lo + max(0, min(got, need) - at)].copy_(bounce[at : max(at, min(got, need))])
     if got < need:
-        raise OSError(errno.EIO, f"file ended early: got {got} of {need} bytes at offset {piece.offset}")
+        raise FileEndedEarly(f"file ended early: got {got} of {need} bytes at offset {piece.offset}")
 
 
 def finish_in_place(fd: int, nbytes: int, fsync: bool) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from tiered_nvme.pieces import _IOV_MAX, ALIGN, align_down, align_up
+from tiered_nvme.pieces import _IOV_MAX, ALIGN, FileEndedEarly, align_down, align_up
 
 IOV_LIMIT = min(_IOV_MAX, 1024)
 
@@ -235,8 +235,8 @@ class Coalescer:
         else:
             got = _readv_all(fd, iovs, run.offset)
             if got < run.nbytes:
-                raise OSError(
-                    errno.EIO, f"slab file ended early: got {got} of {run.nbytes} bytes at {run.offset}"
+                raise FileEndedEarly(
+                    f"slab file ended early: got {got} of {run.nbytes} bytes at {run.offset}"
                 )
             for dst, src in staged:
                 dst.copy_(src)

@@ -25,6 +25,13 @@ A directory without ``lock`` whose pid was reused by an unrelated process is kep
 owner writes nothing before locking). Where the filesystem refuses flock nothing is reclaimed, as
 live and dead cannot be told apart. Files directly under `path`, and directories named otherwise,
 are never touched: they may be a persistent tier's data or the user's.
+
+`path` may be shared (a scratch disk every user writes into), so a directory that only looks
+like a swap directory is judged without trusting it: it must be a real directory (no symlink)
+owned by this user, and its ``lock`` is opened ``O_NOFOLLOW | O_NONBLOCK`` and must be a regular
+file of this user. Anything else (a FIFO named ``lock`` that would block the open for ever, a
+device, a symlink, another user's directory) is kept, with a WARNING naming it, and never opened
+blocking or removed.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import logging
 import os
 import re
 import socket
+import stat
 import tempfile
 from pathlib import Path
 
@@ -131,13 +139,30 @@ def reclaim_stale(parent: Path) -> list[tuple[Path, int]]:
 
 def _remove_if_dead(path: Path, pid: int) -> int | None:
     """Bytes freed if `path` belonged to a dead process and is now gone; None if it was kept."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        log.warning(
+            "nvme backend: %s looks like a swap directory but is not a directory of this user: left alone",
+            path,
+        )
+        return None
     try:
-        fd = os.open(path / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None if _pid_alive(pid) else remove_tree(path)  # alive: it may be about to lock
     except OSError:
         return None
     try:
+        lst = os.fstat(fd)
+        if not stat.S_ISREG(lst.st_mode) or lst.st_uid != os.geteuid():
+            log.warning(
+                "nvme backend: %s is not a lock file this user wrote (mode %o, owner %d): directory left "
+                "alone; remove it by hand",
+                path / LOCK_NAME,
+                lst.st_mode,
+                lst.st_uid,
+            )
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # held (its owner lives), or no flock here (cannot tell): keep it

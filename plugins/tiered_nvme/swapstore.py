@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiered.errors import StorageIOError, StorageKeyError
+from tiered.errors import StorageCorruptError, StorageIOError, StorageKeyError
 from tiered.storage.base import LocalFile, check_out_size
 from tiered.storage.files import adopt_into
-from tiered_nvme.pieces import ALIGN, align_up
+from tiered_nvme.pieces import ALIGN, TRUNCATED_REMEDY, FileEndedEarly, align_up
 from tiered_nvme.slab import Coalescer, SlabSlots, Slot, SwapEntry
 
 if TYPE_CHECKING:
@@ -160,9 +160,10 @@ class SwapStore:
             if isinstance(exc, StorageIOError):
                 raise
             op = "write" if write else "read"
-            raise StorageIOError(
+            short = isinstance(exc, FileEndedEarly)
+            raise (StorageCorruptError if short else StorageIOError)(
                 f"nvme backend: {op} of key {key!r} in slab {str(self.slab_path)!r} (offset "
-                f"{slot.offset}) failed: {exc.strerror or exc}"
+                f"{slot.offset}) failed: {exc.strerror or exc}" + (f"; {TRUNCATED_REMEDY}" if short else "")
             ) from exc
 
     def exists(self, key: str) -> bool:

@@ -10,7 +10,34 @@ or the new one; a checkpoint is complete exactly when its ``manifest.json`` exis
 manifest is the last file written. Saving a tag that already exists swaps the new directory in
 with renameat2(RENAME_EXCHANGE) where the kernel has it (one atomic step), else by moving the old
 one aside first (a crash between those two renames leaves it as ``.<tag>.old``: rename it back
-by hand). Names starting with "." are never checkpoints.
+by hand; the next save into the folder does it, see [Note: reclaiming interrupted saves]).
+Names starting with "." are never checkpoints. Saves into one folder are serialised by
+[Note: checkpoint save lock] (tiered/checkpoint/lock.py), and nothing found in the folder is
+opened without [Note: nothing foreign in a checkpoint folder] (tiered/checkpoint/paths.py).
+
+[Note: manifest checksum]
+The rank files carry checksums in manifest.json, and the manifest carries its own:
+``manifest_xxh3_64``, the xxh3-64 of the canonical JSON (sorted keys, no whitespace) of every
+other field. So an edited manifest (a piece's ``start_in_shard`` moved by one, ``exp_avg``
+pointed at ``exp_avg_sq``, a changed step counter or RNG state) is refused by name instead of
+loading a model that is silently off. Like the file checksums it detects edits and corruption,
+not a forger (who can recompute it). Manifests of format version 1 have none: they still load,
+with a WARNING that their edits cannot be detected.
+
+[Note: reclaiming interrupted saves]
+A save killed at any point (kill -9, power loss) leaves at most ``.<tag>.partial`` (a staging
+directory), ``.<tag>.old`` (between the two renames of a replace without renameat2) and
+``.latest.tmp``. The next save into the folder, holding the save lock (so no save is running),
+reclaims them with a WARNING: staging leftovers and ``.latest.tmp`` are removed, an ``.<tag>.old``
+is renamed back to ``<tag>`` when ``<tag>`` is gone (it is then the only copy) and removed
+otherwise. Only real directories owned by this user are removed; anything else is left and named.
+
+[Note: checkpoint tags]
+A tag is one directory name: not empty, not starting with ".", not ``latest``, no "/" or NUL or
+other control character, no leading or trailing whitespace (``latest`` stores it as text), and
+short enough that ``.<tag>.partial`` fits a file name (255 bytes). ``latest`` is read back under
+the same rule, so it can only name a checkpoint inside its own folder (never an absolute path or
+``../other/tag``).
 
 [Note: private checkpoints]
 A checkpoint holds the whole training state (weights, optimizer moments, data position), as the
@@ -29,9 +56,13 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 from typing import Any
 
+import xxhash
+
+from tiered.checkpoint.paths import owned_dir, read_small, real_dir
 from tiered.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointSpaceError
 from tiered.units import format_bytes
 
@@ -40,7 +71,15 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 MANIFEST = "manifest.json"
 FORMAT = "tiered-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+MANIFEST_CHECKSUM = "manifest_xxh3_64"
+_UNCHECKED_VERSIONS = (1,)  # before [Note: manifest checksum]: read with a WARNING
+_NAME_MAX_BYTES = 255
+_TAG_MAX_BYTES = _NAME_MAX_BYTES - len("..partial")
+_LATEST_MAX_BYTES = 4096
+_MANIFEST_MAX_BYTES = 1 << 30
+_BAD_TAG_CHARS = re.compile(r"[\x00-\x1f\x7f/]")
+_LEFTOVER = re.compile(r"\.(.+)\.(partial|old)")
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
 _SPACE_MARGIN_BYTES = 16 << 20  # directory entries, the manifest, filesystem rounding
@@ -51,13 +90,30 @@ def staging_path(save_dir: str, tag: str) -> str:
 
 
 def check_tag(tag: str) -> str:
+    """`tag` if it is a valid checkpoint tag ([Note: checkpoint tags]), else ValueError naming it."""
     tag = str(tag)
-    if not tag or tag.startswith(".") or "/" in tag or tag in (LATEST, "..") or os.sep in tag:
+    why = None
+    if not tag or tag.startswith(".") or tag == LATEST or os.sep in tag:
+        why = f"not empty, not starting with '.', not {LATEST!r}"
+    elif _BAD_TAG_CHARS.search(tag):
+        why = "no '/', NUL or other control character"
+    elif tag != tag.strip():
+        why = "no leading or trailing whitespace"
+    elif len(os.fsencode(tag)) > _TAG_MAX_BYTES:
+        why = f"at most {_TAG_MAX_BYTES} bytes (it is {len(os.fsencode(tag))})"
+    if why is not None:
+        shown = tag if len(tag) <= 80 else f"{tag[:40]}...{tag[-20:]}"
         raise ValueError(
-            f"checkpoint tag {tag!r}: a tag is one directory name, not starting with '.', "
-            f"not {LATEST!r} (e.g. 'global_step100')"
+            f"checkpoint tag {shown!r}: a tag is one directory name ({why}); e.g. 'global_step100'"
         )
     return tag
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """xxh3-64 of `manifest` without its own checksum field ([Note: manifest checksum])."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return xxhash.xxh3_64_hexdigest(text.encode("utf-8"))
 
 
 def fsync_dir(path: str) -> None:
@@ -96,15 +152,48 @@ def check_free_space(save_dir: str, need_bytes: int) -> None:
 
 
 def prepare_staging(save_dir: str, tag: str) -> str:
-    """An empty staging directory for `tag` (a leftover of a crashed save is removed), owner
-    only, as a `save_dir` this creates. See [Note: private checkpoints]."""
+    """An empty staging directory for `tag`, owner only, as a `save_dir` this creates (see
+    [Note: private checkpoints]); the caller holds the save lock, so leftovers of interrupted
+    saves are reclaimed first ([Note: reclaiming interrupted saves])."""
     os.makedirs(save_dir, mode=PRIVATE_DIR, exist_ok=True)
+    reclaim_interrupted(save_dir)
+    real_dir(os.path.join(save_dir, tag))  # a symlink or file there: refused before writing
     path = staging_path(save_dir, tag)
-    if os.path.lexists(path):
-        log.info("removing %s, left by an interrupted save", path)
-        shutil.rmtree(path)
+    if os.path.lexists(path):  # not ours to remove (reclaim_interrupted kept it)
+        raise CheckpointCorruptError(
+            f"{path} is left over and is not a directory of this user; remove it by hand, then save again"
+        )
     os.mkdir(path, PRIVATE_DIR)
     return path
+
+
+def reclaim_interrupted(save_dir: str) -> list[str]:
+    """[Note: reclaiming interrupted saves]; the caller holds the save lock. Returns what it did."""
+    done = []
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        m = _LEFTOVER.fullmatch(name)
+        if name == ".latest.tmp":
+            if os.path.isfile(path) and not os.path.islink(path):
+                os.unlink(path)
+                done.append(f"removed {name}")
+            continue
+        if m is None:
+            continue
+        if not owned_dir(path):
+            log.warning("%s is not a directory of this user: left alone; remove it by hand", path)
+            continue
+        final = os.path.join(save_dir, m[1])
+        if m[2] == "old" and not os.path.lexists(final):
+            os.rename(path, final)
+            done.append(f"renamed {name} back to {m[1]} (a replace of it was interrupted)")
+        else:
+            shutil.rmtree(path)
+            done.append(f"removed {name}")
+    if done:
+        fsync_dir(save_dir)
+        log.warning("%s: reclaimed what interrupted saves left: %s", save_dir, "; ".join(done))
+    return done
 
 
 _RENAME_EXCHANGE = 2
@@ -136,7 +225,7 @@ def publish(save_dir: str, tag: str, staging: str) -> str:
         fsync_file(os.path.join(staging, name))
     fsync_dir(staging)
     final = os.path.join(save_dir, tag)
-    if os.path.lexists(final):
+    if real_dir(final):
         if _exchange(staging, final):
             fsync_dir(save_dir)
             shutil.rmtree(staging)  # now holds the old checkpoint
@@ -165,17 +254,39 @@ def write_latest(save_dir: str, tag: str) -> None:
 
 
 def read_latest(load_dir: str) -> str | None:
+    """The tag ``latest`` names, None without one; CheckpointCorruptError when it is not a
+    regular file (never opened blocking) or names something else than a tag in its folder
+    ([Note: checkpoint tags])."""
+    path = os.path.join(load_dir, LATEST)
     try:
-        with open(os.path.join(load_dir, LATEST), encoding="utf-8") as f:
-            return f.read().strip() or None
+        raw = read_small(path, _LATEST_MAX_BYTES)
     except FileNotFoundError:
         return None
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise CheckpointCorruptError(
+            f"{path} is not text: tiered did not write it; remove it or pass tag=..."
+        ) from e
+    if not tag:
+        return None
+    try:
+        return check_tag(tag)
+    except ValueError as e:
+        raise CheckpointCorruptError(
+            f"{path} names {tag[:100]!r}, not a tag in {load_dir} ({e}); "
+            "latest may only name a checkpoint folder beside it: fix or remove it, or pass tag=..."
+        ) from None
 
 
 def read_manifest(path: str) -> dict[str, Any]:
     """The manifest of checkpoint directory `path`; clear errors for missing or half-written ones."""
     mpath = os.path.join(path, MANIFEST)
-    if not os.path.isdir(path):
+    try:
+        is_dir = real_dir(path)
+    except OSError as e:
+        raise CheckpointCorruptError(str(e)) from None
+    if not is_dir:
         parent, tag = os.path.split(os.path.normpath(path))
         if os.path.isdir(staging_path(parent, tag)):
             raise CheckpointCorruptError(
@@ -183,22 +294,45 @@ def read_manifest(path: str) -> dict[str, Any]:
                 f"{staging_path(parent, tag)} exists: the save was interrupted); load another tag"
             )
         raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
-    if not os.path.isfile(mpath):
+    try:
+        manifest = json.loads(read_small(mpath, _MANIFEST_MAX_BYTES))
+    except FileNotFoundError:
         raise CheckpointCorruptError(
             f"checkpoint {path} has no {MANIFEST}: it is half-written or not a tiered checkpoint; load another tag"
-        )
-    try:
-        with open(mpath, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
+        ) from None
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"checkpoint manifest {mpath} cannot be read: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{mpath} is not a tiered checkpoint manifest (no format {FORMAT!r})")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointCorruptError(
-            f"{mpath}: format_version {manifest.get('format_version')!r}; this tiered reads version {FORMAT_VERSION}"
+    version = manifest.get("format_version")
+    if version in _UNCHECKED_VERSIONS:
+        log.warning(
+            "%s: format version %s has no manifest checksum, so an edit of it cannot be detected; "
+            "save the checkpoint again to get one",
+            mpath,
+            version,
         )
+    elif version != FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"{mpath}: format_version {version!r}; this tiered reads version {FORMAT_VERSION}"
+        )
+    elif manifest.get(MANIFEST_CHECKSUM) != manifest_digest(manifest):
+        raise CheckpointCorruptError(
+            f"checkpoint manifest {mpath} fails its checksum ({MANIFEST_CHECKSUM} "
+            f"{manifest.get(MANIFEST_CHECKSUM)!r}, computed {manifest_digest(manifest)!r}): it was edited "
+            "or is corrupt; load another checkpoint (tiered.checkpoint.find_latest_valid)"
+        )
+    _check_file_names(mpath, manifest.get("files"))
     return manifest
+
+
+def _check_file_names(mpath: str, files: Any) -> None:
+    """Every file a manifest lists is a plain name inside its checkpoint folder."""
+    if not isinstance(files, dict):
+        raise CheckpointCorruptError(f"{mpath}: 'files' is not a mapping of file names to records")
+    for name in files:
+        if not isinstance(name, str) or not name or name.startswith(".") or _BAD_TAG_CHARS.search(name):
+            raise CheckpointCorruptError(f"{mpath} lists a file {name!r} outside its checkpoint folder")
 
 
 def resolve(load_dir: str, tag: str | None) -> str:
@@ -240,7 +374,7 @@ def find_latest_valid(save_dir: str, *, verify: bool = True) -> str | None:
         return None
     for name in names:
         path = os.path.join(save_dir, name)
-        if name.startswith(".") or not os.path.isdir(path):
+        if name.startswith(".") or os.path.islink(path) or not os.path.isdir(path):
             continue
         try:
             m = read_manifest(path)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from tiered.checkpoint.paths import open_regular
 from tiered.errors import CheckpointCorruptError, CheckpointSpaceError
 
 CHECKSUM_ALGORITHM = "xxh3_64"
@@ -240,7 +241,7 @@ class StoredTensor:
 
 def tensor_ranges(path: str) -> dict[str, StoredTensor]:
     """Every tensor of safetensors file `path` and its byte range, from the header alone."""
-    with open(path, "rb") as f:
+    with open(open_regular(path), "rb") as f:
         head = f.read(8)
         if len(head) != 8:
             raise CheckpointCorruptError(f"checkpoint file {path} is shorter than a safetensors header")
@@ -265,7 +266,7 @@ def file_checksum(path: str) -> tuple[int, str]:
     """(size, xxh3-64 hex) of a file, read in bounded chunks."""
     h = xxhash.xxh3_64()
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    with open(open_regular(path), "rb", buffering=0) as f:
         buf = bytearray(_READ_CHUNK_BYTES)
         mv = memoryview(buf)
         while n := f.readinto(buf):
@@ -276,7 +277,7 @@ def file_checksum(path: str) -> tuple[int, str]:
 
 def verify_file(path: str, record: dict[str, object]) -> None:
     """Raise CheckpointCorruptError naming `path` unless its size and checksum match `record`."""
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise CheckpointCorruptError(f"checkpoint file {path} is missing (listed in its manifest.json)")
     size, digest = file_checksum(path)
     want = record.get(CHECKSUM_ALGORITHM)

@@ -335,6 +335,7 @@ class Engine(DeepSpeedEngineAPI):
 
     def state_dict_fp32(self) -> dict[str, torch.Tensor]:
         """Consolidated parameters (every rank's shard gathered), as the module names them."""
+        self._check_open()
         self._check_no_step_in_flight("state_dict_fp32")
         return self.zero.gather_full_state_dict()
 

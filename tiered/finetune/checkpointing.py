@@ -10,13 +10,22 @@ plus the model folder's tokenizer files; with LoRA the adapter in peft's format 
 in ``DIR/final/merged/``. Each checkpoint's client_state carries the data position
 (`PackedBatches.state_dict`, [Note: batch order and its state]); the engine restores everything
 else (counters, optimizer, loss scaler, lr position, RNG states), so a resumed run is bit for bit
-the run that was never stopped. ``--keep-last K`` deletes the oldest complete checkpoints only
-after a newer one is complete (save_checkpoint returned: renamed into place and ``latest``
-moved), and never the one ``latest`` names. An ``--out`` whose ``checkpoints/`` holds anything is
-refused unless ``--resume`` (continue that run) or ``--overwrite`` (delete ``DIR/checkpoints`` and
-``DIR/final`` once every other check passed, then start afresh): starting afresh beside another
-run's checkpoints would let a later ``--resume`` continue the other run. ``--trace``, ``--plot``
-and ``--stats-json`` may name files inside ``DIR``; their folders are created with it.
+the run that was never stopped. ``--keep-last K`` prunes as [Note: pruning checkpoints] says. An
+``--out`` whose ``checkpoints/`` holds anything is refused unless ``--resume`` (continue that run)
+or ``--overwrite`` (delete ``DIR/checkpoints`` and ``DIR/final`` once every other check passed,
+then start afresh): starting afresh beside another run's checkpoints would let a later
+``--resume`` continue the other run. ``--trace``, ``--plot`` and ``--stats-json`` may name files
+inside ``DIR``; their folders are created with it.
+
+[Note: pruning checkpoints]
+``--keep-last K`` deletes the oldest complete checkpoints only after a newer one is complete
+(save_checkpoint returned: renamed into place and ``latest`` moved), and only what this run can
+tell it wrote: a real folder (no symlink) owned by this user whose manifest reads back (its
+checksum, [Note: manifest checksum]) and names the folder's own tag. Anything else in
+``checkpoints/`` (a foreign symlink, a copied checkpoint, a user's folder) is skipped, neither
+counted nor deleted. Nothing is deleted unless ``latest`` names one of the K kept checkpoints and
+each kept one verifies (manifest checksum, every listed file a regular file of its recorded
+size), and never the one ``latest`` names.
 
 [Note: stop on a signal]
 With a run directory, the first SIGINT or SIGTERM only asks the loop to stop: the step in
@@ -239,24 +248,49 @@ class CheckpointPolicy:
         return str(path)
 
     def prune(self, keep: int) -> list[str]:
-        """Delete the oldest complete checkpoints beyond `keep`; never the one ``latest`` names
-        nor an incomplete one (not ours to judge). Returns the deleted paths."""
-        from tiered.checkpoint.directory import read_latest, read_manifest
+        """Delete the oldest complete checkpoints beyond `keep` ([Note: pruning checkpoints]).
+        Returns the deleted paths."""
+        from tiered.checkpoint.directory import MANIFEST, read_latest, read_manifest
+        from tiered.checkpoint.paths import owned_dir
+        from tiered.checkpoint.writer import check_published
 
         root = str(self.checkpoints_dir)
         latest = read_latest(root)
         found: list[tuple[int, float, str]] = []
-        for name in os.listdir(root):
+        for name in sorted(os.listdir(root)):
             path = os.path.join(root, name)
-            if name.startswith(".") or not os.path.isdir(path):
+            if name.startswith(".") or name == "latest":
+                continue
+            if not owned_dir(path):  # a symlink, a file, someone else's folder: not ours to judge
+                log.info("pruning: skipping %s (not a checkpoint folder this run wrote)", path)
                 continue
             try:
                 m = read_manifest(path)
             except (OSError, ValueError):
+                continue  # incomplete or not a checkpoint: not ours to judge
+            if m.get("tag") != name:  # written under another name (copied or renamed by hand)
+                log.info("pruning: skipping %s (its manifest names tag %r)", path, m.get("tag"))
                 continue
             steps = int((m.get("training") or {}).get("global_steps", -1))
-            found.append((steps, os.path.getmtime(os.path.join(path, "manifest.json")), name))
+            found.append((steps, os.path.getmtime(os.path.join(path, MANIFEST)), name))
         found.sort(reverse=True)
+        kept = [n for _, _, n in found[:keep]]
+        if latest not in kept:
+            log.warning(
+                "pruning: %s/latest names %r, not one of the %d newest checkpoints (%s): nothing deleted",
+                root,
+                latest,
+                keep,
+                ", ".join(kept),
+            )
+            return []
+        for name in kept:  # every checkpoint kept in place of the deleted ones reads back whole
+            path = os.path.join(root, name)
+            try:
+                check_published(path, read_manifest(path))
+            except (OSError, ValueError) as e:
+                log.warning("pruning: kept checkpoint %s does not verify (%s): nothing deleted", path, e)
+                return []
         deleted = []
         for _, _, name in found[keep:]:
             if name == latest:

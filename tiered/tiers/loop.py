@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -100,21 +101,27 @@ class EventLoopThread:
         if self.in_loop_thread():
             raise RuntimeError(f"{self._name}: close() called from the loop thread itself")
 
+        # one deadline for the whole close, not one per stage ([Note: one deadline per request])
+        end = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(0.0, end - time.monotonic())
+
         async def _cancel_all() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
                 t.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=timeout_s)
+            if tasks:  # at most half the time: the backends' close (removing swap files) gets the rest
+                await asyncio.wait(tasks, timeout=left() / 2)
             if final is not None:
-                await asyncio.wait_for(final(), timeout_s)
+                await asyncio.wait_for(final(), left())
 
         try:
-            asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(timeout=timeout_s)
+            asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(timeout=left() + 0.05)
         except Exception as exc:  # noqa: BLE001 - a stuck task must not keep close() from stopping the loop
             log.warning("%s: closing did not finish cleanly within %.1f s: %r", self._name, timeout_s, exc)
         loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=timeout_s)
+        thread.join(timeout=max(left(), 0.05 * timeout_s))
         if thread.is_alive():
             log.warning("%s: loop thread did not stop within %.1f s", self._name, timeout_s)
         else:

@@ -41,6 +41,7 @@ from tiered.tiers.stats import ManagerStats, TierCounters
 from tiered.tiers.tier import Tier
 from tiered.tiers.trace import TraceRecorder
 from tiered.tiers.transfer import Transfers
+from tiered.tiers.waiting import request_deadline
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -338,9 +339,10 @@ class TierManager:
 
     # ---- plumbing --------------------------------------------------------------------------
     def _run(self, coro: Coroutine[Any, Any, T], what: str, tier: str | None) -> TierFuture[T]:
-        fut = self._loop.submit(coro)
-        # a little past the loop's own timeouts, so their more specific message arrives first
-        grace = self.timeout_s + min(5.0, 0.5 + 0.1 * self.timeout_s)
+        fut = self._loop.submit(request_deadline(coro, self.timeout_s))  # [Note: one deadline per request]
+        # a little past the loop's own deadline, so its more specific message arrives first, and
+        # within 10% of timeout_s when the loop itself is stuck
+        grace = 1.05 * self.timeout_s + 0.1
         return TierFuture(fut, what=what, tier=tier, default_timeout_s=grace, on_stall=self._stats.add_stall)
 
     def _loop_call(self, fn: Callable[..., T], *args: Any) -> T:

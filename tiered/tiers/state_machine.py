@@ -52,7 +52,7 @@ from tiered.tiers.error_context import mark, raise_in_context, rethrow, with_con
 from tiered.tiers.partition import CopyState, Partition
 from tiered.tiers.policy import EvictionPolicy
 from tiered.tiers.transfer import Transfers
-from tiered.tiers.waiting import ChangeSignal, deadline_after, wait_done
+from tiered.tiers.waiting import ChangeSignal, deadline_after, outside_request, wait_done
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -123,6 +123,10 @@ class TierStateMachine:
                 fut.set_result(None)
             self._changed.notify()
 
+    def _at(self, part: Partition, tier: str) -> str:
+        """The backend and key of `part`'s copy in `tier`, for a message ([Note: error context])."""
+        return f"(backend {self.tiers[tier].backend.name!r}, key {part.name!r})"
+
     def pin_if_resident(self, part: Partition, tier: str) -> torch.Tensor | None:
         """[Note: fetch fast path]: pin a copy already resident with one plain call on the loop."""
         if self.parts.get(part.name) is not part or not part.state(tier).readable:
@@ -147,8 +151,8 @@ class TierStateMachine:
                     busy,
                     deadline,
                     lambda: (
-                        f"{op} of partition {part.name!r} to tier {tier!r}: a move "
-                        f"in flight there ran past {self.timeout_s} s"
+                        f"{op} of partition {part.name!r} to tier {tier!r} {self._at(part, tier)}: a move "
+                        f"in flight there ran past {self.timeout_s} s (tiered.timeout_s)"
                     ),
                 )
                 continue
@@ -166,8 +170,8 @@ class TierStateMachine:
                     busy,
                     deadline,
                     lambda: (
-                        f"allocate of partition {part.name!r} in tier {tier!r}: a "
-                        f"move in flight there ran past {self.timeout_s} s"
+                        f"allocate of partition {part.name!r} in tier {tier!r} {self._at(part, tier)}: a "
+                        f"move in flight there ran past {self.timeout_s} s (tiered.timeout_s)"
                     ),
                 )
             except TimeoutError:
@@ -235,8 +239,8 @@ class TierStateMachine:
             await self._changed.wait(
                 deadline,
                 lambda: (
-                    f"evict of partition {part.name!r} from tier {tier!r}: "
-                    f"a move on that copy ran past {self.timeout_s} s"
+                    f"evict of partition {part.name!r} from tier {tier!r} {self._at(part, tier)}: "
+                    f"a move on that copy ran past {self.timeout_s} s (tiered.timeout_s)"
                 ),
             )
         if part.state(tier) is ABSENT:
@@ -429,6 +433,8 @@ class TierStateMachine:
                     deadline, lambda: f"{op} of partition {part.name!r}: no valid copy appeared"
                 )
             version = part.version
+            # what a waiter that times out on this load names ([Note: one deadline per request])
+            fut.tiered_move = f"{self.transfers.ctx(part, src, op)}, moving {src}->{tier}"  # type: ignore[attr-defined]
             if reused:
                 buf = backend.view(part.name)
             else:
@@ -443,11 +449,12 @@ class TierStateMachine:
             if not reused:
                 if allocated:
                     try:
-                        await self.transfers.io(
-                            lambda: backend.delete(part.name),
-                            self.transfers.ctx(part, tier, "cleanup"),
-                            retry=False,
-                        )
+                        with outside_request():
+                            await self.transfers.io(
+                                lambda: backend.delete(part.name),
+                                self.transfers.ctx(part, tier, "cleanup"),
+                                retry=False,
+                            )
                     except Exception:  # noqa: BLE001 - the original failure is the one to report
                         log.warning(
                             "could not free %s after a failed %s",
@@ -478,7 +485,7 @@ class TierStateMachine:
                     deadline,
                     lambda: (
                         f"{op} of partition {part.name!r}: a write-back to home "
-                        f"{home!r} ran past {self.timeout_s} s"
+                        f"{home!r} {self._at(part, home)} ran past {self.timeout_s} s (tiered.timeout_s)"
                     ),
                 )
                 continue

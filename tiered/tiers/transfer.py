@@ -137,7 +137,11 @@ class Transfers:
         await bounded(
             sem.acquire(),
             self.timeout_s,
-            lambda: f"{op} of partition {part.name!r}: link {src}->{dst} stayed busy for {self.timeout_s} s",
+            lambda: (
+                f"{op} of partition {part.name!r} from tier {src!r} to tier {dst!r} (backends "
+                f"{self._tiers[src].backend.name!r} -> {self._tiers[dst].backend.name!r}, key {part.name!r}): "
+                f"link {src}->{dst} stayed busy for {self.timeout_s} s, the moves ahead on it did not finish"
+            ),
         )
         link = self.stats.link(src, dst)
         link.begin()

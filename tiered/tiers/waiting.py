@@ -5,13 +5,27 @@ a request short of room waits for a `ChangeSignal`, a request meeting a move in 
 that move's future (shielded, so a timed-out waiter never cancels the move other waiters share),
 and a backend call is bounded by the manager's timeout. A wait that runs out raises a marked
 TierTimeoutError whose message the caller wrote ([Note: error context]).
+
+[Note: one deadline per request]
+``timeout_s`` is what a caller waits for one request (a fetch, prefetch, evict, flush), not what
+each of its inner waits may take: a write-back queued behind a hung one on its link used to wait
+``timeout_s`` for the link and then ``timeout_s`` more for the backend, and a request that also
+waited for room or for a move in flight stacked a third, so a hung backend with ``timeout_s: 20``
+failed after 60 s and more. So the manager runs each request under `request_deadline` (a context
+variable, inherited by the moves the request starts): every wait inside it (`deadline_after`,
+`bounded`) ends at the earlier of its own bound and the request's deadline. A move another
+request joins keeps the deadline of the request that started it; a waiter that times out on it
+reports the move's own error when the move failed at the same instant (it names the backend
+and key).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+import contextlib
+import contextvars
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 from tiered.errors import TierTimeoutError
 from tiered.tiers.error_context import mark
@@ -19,9 +33,48 @@ from tiered.tiers.error_context import mark
 T = TypeVar("T")
 
 
+_REQUEST_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "tiered_request_deadline", default=None
+)
+
+
+async def request_deadline(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    """Run `coro` with every wait in it ending `timeout_s` from now ([Note: one deadline per
+    request]); a nested request keeps the outer, earlier deadline."""
+    mine = asyncio.get_running_loop().time() + timeout_s
+    outer = _REQUEST_DEADLINE.get()
+    token = _REQUEST_DEADLINE.set(mine if outer is None else min(outer, mine))
+    try:
+        return await coro
+    finally:
+        _REQUEST_DEADLINE.reset(token)
+
+
+@contextlib.contextmanager
+def outside_request() -> Iterator[None]:
+    """The cleanup of a failed request (freeing its buffer) gets its own bounds, not the spent
+    deadline of the request ([Note: one deadline per request])."""
+    token = _REQUEST_DEADLINE.set(None)
+    try:
+        yield
+    finally:
+        _REQUEST_DEADLINE.reset(token)
+
+
 def deadline_after(timeout_s: float) -> float:
-    """The loop time `timeout_s` from now."""
-    return asyncio.get_running_loop().time() + timeout_s
+    """The loop time `timeout_s` from now, or the request's deadline if that is earlier."""
+    own = asyncio.get_running_loop().time() + timeout_s
+    req = _REQUEST_DEADLINE.get()
+    return own if req is None else min(own, req)
+
+
+def _left_s(timeout_s: float) -> tuple[float, bool]:
+    """(seconds a wait of `timeout_s` may take, whether the request's deadline is what bounds it)."""
+    req = _REQUEST_DEADLINE.get()
+    if req is None:
+        return timeout_s, False
+    left = max(0.0, req - asyncio.get_running_loop().time())
+    return (left, True) if left < 0.99 * timeout_s else (timeout_s, False)
 
 
 class ChangeSignal:
@@ -56,12 +109,22 @@ async def wait_done(fut: asyncio.Future[None], deadline: float, describe: Callab
     try:
         await asyncio.wait_for(asyncio.shield(fut), max(0.0, remaining))
     except TimeoutError:
-        raise mark(TierTimeoutError(describe())) from None
+        await asyncio.sleep(0)  # a move bounded by the same deadline fails in this same instant
+        err = fut.exception() if fut.done() and not fut.cancelled() else None
+        if err is not None:
+            raise err from None  # its message names the backend and key
+        move = getattr(fut, "tiered_move", None)
+        raise mark(TierTimeoutError(describe() + (f"; the move waited on: {move}" if move else ""))) from None
 
 
 async def bounded(aw: Awaitable[T], timeout_s: float, describe: Callable[[], str]) -> T:
-    """`aw` (a backend call, a semaphore), cancelled with TierTimeoutError after `timeout_s`."""
+    """`aw` (a backend call, a semaphore), cancelled with TierTimeoutError after `timeout_s` (or
+    when the request's deadline comes first, [Note: one deadline per request])."""
+    left, by_request = _left_s(timeout_s)
     try:
-        return await asyncio.wait_for(aw, timeout_s)
+        return await asyncio.wait_for(aw, left)
     except TimeoutError:
-        raise mark(TierTimeoutError(describe())) from None
+        msg = describe()
+        if by_request:
+            msg += f" (the call had {left:.3g} s left of its request's tiered.timeout_s)"
+        raise mark(TierTimeoutError(msg)) from None

@@ -6,6 +6,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -207,3 +208,64 @@ def test_swap_directory_is_removed_when_open_fails(tmp_path: Path, monkeypatch, 
     with pytest.raises(OSError, match="not writable"):
         NVMeBackend(tmp_path, atomic=atomic, swap=True)
     assert list(tmp_path.iterdir()) == []
+
+
+def _unblock_fifo(path: Path) -> None:
+    """Open the write end of FIFO `path` (and close it), so a reader blocked opening it returns."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def test_a_fifo_named_lock_in_a_stale_looking_swap_directory_is_left_alone_without_blocking(
+    tmp_path: Path, caplog
+) -> None:
+    # anyone who can write into a shared nvme_path can plant this: opening it for reading blocks
+    # until a writer comes, so before the fix every run on that path hung in its first open
+    import threading
+
+    trap = tmp_path / f"{SWAP_PREFIX}{host_tag()}-{_dead_pid()}-ab12_cd"
+    trap.mkdir()
+    os.mkfifo(trap / LOCK_NAME)
+    dead = _fake_swap_dir(tmp_path, _dead_pid() + 1)  # a real leftover beside it is still reclaimed
+    made: list[NVMeBackend] = []
+    t = threading.Thread(
+        target=lambda: made.append(NVMeBackend(tmp_path, atomic=False, fsync=False, swap=True))
+    )
+    with caplog.at_level(logging.WARNING, logger="tiered_nvme"):
+        t.start()
+        t.join(15)
+        blocked = t.is_alive()
+        if blocked:
+            _unblock_fifo(trap / LOCK_NAME)
+            t.join(15)
+    assert not blocked, "opening a swap backend blocked on a FIFO named 'lock'"
+    _run(made[0].close())
+    assert trap.is_dir() and stat.S_ISFIFO(os.lstat(trap / LOCK_NAME).st_mode)  # kept, not opened
+    assert not dead.exists()
+    warned = [r.getMessage() for r in caplog.records if str(trap / LOCK_NAME) in r.getMessage()]
+    assert warned and "not a lock file this user wrote" in warned[0], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("numel", [1 << 20, 64], ids=["own-file", "in-the-slab"])
+def test_a_truncated_swap_file_is_corruption_not_retried_and_says_what_to_do(
+    tmp_path: Path, caplog, numel: int
+) -> None:
+    from tiered.errors import StorageCorruptError
+    from tiered.tiers import Tier, TierManager
+
+    nv = NVMeBackend(tmp_path, atomic=False, fsync=False, swap=True)
+    with TierManager([Tier("cpu", open_backend({"type": "cpu"})), Tier("nvme", nv)], timeout_s=30) as m:
+        p = m.create("p", numel, torch.float32, "nvme", init=torch.ones(numel))
+        victim = nv.directory / (SLAB_FILE if numel == 64 else "p")
+        assert victim.is_file()
+        os.truncate(victim, 0)
+        with caplog.at_level(logging.WARNING), pytest.raises(StorageCorruptError) as ei:
+            m.fetch(p, "cpu").result()
+    msg = str(ei.value)
+    assert "partition 'p'" in msg and str(victim) in msg and "ended early" in msg
+    assert "restore the training state from a checkpoint" in msg
+    assert not [r for r in caplog.records if "transient error, retry" in r.getMessage()], (
+        "retried as transient"
+    )
