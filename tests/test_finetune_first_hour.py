@@ -89,6 +89,9 @@ def test_an_out_holding_another_run_is_refused_unless_resume_or_overwrite(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     job, run = _job(tmp_path), tmp_path / "run"
+    # a save lock and an interrupted save's leftover are not another run's checkpoints
+    (run / "checkpoints" / ".global_step1.partial").mkdir(parents=True)
+    (run / "checkpoints" / ".lock").write_text("")
     assert main([*job, "--out", str(run), "--save-every", "1"]) == 0
     first = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert "global_step1" in first

@@ -207,7 +207,9 @@ def checkpoint_policy(options: CheckpointOptions, *, model_folder: Path | None, 
         model_folder=model_folder,
     )
     held = policy.checkpoints_dir
-    if options.resume is None and not options.overwrite and held.is_dir() and any(held.iterdir()):
+    # Dot-names are the save lock and interrupted saves' leftovers, not another run's checkpoints.
+    holds = held.is_dir() and any(not p.name.startswith(".") for p in held.iterdir())
+    if options.resume is None and not options.overwrite and holds:
         raise ConfigError(
             f"--out {options.out_dir}: {held} holds another run's checkpoints; pass --resume to "
             "continue that run, --overwrite to delete them and start afresh, or another --out"
