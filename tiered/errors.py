@@ -90,12 +90,24 @@ class CollectiveOrderError(TieredError, RuntimeError):
 
 
 class InputDtypeError(TieredError, RuntimeError):
-    """A floating-point input of the model's forward is not in the compute dtype (fp32 inputs to
-    an fp16 or bf16 model); the message names the input, both dtypes, the module and the fix."""
+    """An input of the model's forward is not in the compute dtype (fp32 inputs to an fp16 or bf16
+    model, float64 or int64 inputs to an fp32 one); the message names the input, both dtypes, the
+    module and the fix."""
 
 
 class LossScaleError(TieredError, FloatingPointError):
     """fp16 gradients overflowed while the loss scale was already at its minimum."""
+
+
+class NonFiniteError(TieredError, FloatingPointError):
+    """A loss or gradient held NaN or inf at an optimizer step (bf16/fp32) with
+    ``tiered.nonfinite_step: "raise"``; the message names the step, what was not finite (the loss,
+    or the first group whose gradient was) and the key. See [Note: non-finite steps]."""
+
+
+class InputError(TieredError, ValueError):
+    """An input of the model's forward cannot be trained on: an empty batch, or a tensor on the
+    meta device (no data); the message names the input and the fix."""
 
 
 class KernelBuildWarning(UserWarning):

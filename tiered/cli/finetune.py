@@ -558,6 +558,10 @@ def _with_trace(
         temp = True
     else:
         return raw, None, False
+    if not temp:  # before the model is built ([Note: ranks in finetune]: rank 0 writes it)
+        from tiered.engine.build import check_trace_path
+
+        check_trace_path(path, "--trace" if trace_path is not None else "tiered.trace_path")
     raw.setdefault("tiered", {})["trace_path"] = str(path)
     return raw, path, temp
 

@@ -111,6 +111,7 @@ def dump_config(cfg: TieredConfig) -> dict[str, Any]:
             "optimizer_tier": cfg.tiered.optimizer_tier,
             "grad_tier": cfg.tiered.grad_tier,
             "check_collective_order": cfg.tiered.check_collective_order,
+            "nonfinite_step": cfg.tiered.nonfinite_step,
             "host_mmap_threshold": cfg.tiered.host_mmap_threshold,
             "optimizer_state_format": cfg.tiered.optimizer_state_format,
         },

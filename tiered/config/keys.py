@@ -553,6 +553,7 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule("tiered.io_retry_backoff_s", _S),
     KeyRule("tiered.io_retry_errnos", _S),
     KeyRule("tiered.overlap_step_with_backward", _S),
+    KeyRule("tiered.nonfinite_step", _S),
     KeyRule("tiered.param_tier", _S),
     KeyRule("tiered.optimizer_tier", _S),
     KeyRule("tiered.grad_tier", _S),

@@ -190,6 +190,11 @@ class TieredSection:
     optimizer_state_format: str = "fp32"
     """How the offloaded Adam stores exp_avg / exp_avg_sq: "fp32" (exact), or opt-in compressed
     "bf16" / "int8" ([Note: compressed optimizer state]); the fp32 master is kept either way."""
+    nonfinite_step: str | None = None
+    """What a bf16/fp32 optimizer step whose loss or gradients hold NaN or inf does: "raise"
+    (`NonFiniteError`), "skip" (a WARNING, counted in ``stats()["nonfinite_steps"]``) or "apply"
+    (plain PyTorch's: the weights take the values); None: "raise". fp16 leaves it to the loss
+    scaler. See [Note: non-finite steps] in tiered/engine/nonfinite.py."""
     check_collective_order: bool = True
     """With several ranks: before each gather and gradient reduction the ranks agree on which
     group it is, so ranks that diverge get `CollectiveOrderError` instead of a hang

@@ -196,6 +196,7 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
         grad_tier=grad_tier,
         check_collective_order=_flag(section, "check_collective_order", defaults.check_collective_order),
         optimizer_state_format=_state_format(section.get("optimizer_state_format")),
+        nonfinite_step=_nonfinite_step(section.get("nonfinite_step")),
     ), (False if overlap is None else as_bool(overlap, "tiered.overlap_step_with_backward"))
 
 
@@ -208,6 +209,22 @@ def _state_format(value: Any) -> str:
         raise ConfigError(
             f"tiered.optimizer_state_format = {value!r} is not an optimizer-state format; use one of "
             f"{', '.join(repr(n) for n in OPTIMIZER_STATE_FORMATS)} (default 'fp32', exact)"
+        )
+    return str(value)
+
+
+NONFINITE_STEPS = ("raise", "skip", "apply")
+
+
+def _nonfinite_step(value: Any) -> str | None:
+    """tiered.nonfinite_step: [Note: non-finite steps] in tiered/engine/nonfinite.py."""
+    if value is None:
+        return None
+    if value not in NONFINITE_STEPS:
+        raise ConfigError(
+            f"tiered.nonfinite_step = {value!r}: expected one of {', '.join(map(repr, NONFINITE_STEPS))} "
+            '("raise": stop with an error naming the step; "skip": skip the step with a WARNING; '
+            '"apply": apply it as plain PyTorch does)'
         )
     return str(value)
 

@@ -97,6 +97,11 @@ def initialize(
         config = client.prepare(model, config, req)
     world_size = dist.get_world_size(process_group) if distributed else 1
     rank = dist.get_rank(process_group) if distributed else 0
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(
+            f"tiered.initialize: {type(model).__name__} has no parameters; there is nothing to train "
+            "(pass the model whose weights should learn)"
+        )
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(
             f"tiered.initialize: every parameter of {type(model).__name__} is frozen (requires_grad=False); "

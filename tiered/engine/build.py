@@ -170,6 +170,22 @@ def tier_order(names: Sequence[str]) -> list[str]:
     return known + [n for n in names if n not in _ORDER]
 
 
+def check_trace_path(path: str | os.PathLike[str], what: str = "tiered.trace_path") -> None:
+    """The trace is written at close, after the whole run: a path it cannot be written to is
+    refused now, naming `what` (the key or flag that gave it)."""
+    target = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(target)
+    if not os.path.isdir(parent):
+        raise ConfigError(
+            f"{what} = {os.fspath(path)!r}: folder {parent} does not exist; create it or choose another path "
+            "(the trace is written when the engine closes)"
+        )
+    if os.path.isdir(target):
+        raise ConfigError(f"{what} = {os.fspath(path)!r} is a folder; name a file in it, e.g. trace.json")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} = {os.fspath(path)!r}: folder {parent} is not writable by this user")
+
+
 def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1) -> TierManager:
     """Open every configured backend (entry points only: tiered never imports plugins/) and
     hand them, with their budgets, to one TierManager.
@@ -182,6 +198,8 @@ def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1)
     from tiered.tiers import TierManager
     from tiered.tiers.io_policy import IOPolicy
 
+    if cfg.tiered.trace_path is not None:
+        check_trace_path(cfg.tiered.trace_path)
     specs = dict(cfg.tiered.tiers)
     for name in ("gpu", "cpu"):
         if name not in specs:

@@ -14,6 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from tiered.engine.facade import TieredOptimizer
+    from tiered.engine.nonfinite import NonFiniteGuard
     from tiered.zero import ZeroParameters
 
 
@@ -25,6 +26,7 @@ class DeepSpeedEngineAPI:
     zero: ZeroParameters
     _found_inf: bool
     _sq_norm_local: float
+    nonfinite: NonFiniteGuard
     _backward_since_step: bool
     last_grad_norm: float | None
     facade: TieredOptimizer | None = None
@@ -78,6 +80,7 @@ class DeepSpeedEngineAPI:
         self._found_inf = False
         self._sq_norm_local = 0.0
         self._backward_since_step = False
+        self.nonfinite.reset()
 
     # ---- lr plumbing ([Note: the optimizer facade]) ------------------------------------------
     def _after_applied_step(self) -> None:

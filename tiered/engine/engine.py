@@ -28,7 +28,8 @@ import torch.distributed as dist
 from tiered.config.schema import TieredConfig
 from tiered.engine.build import unmark_managed
 from tiered.engine.ds_api import DeepSpeedEngineAPI
-from tiered.engine.inputs import cast_floating, input_dtype_error
+from tiered.engine.inputs import cast_floating, check_inputs, input_dtype_error
+from tiered.engine.nonfinite import NonFiniteGuard
 from tiered.engine.progress import report_step
 from tiered.engine.signals import unwatch as unwatch_sigterm
 from tiered.errors import ParameterNotGatheredError, StorageIOError
@@ -156,6 +157,7 @@ class Engine(DeepSpeedEngineAPI):
         # reading every gradient once more is skipped (on a 40B model: 160 GB read per step) and
         # ``last_grad_norm`` reports None.
         self._needs_grad_norm = float(cfg.gradient_clipping) > 0 or cfg.precision.dtype == torch.float16
+        self.nonfinite = NonFiniteGuard(cfg, zp, norm_computed=self._needs_grad_norm)
         self.overlap_step = overlap_step_applies(cfg)
         if self.overlap_step:
             zp.on_group_grads_complete(self._group_grads_complete)
@@ -191,6 +193,7 @@ class Engine(DeepSpeedEngineAPI):
         t0 = time.perf_counter()
         if self.config.precision.auto_cast and self.config.precision.dtype == torch.float16:  # fp16.auto_cast
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
+        check_inputs(self._module, args, kwargs)
         try:
             out = self._module(*args, **kwargs)
         except RuntimeError as e:
@@ -224,17 +227,34 @@ class Engine(DeepSpeedEngineAPI):
             scaled = scaled / self.gas
         if self.loss_scaler.scale != 1.0:
             scaled = scaled * self.loss_scaler.scale
+        micro = self.micro_steps % self.gas + 1  # [Note: non-finite steps]
+        finite = self.nonfinite.loss_flag(loss)
         if self.is_gradient_accumulation_boundary():
-            if self.overlap_step:  # see [Note: step overlapped with backward]
-                self.optimizer.begin_overlapped_step(self._base_lr(), 1.0)
+            if (
+                self.overlap_step
+                and self.nonfinite.loss_is_finite_now(loss, micro)
+                and not self.nonfinite.seen
+            ):
+                self.optimizer.begin_overlapped_step(
+                    self._base_lr(), 1.0
+                )  # [Note: step overlapped with backward]
             else:
                 self.optimizer.prefetch_states()
+        flushes = self.zero.counters["grad_flushes"]
         try:
             scaled.backward(retain_graph=retain_graph)
             summary = self.zero.finish_backward(summarize=self._needs_grad_norm)
         except BaseException:
             self.optimizer.finish_overlapped_step(abort=True)
             raise
+        if self.zero.counters["grad_flushes"] == flushes:
+            self.optimizer.finish_overlapped_step(abort=True)
+            raise ValueError(
+                "engine.backward(loss): no parameter the engine trains got a gradient from this loss, "
+                "so it was not computed by engine(...) (or it ignores every trainable parameter); "
+                "compute the loss from the engine's forward output. Nothing was counted"
+            )
+        self.nonfinite.after_backward(finite, loss, summary, micro)
         self._found_inf = self._found_inf or bool(summary.found_inf)
         self._sq_norm_local = float(summary.sq_norm_local)
         self._backward_since_step = True
@@ -265,9 +285,18 @@ class Engine(DeepSpeedEngineAPI):
             )
         t0 = time.perf_counter()
         self.global_steps += 1
-        overflow = self._any_rank(self._found_inf)
+        overflow = self._any_rank(self._found_inf or self.nonfinite.seen)
         scale = self.loss_scaler.scale
-        if overflow and self.config.precision.dtype == torch.float16:
+        refusal: Exception | None = None
+        if overflow and self.nonfinite.active:  # bf16/fp32: [Note: non-finite steps]
+            self.skipped_steps += 1
+            self.last_grad_norm = float("nan")
+            applied = self.optimizer.overlapped_step_running
+            if applied:
+                self.optimizer.finish_overlapped_step()  # (what began in backward ends either way)
+                self.zero.params_updated()
+            refusal = self.nonfinite.refuse_step(self.global_steps, applied=applied)
+        elif overflow and self.config.precision.dtype == torch.float16:
             self.skipped_steps += 1
             self.loss_scaler.update(True)
             log.info(
@@ -296,16 +325,23 @@ class Engine(DeepSpeedEngineAPI):
             self.zero.params_updated()
             self._step_applied = True
             self._after_applied_step()  # a client lr scheduler steps, as in DeepSpeed
-        self.zero.zero_grads()
-        self._found_inf = False
-        self._sq_norm_local = 0.0
-        self._backward_since_step = False
+        self._end_window()
+        if refusal is not None:  # the engine goes on from a clean window if the caller catches it
+            raise refusal
         dt = time.perf_counter() - t0
         self._timing["step_s"] += dt
         self._last["step_s"] = dt
         self._last_step = dict(self._last)
         self._last = {}
         report_step(self)  # steps_per_print / wall_clock_breakdown: [Note: progress at steps_per_print]
+
+    def _end_window(self) -> None:
+        """The accumulation window is over: its gradients and flags go."""
+        self.zero.zero_grads()
+        self._found_inf = False
+        self._sq_norm_local = 0.0
+        self._backward_since_step = False
+        self.nonfinite.reset()
 
     def _any_rank(self, flag: bool) -> bool:
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
@@ -327,6 +363,7 @@ class Engine(DeepSpeedEngineAPI):
             "loss_scale": self.loss_scale,
             "global_steps": self.global_steps,
             "skipped_steps": self.skipped_steps,
+            "nonfinite_steps": self.nonfinite.steps_skipped,
             "micro_steps": self.micro_steps,
             "last_grad_norm": None
             if self.last_grad_norm is None or not math.isfinite(self.last_grad_norm)
@@ -528,6 +565,7 @@ class Engine(DeepSpeedEngineAPI):
         self.last_grad_norm = None
         self._found_inf = False
         self._sq_norm_local = 0.0
+        self.nonfinite.reset()
 
     # ---- lifetime --------------------------------------------------------------------------
     def flush(self) -> None:

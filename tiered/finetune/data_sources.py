@@ -124,6 +124,39 @@ def _row_record(row: Any, where: str, text_field: str) -> Record:
     return Record(where=where, text=text)
 
 
+def _too_deep(path: Path, lineno: int) -> ConfigError:
+    return ConfigError(
+        f"--data {path}:{lineno}: JSON nested too deeply to parse (thousands of levels of [ or {{); "
+        'a row is an object such as {"text": "..."} or {"messages": [...]}: fix or drop that row'
+    )
+
+
+def _deepest_line(text: str) -> int:
+    """The line where a JSON array file nests deepest (brackets outside strings)."""
+    depth = best = 0
+    line = best_line = 1
+    in_str = escaped = False
+    for ch in text:
+        if ch == "\n":
+            line += 1
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > best:
+                best, best_line = depth, line
+        elif ch in "]}":
+            depth -= 1
+    return best_line
+
+
 def _read_jsonl_file(path: Path, text_field: str) -> Iterator[Record]:
     for recs in _read_text_file(path):  # the same empty / binary / UTF-8 checks
         assert recs.text is not None
@@ -134,6 +167,8 @@ def _read_jsonl_file(path: Path, text_field: str) -> Iterator[Record]:
                 raise ConfigError(
                     f"--data {path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno})"
                 ) from None
+            except RecursionError:
+                raise _too_deep(path, _deepest_line(recs.text)) from None
             for i, row in enumerate(rows):
                 yield _row_record(row, f"{path} row {i}", text_field)
             if not rows:
@@ -149,6 +184,8 @@ def _read_jsonl_file(path: Path, text_field: str) -> Iterator[Record]:
                 raise ConfigError(
                     f"--data {path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})"
                 ) from None
+            except RecursionError:  # json's parser recurses per nesting level
+                raise _too_deep(path, lineno) from None
             n += 1
             yield _row_record(row, f"{path}:{lineno}", text_field)
         if n == 0:

@@ -298,16 +298,39 @@ class ZeroParameters:
             rt.zero_pending_grad()
         self._pass.end()
         self._pass.in_backward = False
-        if not summarize:
-            return GradSummary(False, 0.0)
-        return self.grad_summary()
+        if summarize:
+            return self.grad_summary()
+        return GradSummary(False, 0.0, nonfinite_group=self._probed_nonfinite_group())
 
     def grad_summary(self) -> GradSummary:
         sq = 0.0
+        first: str | None = None
         for rt in self.runtimes:
             if rt.group.grad is not None:
-                sq += rt.grad_sq_norm()
-        return GradSummary(found_inf=not math.isfinite(sq), sq_norm_local=sq)
+                g_sq = rt.grad_sq_norm()
+                if first is None and not math.isfinite(g_sq):
+                    first = rt.group.name
+                sq += g_sq
+        return GradSummary(found_inf=not math.isfinite(sq), sq_norm_local=sq, nonfinite_group=first)
+
+    def probe_finite_grads(self) -> None:
+        """From now on each gradient flush also records a sum of the gradients it adds, on their
+        device and without a sync, and `finish_backward(summarize=False)` names the first group
+        where one was not finite: the check of [Note: non-finite steps] in
+        tiered/engine/nonfinite.py where no norm is computed anyway."""
+        for rt in self.runtimes:
+            if rt.group.grad is not None:
+                rt.finite_probes = []
+
+    def _probed_nonfinite_group(self) -> str | None:
+        probes = [(rt, p) for rt in self.runtimes if rt.finite_probes for p in rt.finite_probes]
+        for rt in self.runtimes:
+            if rt.finite_probes:
+                rt.finite_probes = []
+        if not probes:
+            return None
+        bad = (~torch.isfinite(torch.stack([p for _, p in probes]).cpu())).nonzero()  # one sync
+        return probes[int(bad[0])][0].group.name if bad.numel() else None
 
     def zero_grads(self) -> None:
         """Set every group's accumulated gradient to zero on its tier (lazily: see [Note: lazy

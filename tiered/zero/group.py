@@ -85,6 +85,9 @@ class GradSummary:
     """Some accumulated gradient element is inf or NaN (fp16 overflow: skip the step)."""
     sq_norm_local: float
     """Squared L2 norm of this rank's shard of the accumulated fp32 gradients."""
+    nonfinite_group: str | None = None
+    """The first group whose gradient holds inf or NaN (from the norm, or from the finiteness
+    probe when no norm was computed); None when all are finite or nothing looked."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,10 @@ class GroupRuntime:
         """Per entry (uint8): a gradient reached it in this accumulation window (``p.grad`` set at
         some flush). See [Note: parameters without a gradient are not stepped] in tiered/optim/runs.py."""
         """The gradient partition is logically zero: see [Note: lazy gradient zeroing]."""
+        self.finite_probes: list[torch.Tensor] | None = None
+        """With the finiteness probe on (`ZeroParameters.probe_finite_grads`): one 0-dim sum per
+        flush of this backward's gradients, where they are (no sync); see [Note: non-finite
+        steps] in tiered/engine/nonfinite.py."""
         self._home_views: dict[str, torch.Tensor] = {}
         self._initial_fp32 = initial_fp32
         self._initial_taken = False
@@ -376,6 +383,12 @@ class GroupRuntime:
         self.received |= torch.tensor([gr is not None for _, gr in grads], dtype=torch.uint8)
         fresh, self.grad_zero_pending = self.grad_zero_pending, False
         with torch.no_grad():
+            if self.finite_probes is not None and ctx.world_size == 1:
+                present = [gr for _, gr in grads if gr is not None]
+                if present:  # a sum is finite iff every element is (short of an fp32 overflow)
+                    self.finite_probes.append(
+                        torch.stack([gr.sum(dtype=torch.float32) for gr in present]).sum()
+                    )
             if ctx.world_size == 1:
                 t = self.home_view(g.grad, overwrite=fresh)  # fresh: every element is written below
                 for e, gr in grads:
@@ -396,6 +409,8 @@ class GroupRuntime:
                 if ctx.order is not None:
                     ctx.order.agree(REDUCE, self.index)
                 shard = comm.reduce_scatter_mean(full, ctx.process_group)
+                if self.finite_probes is not None:  # this rank's shard; the engine ORs the ranks
+                    self.finite_probes.append(shard.sum(dtype=torch.float32))
                 t = self.home_view(g.grad, overwrite=fresh)
                 t.copy_(shard) if fresh else t.add_(shard.to(t.device))
                 self._home_written(g.grad, for_step=True)
