@@ -238,3 +238,17 @@ def test_lr_1e30_is_not_exit_0_from_finetune(tmp_path: Any, capsys: pytest.Captu
     assert main(cli(files, "--lr", "1e30")) == 2
     err = capsys.readouterr().err
     assert "is not finite" in err and "tiered.nonfinite_step" in err, err
+
+
+def test_gradients_homed_on_nvme_are_checked_from_their_kept_norm(tmp_path: Any) -> None:
+    """[Note: gradients on nvme]: the squared norm kept per flush names the group; nothing is
+    read back from storage for the check."""
+    model, mb = _batches("grad", "fp32")
+    cfg = ds_config(opt="nvme", param="cpu", nvme_path=str(tmp_path / "nvme"))
+    cfg["tiered"] = {"grad_tier": "nvme"}
+    with tiered.initialize(model, cfg) as engine:
+        engine.backward(engine(**mb[0]))
+        engine.step()
+        engine.backward(engine(**_poison(mb[1], "grad")))
+        with pytest.raises(NonFiniteError, match=r"step 2: the gradient of group"):
+            engine.step()

@@ -324,13 +324,18 @@ class ZeroParameters:
 
     def _probed_nonfinite_group(self) -> str | None:
         probes = [(rt, p) for rt in self.runtimes if rt.finite_probes for p in rt.finite_probes]
+        staged = [rt for rt in self.runtimes if rt.finite_probes is not None and rt.grad_staged]
         for rt in self.runtimes:
             if rt.finite_probes:
                 rt.finite_probes = []
-        if not probes:
-            return None
-        bad = (~torch.isfinite(torch.stack([p for _, p in probes]).cpu())).nonzero()  # one sync
-        return probes[int(bad[0])][0].group.name if bad.numel() else None
+        first = next((rt for rt in staged if not math.isfinite(rt.grad_sq_norm())), None)  # kept, no read
+        if probes:
+            dev = probes[0][1].device
+            bad = (~torch.isfinite(torch.stack([p.to(dev) for _, p in probes]).cpu())).nonzero()  # one sync
+            if bad.numel():
+                rt = probes[int(bad[0])][0]
+                first = rt if first is None or rt.index < first.index else first
+        return None if first is None else first.group.name
 
     def zero_grads(self) -> None:
         """Set every group's accumulated gradient to zero on its tier (lazily: see [Note: lazy

@@ -149,9 +149,9 @@ class GroupRuntime:
         some flush). See [Note: parameters without a gradient are not stepped] in tiered/optim/runs.py."""
         """The gradient partition is logically zero: see [Note: lazy gradient zeroing]."""
         self.finite_probes: list[torch.Tensor] | None = None
-        """With the finiteness probe on (`ZeroParameters.probe_finite_grads`): one 0-dim sum per
-        flush of this backward's gradients, where they are (no sync); see [Note: non-finite
-        steps] in tiered/engine/nonfinite.py."""
+        """With the finiteness probe on (`ZeroParameters.probe_finite_grads`): one 0-dim fp32 sum
+        per flush, not read yet (see `_probe`); a staged gradient home needs none (its squared
+        norm is kept anyway). See [Note: non-finite steps] in tiered/engine/nonfinite.py."""
         self._home_views: dict[str, torch.Tensor] = {}
         self._initial_fp32 = initial_fp32
         self._initial_taken = False
@@ -383,12 +383,6 @@ class GroupRuntime:
         self.received |= torch.tensor([gr is not None for _, gr in grads], dtype=torch.uint8)
         fresh, self.grad_zero_pending = self.grad_zero_pending, False
         with torch.no_grad():
-            if self.finite_probes is not None and ctx.world_size == 1:
-                present = [gr for _, gr in grads if gr is not None]
-                if present:  # a sum is finite iff every element is (short of an fp32 overflow)
-                    self.finite_probes.append(
-                        torch.stack([gr.sum(dtype=torch.float32) for gr in present]).sum()
-                    )
             if ctx.world_size == 1:
                 t = self.home_view(g.grad, overwrite=fresh)  # fresh: every element is written below
                 for e, gr in grads:
@@ -399,6 +393,7 @@ class GroupRuntime:
                         dst.zero_()
                 if fresh:
                     t[g.numel :].zero_()  # alignment padding (entries fill [0, numel) in order)
+                self._probe([gr for _, gr in grads if gr is not None], t[: g.numel])
                 self._home_written(g.grad, for_step=True)
             else:
                 dev = next((gr.device for _, gr in grads if gr is not None), ctx.device)
@@ -409,13 +404,25 @@ class GroupRuntime:
                 if ctx.order is not None:
                     ctx.order.agree(REDUCE, self.index)
                 shard = comm.reduce_scatter_mean(full, ctx.process_group)
-                if self.finite_probes is not None:  # this rank's shard; the engine ORs the ranks
-                    self.finite_probes.append(shard.sum(dtype=torch.float32))
                 t = self.home_view(g.grad, overwrite=fresh)
                 t.copy_(shard) if fresh else t.add_(shard.to(t.device))
+                self._probe([shard], t)  # this rank's shard; the engine ORs the ranks
                 self._home_written(g.grad, for_step=True)
         self.drop_param_grads()
         ctx.counters["grad_flushes"] += 1
+
+    def _probe(self, incoming: list[torch.Tensor], home: torch.Tensor) -> None:
+        """Record whether this flush's values are finite, without a sync: a sum is finite iff
+        every element is (short of an fp32 overflow, counted as non-finite too). Summed where it
+        reads least: the incoming gradients on a CUDA device (16-bit, in device memory), else
+        the fp32 home just written (on a CPU, reductions over 16-bit values are slow)."""
+        if self.finite_probes is None or self._staged_grad is not None or not incoming:
+            return
+        if incoming[0].is_cuda:
+            s = torch.stack([gr.sum() for gr in incoming]).float().sum()
+        else:
+            s = home.sum()
+        self.finite_probes.append(s)
 
     def drop_param_grads(self) -> None:
         for p in self.params:
@@ -436,6 +443,11 @@ class GroupRuntime:
             self.home_view(self.group.grad, overwrite=True).zero_()
             self._home_written(self.group.grad)
         self.grad_zero_pending = False
+
+    @property
+    def grad_staged(self) -> bool:
+        """The gradient's home is storage: [Note: gradients on nvme]."""
+        return self._staged_grad is not None
 
     def grad_sq_norm(self) -> float:
         """Squared L2 norm of the accumulated fp32 gradient shard (0 for a frozen group)."""
