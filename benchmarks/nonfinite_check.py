@@ -5,7 +5,7 @@ Two engines on the same tiny Hugging Face Llama (bf16, parameters and optimizer 
 "cpu", no clipping: the case where the check adds the per-flush gradient sums, since no norm is
 computed), trained step by step in turn so drift of the machine hits both alike. Prints the
 median and best step time of each, their ratios, the check's own work measured alone (a
-per-flush sum over every gradient) as a share of the step, and whether both ended bitwise equal.
+per-flush sum, as on this device) as a share of the step, and whether both ended bitwise equal.
 
     python benchmarks/nonfinite_check.py [--hidden 256] [--layers 4] [--steps 8] [--rounds 3] [--json out.json]
 """
@@ -54,14 +54,16 @@ def _config(policy: str) -> dict[str, Any]:
 
 
 def _probe_cost(model: torch.nn.Module, *, repeats: int) -> float:
-    """The check's own work per step, measured alone: the per-flush sums over gradients of every
-    parameter's shape in bf16 (what `GroupRuntime.flush_grads` adds), median seconds."""
-    grads = [torch.randn_like(p, dtype=torch.bfloat16) for p in model.parameters()]
+    """The check's own work per step, measured alone, as `GroupRuntime._probe` does it on this
+    machine's compute device (no GPU here: a sum over the fp32 gradient home, one per flush;
+    on CUDA a sum over the 16-bit incoming gradients), median seconds."""
+    sizes = [p.numel() for p in model.parameters()]
+    home = torch.randn(sum(sizes))
     got = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        s = torch.stack([gr.sum(dtype=torch.float32) for gr in grads]).sum()
-        bool(torch.isfinite(s))
+        sums = [part.sum() for part in torch.split(home, sizes)]
+        bool(torch.isfinite(torch.stack(sums)).all())
         got.append(time.perf_counter() - t0)
     return statistics.median(got)
 
