@@ -119,6 +119,7 @@ def test_finetune_refuses_a_config_trace_path_in_a_missing_folder_before_buildin
     from test_finetune import ds_config as ft_config
 
     from tiered.cli.finetune import finetune_job
+    from tiered.cli.finetune_options import FinetuneOptions
 
     model = tmp_path / "model"
     model.mkdir()
@@ -126,5 +127,9 @@ def test_finetune_refuses_a_config_trace_path_in_a_missing_folder_before_buildin
     (tmp_path / "corpus.txt").write_text(TEXT)
     cfg = {**ft_config(tmp_path / "nvme"), "tiered": {"trace_path": str(tmp_path / "no" / "t.json")}}
     with pytest.raises(ConfigError, match=r"tiered.trace_path = .*no.*does not exist"):
-        finetune_job(model_path=model, config=cfg, data_path=tmp_path / "corpus.txt", seq_len=16, steps=1)
+        finetune_job(
+            FinetuneOptions(
+                model_path=model, config=cfg, data_path=tmp_path / "corpus.txt", seq_len=16, steps=1
+            )
+        )
     assert not (tmp_path / "nvme").exists()  # refused before anything was set up
