@@ -6,10 +6,11 @@ from __future__ import annotations
 import copy
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -344,3 +345,15 @@ def assert_losses_close(got: Sequence[float], want: Sequence[float], rel: float 
 
 def clone_model(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+@pytest.fixture(autouse=False)
+def no_leftover_process_group() -> Iterator[None]:
+    """tiered.deepspeed.initialize leaves a one-process group behind, as DeepSpeed does ([Note: one
+    process without a launcher]); a test that made one destroys it, so the next starts without."""
+    import torch.distributed as dist
+
+    had = dist.is_available() and dist.is_initialized()
+    yield
+    if not had and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -7,12 +7,14 @@ from typing import Any
 
 import pytest
 import torch
-from engine_support import MLP, ds_config
+from engine_support import MLP, ds_config, no_leftover_process_group  # noqa: F401 - the fixture
 
 import tiered
 import tiered.deepspeed as deepspeed
 from tiered.engine.client import offloaded_adam_takes_param_hyper
 from tiered.errors import ConfigError, DistributedSetupError, UnsupportedConfigError
+
+pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
 
 
 def batch(seed: int) -> dict[str, torch.Tensor]:
@@ -232,10 +234,28 @@ def test_a_client_optimizer_with_state_is_refused() -> None:
         deepspeed.initialize(model=model, optimizer=opt, config=no_optimizer())
 
 
-def test_a_client_optimizer_and_an_optimizer_section() -> None:
-    model = MLP()
-    with pytest.raises(ConfigError, match="remove one"):
-        deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ds_config())
+def test_a_client_optimizer_overrides_the_optimizer_section(caplog: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed's rule (its initialize: the optimizer argument overrides the config's): the client's
+    lr 1e-2 and no weight decay train, not the section's lr 1e-3 / weight decay 0.01; logged."""
+    torch.manual_seed(0)
+    ref, model = MLP(), MLP()
+    model.load_state_dict(ref.state_dict())
+    ref_losses = torch_run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0), None, 3)
+    with caplog.at_level("WARNING", logger="tiered.engine.client"):
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0),
+            config=ds_config(param="cpu", opt="cpu"),
+        )
+    assert "the client optimizer is used" in caplog.text
+    with engine:
+        losses = []
+        for i in range(3):
+            loss = engine(**batch(i))
+            losses.append(float(loss))
+            engine.backward(loss)
+            engine.step()
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
 
 
 def test_amsgrad_is_refused() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_support import tiny_llama
+from engine_support import no_leftover_process_group, tiny_llama  # noqa: F401 - the fixture
 from torch.utils.data import Dataset, SequentialSampler
 
 transformers = pytest.importorskip("transformers")  # the hf extra
@@ -60,6 +60,8 @@ CONFIG = {
         "stage3_param_persistence_threshold": 0,
     },
 }
+
+pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
 
 
 def args(tmp: Path, **kw: Any) -> Any:

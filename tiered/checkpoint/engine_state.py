@@ -151,14 +151,17 @@ def save_engine_state(
     comm: Collective,
     chunk_bytes: int | None = None,
     save_latest: bool = True,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
 ) -> str:
     """Write checkpoint `tag`: this rank's shards streamed from their tiers, then (rank 0) the
-    manifest with `body` (config, counters, client_state, ...). See [Note: checkpoint layout]."""
+    manifest with `body` (config, counters, client_state, ...). See [Note: checkpoint layout].
+    `extra_tensors` (host tensors, e.g. client_state's) go into this rank's file by name."""
     rank = comm.rank
     chunk_bytes = chunk_bytes or CHUNK_BYTES
     rng_json, rng_tensors = rng.capture()
+    small = {**rng_tensors, **(extra_tensors or {})}
     written = [(n, p) for gs in groups for n, p in _written(gs)]
-    specs = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in rng_tensors.items()]
+    specs = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in small.items()]
     specs += [
         TensorSpec(n, tiles_of(p)[0][1].dtype, (sum(t.numel for _, t in tiles_of(p)),)) for n, p in written
     ]
@@ -184,7 +187,7 @@ def save_engine_state(
             buf = torch.empty(pipe.chunk_bytes, dtype=torch.uint8, pin_memory=True) if on_device else None
 
             def chunks() -> Iterator[torch.Tensor]:
-                yield from rng_tensors.values()
+                yield from small.values()
                 for part in flat:
                     yield from read_chunks(tm, part, pipe, buf)
 
@@ -368,6 +371,27 @@ def _config_diffs(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         if a.get(k) != b.get(k):
             out.append(f"{k}: {a.get(k)!r} -> {b.get(k)!r}")
     return out
+
+
+def read_rank_tensors(
+    path: str, manifest: dict[str, Any], rank: int, names: Sequence[str]
+) -> dict[str, torch.Tensor]:
+    """The named tensors `save_engine_state` put into rank `rank`'s file as `extra_tensors`."""
+    if not names:
+        return {}
+    from safetensors import safe_open
+
+    lay = next(lay for lay in manifest["ranks"] if lay["rank"] == rank)
+    fname = lay["file"]
+    verify_file(os.path.join(path, fname), manifest["files"][fname])
+    with safe_open(os.path.join(path, fname), "pt") as f:
+        have = set(f.keys())
+        missing = [n for n in names if n not in have]
+        if missing:
+            raise CheckpointCorruptError(
+                f"checkpoint {path}: {fname} lacks {missing[:3]} (its manifest names them)"
+            )
+        return {n: f.get_tensor(n) for n in names}
 
 
 def open_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[str, dict[str, Any]]:

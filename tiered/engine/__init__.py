@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
 
+from tiered.config.loader import config_for_training
 from tiered.config.schema import TieredConfig
 from tiered.engine import client, signals
 from tiered.engine.build import (
@@ -20,19 +21,50 @@ from tiered.engine.build import (
     choose_placement,
     mark_managed,
 )
+from tiered.engine.client import InitializeResult
 from tiered.engine.distributed import ensure_process_group
 from tiered.engine.engine import Engine
 from tiered.engine.host_memory import fix_mmap_threshold
 from tiered.errors import ConfigError, DistributedSetupError, UnsupportedConfigError
+from tiered.optim.offload import OffloadedAdam
+from tiered.optim.placement import (
+    optimizer_tile_numel,
+    pipeline_bytes,
+    plan_optimizer_placement,
+    tier_is_host,
+)
+from tiered.optim.schedulers import build_scheduler
+from tiered.zero import ZeroParameters
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "Placement", "from_pretrained", "initialize"]
+__all__ = ["Engine", "InitializeResult", "Placement", "from_pretrained", "initialize"]
 
 
+Config = dict[str, Any] | str | os.PathLike[str] | TieredConfig
+
+
+@overload
 def initialize(
     model: torch.nn.Module,
-    config: dict[str, Any] | str | os.PathLike[str] | TieredConfig,
+    config: Config,
+    *,
+    process_group: Any = None,
+    model_parameters: None = None,
+    optimizer: None = None,
+    lr_scheduler: None = None,
+    training_data: None = None,
+    collate_fn: Any = None,
+    weights: str | os.PathLike[str] | None = None,
+    init_missing: bool = False,
+    **hyperparameters: Any,
+) -> Engine: ...
+
+
+@overload
+def initialize(
+    model: torch.nn.Module,
+    config: Config,
     *,
     process_group: Any = None,
     model_parameters: Any = None,
@@ -43,14 +75,30 @@ def initialize(
     weights: str | os.PathLike[str] | None = None,
     init_missing: bool = False,
     **hyperparameters: Any,
-) -> Any:
+) -> Engine | InitializeResult: ...
+
+
+def initialize(
+    model: torch.nn.Module,
+    config: Config,
+    *,
+    process_group: Any = None,
+    model_parameters: Any = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    training_data: Any = None,
+    collate_fn: Any = None,
+    weights: str | os.PathLike[str] | None = None,
+    init_missing: bool = False,
+    **hyperparameters: Any,
+) -> Engine | InitializeResult:
     """Partition `model` into shard groups over the configured tiers and return the Engine.
 
     With any of DeepSpeed's keywords (`model_parameters`: parameters or param-group dicts;
     `optimizer`: a client torch Adam/AdamW or DeepSpeed Adam, translated to tiered's offloaded
     Adam; `lr_scheduler`: a client scheduler driving the lr; `training_data`) it returns
-    DeepSpeed's ``(engine, optimizer, dataloader, lr_scheduler)`` instead (see
-    tiered.deepspeed.initialize, [Note: the optimizer facade]).
+    DeepSpeed's ``(engine, optimizer, dataloader, lr_scheduler)`` instead, an `InitializeResult`
+    (see tiered.deepspeed.initialize, [Note: the optimizer facade]).
 
     `config` is tiered's JSON or an unchanged DeepSpeed JSON (dict or path), or a resolved
     TieredConfig. Under torch.distributed (torchrun) the data-parallel group is the default
@@ -67,16 +115,6 @@ def initialize(
     on the host); `init_missing=True` initialises parameters the files do not cover instead of
     refusing. See [Note: streaming load] and `tiered.from_pretrained`.
     """
-    from tiered.config.loader import config_for_training
-    from tiered.optim.offload import OffloadedAdam
-    from tiered.optim.placement import (
-        optimizer_tile_numel,
-        pipeline_bytes,
-        plan_optimizer_placement,
-        tier_is_host,
-    )
-    from tiered.zero import ZeroParameters
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"tiered.initialize(model, config): model must be a torch.nn.Module, got {type(model).__name__}"
@@ -93,6 +131,26 @@ def initialize(
             "does it for you, as DeepSpeed does)"
         )
     req = client.ClientRequest(model_parameters, optimizer, lr_scheduler, training_data, collate_fn)
+    engine, side = _build(
+        model, config, req, process_group, weights=weights, init_missing=init_missing, **hyperparameters
+    )
+    if side is None:
+        return engine
+    return client.InitializeResult(engine, side.facade, side.training_dataloader, engine.lr_scheduler)
+
+
+def _build(
+    model: torch.nn.Module,
+    config: Config,
+    req: client.ClientRequest,
+    process_group: Any,
+    *,
+    weights: str | os.PathLike[str] | None,
+    init_missing: bool,
+    **hyperparameters: Any,
+) -> tuple[Engine, client.ClientSide | None]:
+    """The engine, built whole: every piece (the client side too) exists before its constructor."""
+    distributed = dist.is_available() and dist.is_initialized()
     if req.given:
         config = client.prepare(model, config, req)
     world_size = dist.get_world_size(process_group) if distributed else 1
@@ -110,6 +168,11 @@ def initialize(
     cfg = config_for_training(config, model=model, world_size=world_size, **hyperparameters)
     _check_state_format(cfg)
     hyper, lr_scales = client.param_hyper(cfg, req) if req.given else (None, [1.0])
+    side = (
+        client.client_side(cfg, model, req, lr_scales, world_size=world_size, rank=rank)
+        if req.given
+        else None
+    )
     load_plan = None
     if weights is not None:  # names, shapes and coverage, before any tier exists
         from tiered.zero.load import WeightSource
@@ -119,9 +182,7 @@ def initialize(
         raise ConfigError("tiered.initialize: init_missing=True needs weights=<model folder>")
     placement = choose_placement(cfg)
     scheduler = None
-    if cfg.scheduler is not None:
-        from tiered.optim.schedulers import build_scheduler
-
+    if cfg.scheduler is not None and (side is None or side.lr_source is None):
         scheduler = build_scheduler(cfg.scheduler, base_lr=cfg.optimizer.lr)
     fix_mmap_threshold(cfg.tiered.host_mmap_threshold)  # [Note: host allocations and glibc's heap]
     tm = build_tier_manager(cfg, rank=rank, world_size=world_size)
@@ -193,12 +254,15 @@ def initialize(
         rank=rank,
         scheduler=scheduler,
         capacity=needs,
+        client=side,
+        # its tokenizer files go into engine.save_pretrained's export
+        tokenizer_source=None if weights is None else os.fspath(weights),
     )
-    if weights is not None:  # its tokenizer files go into engine.save_pretrained's export
-        engine.tokenizer_source = os.fspath(weights)
+    if side is not None:
+        side.facade.attach(engine)
     mark_managed(model, engine)
     signals.watch(engine)  # [Note: SIGTERM from a library]
-    return client.finish(engine, model, req, lr_scales) if req.given else engine
+    return engine, side
 
 
 def _check_state_format(cfg: TieredConfig) -> None:

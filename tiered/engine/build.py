@@ -151,8 +151,24 @@ def check_not_managed(model: torch.nn.Module) -> None:
         )
 
 
+_MANAGED_MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Every model marked managed (weakly): the module-level DeepSpeed API finds a parameter's engine."""
+
+
 def mark_managed(model: torch.nn.Module, engine: object) -> None:
     model.__dict__[_MANAGED_ATTR] = weakref.ref(engine)
+    _MANAGED_MODELS.add(model)
+
+
+def managed_models() -> list[tuple[torch.nn.Module, object]]:
+    """(model, its open engine) for every model an engine manages now."""
+    out = []
+    for model in list(_MANAGED_MODELS):
+        ref = model.__dict__.get(_MANAGED_ATTR)
+        engine = ref() if ref is not None else None
+        if engine is not None and not getattr(engine, "_closed", True):
+            out.append((model, engine))
+    return out
 
 
 def unmark_managed(model: torch.nn.Module, engine: object) -> None:

@@ -1,16 +1,20 @@
 """What `initialize` does with DeepSpeed's keywords: model_parameters, a client optimizer and lr
-scheduler, training_data. See [Note: param groups as per-parameter hyper-parameters] and
-[Note: the optimizer facade]."""
+scheduler, training_data. Everything here is built before the engine and handed to its
+constructor as one `ClientSide` (nothing is written into an engine afterwards). See [Note: param
+groups as per-parameter hyper-parameters] and [Note: the optimizer facade]."""
 
 from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import os
+import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from torch.utils.data import DataLoader
 
 from tiered.config.schema import TieredConfig
 from tiered.engine.facade import ClientLR, TieredOptimizer
@@ -20,6 +24,11 @@ from tiered.optim.hyper import ParamHyper
 
 if TYPE_CHECKING:
     from tiered.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+DEEPSPEED_SAMPLER_SEED = 0
+"""The seed of the DistributedSampler DeepSpeed's loader uses (torch's default): equal batch order."""
 
 
 @dataclass
@@ -41,6 +50,63 @@ class ClientRequest:
         )
 
 
+@dataclass(frozen=True)
+class ClientSide:
+    """What the engine gets of a DeepSpeed-style call, at construction: the optimizer facade, each
+    param group's lr scale, the client's lr scheduler (stepped after every applied step) and the
+    lr source it drives (None: the config's schedule drives), and initialize's data loader."""
+
+    facade: TieredOptimizer
+    lr_scales: tuple[float, ...]
+    lr_scheduler: Any = None
+    lr_source: ClientLR | None = None
+    training_dataloader: DataLoader[Any] | None = None
+    client_optimizer: Any = None
+    """The optimizer the script passed (its zero_grad and step now reach the engine: [Note:
+    zero_grad of the model]), None without one."""
+
+    @property
+    def optimizer_name(self) -> str | None:
+        """The client optimizer's class name (DeepSpeed's `optimizer_name()`), None without one."""
+        return None if self.client_optimizer is None else type(self.client_optimizer).__name__
+
+    # ---- lr plumbing ([Note: the optimizer facade]) ------------------------------------------
+    def after_applied_step(self, next_lrs: list[float]) -> None:
+        """A client scheduler steps (as DeepSpeed's engine steps it); otherwise the facade's
+        groups show the lrs the config's schedule gives the next step."""
+        if self.lr_scheduler is not None:
+            with warnings.catch_warnings():
+                # torch warns that the client optimizer never stepped, or that its step was replaced
+                # ([Note: zero_grad of the model]): the engine stepped instead
+                warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step")
+                warnings.filterwarnings("ignore", message=".*optimizer.step.*overridden")
+                self.lr_scheduler.step()
+        else:
+            for g, lr in zip(self.facade.param_groups, next_lrs, strict=True):
+                g["lr"] = lr
+
+    def training_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        state["param_group_lrs"] = [float(g["lr"]) for g in self.facade.param_groups]
+        return state
+
+    def apply_training_state(self, state: dict[str, Any], *, lr_scheduler: bool = True) -> None:
+        """Restore a checkpoint's client scheduler and facade lrs (`lr_scheduler=False`: keep them,
+        DeepSpeed's ``load_lr_scheduler_states=False``)."""
+        if not lr_scheduler:
+            return
+        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            groups = self.lr_scheduler.optimizer.param_groups
+            for g, lr in zip(groups, self.lr_scheduler.get_last_lr(), strict=True):
+                g["lr"] = lr
+        if state.get("param_group_lrs") is not None:
+            for g, lr in zip(self.facade.param_groups, state["param_group_lrs"], strict=True):
+                g["lr"] = lr
+
+
 def _raw_config(config: Any) -> dict[str, Any]:
     from tiered.config.dump import dump_config
     from tiered.config.loader import read_config_file
@@ -58,7 +124,8 @@ def _raw_config(config: Any) -> dict[str, Any]:
 
 def prepare(model: torch.nn.Module, config: Any, req: ClientRequest) -> Any:
     """Resolve the groups; a client optimizer becomes the config's optimizer section. Returns the
-    config to load."""
+    config to load. As DeepSpeed documents it, a client optimizer overrides the config's
+    ``optimizer`` section and a client lr scheduler its ``scheduler`` section (each logged)."""
     opt = req.optimizer
     if opt is not None and not isinstance(opt, torch.optim.Optimizer) and callable(opt):
         params = req.model_parameters if req.model_parameters is not None else model.parameters()
@@ -67,12 +134,15 @@ def prepare(model: torch.nn.Module, config: Any, req: ClientRequest) -> Any:
     raw = _raw_config(config) if needs_raw else None
     if opt is not None:
         assert raw is not None
-        if raw.get("optimizer") is not None:
-            raise ConfigError(
-                f"both a client optimizer ({type(opt).__name__}) and an optimizer section in the config: "
-                "remove one (Hugging Face's integration passes one or the other)"
-            )
         resolved = client_optimizer_groups(model, opt)
+        if raw.get("optimizer") is not None:
+            log.warning(
+                "both a client optimizer (%s) and an optimizer section in the config: the client optimizer "
+                "is used, as DeepSpeed does (its initialize: the optimizer argument overrides the config's); "
+                "the section %s is not",
+                type(opt).__name__,
+                raw["optimizer"],
+            )
         if req.model_parameters is not None and req.optimizer is not None:
             # the optimizer's own groups are the truth; model_parameters must be the same tensors
             resolve_model_parameters(model, req.model_parameters)
@@ -83,11 +153,16 @@ def prepare(model: torch.nn.Module, config: Any, req: ClientRequest) -> Any:
         req.groups = resolve_model_parameters(model, req.model_parameters)
     else:
         req.groups = [{"names": [n for n, p in model.named_parameters() if p.requires_grad]}]
-    if req.lr_scheduler is not None and raw is not None and raw.get("scheduler") is not None:
-        raise ConfigError(
-            f"both a client lr_scheduler ({type(req.lr_scheduler).__name__}) and a scheduler section in the "
-            "config: remove one (the engine would step both)"
-        )
+    if req.lr_scheduler is not None:
+        assert raw is not None
+        if raw.get("scheduler") is not None:
+            log.warning(
+                "both a client lr_scheduler (%s) and a scheduler section in the config: the client scheduler "
+                "drives the lr, as DeepSpeed does; the section %s is not used",
+                type(req.lr_scheduler).__name__,
+                raw.pop("scheduler"),
+            )
+        config = raw
     return config
 
 
@@ -113,12 +188,17 @@ def offloaded_adam_takes_param_hyper() -> bool:
     return "param_hyper" in inspect.signature(OffloadedAdam.__init__).parameters
 
 
-def finish(
-    engine: Engine, model: torch.nn.Module, req: ClientRequest, scales: list[float]
-) -> tuple[Any, ...]:
-    """Give the engine its facade and client scheduler; DeepSpeed's 4-tuple."""
+def client_side(
+    cfg: TieredConfig,
+    model: torch.nn.Module,
+    req: ClientRequest,
+    scales: list[float],
+    *,
+    world_size: int,
+    rank: int,
+) -> ClientSide:
+    """The facade, the client scheduler and the loader, for the engine's constructor."""
     assert req.groups is not None
-    cfg = engine.config
     by_name = dict(model.named_parameters())
     base = cfg.optimizer.lr
     groups = []
@@ -137,44 +217,55 @@ def finish(
         "weight_decay": cfg.optimizer.weight_decay,
     }
     facade = TieredOptimizer(groups, defaults)
-    facade.attach(engine)
-    engine.facade = facade
-    engine._lr_scales = tuple(scales)
     sched = req.lr_scheduler
     if sched is not None and not hasattr(sched, "step") and callable(sched):
         sched = sched(facade)  # DeepSpeed's scheduler factory: callable(optimizer)
+    source: ClientLR | None = None
     if sched is not None:
-        source = getattr(sched, "optimizer", None)
-        if source is not facade and (req.optimizer is None or source is not req.optimizer):
+        driven = getattr(sched, "optimizer", None)
+        if driven is not facade and (req.optimizer is None or driven is not req.optimizer):
             raise ConfigError(
                 f"lr_scheduler {type(sched).__name__} drives an optimizer that is neither the client optimizer "
                 "passed to initialize nor the one it returns; build it on one of those"
             )
-        engine.lr_scheduler = sched
-        engine.scheduler = ClientLR(source.param_groups, scales)
+        assert driven is not None
+        source = ClientLR(driven.param_groups, scales)
     elif cfg.scheduler is None:
         # a scheduler the script builds on the returned optimizer later drives the lr through it
-        engine.scheduler = ClientLR(facade.param_groups, scales)
+        source = ClientLR(facade.param_groups, scales)
     loader = None
     if req.training_data is not None:
-        loader = _dataloader(engine, req.training_data, req.collate_fn)
-    return engine, facade, loader, sched
+        loader = dataloader(cfg, req.training_data, req.collate_fn, world_size=world_size, rank=rank)
+    return ClientSide(facade, tuple(scales), sched, source, loader, req.optimizer)
 
 
-def _dataloader(engine: Engine, data: Any, collate_fn: Any) -> torch.utils.data.DataLoader[Any]:
-    """DeepSpeed's `deepspeed_io`: micro-batches of train_micro_batch_size_per_gpu, a
-    DistributedSampler over the data-parallel ranks (a RandomSampler on one)."""
-    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
+class InitializeResult(NamedTuple):
+    """DeepSpeed's ``(engine, optimizer, training_dataloader, lr_scheduler)``, typed."""
 
-    micro = engine.config.train_micro_batch_size_per_gpu
+    engine: Engine
+    optimizer: TieredOptimizer
+    training_dataloader: DataLoader[Any] | None
+    lr_scheduler: Any
+    """The client's scheduler, else the config section's (`ConfigLRScheduler`), else None."""
+
+
+def dataloader(
+    cfg: TieredConfig, data: Any, collate_fn: Any, *, world_size: int, rank: int
+) -> DataLoader[Any]:
+    """DeepSpeed's `deepspeed_io`: micro-batches of train_micro_batch_size_per_gpu drawn by a
+    `DistributedSampler` over the data-parallel ranks with its default seed, on one process too
+    (DeepSpeed's loader does so whenever LOCAL_RANK is set, which its init_distributed ensures):
+    the same batches in the same order as DeepSpeed's. No `set_epoch`: as DeepSpeed's, every pass
+    over the data repeats the first epoch's order."""
+    from torch.utils.data import DistributedSampler
+
+    micro = cfg.train_micro_batch_size_per_gpu
     if micro is None:
         raise ConfigError(
             "training_data was given but the config has no train_micro_batch_size_per_gpu (nor "
             "train_batch_size): set it, or pass micro_batch_size=, to size the data loader's batches"
         )
-    sampler: Sampler[Any]
-    if engine.world_size > 1:
-        sampler = DistributedSampler(data, num_replicas=engine.world_size, rank=engine.rank)
-    else:
-        sampler = RandomSampler(data)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        data, num_replicas=world_size, rank=rank, seed=DEEPSPEED_SAMPLER_SEED
+    )
     return DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn)

@@ -1,52 +1,93 @@
 """The rest of DeepSpeed's engine API, for ported scripts: `Engine` inherits `DeepSpeedEngineAPI`.
 
 Each method keeps DeepSpeed's meaning (deepspeed/runtime/engine.py); where tiered differs it
-says so. The lr plumbing of client optimizers and schedulers is [Note: the optimizer facade].
+says so. The mixin reads only the engine's public state (its config, module, counters and
+partitions); the lr plumbing of client optimizers and schedulers is [Note: the optimizer facade].
+
+[Note: the engine as a module]
+DeepSpeed's engine is an ``nn.Module`` wrapping the model as its submodule ``module``: its
+``parameters()`` are the model's, its ``named_parameters()`` and ``state_dict()`` keys carry the
+``module.`` prefix, and an attribute the engine lacks is looked up on the model. tiered's engine
+is not an ``nn.Module`` (it must not be registered into another module, moved with ``.to`` or
+wrapped by DDP), but answers those calls the same way. Under ZeRO-3 a parameter's ``.data`` is
+an empty placeholder outside forward in both engines, so ``state_dict()`` gathers: it returns
+every parameter's full value in the compute dtype (on the CPU) and the module's buffers, which is
+what a script that saves ``engine.state_dict()`` wants (DeepSpeed's ZeRO-3 engine hands back the
+empty placeholders); ``load_state_dict`` writes such a dict back into every tier and the fp32
+master ([Note: gathered parameters]).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiered.errors import UnsupportedConfigError
+
 if TYPE_CHECKING:
-    from tiered.engine.facade import TieredOptimizer
-    from tiered.engine.nonfinite import NonFiniteGuard
+    from tiered.config.schema import OptimizerOffloadConfig, ParamOffloadConfig, TieredConfig
+    from tiered.engine.build import Placement
+    from tiered.engine.client import ClientSide
     from tiered.zero import ZeroParameters
+
+_PREFIX = "module."
+
+
+class Monitor:
+    """DeepSpeed's ``engine.monitor`` (its MonitorMaster): tiered's config refuses the monitor
+    sections (tensorboard, wandb, csv_monitor, comet), so none is enabled and `write_events`
+    writes nothing, as DeepSpeed's does with none enabled."""
+
+    enabled = False
+
+    def write_events(self, event_list: list[tuple[str, Any, int]]) -> None:
+        return None
 
 
 class DeepSpeedEngineAPI:
-    """Mixed into `Engine`; uses its module, zero, gas and step bookkeeping."""
+    """Mixed into `Engine`; uses its public config, module, zero partitions and counters."""
 
-    _module: torch.nn.Module
-    gas: int
+    config: TieredConfig
     zero: ZeroParameters
-    _found_inf: bool
-    _sq_norm_local: float
-    nonfinite: NonFiniteGuard
-    _backward_since_step: bool
+    gas: int
+    rank: int
+    world_size: int
+    global_steps: int
     last_grad_norm: float | None
-    facade: TieredOptimizer | None = None
-    lr_scheduler: Any = None
-    _step_applied: bool = False
-    _lr_scales: tuple[float, ...] = (1.0,)
-    """Each param group's lr as a multiple of the base lr the optimizer steps with."""
+    client: ClientSide | None
+    monitor: Monitor = Monitor()
+
+    if TYPE_CHECKING:  # Engine's own
+
+        @property
+        def module(self) -> torch.nn.Module: ...
+
+        def gathered_parameters(
+            self, params_or_module: Any, modify: bool = False
+        ) -> AbstractContextManager[None]: ...
+
+        def save_pretrained(
+            self, save_directory: str | os.PathLike[str], dtype: torch.dtype = ...
+        ) -> str: ...
+
+        placement: Placement
 
     def train(self, mode: bool = True) -> Any:
         """The module's train mode (dropout on), as ``nn.Module.train``; returns the engine."""
-        self._module.train(mode)
+        self.module.train(mode)
         return self
 
     def eval(self) -> Any:
-        self._module.eval()
+        self.module.eval()
         return self
 
     @property
     def training(self) -> bool:
-        return self._module.training
+        return self.module.training
 
     @property
     def device(self) -> torch.device:
@@ -58,8 +99,117 @@ class DeepSpeedEngineAPI:
         """This process's rank on its node (torchrun's LOCAL_RANK; 0 for one process)."""
         return int(os.environ.get("LOCAL_RANK", "0"))
 
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the data-parallel group (one group: the global rank)."""
+        return self.rank
+
+    @property
+    def global_samples(self) -> int:
+        """Samples consumed: train_batch_size per accumulation boundary (skipped fp16 steps
+        included), as DeepSpeed counts them."""
+        return self.global_steps * self.train_batch_size()
+
+    @property
+    def training_dataloader(self) -> Any:
+        """The loader initialize built from `training_data` (None without one)."""
+        return None if self.client is None else self.client.training_dataloader
+
+    @property
+    def is_compiled(self) -> bool:
+        """tiered never compiles the engine (DeepSpeed: True after ``engine.compile()``)."""
+        return False
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedConfigError(
+            "engine.compile(): tiered's engine runs the module eagerly (its ZeRO-3 hooks gather around each "
+            "module); torch.compile a submodule inside it yourself if you need to"
+        )
+
+    # ---- the config, as DeepSpeed's accessors report it -------------------------------------------
     def gradient_accumulation_steps(self) -> int:
         return self.gas
+
+    def train_batch_size(self) -> int:
+        """train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size (DeepSpeed
+        derives the one not given from the others; so does tiered's config)."""
+        tbs = self.config.train_batch_size
+        if tbs is not None:
+            return int(tbs)
+        micro = self.config.train_micro_batch_size_per_gpu
+        if micro is None:
+            raise UnsupportedConfigError(
+                "train_batch_size(): the config gives neither train_batch_size nor "
+                "train_micro_batch_size_per_gpu (tiered trains without them; DeepSpeed requires one)"
+            )
+        return int(micro) * self.gas * self.world_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        micro = self.config.train_micro_batch_size_per_gpu
+        if micro is not None:
+            return int(micro)
+        return self.train_batch_size() // (self.gas * self.world_size)
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision.dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision.dtype == torch.bfloat16
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.fp16_enabled() and float(self.config.precision.loss_scale) == 0.0
+
+    def zero_optimization_stage(self) -> int:
+        return int(self.config.zero.stage)
+
+    def zero_optimization(self) -> bool:
+        """DeepSpeed's meaning: ZeRO is on (stage > 0)."""
+        return self.zero_optimization_stage() > 0
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() >= 3
+
+    def zero_offload_optimizer(self) -> OptimizerOffloadConfig | None:
+        """The ``offload_optimizer`` section (its ``device``, ``nvme_path``, ...), None where the
+        optimizer state is not offloaded."""
+        off = self.config.zero.offload_optimizer
+        return None if off.device == "none" else off
+
+    def zero_offload_param(self) -> ParamOffloadConfig | None:
+        off = self.config.zero.offload_param
+        return None if off.device == "none" else off
+
+    def zero_cpu_offload(self) -> bool:
+        return self.config.zero.offload_optimizer.device == "cpu"
+
+    def gradient_clipping(self) -> float:
+        return float(self.config.gradient_clipping)
+
+    def steps_per_print(self) -> int:
+        return int(self.config.steps_per_print)
+
+    def wall_clock_breakdown(self) -> bool:
+        return bool(self.config.wall_clock_breakdown)
+
+    def dump_state(self) -> bool:
+        """Always False: tiered's config refuses ``dump_state`` (the engine logs its placement)."""
+        return False
+
+    def optimizer_name(self) -> str:
+        """The client optimizer's class name, else the config's optimizer type (lower case, as
+        DeepSpeed's config reports it)."""
+        if self.client is not None and self.client.optimizer_name is not None:
+            return self.client.optimizer_name
+        return self.config.optimizer.type.lower()
+
+    def scheduler_name(self) -> str | None:
+        return None if self.config.scheduler is None else self.config.scheduler.type
+
+    def get_mom(self) -> list[tuple[float, float]]:
+        """Adam's betas of each param group (DeepSpeed: ``betas`` for Adam-like optimizers)."""
+        betas = (float(self.config.optimizer.betas[0]), float(self.config.optimizer.betas[1]))
+        groups = 1 if self.client is None else len(self.client.lr_scales)
+        return [betas] * groups
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (inf after an fp16
@@ -68,45 +218,133 @@ class DeepSpeedEngineAPI:
         norm = self.last_grad_norm
         return None if norm is None or norm != norm else norm
 
-    def was_step_applied(self) -> bool:
-        """True if the last `step()` updated the parameters: False inside an accumulation window
-        and after an fp16 overflow (DeepSpeed's meaning)."""
-        return self._step_applied
+    # ---- exports ---------------------------------------------------------------------------------
+    def save_16bit_model(
+        self,
+        save_dir: str | os.PathLike[str],
+        save_filename: str | None = None,
+        exclude_frozen_parameters: bool = False,
+    ) -> str:
+        """The consolidated weights in the compute dtype when it is 16-bit, else bf16. With
+        `save_filename` (DeepSpeed's ``pytorch_model.bin``) one file ``<save_dir>/<save_filename>``
+        as DeepSpeed writes it: a ``torch.save`` of the state dict (tensors only: it loads with
+        ``torch.load(..., weights_only=True)``), or safetensors for a name ending ``.safetensors``.
+        Without one, a Hugging Face directory (`save_pretrained`). Every rank calls it; rank 0
+        writes. Returns the path written."""
+        dt = self.placement.compute_dtype
+        dtype = dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
+        if save_filename is None:
+            if exclude_frozen_parameters:
+                raise UnsupportedConfigError(
+                    "save_16bit_model(dir, exclude_frozen_parameters=True) without a save_filename: the "
+                    "Hugging Face directory holds the whole model; pass save_filename (e.g. 'pytorch_model.bin')"
+                )
+            return self.save_pretrained(save_dir, dtype=dtype)
+        sd = {
+            n: t.to(dtype).clone() if t.is_floating_point() else t.clone()
+            for n, t in self.module_state_dict(exclude_frozen_parameters).items()
+        }
+        path = os.path.join(os.fspath(save_dir), save_filename)
+        if self.rank == 0:
+            os.makedirs(os.fspath(save_dir), exist_ok=True)
+            if save_filename.endswith(".safetensors"):
+                from safetensors.torch import save_file
 
-    def zero_grad(self) -> None:
-        """Drop the gradients accumulated since the last optimizer step. `step()` already zeroes
-        them at every boundary (as DeepSpeed's), so a loop calling this after it is harmless."""
-        self.zero.zero_grads()
-        self._found_inf = False
-        self._sq_norm_local = 0.0
-        self._backward_since_step = False
-        self.nonfinite.reset()
+                save_file(sd, path)
+            else:
+                torch.save(sd, path)
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return path
 
-    # ---- lr plumbing ([Note: the optimizer facade]) ------------------------------------------
-    def _after_applied_step(self) -> None:
-        if self.lr_scheduler is not None:
-            with warnings.catch_warnings():
-                # torch warns that the client optimizer never stepped: the engine stepped instead
-                warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step")
-                self.lr_scheduler.step()
-        elif self.facade is not None:
-            for g, lr in zip(self.facade.param_groups, self.get_lr(), strict=True):  # type: ignore[attr-defined]
-                g["lr"] = lr
+    def save_fp16_model(self, save_dir: str | os.PathLike[str], save_filename: str | None = None) -> str:
+        """DeepSpeed's old name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
 
-    def _client_training_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {}
-        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
-            state["lr_scheduler"] = self.lr_scheduler.state_dict()
-        if self.facade is not None:
-            state["param_group_lrs"] = [float(g["lr"]) for g in self.facade.param_groups]
-        return state
+    # ---- the engine as a module: [Note: the engine as a module] ------------------------------------
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        return self.module.parameters(recurse)
 
-    def _apply_client_training_state(self, state: dict[str, Any]) -> None:
-        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            groups = self.lr_scheduler.optimizer.param_groups
-            for g, lr in zip(groups, self.lr_scheduler.get_last_lr(), strict=True):
-                g["lr"] = lr
-        if self.facade is not None and state.get("param_group_lrs") is not None:
-            for g, lr in zip(self.facade.param_groups, state["param_group_lrs"], strict=True):
-                g["lr"] = lr
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return self.module.named_parameters(
+            prefix=prefix + "module" if not prefix else f"{prefix}.module",
+            recurse=recurse,
+            remove_duplicate=remove_duplicate,
+        )
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return self.module.buffers(recurse)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix=f"{prefix}.module" if prefix else "module", recurse=recurse)
+
+    def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """The model's state dict with every parameter gathered (compute dtype, on the CPU) and its
+        buffers; `exclude_frozen_parameters` leaves out those with requires_grad=False."""
+        params = self.zero.gather_full_state_dict()
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        out: dict[str, torch.Tensor] = {}
+        for n, t in self.module.state_dict(keep_vars=True).items():
+            if n in params:
+                if not (exclude_frozen_parameters and n in frozen):
+                    out[n] = params[n]
+            elif isinstance(t, torch.Tensor):
+                out[n] = t.detach().to("cpu", copy=True)
+        return out
+
+    def state_dict(
+        self, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """``module.``-prefixed, gathered: see [Note: the engine as a module]."""
+        if keep_vars:
+            raise UnsupportedConfigError(
+                "engine.state_dict(keep_vars=True): under ZeRO-3 the parameters are empty placeholders; "
+                "state_dict() returns gathered copies, use engine.gathered_parameters(...) to hold them"
+            )
+        out = destination if destination is not None else {}
+        for n, t in self.module_state_dict().items():
+            out[f"{prefix}{_PREFIX}{n}"] = t
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:
+        """Write a state dict (``module.``-prefixed as `state_dict` gives it, or the model's own
+        names) into the partitions, the fp32 master and the buffers. Every rank calls it; rank
+        0's values are written ([Note: gathered parameters]). Returns torch's missing/unexpected
+        keys; `strict` raises on either, as ``nn.Module.load_state_dict``."""
+        sd = {(k[len(_PREFIX) :] if k.startswith(_PREFIX) else k): v for k, v in state_dict.items()}
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        missing = [n for n in list(params) + list(buffers) if n not in sd]
+        unexpected = [k for k in sd if k not in params and k not in buffers]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"engine.load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}; "
+                "pass strict=False to load the rest"
+            )
+        todo = [p for n, p in params.items() if n in sd]
+        with torch.no_grad():
+            with self.gathered_parameters(todo, modify=True):
+                for n, p in params.items():
+                    if n in sd:
+                        p.data.copy_(sd[n].to(p.dtype).reshape(p.shape))
+            for n, b in buffers.items():
+                if n in sd:
+                    b.copy_(sd[n])
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    if not TYPE_CHECKING:  # (mypy would take every misspelt attribute for the model's)
+
+        def __getattr__(self, name: str) -> Any:
+            """An attribute the engine lacks is the model's, as on DeepSpeed's engine (public names
+            only: the engine's own state never falls through to the model)."""
+            if name.startswith("_"):
+                raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+            module = self.__dict__.get("_module")
+            if module is not None:
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")

@@ -28,10 +28,12 @@ import torch.distributed as dist
 from tiered.config.schema import TieredConfig
 from tiered.engine.build import unmark_managed
 from tiered.engine.ds_api import DeepSpeedEngineAPI
+from tiered.engine.facade import ConfigLRScheduler
 from tiered.engine.inputs import cast_floating, check_inputs, input_dtype_error
 from tiered.engine.nonfinite import NonFiniteGuard
 from tiered.engine.progress import report_step
 from tiered.engine.signals import unwatch as unwatch_sigterm
+from tiered.engine.zero_grad import redirect_zero_grad
 from tiered.errors import ParameterNotGatheredError, StorageIOError
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
@@ -39,6 +41,7 @@ from tiered.zero.full_params import gathered, iter_full_groups
 
 if TYPE_CHECKING:
     from tiered.engine.build import Placement
+    from tiered.engine.client import ClientSide
     from tiered.optim.offload import OffloadedAdam
     from tiered.optim.schedulers import LRSchedule
     from tiered.shards import ShardGroup
@@ -126,6 +129,8 @@ class Engine(DeepSpeedEngineAPI):
         rank: int = 0,
         scheduler: LRSchedule | None = None,
         capacity: dict[str, Any] | None = None,
+        client: ClientSide | None = None,
+        tokenizer_source: str | None = None,
     ) -> None:
         self._module = module
         self.config = cfg
@@ -136,10 +141,29 @@ class Engine(DeepSpeedEngineAPI):
         self.process_group = process_group
         self.world_size = world_size
         self.rank = rank
-        self.scheduler = scheduler if scheduler is not None else _ConstantLR(cfg.optimizer.lr)
+        self.client = client
+        """DeepSpeed's keywords made into the facade, client scheduler and loader
+        (tiered.engine.client); None for ``tiered.initialize(model, config)``."""
+        self.scheduler: LRSchedule = (
+            client.lr_source
+            if client is not None and client.lr_source is not None
+            else scheduler
+            if scheduler is not None
+            else _ConstantLR(cfg.optimizer.lr)
+        )
+        self._lr_scales = (1.0,) if client is None else client.lr_scales
+        """Each param group's lr as a multiple of the base lr the optimizer steps with."""
+        self.lr_scheduler: Any = (
+            client.lr_scheduler
+            if client is not None and client.lr_scheduler is not None
+            else ConfigLRScheduler(cfg.scheduler.type, self.get_lr, lambda: self.optimizer.step_count)
+            if cfg.scheduler is not None
+            else None
+        )
+        """DeepSpeed's ``engine.lr_scheduler``: the client's, else a view of the config's schedule."""
         self.loss_scaler = build_loss_scaler(cfg.precision)
         self.capacity = capacity or {}
-        self.tokenizer_source: str | None = None
+        self.tokenizer_source = tokenizer_source
         """The folder the weights came from (from_pretrained, initialize(weights=...)): the
         tokenizer files `save_pretrained` copies by default."""
         self.gas = int(cfg.gradient_accumulation_steps)
@@ -150,6 +174,7 @@ class Engine(DeepSpeedEngineAPI):
         self._found_inf = False
         self._sq_norm_local = 0.0
         self._backward_since_step = False
+        self._step_applied = False
         self._closed = False
         self._timing = {"forward_s": 0.0, "backward_s": 0.0, "step_s": 0.0, "optimizer_s": 0.0}
         self._last: dict[str, float] = {}
@@ -163,6 +188,10 @@ class Engine(DeepSpeedEngineAPI):
             zp.on_group_grads_complete(self._group_grads_complete)
             if self.gas == 1:  # [Note: gradient consumed from memory] in tiered/optim/group.py
                 zp.keep_flushed_grads()
+        # the model's own zero_grad reaches the engine: [Note: zero_grad of the model]
+        self._undo_zero_grad = redirect_zero_grad(
+            module, self, None if client is None else client.client_optimizer
+        )
 
     # ---- the training loop -----------------------------------------------------------------
     @property
@@ -324,7 +353,8 @@ class Engine(DeepSpeedEngineAPI):
             self.loss_scaler.update(False)
             self.zero.params_updated()
             self._step_applied = True
-            self._after_applied_step()  # a client lr scheduler steps, as in DeepSpeed
+            if self.client is not None:  # a client lr scheduler steps, as in DeepSpeed
+                self.client.after_applied_step(self.get_lr())
         self._end_window()
         if refusal is not None:  # the engine goes on from a clean window if the caller catches it
             raise refusal
@@ -334,6 +364,19 @@ class Engine(DeepSpeedEngineAPI):
         self._last_step = dict(self._last)
         self._last = {}
         report_step(self)  # steps_per_print / wall_clock_breakdown: [Note: progress at steps_per_print]
+
+    def was_step_applied(self) -> bool:
+        """True if the last `step()` updated the parameters: False inside an accumulation window
+        and after an fp16 overflow (DeepSpeed's meaning)."""
+        return self._step_applied
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated since the last optimizer step. `step()` already zeroes
+        them at every boundary (as DeepSpeed's), so a loop calling this after it is harmless. The
+        model's own ``zero_grad()`` and the client optimizer's call this ([Note: zero_grad of the
+        model])."""
+        self._check_no_step_in_flight("zero_grad")
+        self._end_window()
 
     def _end_window(self) -> None:
         """The accumulation window is over: its gradients and flags go."""
@@ -390,22 +433,30 @@ class Engine(DeepSpeedEngineAPI):
         tag: str | None = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
         """Write the full training state to ``<save_dir>/<tag>/`` (tag default ``global_step<N>``)
         atomically, then (`save_latest`) point ``<save_dir>/latest`` at it; returns the
-        checkpoint's path. As DeepSpeed's; `client_state` must be JSON-able. Every rank calls it."""
+        checkpoint's path. As DeepSpeed's: `client_state` is JSON plus tensors (those go into the
+        safetensors file), `exclude_frozen_parameters` leaves out frozen parameters ([Note:
+        checkpoint keywords]). Every rank calls it."""
         from tiered.checkpoint.engine_state import check_json, parameter_specs, save_engine_state
         from tiered.config.dump import dump_config
+        from tiered.engine.ds_checkpoint import split_client_state
 
         self._check_checkpoint_point("save_checkpoint")
-        check_json(client_state)
+        json_state, tensors = split_client_state(client_state if client_state is not None else {})
+        check_json(json_state)
         self.optimizer.wait_writes()  # (their errors surface here, not inside the save)
         groups = self._checkpoint_groups()
+        if exclude_frozen_parameters:
+            groups = [gs for gs in groups if gs.group.trainable]
         body = {
             "config": dump_config(self.config),
             "compute_dtype": str(self.placement.compute_dtype),
             "training": self._training_state(),
-            "client_state": client_state if client_state is not None else {},
+            "client_state": json_state,
+            "frozen_excluded": bool(exclude_frozen_parameters),
             "parameter_specs": parameter_specs(groups),
         }
         return save_engine_state(
@@ -416,24 +467,48 @@ class Engine(DeepSpeedEngineAPI):
             body=body,
             comm=self._collective(),
             save_latest=save_latest,
+            extra_tensors=tensors if self.rank == 0 else None,
         )
 
-    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[str, Any]:
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str, Any]:
         """Restore the training state saved by `save_checkpoint` (tag None: the one ``latest``
-        names) on any world size; returns ``(path, client_state)`` as DeepSpeed does. A missing,
-        half-written, corrupt or incompatible checkpoint raises (DeepSpeed returns None)."""
+        names) on any world size; returns ``(path, client_state)`` as DeepSpeed does, with
+        DeepSpeed's keywords ([Note: checkpoint keywords]). A missing, half-written, corrupt or
+        incompatible checkpoint raises (DeepSpeed returns None)."""
         from tiered.checkpoint.engine_state import (
+            GroupState,
             check_compatible,
             load_engine_state,
             open_checkpoint,
             parameter_specs,
+            read_rank_tensors,
         )
         from tiered.config.dump import dump_config
+        from tiered.engine.ds_checkpoint import join_client_state, load_scope, tensor_names
 
+        scope = load_scope(
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
+            config_schedule=isinstance(self.lr_scheduler, ConfigLRScheduler),
+        )
         self._check_checkpoint_point("load_checkpoint")
         self.optimizer.wait_writes()
         path, manifest = open_checkpoint(load_dir, tag)
         groups = self._checkpoint_groups()
+        if manifest.get("frozen_excluded"):
+            groups = [gs for gs in groups if gs.group.trainable]
         check_compatible(
             manifest,
             parameter_specs(groups),
@@ -441,11 +516,14 @@ class Engine(DeepSpeedEngineAPI):
             dump_config(self.config),
             path,
         )
+        groups = [GroupState(gs.group, scope.keep(gs.parts)) for gs in groups]
         load_engine_state(self.tm, groups, path, manifest, comm=self._collective())
-        self._apply_training_state(manifest["training"])
+        if scope.training_state:
+            self._apply_training_state(manifest["training"], scope.optimizer_steps, scope.lr_scheduler)
         self.zero.params_updated()
         log.info("loaded checkpoint %s (global step %d)", path, self.global_steps)
-        return path, manifest.get("client_state")
+        saved = manifest.get("client_state")
+        return path, join_client_state(saved, read_rank_tensors(path, manifest, 0, tensor_names(saved)))
 
     def save_pretrained(
         self,
@@ -493,13 +571,6 @@ class Engine(DeepSpeedEngineAPI):
         )
         self._collective().barrier()
         return out
-
-    def save_16bit_model(self, save_dir: str | os.PathLike[str]) -> str:
-        """DeepSpeed's name: `save_pretrained` in the compute dtype when it is 16-bit, else bf16."""
-        dt = self.placement.compute_dtype
-        return self.save_pretrained(
-            save_dir, dtype=dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
-        )
 
     def gathered_parameters(self, params_or_module: Any, modify: bool = False) -> Any:
         """``with engine.gathered_parameters(module_or_params, modify=False):`` the parameters hold
@@ -551,17 +622,21 @@ class Engine(DeepSpeedEngineAPI):
             "param_steps": self.optimizer.param_step_counts(),  # a parameter without grad is not stepped
             "scheduler": None if self.config.scheduler is None else self.config.scheduler.type,
             "loss_scaler": self.loss_scaler.state_dict(),
-            **self._client_training_state(),
+            **({} if self.client is None else self.client.training_state()),
         }
 
-    def _apply_training_state(self, state: dict[str, Any]) -> None:
+    def _apply_training_state(
+        self, state: dict[str, Any], optimizer_steps: bool = True, lr_scheduler: bool = True
+    ) -> None:
         self.global_steps = int(state["global_steps"])
         self.micro_steps = int(state["micro_steps"])
         self.skipped_steps = int(state["skipped_steps"])
-        self.optimizer.step_count = int(state["optimizer_step"])
-        self.optimizer.load_param_step_counts(state.get("param_steps"))
+        if optimizer_steps:
+            self.optimizer.step_count = int(state["optimizer_step"])
+            self.optimizer.load_param_step_counts(state.get("param_steps"))
         self.loss_scaler.load_state_dict(state["loss_scaler"])
-        self._apply_client_training_state(state)
+        if self.client is not None:
+            self.client.apply_training_state(state, lr_scheduler=lr_scheduler)
         self.last_grad_norm = None
         self._found_inf = False
         self._sq_norm_local = 0.0
@@ -641,6 +716,7 @@ class Engine(DeepSpeedEngineAPI):
                 finally:
                     unwatch_sigterm(self)  # [Note: SIGTERM from a library]
                     unmark_managed(self._module, self)
+                    self._undo_zero_grad()
         for p, t in restored:
             p.data = t
         if not restored:

@@ -96,3 +96,52 @@ class ClientLR:
 
     def lrs(self) -> list[float]:
         return [float(g["lr"]) for g in self.groups]
+
+
+class ConfigLRScheduler:
+    """DeepSpeed's lr scheduler object for a config ``scheduler`` section (``WarmupLR``, ...), the
+    fourth item of initialize's tuple and ``engine.lr_scheduler``: a view of the engine's
+    schedule, which is a function of the optimizer steps taken ([Note: scheduler step
+    indexing]). The engine advances it after every applied step, as DeepSpeed's engine steps its
+    scheduler; it cannot be stepped by hand (DeepSpeed would then skip ahead, tiered refuses)."""
+
+    def __init__(self, name: str, lrs: Callable[[], list[float]], steps_taken: Callable[[], int]) -> None:
+        self.name = name
+        self._lrs = lrs
+        self._steps_taken = steps_taken
+
+    @property
+    def last_batch_iteration(self) -> int:
+        """DeepSpeed's counter: the optimizer steps taken, minus one (-1 before the first)."""
+        return self._steps_taken() - 1
+
+    def get_last_lr(self) -> list[float]:
+        """The lr of each param group for the next step (what DeepSpeed's scheduler last set)."""
+        return self._lrs()
+
+    def get_lr(self) -> list[float]:
+        return self._lrs()
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"the config's {self.name} scheduler is stepped by engine.step() (after every applied optimizer "
+            "step, as DeepSpeed's engine does); do not step it yourself: the lr would skip ahead in DeepSpeed "
+            "and tiered refuses"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The position is the engine's (restored by ``engine.load_checkpoint``): a state that
+        disagrees with it is an error, never a silent jump."""
+        saved = state_dict.get("last_batch_iteration")
+        if saved != self.last_batch_iteration:
+            raise ValueError(
+                f"{self.name}: last_batch_iteration {saved!r} in the state, {self.last_batch_iteration} in "
+                "the engine; the schedule's position is the engine's optimizer step count: restore it with "
+                "engine.load_checkpoint"
+            )
+
+    def __repr__(self) -> str:
+        return f"{self.name}(last_batch_iteration={self.last_batch_iteration}, lr={self.get_last_lr()})"

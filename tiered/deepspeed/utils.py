@@ -1,0 +1,210 @@
+"""``deepspeed.utils``: the safe getters and setters of a partitioned parameter's fp32 master,
+gradient and Adam state, and `set_z3_leaf_modules`.
+
+[Note: safe getters and setters]
+DeepSpeed's ``safe_get_full_*`` return one parameter's whole value (every rank's piece gathered,
+a collective: every rank calls it), ``safe_get_local_*`` this rank's piece as a flat tensor, and
+the setters write a value back into the partitions. tiered answers them from the shard group that
+holds the parameter: the fp32 master ("master"; the parameter partition itself where that is the
+master), Adam's ``exp_avg`` / ``exp_avg_sq``, and the accumulated gradient (fp32, divided by
+gradient_accumulation_steps and, in fp16, times the loss scale: the bytes the next step unscales;
+zero after each step, as DeepSpeed's). One difference: ``safe_set_full_fp32_param`` also writes
+the compute-dtype parameter, so the next forward sees the new value (DeepSpeed's copies it at the
+next step). A parameter no engine manages, or a frozen one asked for optimizer state, gives None,
+as DeepSpeed's. Each call reads (and a setter rewrites) the whole partition of the parameter's
+group: these are for inspection and surgery, not for every step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from tiered.checkpoint.partition_io import resident, write_partition
+from tiered.deepspeed.zero import engine_of
+from tiered.zero import set_leaf_modules
+
+if TYPE_CHECKING:
+    from tiered.engine import Engine
+
+__all__ = [
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_optimizer_state",
+    "set_z3_leaf_modules",
+]
+
+_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[Any]) -> list[torch.nn.Module]:
+    """DeepSpeed's name of `tiered.zero.set_leaf_modules` ([Note: leaf modules])."""
+    return set_leaf_modules(model, leaf_module_classes)
+
+
+def _locate(param: torch.Tensor) -> tuple[Engine, Any, Any] | None:
+    """(engine, shard group, entry) of a managed parameter."""
+    engine = engine_of([param])
+    if engine is None:
+        return None
+    name = next(n for n, p in engine.module.named_parameters(remove_duplicate=False) if p is param)
+    for g in engine.zero.groups:
+        for e in g.entries:
+            if e.name == name:
+                return engine, g, e
+    # a tied parameter is recorded under its first name
+    for n, p in engine.module.named_parameters():
+        if p is param:
+            for g in engine.zero.groups:
+                for e in g.entries:
+                    if e.name == n:
+                        return engine, g, e
+    return None
+
+
+def _partition(engine: Engine, group: Any, kind: str) -> Any:
+    if kind == "param":
+        return group.param
+    if kind == "grad":
+        return group.grad
+    if not group.trainable:
+        return None
+    parts = engine.optimizer.checkpoint_partitions().get(group.name, {})
+    return parts.get(kind)
+
+
+def _settle(engine: Engine) -> None:
+    engine.optimizer.wait_writes()  # the last step's write-backs: their bytes are the newest
+
+
+def _read_local(param: torch.Tensor, kind: str) -> tuple[Engine, Any, Any, torch.Tensor] | None:
+    found = _locate(param)
+    if found is None:
+        return None
+    engine, g, e = found
+    part = _partition(engine, g, kind)
+    if part is None:
+        return None
+    _settle(engine)
+    sl = g.shard_slice(e)
+    if sl is None:
+        return engine, g, e, torch.empty(0, dtype=torch.float32)
+    s_shard, _s_param, n = sl
+    with resident(engine.tm, part) as t:
+        piece = t[s_shard : s_shard + n].to("cpu", torch.float32, copy=True)
+    return engine, g, e, piece
+
+
+def _full(param: torch.Tensor, kind: str) -> torch.Tensor | None:
+    got = _read_local(param, kind)
+    if got is None:
+        return None
+    engine, g, e, piece = got
+    full = torch.zeros(e.numel, dtype=torch.float32)
+    sl = g.shard_slice(e)
+    if sl is not None:
+        full[sl[1] : sl[1] + sl[2]] = piece
+    if engine.world_size > 1:
+        dev = "cuda" if dist.get_backend(engine.process_group) == "nccl" else "cpu"
+        t = full.to(dev)
+        dist.all_reduce(t, group=engine.process_group)  # the pieces are disjoint: a sum gathers
+        full = t.cpu()
+    return full.reshape(e.shape)
+
+
+def _write(param: torch.Tensor, kinds: tuple[str, ...], value: torch.Tensor, *, local: bool) -> None:
+    found = _locate(param)
+    if found is None:
+        return
+    engine, g, e = found
+    _settle(engine)
+    sl = g.shard_slice(e)
+    flat = value.detach().reshape(-1).to("cpu", torch.float32)
+    want = (sl[2] if sl is not None else 0) if local else e.numel
+    if flat.numel() != want:
+        raise ValueError(
+            f"{e.name}: the value has {flat.numel()} elements, the {'local piece' if local else 'parameter'} {want}"
+        )
+    if sl is None:
+        return
+    s_shard, s_param, n = sl
+    piece = flat if local else flat[s_param : s_param + n]
+    written: set[int] = set()
+    for kind in kinds:
+        part = _partition(engine, g, kind)
+        if part is None or id(part) in written:
+            continue
+        written.add(id(part))
+        with resident(engine.tm, part) as t:
+            whole = t.to("cpu", copy=True)
+        whole[s_shard : s_shard + n] = piece.to(whole.dtype)
+        write_partition(engine.tm, part, whole)
+    engine.zero.params_updated()
+
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    """The parameter's fp32 master, whole (a collective). See [Note: safe getters and setters]."""
+    found = _locate(param)
+    if found is None:
+        return None
+    return _full(param, "master" if found[1].trainable else "param")
+
+
+def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
+    return _full(param, "grad")
+
+
+def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    """Adam's ``exp_avg`` or ``exp_avg_sq`` of the parameter, whole (a collective)."""
+    return _full(param, _state_key(optim_state_key))
+
+
+def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's piece of the fp32 master, flat (empty where the rank holds none of it)."""
+    found = _locate(param)
+    if found is None:
+        return None
+    got = _read_local(param, "master" if found[1].trainable else "param")
+    return None if got is None else got[3]
+
+
+def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    got = _read_local(param, "grad")
+    return None if got is None else got[3]
+
+
+def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    got = _read_local(param, _state_key(optim_state_key))
+    return None if got is None else got[3]
+
+
+def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write the whole fp32 value (every rank passes it) into the master and the parameter."""
+    _write(param, ("master", "param"), value, local=False)
+
+
+def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    _write(param, ("master", "param"), value, local=True)
+
+
+def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    _write(param, (_state_key(optim_state_key),), value, local=False)
+
+
+def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    _write(param, (_state_key(optim_state_key),), value, local=True)
+
+
+def _state_key(key: str) -> str:
+    if key not in _STATE_KEYS:
+        raise KeyError(f"optim_state_key {key!r}: tiered's Adam keeps {', '.join(_STATE_KEYS)}")
+    return key
