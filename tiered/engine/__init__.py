@@ -260,6 +260,7 @@ def _build(
     )
     if side is not None:
         side.facade.attach(engine)
+        side.show_lrs(engine.get_lr())  # the first step's, as DeepSpeed's scheduler sets at its start
     mark_managed(model, engine)
     signals.watch(engine)  # [Note: SIGTERM from a library]
     return engine, side

@@ -82,7 +82,13 @@ class ClientSide:
                 warnings.filterwarnings("ignore", message=".*optimizer.step.*overridden")
                 self.lr_scheduler.step()
         else:
-            for g, lr in zip(self.facade.param_groups, next_lrs, strict=True):
+            self.show_lrs(next_lrs)
+
+    def show_lrs(self, lrs: list[float]) -> None:
+        """The facade's groups hold `lrs` (the config schedule's, for the next step), as
+        DeepSpeed's scheduler writes its optimizer's groups; a client scheduler writes its own."""
+        if self.lr_scheduler is None:
+            for g, lr in zip(self.facade.param_groups, lrs, strict=True):
                 g["lr"] = lr
 
     def training_state(self) -> dict[str, Any]:
