@@ -158,7 +158,7 @@ def test_the_engine_as_a_module(tmp_path: Any) -> None:
     for k in sd:
         torch.testing.assert_close(restored[k], sd[k], atol=0, rtol=0)
     torch.testing.assert_close(master, sd["module.inp.weight"], atol=0, rtol=0)
-    assert set(saved) == set(model.state_dict()) and saved["inp.weight"].dtype == torch.bfloat16
+    assert set(saved) == set(model.state_dict()) and saved["inp.weight"].dtype == torch.float32
 
 
 def test_safe_setters_reach_the_next_forward() -> None:
@@ -214,3 +214,22 @@ def test_add_config_arguments_and_the_accelerator_without_deepspeed() -> None:
     assert args.deepspeed_config == "c.json" and args.deepspeed is False
     acc = deepspeed.accelerator.get_accelerator()
     assert acc.device_name() == ("cuda" if torch.cuda.is_available() else "cpu") and acc.is_available()
+
+
+def test_safe_get_full_grad_is_torchs_gradient_inside_the_window() -> None:
+    """gradient_accumulation_steps 2: after one backward the accumulated gradient is that of
+    loss / 2, as plain PyTorch computes it; after the window's step it is zero."""
+    torch.manual_seed(0)
+    ref = MLP()
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    (ref(x=x, y=y) / 2).backward()
+    (engine, *_), model = _engine(gas=2)
+    with engine:
+        engine.backward(engine(x=x, y=y))
+        for n, p in ref.named_parameters():
+            got = deepspeed.utils.safe_get_full_grad(dict(model.named_parameters())[n])
+            torch.testing.assert_close(got, p.grad, atol=1e-6, rtol=1e-5)
+        engine.step()
+        engine.backward(engine(x=x, y=y))
+        engine.step()
+        assert torch.count_nonzero(deepspeed.utils.safe_get_full_grad(model.inp.weight)) == 0

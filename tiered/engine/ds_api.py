@@ -157,7 +157,8 @@ class DeepSpeedEngineAPI:
         return self.config.precision.dtype == torch.bfloat16
 
     def dynamic_loss_scale(self) -> bool:
-        return self.fp16_enabled() and float(self.config.precision.loss_scale) == 0.0
+        """DeepSpeed's meaning: fp16's ``loss_scale`` is 0 (dynamic), whether fp16 is on or not."""
+        return float(self.config.precision.loss_scale) == 0.0
 
     def zero_optimization_stage(self) -> int:
         return int(self.config.zero.stage)
@@ -225,12 +226,12 @@ class DeepSpeedEngineAPI:
         save_filename: str | None = None,
         exclude_frozen_parameters: bool = False,
     ) -> str:
-        """The consolidated weights in the compute dtype when it is 16-bit, else bf16. With
-        `save_filename` (DeepSpeed's ``pytorch_model.bin``) one file ``<save_dir>/<save_filename>``
-        as DeepSpeed writes it: a ``torch.save`` of the state dict (tensors only: it loads with
-        ``torch.load(..., weights_only=True)``), or safetensors for a name ending ``.safetensors``.
-        Without one, a Hugging Face directory (`save_pretrained`). Every rank calls it; rank 0
-        writes. Returns the path written."""
+        """The consolidated weights. With `save_filename` (DeepSpeed's ``pytorch_model.bin``) one
+        file ``<save_dir>/<save_filename>`` as DeepSpeed writes it: the state dict in the compute
+        dtype (fp32 for an fp32 run, as DeepSpeed's), a ``torch.save`` of tensors only (it loads
+        with ``torch.load(..., weights_only=True)``), or safetensors for a name ending
+        ``.safetensors``. Without one, a Hugging Face directory (`save_pretrained`) in the compute
+        dtype when it is 16-bit, else bf16. Every rank calls it; rank 0 writes. Returns the path."""
         dt = self.placement.compute_dtype
         dtype = dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
         if save_filename is None:
@@ -240,10 +241,8 @@ class DeepSpeedEngineAPI:
                     "Hugging Face directory holds the whole model; pass save_filename (e.g. 'pytorch_model.bin')"
                 )
             return self.save_pretrained(save_dir, dtype=dtype)
-        sd = {
-            n: t.to(dtype).clone() if t.is_floating_point() else t.clone()
-            for n, t in self.module_state_dict(exclude_frozen_parameters).items()
-        }
+        # DeepSpeed's file holds the model's own dtype (fp32 for an fp32 run), gathered
+        sd = {n: t.clone() for n, t in self.module_state_dict(exclude_frozen_parameters).items()}
         path = os.path.join(os.fspath(save_dir), save_filename)
         if self.rank == 0:
             os.makedirs(os.fspath(save_dir), exist_ok=True)
