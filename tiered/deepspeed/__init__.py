@@ -22,9 +22,8 @@ import torch.distributed as dist
 
 from tiered.deepspeed import accelerator, comm, utils, zero
 from tiered.deepspeed.comm import init_distributed
-from tiered.engine import Engine
+from tiered.engine import Engine, InitializeResult
 from tiered.engine import initialize as _initialize
-from tiered.engine.client import InitializeResult
 from tiered.errors import ConfigError, DistributedSetupError, UnsupportedConfigError
 
 log = logging.getLogger(__name__)

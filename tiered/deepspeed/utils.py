@@ -99,6 +99,11 @@ def _read_local(param: torch.Tensor, kind: str) -> tuple[Engine, Any, Any, torch
     if sl is None:
         return engine, g, e, torch.empty(0, dtype=torch.float32)
     s_shard, _s_param, n = sl
+    if (
+        kind == "grad"
+    ):  # the zero of a step is written lazily: the coordinator knows ([Note: lazy gradient zeroing])
+        piece = engine.zero.read_grad_shard(g)[s_shard : s_shard + n].to(torch.float32)
+        return engine, g, e, piece
     with resident(engine.tm, part) as t:
         piece = t[s_shard : s_shard + n].to("cpu", torch.float32, copy=True)
     return engine, g, e, piece

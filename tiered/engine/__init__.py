@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from tiered.config.loader import config_for_training
 from tiered.config.schema import TieredConfig
@@ -21,9 +22,9 @@ from tiered.engine.build import (
     choose_placement,
     mark_managed,
 )
-from tiered.engine.client import InitializeResult
 from tiered.engine.distributed import ensure_process_group
 from tiered.engine.engine import Engine
+from tiered.engine.facade import TieredOptimizer
 from tiered.engine.host_memory import fix_mmap_threshold
 from tiered.errors import ConfigError, DistributedSetupError, UnsupportedConfigError
 from tiered.optim.offload import OffloadedAdam
@@ -42,6 +43,16 @@ __all__ = ["Engine", "InitializeResult", "Placement", "from_pretrained", "initia
 
 
 Config = dict[str, Any] | str | os.PathLike[str] | TieredConfig
+
+
+class InitializeResult(NamedTuple):
+    """DeepSpeed's ``(engine, optimizer, training_dataloader, lr_scheduler)``, typed."""
+
+    engine: Engine
+    optimizer: TieredOptimizer
+    training_dataloader: DataLoader[Any] | None
+    lr_scheduler: Any
+    """The client's scheduler, else the config section's (`ConfigLRScheduler`), else None."""
 
 
 @overload
@@ -136,7 +147,7 @@ def initialize(
     )
     if side is None:
         return engine
-    return client.InitializeResult(engine, side.facade, side.training_dataloader, engine.lr_scheduler)
+    return InitializeResult(engine, side.facade, side.training_dataloader, engine.lr_scheduler)
 
 
 def _build(

@@ -11,7 +11,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -21,9 +21,6 @@ from tiered.engine.facade import ClientLR, TieredOptimizer
 from tiered.engine.param_groups import client_optimizer_groups, param_hyper_of, resolve_model_parameters
 from tiered.errors import ConfigError, UnsupportedConfigError
 from tiered.optim.hyper import ParamHyper
-
-if TYPE_CHECKING:
-    from tiered.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -243,16 +240,6 @@ def client_side(
     if req.training_data is not None:
         loader = dataloader(cfg, req.training_data, req.collate_fn, world_size=world_size, rank=rank)
     return ClientSide(facade, tuple(scales), sched, source, loader, req.optimizer)
-
-
-class InitializeResult(NamedTuple):
-    """DeepSpeed's ``(engine, optimizer, training_dataloader, lr_scheduler)``, typed."""
-
-    engine: Engine
-    optimizer: TieredOptimizer
-    training_dataloader: DataLoader[Any] | None
-    lr_scheduler: Any
-    """The client's scheduler, else the config section's (`ConfigLRScheduler`), else None."""
 
 
 def dataloader(

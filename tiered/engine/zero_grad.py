@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from tiered.engine.engine import Engine
+
+class _Engine(Protocol):
+    """What the redirect needs of the engine (typed here: engine.py imports this module)."""
+
+    client: Any
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
 
 _MISSING = object()
 
@@ -44,7 +50,7 @@ def _shadow(obj: Any, name: str, fn: Callable[..., Any], undo: list[Callable[[],
 
 
 def redirect_zero_grad(
-    module: torch.nn.Module, engine: Engine, client_optimizer: Any = None
+    module: torch.nn.Module, engine: _Engine, client_optimizer: Any = None
 ) -> Callable[[], None]:
     """See [Note: zero_grad of the model]; returns the undo."""
     ref = weakref.ref(engine)
