@@ -136,11 +136,20 @@ def test_save_inside_an_accumulation_window_or_with_a_step_in_flight_raises(tmp_
     assert not os.path.exists(tmp_path / "ck" / ".global_step1.partial")
 
 
-def test_client_state_must_be_json(tmp_path: Path) -> None:
+def test_client_state_must_be_json_or_tensors(tmp_path: Path) -> None:
+    """Tensors go into the safetensors file ([Note: checkpoint keywords]); anything else but JSON
+    is refused (no pickle)."""
     with _engine(tmp_path) as e:
-        with pytest.raises(ValueError, match=r"client_state\['opt'\] holds a Tensor"):
-            e.save_checkpoint(tmp_path / "ck", client_state={"opt": torch.zeros(1)})
-    assert not (tmp_path / "ck").exists()
+        with pytest.raises(ValueError, match=r"client_state\['opt'\] holds a Thing"):
+            e.save_checkpoint(tmp_path / "ck", client_state={"opt": Thing()})
+        assert not (tmp_path / "ck").exists()
+        e.save_checkpoint(tmp_path / "ck", tag="t", client_state={"opt": torch.arange(3.0), "n": 1})
+        _, state = e.load_checkpoint(tmp_path / "ck", tag="t")
+    assert torch.equal(state["opt"], torch.arange(3.0)) and state["n"] == 1
+
+
+class Thing:
+    pass
 
 
 def test_a_full_disk_during_an_engine_save_keeps_the_previous_checkpoint(
