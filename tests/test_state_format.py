@@ -288,6 +288,9 @@ def test_the_engine_refuses_a_format_its_optimizer_does_not_store(fmt: str) -> N
     import tiered
 
     model = torch.nn.Linear(4, 2)
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "tiered": {"optimizer_state_format": fmt}}
+    config = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "tiered": {"optimizer_state_format": fmt},
+    }
     with pytest.raises(UnsupportedConfigError, match=rf"optimizer_state_format = '{fmt}': .*fp32 only"):
         tiered.initialize(model, config)
