@@ -567,12 +567,38 @@ def check_section(section: dict[str, Any], section_path: str) -> None:
         elif rule.kind == "unsupported_if_enabled":
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: expected a JSON object {{...}}, got {value!r}")
-            if value.get("enabled", False) is not False:
+            where = _switched_on(value, path, on_when_present=rule.path in _ON_WHEN_PRESENT)
+            if where is not None:
                 raise UnsupportedConfigError(
-                    f"{path} is enabled, which tiered does not support: {rule.note}; "
-                    f'remove the section or set "enabled": false'
+                    f"{where} is enabled, which tiered does not support: {rule.note}; "
+                    f'remove the {path} section or set "enabled": false'
                 )
             _log_ignored(rule, "disabled section of an unsupported feature")
+
+
+_ON_WHEN_PRESENT = frozenset({"sparse_attention"})
+"""Sections DeepSpeed switches on by their presence (it has no "enabled" key for them)."""
+
+
+def _switched_on(section: dict[str, Any], path: str, *, on_when_present: bool) -> str | None:
+    """The section that turns an unsupported feature on, or None: an "enabled" that is not
+    false at any depth (DeepSpeed's compression_training enables each method in a nested
+    ``shared_parameters.enabled``), or, for a section DeepSpeed enables by presence, any setting
+    unless its own "enabled" is false. Walked without recursion: configs may be deep."""
+    if on_when_present and section.get("enabled", True) not in (False, None):
+        if any(not is_comment(k) for k in section):
+            return path
+    stack = [(path, section)]
+    while stack:
+        where, node = stack.pop()
+        for k, v in node.items():
+            if is_comment(k):
+                continue
+            if k == "enabled" and v not in (False, None):
+                return where
+            if isinstance(v, dict):
+                stack.append((f"{where}.{k}", v))
+    return None
 
 
 def _report(rule: KeyRule, value: Any) -> None:

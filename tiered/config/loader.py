@@ -57,6 +57,11 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     try:
         data = json.loads(text, object_pairs_hook=no_duplicates)
+    except RecursionError:
+        raise ConfigError(
+            f"config file {name!r} nests objects or lists deeper than Python's JSON parser can read; "
+            f"a config is a few levels deep (at most {MAX_DEPTH}): fix the file"
+        ) from None
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"config file {name!r} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
@@ -82,6 +87,29 @@ def _check_state_format_optimizer(config: dict[str, Any]) -> None:
         )
 
 
+MAX_DEPTH = 64
+"""How deep a config may nest: DeepSpeed's are 4 levels at most, a backend spec adds a few."""
+
+
+def check_depth(config: dict[str, Any], source: str = "config") -> None:
+    """ConfigError naming the first path nested deeper than `MAX_DEPTH` (walked without recursion,
+    so that a hostile config meets this error, not a RecursionError in a later reader)."""
+    stack: list[tuple[str, Any, int]] = [("", config, 0)]
+    while stack:
+        path, node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(
+                f"{source}: {path[:120]!r}... nests deeper than {MAX_DEPTH} levels; a config is a few "
+                "levels deep: fix the structure"
+            )
+        children = (
+            node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        )
+        for k, v in children:
+            if isinstance(v, dict | list):
+                stack.append((f"{path}.{k}" if path else str(k), v, depth + 1))
+
+
 def load_config(
     source: dict[str, Any] | str | os.PathLike[str],
     *,
@@ -104,6 +132,7 @@ def load_config(
         config = source
     else:
         raise ConfigError(f"load_config: expected a dict or a JSON file path, got {type(source).__name__}")
+    check_depth(config)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"load_config: world_size must be a positive int, got {world_size!r}")
 

@@ -99,7 +99,7 @@ class OptimizerOffloadConfig:
 
 
 AIO_MAX_BLOCK_BYTES = 1 << 30
-"""aio.block_size's ceiling: the nvme backend allocates bounce buffers of this size per thread."""
+"""Ceiling of aio.block_size * aio.queue_depth: the nvme backend stages a chunk that large per I/O call."""
 
 
 @dataclass(frozen=True)
@@ -109,9 +109,8 @@ class AioConfig:
     block_size_bytes: int = key(
         1_048_576,
         "aio.block_size",
-        "nvme backend block size, in bytes (at most 1 GiB)",
+        "nvme backend block size, in bytes (block_size * queue_depth at most 1 GiB)",
         minimum=1,
-        maximum=AIO_MAX_BLOCK_BYTES,
     )
     queue_depth: int = key(8, "aio.queue_depth", "nvme backend queue depth", minimum=1)
     thread_count: int = key(

@@ -20,6 +20,7 @@ import torch
 from tiered.config.keys import check_section
 from tiered.config.read import pick, read_key
 from tiered.config.schema import (
+    AIO_MAX_BLOCK_BYTES,
     AioConfig,
     LeafModuleConfig,
     OffloadDevice,
@@ -264,9 +265,19 @@ def parse_aio(raw: Any) -> AioConfig:
             'and cuFile. Set "use_gds": false'
         )
     a = AioConfig
+    block, depth = read_key(section, a, "block_size_bytes"), read_key(section, a, "queue_depth")
+    if block * depth > AIO_MAX_BLOCK_BYTES:
+        # the nvme backend stages one chunk of block_size * queue_depth bytes per I/O call
+        # ([Note: DeepSpeed aio knobs] in the nvme backend): refuse it here, by name, rather than
+        # as an allocation failure at the first move
+        raise ConfigError(
+            f"aio.block_size ({block}) * aio.queue_depth ({depth}) = {block * depth} bytes is the "
+            f"nvme backend's staging chunk per I/O call, above its limit of {AIO_MAX_BLOCK_BYTES} (1 GiB); "
+            "use DeepSpeed's usual sizes (block_size 1048576, queue_depth 8)"
+        )
     return AioConfig(
-        block_size_bytes=read_key(section, a, "block_size_bytes"),
-        queue_depth=read_key(section, a, "queue_depth"),
+        block_size_bytes=block,
+        queue_depth=depth,
         thread_count=read_key(section, a, "thread_count"),
         single_submit=read_key(section, a, "single_submit"),
         overlap_events=read_key(section, a, "overlap_events"),
