@@ -8,6 +8,7 @@ from tiered.engine import Engine, from_pretrained, initialize
 from tiered.errors import (
     AlreadyManagedError,
     BackendImportError,
+    BackendExistsError,
     BackendNotFoundError,
     CapacityError,
     CheckpointCorruptError,
@@ -44,6 +45,7 @@ except PackageNotFoundError:  # a source tree on sys.path that was never install
 __all__ = [
     "AlreadyManagedError",
     "BackendImportError",
+    "BackendExistsError",
     "BackendNotFoundError",
     "CapacityError",
     "CheckpointCorruptError",
