@@ -7,8 +7,8 @@ from importlib.metadata import PackageNotFoundError, version
 from tiered.engine import Engine, from_pretrained, initialize
 from tiered.errors import (
     AlreadyManagedError,
-    BackendImportError,
     BackendExistsError,
+    BackendImportError,
     BackendNotFoundError,
     CapacityError,
     CheckpointCorruptError,

@@ -26,7 +26,8 @@ import torch
 from tiered.errors import StorageCorruptError, StorageIOError, StorageKeyError
 from tiered.storage.base import LocalFile, check_out_size
 from tiered.storage.files import adopt_into
-from tiered_nvme.pieces import ALIGN, TRUNCATED_REMEDY, FileEndedEarly, align_up
+from tiered.units import align_up
+from tiered_nvme.pieces import ALIGN, TRUNCATED_REMEDY, FileEndedEarly
 from tiered_nvme.slab import Coalescer, SlabSlots, Slot, SwapEntry
 
 
@@ -108,7 +109,11 @@ class SwapStore:
         async with self.hold(key):
             old = self.entries.get(key)
             if 0 < n <= self.coalesce_bytes:
-                slot = old.slot if old is not None and old.slot and old.slot.capacity == align_up(n) else None
+                slot = (
+                    old.slot
+                    if old is not None and old.slot and old.slot.capacity == align_up(n, ALIGN)
+                    else None
+                )
                 fresh = slot is None
                 slot = slot or self.slots.take(n)
                 try:
@@ -126,7 +131,7 @@ class SwapStore:
                     self.slots.give(old.slot)
                 return
             shift = src.data_ptr() % ALIGN if self.backend.direct and n else 0
-            file_bytes = align_up(shift + n) if self.backend.direct else n
+            file_bytes = align_up(shift + n, ALIGN) if self.backend.direct else n
             prior = old.file_bytes if old is not None and old.slot is None else None
             if prior is not None and 0 <= prior - file_bytes < max(file_bytes // 4, 1 << 20):
                 file_bytes = prior  # keep the blocks: a shrink and a regrow cost an allocation each

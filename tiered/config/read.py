@@ -73,3 +73,10 @@ def read_key(
             value, path, minimum=decl.minimum, maximum=decl.maximum, min_exclusive=decl.min_exclusive
         )
     raise TypeError(f"read_key: {cls.__name__}.{name} is parsed by hand, not by read_key")
+
+
+def read_keys(
+    section: dict[str, Any], cls: type, *names: str, model: torch.nn.Module | None = None
+) -> dict[str, Any]:
+    """`read_key` for each of `names`, as keyword arguments for `cls`."""
+    return {name: read_key(section, cls, name, model) for name in names}

@@ -18,7 +18,7 @@ from typing import Any, cast
 import torch
 
 from tiered.config.keys import check_section
-from tiered.config.read import pick, read_key
+from tiered.config.read import pick, read_key, read_keys
 from tiered.config.schema import (
     AIO_MAX_BLOCK_BYTES,
     AioConfig,
@@ -126,9 +126,7 @@ def parse_offload_param(raw: Any, prefix: str, pin_default: bool) -> ParamOffloa
         device=device,
         nvme_path=nvme_path,
         pin_memory=read_key(section, c, "pin_memory", default=pin_default),
-        buffer_count=read_key(section, c, "buffer_count"),
-        buffer_size_numel=read_key(section, c, "buffer_size_numel"),
-        max_in_cpu_numel=read_key(section, c, "max_in_cpu_numel"),
+        **read_keys(section, c, "buffer_count", "buffer_size_numel", "max_in_cpu_numel"),
     )
 
 
@@ -139,11 +137,7 @@ def parse_offload_optimizer(raw: Any, prefix: str, pin_default: bool) -> Optimiz
         device=device,
         nvme_path=nvme_path,
         pin_memory=read_key(section, c, "pin_memory", default=pin_default),
-        buffer_count=read_key(section, c, "buffer_count"),
-        ratio=read_key(section, c, "ratio"),
-        pipeline_read=read_key(section, c, "pipeline_read"),
-        pipeline_write=read_key(section, c, "pipeline_write"),
-        fast_init=read_key(section, c, "fast_init"),
+        **read_keys(section, c, "buffer_count", "ratio", "pipeline_read", "pipeline_write", "fast_init"),
     )
 
 
@@ -278,10 +272,8 @@ def parse_aio(raw: Any) -> AioConfig:
     return AioConfig(
         block_size_bytes=block,
         queue_depth=depth,
-        thread_count=read_key(section, a, "thread_count"),
-        single_submit=read_key(section, a, "single_submit"),
-        overlap_events=read_key(section, a, "overlap_events"),
         use_gds=use_gds,
+        **read_keys(section, a, "thread_count", "single_submit", "overlap_events"),
     )
 
 
@@ -355,16 +347,15 @@ def parse_precision(config: dict[str, Any]) -> PrecisionConfig:
     c = PrecisionConfig
     return PrecisionConfig(
         dtype=torch.bfloat16 if bf16_on else torch.float16 if fp16_on else torch.float32,
-        **{
-            name: read_key(fp16, c, name)
-            for name in (
-                "loss_scale",
-                "initial_scale_power",
-                "loss_scale_window",
-                "hysteresis",
-                "min_loss_scale",
-                "consecutive_hysteresis",
-                "auto_cast",
-            )
-        },
+        **read_keys(
+            fp16,
+            c,
+            "loss_scale",
+            "initial_scale_power",
+            "loss_scale_window",
+            "hysteresis",
+            "min_loss_scale",
+            "consecutive_hysteresis",
+            "auto_cast",
+        ),
     )

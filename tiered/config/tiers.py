@@ -33,7 +33,7 @@ import os
 from typing import Any
 
 from tiered.config.keys import check_section, is_comment, unknown_key_error
-from tiered.config.read import read_key
+from tiered.config.read import read_key, read_keys
 from tiered.config.schema import OPTIMIZER_STATE_FORMATS, AioConfig, TieredSection, TierSpec, ZeroConfig
 from tiered.config.values import as_section, as_str, is_auto
 from tiered.errors import ConfigError
@@ -183,19 +183,18 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
     return TieredSection(
         tiers=tiers,
         trace_path=None if trace_path is None else as_str(trace_path, "tiered.trace_path"),
-        **{
-            name: read_key(section, t, name)
-            for name in (
-                "timeout_s",
-                "io_threads",
-                "verify_checksums",
-                "io_timeout_floor_s",
-                "io_min_bytes_per_s",
-                "io_retries",
-                "io_retry_backoff_s",
-                "check_collective_order",
-            )
-        },
+        **read_keys(
+            section,
+            t,
+            "timeout_s",
+            "io_threads",
+            "verify_checksums",
+            "io_timeout_floor_s",
+            "io_min_bytes_per_s",
+            "io_retries",
+            "io_retry_backoff_s",
+            "check_collective_order",
+        ),
         io_retry_errnos=_errno_names(section.get("io_retry_errnos")),
         host_mmap_threshold=(
             _mmap_threshold(section["host_mmap_threshold"])
