@@ -97,7 +97,7 @@ def declaration(cls: type, name: str) -> KeyDecl:
     for f in dataclasses.fields(cls):
         if f.name == name:
             decl = f.metadata.get(_META)
-            if decl is None:
+            if not isinstance(decl, KeyDecl):
                 raise KeyError(f"{cls.__name__}.{name} declares no config key")
             return decl
     raise KeyError(f"{cls.__name__} has no field {name!r}")

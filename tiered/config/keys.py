@@ -629,7 +629,7 @@ def _same(value: Any, allowed: Any) -> bool:
             return float(value) == allowed
         except ValueError:
             return False
-    return value == allowed
+    return bool(value == allowed)
 
 
 def _log_ignored(rule: KeyRule, reason: str | None = None) -> None:
