@@ -31,7 +31,7 @@ def lint_imports(root: Path, contract_id: str) -> subprocess.CompletedProcess[st
     """Run one contract on the `tiered` package found under `root` (its own pyproject.toml)."""
     env = dict(os.environ)
     # The package under `root` must win over any installed or PYTHONPATH copy of tiered.
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "plugins"), env.get("PYTHONPATH", "")])
     code = "from importlinter.cli import lint_imports_command; lint_imports_command()"
     return subprocess.run(
         [
@@ -86,8 +86,44 @@ def test_every_plugin_is_forbidden_to_tiered() -> None:
     )
 
 
+def test_every_plugin_is_analysed_and_under_the_no_cycles_contract() -> None:
+    plugins = {p.parent.name for p in (ROOT / "plugins").glob("*/__init__.py")}
+    roots = set(CONFIG["root_packages"])
+    cycles = set(CONTRACTS["plugins-no-cycles"]["ancestors"])
+    assert plugins <= roots, f"add {sorted(plugins - roots)} to root_packages of [tool.importlinter]"
+    assert plugins <= cycles, (
+        f"add {sorted(plugins - cycles)} to the 'plugins-no-cycles' contract's ancestors"
+    )
+
+
+def _diagram_layers() -> list[str]:
+    """The layer names of docs/architecture.md's diagram: the first column of each unindented
+    line of the code block under "## Layers" (siblings separated by " | ")."""
+    block = DOC.read_text().split("## Layers", 1)[1].split("```", 2)[1]
+    layers = []
+    for line in block.splitlines():
+        if line and not line[0].isspace():
+            layers.append(re.split(r"\s{2,}", line.strip())[0])
+    return layers
+
+
+def test_layer_diagram_is_the_layers_contract() -> None:
+    """The diagram in docs/architecture.md lists the contract's layers, in its order (it lacked
+    integrations, deepspeed and shards while the contract had them)."""
+
+    def siblings(layer: str) -> list[str]:
+        return [name.strip().strip("()") for name in layer.split("|")]
+
+    drawn = [siblings(line) for line in _diagram_layers()]
+    contract = [siblings(layer) for layer in CONTRACTS["layers"]["layers"]]
+    assert drawn == contract, (
+        f"docs/architecture.md's layer diagram {drawn} differs from pyproject.toml's layers {contract}"
+    )
+
+
 BAD_IMPORTS = [
-    # (contract, file to append to, the import, what the report must name)
+    # (contract, file to append to, the import, what the report must name); a path under
+    # plugins/ is one of the plugin packages (copied aside as well)
     ("layers", "storage/base.py", "import tiered.tiers.stats", "tiered.storage.base -> tiered.tiers.stats"),
     ("layers", "zero/comm.py", "from tiered.optim import clip", "tiered.zero.comm -> tiered.optim"),
     ("no-plugins", "tiers/stats.py", "import tiered_nvme", "tiered.tiers.stats -> tiered_nvme"),
@@ -97,6 +133,12 @@ BAD_IMPORTS = [
         "tiers/trace.py",
         "from tiered.tiers import manager",
         "No cycles are allowed in tiered.tiers.",
+    ),
+    (
+        "plugins-no-cycles",
+        "plugins/tiered_nvme/pieces.py",
+        "import tiered_nvme.backend",
+        "No cycles are allowed in tiered_nvme.",
     ),
 ]
 
@@ -108,8 +150,11 @@ def test_contract_fails_on_a_bad_import(
     tmp_path: Path, contract_id: str, rel: str, line: str, named: str
 ) -> None:
     shutil.copytree(ROOT / "tiered", tmp_path / "tiered", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "plugins", tmp_path / "plugins", ignore=shutil.ignore_patterns("__pycache__", "tests")
+    )
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    with open(tmp_path / "tiered" / rel, "a") as f:
+    with open(tmp_path / (rel if rel.startswith("plugins/") else f"tiered/{rel}"), "a") as f:
         f.write(f"\n{line}  # the bad import under test\n")
     result = lint_imports(tmp_path, contract_id)
     report = result.stdout + result.stderr

@@ -390,3 +390,57 @@ def test_missing_file_and_bad_source(tmp_path):
 def test_section_must_be_object():
     _raises({ZP: [1]}, "zero_optimization", "JSON object")
     _raises({"optimizer": {"type": "Adam", "params": "lr=1"}}, "optimizer.params", "JSON object")
+
+
+# --- issue 23's config-level bad inputs: each was accepted (or died in a raw error) before ---------
+
+
+@pytest.mark.parametrize(
+    "config, where",
+    [
+        # DeepSpeed enables compression methods by a nested shared_parameters.enabled
+        (
+            {"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
+            "compression_training.weight_quantization.shared_parameters",
+        ),
+        ({"sparse_attention": {"mode": "fixed", "block": 16}}, "sparse_attention"),  # on by presence
+        ({"sparse_attention": {"enabled": False, "layout": {"enabled": True}}}, "sparse_attention.layout"),
+    ],
+)
+def test_unsupported_feature_enabled_below_its_section_is_refused(config, where):
+    _raises(config, f"{where} is enabled", '"enabled": false', exc=UnsupportedConfigError)
+
+
+def test_unsupported_feature_switched_off_is_still_accepted():
+    load_config({"sparse_attention": {"enabled": False, "mode": "fixed"}})
+    load_config({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": False}}}})
+
+
+def test_eps_zero_is_refused_at_load_by_name():
+    _raises({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 0}}}, "optimizer.params.eps", "> 0")
+    from tiered.config import Hyperparameters
+
+    with pytest.raises(ConfigError, match="eps="):
+        Hyperparameters(eps=0.0)
+
+
+def test_huge_aio_block_size_is_refused_by_name():
+    _raises({"aio": {"block_size": 2**40}}, "aio.block_size", "aio.queue_depth", "1 GiB")
+    load_config({"aio": {"block_size": 8 << 20, "queue_depth": 32}})  # 256 MiB chunks: allowed
+
+
+def _deep(depth: int) -> dict:
+    node: dict = {}
+    root = {"tiered": {"tiers": {"custom": {"backend": {"type": "tensorstore", "spec": node}}}}}
+    for _ in range(depth):
+        node["a"] = {}
+        node = node["a"]
+    return root
+
+
+def test_deeply_nested_config_is_a_config_error_not_recursion(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text('{"tiered": {"x": ' + '{"a": ' * 100_000 + "1" + "}" * 100_000 + "}}")
+    _raises(str(path), str(path), "deeper")
+    _raises(_deep(100_000), "tiered.tiers.custom.backend.spec.a", "deeper than 64")
+    load_config(_deep(8))  # a backend spec some levels deep is fine

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 import tiered
-from tiered.errors import BackendImportError, BackendNotFoundError, ConfigError, StorageKeyError
+from tiered.errors import (
+    BackendExistsError,
+    BackendImportError,
+    BackendNotFoundError,
+    ConfigError,
+    StorageKeyError,
+)
 from tiered.storage import (
     Capabilities,
     Capacity,
@@ -178,8 +184,25 @@ def test_register_rejects_non_backends() -> None:
         register_backend("", DictBackend)
 
 
+def test_register_refuses_a_taken_name_unless_clobber() -> None:
+    """fsspec's rule: a name already known (an entry point, or registered) is replaced only with
+    clobber=True; the same target again is fine."""
+    with pytest.raises(
+        BackendExistsError, match=r"'cpu' is already taken by 'tiered_cpu:PinnedCPUBackend'.*clobber=True"
+    ):
+        register_backend("cpu", DictBackend)
+    assert get_backend_class("cpu").__name__ == "PinnedCPUBackend"
+    register_backend("dictmem", DictBackend)
+    register_backend("dictmem", DictBackend)  # the same class again: no error
+    with pytest.raises(BackendExistsError, match="register_backend"):
+        register_backend("dictmem", "collections:OrderedDict")
+    assert get_backend_class("dictmem") is DictBackend
+    register_backend("dictmem", "collections:OrderedDict", clobber=True)
+    assert known_backends()["dictmem"].target == "collections:OrderedDict"
+
+
 def test_register_overrides_entry_point_and_unregister_restores() -> None:
-    register_backend("cpu", DictBackend)
+    register_backend("cpu", DictBackend, clobber=True)
     try:
         assert isinstance(open_backend("cpu"), DictBackend)
         assert known_backends()["cpu"].source == "register_backend"

@@ -7,6 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 from tiered.engine import Engine, from_pretrained, initialize
 from tiered.errors import (
     AlreadyManagedError,
+    BackendExistsError,
     BackendImportError,
     BackendNotFoundError,
     CapacityError,
@@ -48,6 +49,7 @@ except PackageNotFoundError:  # a source tree on sys.path that was never install
 __all__ = [
     "AlreadyManagedError",
     "BackendImportError",
+    "BackendExistsError",
     "BackendNotFoundError",
     "CapacityError",
     "CheckpointCorruptError",

@@ -34,10 +34,6 @@ log = logging.getLogger(__name__)
 PAGE_SIZE: int = mmap.PAGESIZE
 
 
-def align_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
-
-
 def is_aligned(t: torch.Tensor, align: int = PAGE_SIZE) -> bool:
     """True when `t`'s first byte sits on an `align` boundary."""
     return t.data_ptr() % align == 0

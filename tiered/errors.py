@@ -27,6 +27,10 @@ class BackendNotFoundError(TieredError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class BackendExistsError(TieredError, ValueError):
+    """`register_backend` was given a name another backend holds, without ``clobber=True``."""
+
+
 class BackendImportError(TieredError, ImportError):
     """A registered backend failed to import (a missing optional dependency, usually)."""
 

@@ -81,3 +81,13 @@ def format_bytes(n: int | float, *, binary: bool = False) -> str:
             return f"{value:.0f} {name}" if name == "B" else f"{value:.2f} {name}"
         value /= base
     raise AssertionError("unreachable")
+
+
+def align_up(n: int, align: int) -> int:
+    """`n` rounded up to a multiple of `align` (bytes to a block, a page, a direct-I/O unit)."""
+    return (n + align - 1) // align * align
+
+
+def align_down(n: int, align: int) -> int:
+    """`n` rounded down to a multiple of `align`."""
+    return n // align * align

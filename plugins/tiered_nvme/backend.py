@@ -56,6 +56,7 @@ import errno
 import logging
 import os
 import queue
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -258,28 +259,33 @@ class NVMeBackend(StorageBackend):
         finally:
             self._bounce.put(buf)
 
-    async def _run(self, calls: list[tuple[Any, ...]]) -> list[Any]:
+    # ---- the file I/O a SwapStore asks for (tiered_nvme.swapstore.SwapFiles) -----------------
+    async def run_blocking(self, calls: list[tuple[Any, ...]]) -> list[Any]:
         """Blocking calls on the bridge, ``workers`` at most at once; see [Note: one I/O bridge]."""
         return await self.bridge.run_all(calls, limiter=self._limiter)
+
+    async def run_one(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """One blocking call on the bridge, under the same bound as `run_blocking`."""
+        return await self.bridge.run(fn, *args, limiter=self._limiter)
 
     async def _open(self, path: Path, flags: int, fds: list[int]) -> None:
         """``os.open`` on the bridge; the fd lands in `fds` even if the caller is cancelled
         meanwhile (the bridge waits for the running call), so the caller's cleanup closes it."""
-        await self._run(
+        await self.run_blocking(
             [(lambda: fds.append(os.open(path, flags, 0o600)),)]
         )  # owner only: optimizer state is private
 
     # ---- contract ----------------------------------------------------------------------------
-    def _file(self, key: str) -> Path:
+    def key_path(self, key: str) -> Path:
         return self.directory / check_key(key)
 
     def locate(self, key: str) -> str:
-        return f"file {str(self._file(key))!r}"
+        return f"file {str(self.key_path(key))!r}"
 
     def local_file(self, key: str) -> LocalFile | None:
         if self._store is not None:
             return self._store.local_file(check_key(key))  # [Note: nvme swap index]
-        path = self._file(key)  # exactly the payload: [Note: nvme on-disk size]
+        path = self.key_path(key)  # exactly the payload: [Note: nvme on-disk size]
         try:
             return LocalFile(str(path), 0, path.stat().st_size)
         except FileNotFoundError:
@@ -290,8 +296,10 @@ class NVMeBackend(StorageBackend):
         if self._store is not None:
             await self._store.adopt(check_key(key), path)
             return
-        final = self._file(key)
-        await self._run([(lambda: adopt_into(path, final, durable=self.fsync, backend="nvme", key=key),)])
+        final = self.key_path(key)
+        await self.run_blocking(
+            [(lambda: adopt_into(path, final, durable=self.fsync, backend="nvme", key=key),)]
+        )
 
     async def write(self, key: str, tensor: torch.Tensor) -> None:
         check_key(key)  # the path itself only where a file is used: a slab object needs none
@@ -307,9 +315,9 @@ class NVMeBackend(StorageBackend):
             if self._store is not None:
                 await self._store.write(key, src)
             elif self.atomic:
-                await self._write_atomic(key, self._file(key), src)
+                await self._write_atomic(key, self.key_path(key), src)
             else:
-                await self._write_in_place(key, self._file(key), src)
+                await self._write_in_place(key, self.key_path(key), src)
         finally:
             if staged is not None:
                 self._staging.release(staged)
@@ -322,9 +330,9 @@ class NVMeBackend(StorageBackend):
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (_O_DIRECT if self.direct else 0)
             await self._open(tmp, flags, fds)
             n = src.numel()
-            await self._run([(self._write_piece, fds[0], src, piece) for piece in self._plan(src)])
-            await self._run([(finish_file, fds[0], n, self.direct, self.fsync)])
-            await self._run([(_close_and_replace, fds, tmp, final)])
+            await self.run_blocking([(self._write_piece, fds[0], src, piece) for piece in self._plan(src)])
+            await self.run_blocking([(finish_file, fds[0], n, self.direct, self.fsync)])
+            await self.run_blocking([(_close_and_replace, fds, tmp, final)])
         except BaseException as exc:
             _close_all(fds)  # only on a path that left one open; close() of an fd does not block
             remove_quietly(tmp)  # a cleanup unlink stays inline: a cancelled write must not await
@@ -335,7 +343,7 @@ class NVMeBackend(StorageBackend):
                 ) from exc
             raise
         if self.fsync:  # make the rename durable; off the loop, it is a disk flush
-            await self._run([(fsync_directory, self.directory)])
+            await self.run_blocking([(fsync_directory, self.directory)])
 
     async def _write_in_place(self, key: str, final: Path, src: torch.Tensor) -> None:
         """[Note: nvme scratch mode]: overwrite the key's file in place, all syscalls on the bridge."""
@@ -344,8 +352,8 @@ class NVMeBackend(StorageBackend):
             flags = os.O_WRONLY | os.O_CREAT | (_O_DIRECT if self.direct else 0)
             await self._open(final, flags, fds)
             n = src.numel()
-            await self._run([(self._write_piece, fds[0], src, piece) for piece in self._plan(src)])
-            await self._run([(finish_in_place, fds[0], n, self.fsync)])
+            await self.run_blocking([(self._write_piece, fds[0], src, piece) for piece in self._plan(src)])
+            await self.run_blocking([(finish_in_place, fds[0], n, self.fsync)])
         except BaseException as exc:
             if isinstance(exc, OSError) and not isinstance(exc, StorageIOError):
                 raise StorageIOError(
@@ -356,7 +364,7 @@ class NVMeBackend(StorageBackend):
         finally:
             _close_all(fds)
 
-    async def _write_file_in_place(
+    async def write_file_in_place(
         self, key: str, final: Path, src: torch.Tensor, shift: int, prior_bytes: int | None, file_bytes: int
     ) -> None:
         """A swap file rewritten in place with its payload at `shift`
@@ -365,12 +373,14 @@ class NVMeBackend(StorageBackend):
         fds: list[int] = []
         try:
             await self._open(final, os.O_WRONLY | os.O_CREAT | (_O_DIRECT if self.direct else 0), fds)
-            await self._run(
+            await self.run_blocking(
                 [(self._write_piece, fds[0], src, piece, shift) for piece in self._plan(src, shift)]
             )
             shrink = prior_bytes is not None and prior_bytes > file_bytes
             if shrink or self.fsync:
-                await self._run([(finish_swap_file, fds[0], file_bytes if shrink else None, self.fsync)])
+                await self.run_blocking(
+                    [(finish_swap_file, fds[0], file_bytes if shrink else None, self.fsync)]
+                )
         except BaseException as exc:
             if isinstance(exc, OSError) and not isinstance(exc, StorageIOError):
                 raise StorageIOError(
@@ -394,14 +404,14 @@ class NVMeBackend(StorageBackend):
             if self._store is not None:
                 await self._store.read(key, target)
             else:
-                await self._read_file(key, self._file(key), target, None)
+                await self.read_file(key, self.key_path(key), target, None)
             if staged is not None:
                 await self._device.wait(self._device.copy_async(dst, target), what=f"read of key {key!r}")
         finally:
             if staged is not None:
                 self._staging.release(staged)
 
-    async def _read_file(self, key: str, path: Path, dst: torch.Tensor, shift: int | None) -> None:
+    async def read_file(self, key: str, path: Path, dst: torch.Tensor, shift: int | None) -> None:
         """Fill host `dst` from `path`, payload at `shift`; None: a plain dump whose length is
         the size record ([Note: nvme on-disk size])."""
         fds: list[int] = []
@@ -421,10 +431,12 @@ class NVMeBackend(StorageBackend):
         fd = fds[0]
         try:
             if shift is None:
-                (st,) = await self._run([(os.fstat, fd)])
+                (st,) = await self.run_blocking([(os.fstat, fd)])
                 check_out_size(key, st.st_size, dst.numel(), where=f"file {str(path)!r}")
                 shift = 0
-            await self._run([(self._read_piece, fd, dst, piece, shift) for piece in self._plan(dst, shift)])
+            await self.run_blocking(
+                [(self._read_piece, fd, dst, piece, shift) for piece in self._plan(dst, shift)]
+            )
         except OSError as exc:
             if isinstance(exc, StorageIOError):
                 raise
@@ -437,12 +449,12 @@ class NVMeBackend(StorageBackend):
             _close_all(fds)
 
     async def delete(self, key: str) -> None:
-        path = self._file(key)
+        path = self.key_path(key)
         try:
             if self._store is not None:
                 await self._store.delete(key)
             else:
-                await self._run([(os.unlink, path)])
+                await self.run_blocking([(os.unlink, path)])
         except FileNotFoundError:
             raise StorageKeyError(f"key {key!r} not found in nvme backend (no file {str(path)!r})") from None
         except OSError as exc:
@@ -453,7 +465,7 @@ class NVMeBackend(StorageBackend):
     async def exists(self, key: str) -> bool:
         if self._store is not None:
             return self._store.exists(check_key(key))
-        return bool((await self._run([(self._file(key).is_file,)]))[0])
+        return bool((await self.run_blocking([(self.key_path(key).is_file,)]))[0])
 
     def capacity(self) -> Capacity:
         st = os.statvfs(self.directory)

@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from tiered.units import align_down, align_up
+
 TRUNCATED_REMEDY = (
     "the file is shorter than what was written (truncated by another process, or a disk that filled "
     "up): those bytes are lost and were not used; restore the training state from a checkpoint "
@@ -46,14 +48,6 @@ class FileEndedEarly(OSError):
 
 ALIGN = 4096
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-
-def align_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def align_down(n: int) -> int:
-    return n // ALIGN * ALIGN
 
 
 class Piece(NamedTuple):
@@ -74,14 +68,14 @@ def plan(n: int, shift: int, mem_shift: int, *, direct: bool, chunk: int) -> lis
     if not direct:
         return [Piece(shift + o, min(chunk, n - o), False) for o in range(0, n, chunk)]
     end = shift + n
-    lo, hi = align_up(shift), align_down(end)
+    lo, hi = align_up(shift, ALIGN), align_down(end, ALIGN)
     if mem_shift % ALIGN != shift % ALIGN or lo >= hi:  # no byte lines up: bounce everything
-        start, stop = align_down(shift), align_up(end)
+        start, stop = align_down(shift, ALIGN), align_up(end, ALIGN)
         return [Piece(o, min(chunk, stop - o), True) for o in range(start, stop, chunk)]
-    pieces = [Piece(align_down(shift), ALIGN, True)] if shift % ALIGN else []
+    pieces = [Piece(align_down(shift, ALIGN), ALIGN, True)] if shift % ALIGN else []
     pieces += [Piece(o, min(chunk, hi - o), False) for o in range(lo, hi, chunk)]
     if end > hi:
-        pieces.append(Piece(hi, align_up(end) - hi, True))
+        pieces.append(Piece(hi, align_up(end, ALIGN) - hi, True))
     return pieces
 
 

@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from tiered_nvme.pieces import _IOV_MAX, ALIGN, FileEndedEarly, align_down, align_up
+from tiered.units import align_down, align_up
+from tiered_nvme.pieces import _IOV_MAX, ALIGN, FileEndedEarly
 
 IOV_LIMIT = min(_IOV_MAX, 1024)
 
@@ -76,7 +77,7 @@ class SlabSlots:
         self._free: dict[int, list[int]] = {}
 
     def take(self, nbytes: int) -> Slot:
-        cap = align_up(max(nbytes, 1))
+        cap = align_up(max(nbytes, 1), ALIGN)
         free = self._free.get(cap)
         if free:
             return Slot(free.pop(), cap)
@@ -216,7 +217,7 @@ class Coalescer:
         for r in run.requests:
             n, cap = r.buf.numel(), r.slot.capacity
             aligned = not self.direct or r.buf.data_ptr() % ALIGN == 0
-            body = (align_down(n) if self.direct else n) if aligned else 0
+            body = (align_down(n, ALIGN) if self.direct else n) if aligned else 0
             if body:
                 iovs.append(r.buf[:body].numpy().data)
             if cap > body:

@@ -2,8 +2,11 @@
 
 See [Note: nvme swap index], [Note: nvme slab coalescing] (tiered_nvme.slab) and
 [Note: nvme shifted swap files] (tiered_nvme.pieces). Used by `NVMeBackend` when it was opened
-with ``swap=True, atomic=False`` (the offload tiers the engine derives); the backend keeps its
-contract checks, errors and staging of CUDA tensors, this object decides where the bytes go.
+with ``swap=True, atomic=False`` (the offload tiers the engine derives). The two own different
+things: the backend owns the directory, the files' I/O (pieces, bounce buffers, the limiter on
+its bridge), its contract checks, errors and staging of CUDA tensors; this object owns the index
+(which key lies in which file or slab slot) and the slab, and reaches the backend only through
+the public `SwapFiles` interface below (no import of the backend, no private member).
 Everything runs on the loop that calls the backend, except the blocking calls, which go through
 the backend's bridge under its limiter.
 """
@@ -14,19 +17,41 @@ import asyncio
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from tiered.errors import StorageCorruptError, StorageIOError, StorageKeyError
 from tiered.storage.base import LocalFile, check_out_size
 from tiered.storage.files import adopt_into
-from tiered_nvme.pieces import ALIGN, TRUNCATED_REMEDY, FileEndedEarly, align_up
+from tiered.units import align_up
+from tiered_nvme.pieces import ALIGN, TRUNCATED_REMEDY, FileEndedEarly
 from tiered_nvme.slab import Coalescer, SlabSlots, Slot, SwapEntry
 
-if TYPE_CHECKING:
-    from tiered_nvme.backend import NVMeBackend
+
+class SwapFiles(Protocol):
+    """What a `SwapStore` needs from its owner's file I/O (`NVMeBackend` provides it)."""
+
+    directory: Path
+    direct: bool
+    fsync: bool
+    chunk_bytes: int
+    workers: int
+
+    def key_path(self, key: str) -> Path: ...
+
+    async def run_blocking(self, calls: list[tuple[Any, ...]]) -> list[Any]: ...
+
+    async def run_one(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    async def write_file_in_place(
+        self, key: str, final: Path, src: torch.Tensor, shift: int, prior_bytes: int | None, file_bytes: int
+    ) -> None: ...
+
+    async def read_file(self, key: str, path: Path, dst: torch.Tensor, shift: int | None) -> None: ...
+
 
 SLAB_FILE = "~slab"
 """The slab file's name: a '~' is in no key (`check_key`), so no key's file can collide with it."""
@@ -35,7 +60,7 @@ SLAB_FILE = "~slab"
 class SwapStore:
     """Where a swap backend's keys live: own files (large) or slab slots (small)."""
 
-    def __init__(self, backend: NVMeBackend, coalesce_bytes: int) -> None:
+    def __init__(self, backend: SwapFiles, coalesce_bytes: int) -> None:
         self.backend = backend
         self.coalesce_bytes = coalesce_bytes
         self.entries: dict[str, SwapEntry] = {}
@@ -45,7 +70,7 @@ class SwapStore:
         self._slab_lock = threading.Lock()
         self._closed = False
         self.coalescer = Coalescer(
-            lambda fn, *args: backend.bridge.run(fn, *args, limiter=backend._limiter),
+            backend.run_one,
             self._slab,
             direct=backend.direct,
             chunk_bytes=backend.chunk_bytes,
@@ -84,7 +109,11 @@ class SwapStore:
         async with self.hold(key):
             old = self.entries.get(key)
             if 0 < n <= self.coalesce_bytes:
-                slot = old.slot if old is not None and old.slot and old.slot.capacity == align_up(n) else None
+                slot = (
+                    old.slot
+                    if old is not None and old.slot and old.slot.capacity == align_up(n, ALIGN)
+                    else None
+                )
                 fresh = slot is None
                 slot = slot or self.slots.take(n)
                 try:
@@ -95,17 +124,19 @@ class SwapStore:
                     raise
                 self.entries[key] = SwapEntry(n, slot=slot)
                 if old is not None and old.slot is None:
-                    await self.backend._run([(_unlink_quietly, self.backend._file(key))])  # was a file
+                    await self.backend.run_blocking(
+                        [(_unlink_quietly, self.backend.key_path(key))]
+                    )  # was a file
                 elif old is not None and old.slot is not None and old.slot != slot:
                     self.slots.give(old.slot)
                 return
             shift = src.data_ptr() % ALIGN if self.backend.direct and n else 0
-            file_bytes = align_up(shift + n) if self.backend.direct else n
+            file_bytes = align_up(shift + n, ALIGN) if self.backend.direct else n
             prior = old.file_bytes if old is not None and old.slot is None else None
             if prior is not None and 0 <= prior - file_bytes < max(file_bytes // 4, 1 << 20):
                 file_bytes = prior  # keep the blocks: a shrink and a regrow cost an allocation each
-            await self.backend._write_file_in_place(
-                key, self.backend._file(key), src, shift, prior, file_bytes
+            await self.backend.write_file_in_place(
+                key, self.backend.key_path(key), src, shift, prior, file_bytes
             )
             self.entries[key] = SwapEntry(n, shift=shift, file_bytes=file_bytes)
             if old is not None and old.slot is not None:
@@ -120,7 +151,7 @@ class SwapStore:
             if entry.slot is not None:
                 await self._slab_io(False, key, entry.slot, dst)
                 return
-            await self.backend._read_file(key, self.backend._file(key), dst, entry.shift)
+            await self.backend.read_file(key, self.backend.key_path(key), dst, entry.shift)
 
     def local_file(self, key: str) -> LocalFile | None:
         """Where `key`'s payload lies: its own file at its shift, or its slab slot."""
@@ -129,15 +160,15 @@ class SwapStore:
             return None
         if entry.slot is not None:
             return LocalFile(str(self.slab_path), entry.slot.offset, entry.nbytes)
-        return LocalFile(str(self.backend._file(key)), entry.shift, entry.nbytes)
+        return LocalFile(str(self.backend.key_path(key)), entry.shift, entry.nbytes)
 
     async def adopt(self, key: str, path: str) -> None:
         """`StorageBackend.adopt_file`: the file becomes `key`'s own, payload at 0, unpadded (the
         next in-place write pads it again); a slab slot it had is freed."""
-        final = self.backend._file(key)
+        final = self.backend.key_path(key)
         async with self.hold(key):
             old = self.entries.get(key)
-            (nbytes,) = await self.backend._run(
+            (nbytes,) = await self.backend.run_blocking(
                 [(lambda: adopt_into(path, final, durable=self.backend.fsync, backend="nvme", key=key),)]
             )
             self.entries[key] = SwapEntry(nbytes, shift=0, file_bytes=nbytes)
@@ -151,7 +182,7 @@ class SwapStore:
             if entry.slot is not None:
                 self.slots.give(entry.slot)
             else:
-                await self.backend._run([(os.unlink, self.backend._file(key))])
+                await self.backend.run_blocking([(os.unlink, self.backend.key_path(key))])
 
     async def _slab_io(self, write: bool, key: str, slot: Slot, buf: torch.Tensor) -> None:
         try:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from tiered.terminal import open_bar
+
 
 def add_total(progress: Callable[[str], None] | None, n: int) -> None:
     fn = getattr(progress, "add_total", None)
@@ -27,15 +29,6 @@ def note(progress: Callable[[str], None] | None, msg: str) -> None:
         progress(msg)
 
 
-def _columns(stream: TextIO) -> int:
-    import os
-
-    try:
-        return os.get_terminal_size(stream.fileno()).columns
-    except (AttributeError, OSError, ValueError):
-        return 0
-
-
 class BenchProgress:
     """A tqdm bar when `stream` is a terminal and tqdm imports, else "  message" lines."""
 
@@ -45,21 +38,9 @@ class BenchProgress:
         want = (not quiet) and (stream.isatty() if bar is None else bar)
         if want:
             try:
-                from tqdm import tqdm  # type: ignore[import-untyped]
+                self._bar = open_bar(stream, total=0, unit="op")
             except ImportError:  # the bar is optional (tiered[hf] brings tqdm): plain lines then
-                tqdm = None
-            if tqdm is not None:
-                # a pty that reports 0 x 0 (script(1), some CI) makes tqdm draw nothing: size it
-                sized = _columns(stream) > 0
-                self._bar = tqdm(
-                    total=0,
-                    file=stream,
-                    unit="op",
-                    dynamic_ncols=sized,
-                    ncols=None if sized else 120,
-                    nrows=None if sized else 24,
-                    leave=True,
-                )
+                self._bar = None
 
     @property
     def is_bar(self) -> bool:

@@ -32,6 +32,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from tiered.device import PAGE_SIZE, default_device
+from tiered.units import align_up
 
 ALIGN = 4096
 DEFAULT_DEPTH = 4
@@ -41,10 +42,6 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 Fill = Callable[[torch.Tensor, int, int], None]
 """fill(buf, offset, length): put bytes [offset, offset + length) of the source into buf[:length]
 (buf is a page-aligned chunk buffer, possibly longer than length)."""
-
-
-def align_up(n: int, to: int = ALIGN) -> int:
-    return (n + to - 1) // to * to
 
 
 def open_direct(path: str, flags: int, mode: int = 0o600) -> tuple[int, bool]:
@@ -66,7 +63,7 @@ def _drop_direct(fd: int) -> None:
 def pread_exact(fd: int, buf: torch.Tensor, offset: int, length: int, *, direct: bool, what: str) -> None:
     """Fill buf[:length] from file offset `offset`; with O_DIRECT the read asks for the padded
     length and the end of the file cuts it short, as the nvme backend's reads do."""
-    want = align_up(length) if direct else length
+    want = align_up(length, ALIGN) if direct else length
     mv = buf[:want].numpy().data.cast("B")
     done = 0
     while done < length:
@@ -89,7 +86,7 @@ def pwrite_all(fd: int, buf: torch.Tensor, offset: int, length: int, *, direct: 
     file the caller truncates afterwards); whether O_DIRECT is still in effect."""
     want = length
     if direct and length % ALIGN:
-        want = align_up(length)
+        want = align_up(length, ALIGN)
         buf[length:want].zero_()
     mv = buf[:want].numpy().data.cast("B")
     done = 0

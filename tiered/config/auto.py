@@ -13,17 +13,19 @@ transformer block (but not for a vision tower, hence text_config first).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tiered.errors import ConfigError
 
-HIDDEN_SIZE_KEYS = {
-    "zero_optimization.reduce_bucket_size": lambda h: h * h,
-    "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "zero_optimization.prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
-    "zero_optimization.param_persistence_threshold": lambda h: 10 * h,
+HIDDEN_SIZE_FORMULAS: dict[str, tuple[str, Callable[[int], int]]] = {
+    "zero_optimization.reduce_bucket_size": ("H*H", lambda h: h * h),
+    "zero_optimization.stage3_prefetch_bucket_size": ("int(0.9*H*H)", lambda h: int(0.9 * h * h)),
+    "zero_optimization.stage3_param_persistence_threshold": ("10*H", lambda h: 10 * h),
 }
+"""Keyed by the declared path of each key whose schema field says ``auto="model"`` (its aliases
+resolve the same; tests/test_config_declared.py checks the two agree)."""
 
 
 def hidden_size_of(model: torch.nn.Module) -> int | None:
@@ -49,17 +51,19 @@ def hidden_size_of(model: torch.nn.Module) -> int | None:
     return max(widths) if widths else None
 
 
-def resolve_from_model(path: str, model: torch.nn.Module | None) -> int:
-    """The value of the model-dependent "auto" key `path`."""
+def resolve_from_model(path: str, model: torch.nn.Module | None, written: str | None = None) -> int:
+    """The value of the model-dependent "auto" key `path` (its declared spelling; `written` is
+    the spelling the config used, for the error messages)."""
+    name = written or path
     if model is None:
         raise ConfigError(
-            f'{path} is "auto", which is computed from the model\'s hidden size: pass model= to '
+            f'{name} is "auto", which is computed from the model\'s hidden size: pass model= to '
             "load_config (tiered.initialize does), or write a number"
         )
     hidden = hidden_size_of(model)
     if hidden is None:
         raise ConfigError(
-            f'{path} is "auto" but the hidden size of {type(model).__name__} cannot be found '
+            f'{name} is "auto" but the hidden size of {type(model).__name__} cannot be found '
             "(no config.hidden_size / n_embd / d_model and no nn.Linear layer); write a number"
         )
-    return HIDDEN_SIZE_KEYS[path](hidden)
+    return HIDDEN_SIZE_FORMULAS[path][1](hidden)

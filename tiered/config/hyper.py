@@ -71,7 +71,7 @@ class Hyperparameters:
         if self.betas is not None:
             object.__setattr__(self, "betas", as_betas(self.betas, kw("betas")))
         if self.eps is not None:
-            as_float(self.eps, kw("eps"), minimum=0.0)
+            as_float(self.eps, kw("eps"), minimum=0.0, min_exclusive=True)
         if self.weight_decay is not None:
             as_float(self.weight_decay, kw("weight_decay"), minimum=0.0)
         for name in ("warmup_steps", "total_steps", "micro_batch_size", "gradient_accumulation_steps"):

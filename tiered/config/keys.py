@@ -41,12 +41,18 @@ stage 3; overlap_comm defaults to true only for stage 3).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import json
 import logging
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tiered.config.auto import HIDDEN_SIZE_FORMULAS
+from tiered.config.declare import KeyDecl, declared_fields, field_default
+from tiered.config.schema import TieredConfig
 from tiered.errors import ConfigError, UnsupportedConfigError
 
 log = logging.getLogger(__name__)
@@ -82,26 +88,14 @@ _COMM = "communication strategy of DeepSpeed's stage 1/2 path; tiered's partitio
 
 _RULES: tuple[KeyRule, ...] = (
     # --- top level -------------------------------------------------------------------------
-    KeyRule("train_batch_size", _S),
-    KeyRule("train_micro_batch_size_per_gpu", _S),
-    KeyRule("gradient_accumulation_steps", _S),
-    KeyRule("gradient_clipping", _S),
-    KeyRule("steps_per_print", _S, "the engine logs a progress line every N steps (engine/progress.py)"),
-    KeyRule("wall_clock_breakdown", _S, "adds the step's forward/backward/step seconds to that line"),
-    KeyRule(
-        "communication_data_type",
-        _A,
-        "tiered reduces each gradient across ranks in the dtype it is produced in (DeepSpeed's "
-        "behaviour when the key is unset); on one process there is no reduction",
-    ),
-    KeyRule("optimizer", _SEC),
-    KeyRule("scheduler", _SEC),
-    KeyRule("bf16", _SEC),
+    KeyRule("optimizer", _SEC, "the optimizer (missing: built from lr= etc., or an error)"),
+    KeyRule("scheduler", _SEC, "the lr schedule (missing: constant lr)"),
+    KeyRule("bf16", _SEC, "bf16 mixed precision"),
     KeyRule("bfloat16", _SEC, note="alias of bf16"),
-    KeyRule("fp16", _SEC),
-    KeyRule("zero_optimization", _SEC),
-    KeyRule("aio", _SEC),
-    KeyRule("tiered", _SEC),
+    KeyRule("fp16", _SEC, "fp16 mixed precision"),
+    KeyRule("zero_optimization", _SEC, "ZeRO partitioning and offload"),
+    KeyRule("aio", _SEC, "the nvme backend's I/O (block size, queue depth, threads)"),
+    KeyRule("tiered", _SEC, "tiered's own keys (tiers, budgets, trace)"),
     KeyRule("zero_allow_untested_optimizer", _I, "tiered only runs Adam/AdamW, whose offload it tests"),
     KeyRule("zero_force_ds_cpu_optimizer", _I, "tiered always uses its own CPU Adam for offloaded state"),
     KeyRule(
@@ -158,8 +152,8 @@ _RULES: tuple[KeyRule, ...] = (
         "configures deepspeed.checkpointing.checkpoint(), which tiered does not provide; "
         "torch.utils.checkpoint in your model works unchanged under tiered",
     ),
-    KeyRule("checkpoint", _SEC),
-    KeyRule("data_types", _SEC),
+    KeyRule("checkpoint", _SEC, "DeepSpeed checkpoint options"),
+    KeyRule("data_types", _SEC, "DeepSpeed dtype options"),
     KeyRule("sparse_gradients", _D, "tiered keeps dense gradients; remove the key or set false", (False,)),
     KeyRule(
         "seq_parallel_communication_data_type",
@@ -182,9 +176,9 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule("progressive_layer_drop", _E, "progressive layer drop is not supported"),
     KeyRule("eigenvalue", _E, "eigenvalue computation is not supported"),
     KeyRule("nebula", _E, "Nebula checkpointing is not supported; tiered's checkpoints are atomic already"),
-    KeyRule("compile", _SEC),
+    KeyRule("compile", _SEC, "DeepSpeed compile options"),
     KeyRule("zenflow", _E, "ZenFlow is not supported; tiered's step already pipelines sub-groups"),
-    KeyRule("tensor_parallel", _SEC),
+    KeyRule("tensor_parallel", _SEC, "DeepSpeed AutoTP options"),
     # --- checkpoint / data_types -------------------------------------------------------------
     KeyRule("checkpoint.tag_validation", _I, "tiered validates checkpoint contents itself"),
     KeyRule("checkpoint.use_node_local_storage", _I, "tiered checkpoints are single-node"),
@@ -254,7 +248,7 @@ _RULES: tuple[KeyRule, ...] = (
         "tensor parallelism (AutoTP) changes how the model is split and is not supported; use 0 or 1",
         (0, 1),
     ),
-    KeyRule("tensor_parallel.tp", _SEC),
+    KeyRule("tensor_parallel.tp", _SEC, "AutoTP's TPConfig"),
     KeyRule("tensor_parallel.tensor_parallel", _SEC, "alias of tensor_parallel.tp"),
     KeyRule("tensor_parallel.tp.tp_size", _D, "tensor parallelism is not supported; use 1", (1,)),
     KeyRule("tensor_parallel.tp.tp_grain_size", _I, _AUTOTP),
@@ -276,14 +270,8 @@ _RULES: tuple[KeyRule, ...] = (
         )
     ),
     # --- optimizer ---------------------------------------------------------------------------
-    KeyRule("optimizer.type", _S),
     KeyRule("optimizer.legacy_fusion", _I, "chooses between implementations of the same Adam math"),
-    KeyRule("optimizer.params", _SEC),
-    KeyRule("optimizer.params.lr", _S),
-    KeyRule("optimizer.params.betas", _S),
-    KeyRule("optimizer.params.eps", _S),
-    KeyRule("optimizer.params.weight_decay", _S),
-    KeyRule("optimizer.params.adam_w_mode", _S),
+    KeyRule("optimizer.params", _SEC, "Adam's parameters"),
     KeyRule("optimizer.params.torch_adam", _I, "chooses between implementations of the same Adam math"),
     KeyRule("optimizer.params.fused", _I, "chooses between implementations of the same Adam math"),
     KeyRule("optimizer.params.foreach", _I, "chooses between implementations of the same Adam math"),
@@ -296,10 +284,14 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule("optimizer.params.amsgrad", _D, "AMSGrad is not supported; set false", (False,)),
     KeyRule("optimizer.params.maximize", _D, "maximize is not supported; negate your loss", (False,)),
     # --- scheduler (params checked per type in config/scheduler.py) ---------------------------
-    KeyRule("scheduler.type", _S),
-    KeyRule("scheduler.params", _S),
+    KeyRule("scheduler.type", _S, "WarmupLR, WarmupDecayLR, WarmupCosineLR with DeepSpeed's formulas"),
+    KeyRule(
+        "scheduler.params",
+        _S,
+        'DeepSpeed\'s params; warmup_num_steps "auto": warmup_steps=; total_num_steps "auto": total_steps=; warmup_max_lr "auto": the lr; warmup_min_lr "auto": 0',
+    ),
     # --- precision ---------------------------------------------------------------------------
-    KeyRule("bf16.enabled", _S),
+    KeyRule("bf16.enabled", _S, 'bf16 compute, fp32 master weights; "auto": mixed_precision='),
     KeyRule(
         "bf16.immediate_grad_update",
         _I,
@@ -308,65 +300,20 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule(
         "bf16.check_grad_overflow", _D, "bf16 runs without overflow checks in tiered; set false", (False,)
     ),
-    KeyRule("fp16.enabled", _S),
-    KeyRule("fp16.auto_cast", _S),
-    KeyRule("fp16.loss_scale", _S),
-    KeyRule("fp16.initial_scale_power", _S),
-    KeyRule("fp16.loss_scale_window", _S),
-    KeyRule("fp16.hysteresis", _S),
-    KeyRule("fp16.consecutive_hysteresis", _S),
-    KeyRule("fp16.min_loss_scale", _S),
+    KeyRule(
+        "fp16.enabled", _S, 'fp16 compute with dynamic (or static) loss scaling; "auto": mixed_precision='
+    ),
     KeyRule(
         "fp16.fp16_master_weights_and_grads", _D, "tiered keeps fp32 master weights; set false", (False,)
     ),
     # --- zero_optimization -------------------------------------------------------------------
-    KeyRule("zero_optimization.stage", _S),
-    KeyRule("zero_optimization.offload_param", _SEC),
-    KeyRule("zero_optimization.offload_optimizer", _SEC),
+    KeyRule("zero_optimization.offload_param", _SEC, "where parameters are offloaded"),
+    KeyRule("zero_optimization.offload_optimizer", _SEC, "where optimizer state is offloaded"),
     KeyRule("zero_optimization.cpu_offload", _S, "deprecated alias: true means offload_optimizer.device cpu"),
     KeyRule(
         "zero_optimization.cpu_offload_param", _S, "deprecated alias: true means offload_param.device cpu"
     ),
     KeyRule("zero_optimization.cpu_offload_use_pin_memory", _S, "deprecated alias of pin_memory"),
-    KeyRule("zero_optimization.stage3_prefetch_bucket_size", _S),
-    KeyRule("zero_optimization.prefetch_bucket_size", _S),
-    KeyRule("zero_optimization.stage3_param_persistence_threshold", _S),
-    KeyRule("zero_optimization.param_persistence_threshold", _S),
-    KeyRule("zero_optimization.stage3_model_persistence_threshold", _S),
-    KeyRule("zero_optimization.model_persistence_threshold", _S),
-    KeyRule("zero_optimization.stage3_max_live_parameters", _S),
-    KeyRule("zero_optimization.max_live_parameters", _S),
-    KeyRule("zero_optimization.stage3_max_reuse_distance", _S),
-    KeyRule("zero_optimization.max_reuse_distance", _S),
-    *(
-        KeyRule(
-            f"zero_optimization.{k}",
-            _A,
-            "tiered has no save_16bit_model(); engine.zero.gather_full_state_dict() always returns full weights",
-        )
-        for k in (
-            "stage3_gather_16bit_weights_on_model_save",
-            "gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save",
-        )
-    ),
-    KeyRule("zero_optimization.sub_group_size", _S),
-    KeyRule(
-        "zero_optimization.reduce_bucket_size",
-        _A,
-        "tiered reduces each shard group's gradient as soon as its backward ends; it has no bucket to size",
-    ),
-    KeyRule(
-        "zero_optimization.overlap_comm",
-        _A,
-        "tiered's gathers, prefetches and write-backs always run on its tier loop, beside compute; in "
-        "DeepSpeed the flag picks CUDA streams, not results",
-    ),
-    KeyRule(
-        "zero_optimization.contiguous_gradients",
-        _A,
-        "tiered writes every gradient straight into its flat partition buffer (always contiguous)",
-    ),
     KeyRule(
         "zero_optimization.reduce_scatter",
         _I,
@@ -491,36 +438,10 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule(
         "zero_optimization.mics_hierarchical_params_gather", _D, "MiCS is not supported; set false", (False,)
     ),
-    KeyRule("zero_optimization.leaf_module", _SEC),
-    KeyRule("zero_optimization.leaf_module.classes", _S),
-    KeyRule("zero_optimization.leaf_module.names", _S),
-    KeyRule("zero_optimization.leaf_module.name_suffixes", _S),
-    KeyRule("zero_optimization.offload_param.device", _S),
-    KeyRule("zero_optimization.offload_param.nvme_path", _S),
-    KeyRule("zero_optimization.offload_param.pin_memory", _S),
     KeyRule(
-        "zero_optimization.offload_param.buffer_count",
-        _A,
-        "tiered has no fixed pool of parameter swap buffers: the gpu tier's budget and "
-        "stage3_max_live_parameters bound what is gathered",
-    ),
-    KeyRule(
-        "zero_optimization.offload_param.buffer_size",
-        _A,
-        "tiered moves each shard group in a buffer of its own size, so no parameter is too large for a pool",
-    ),
-    KeyRule("zero_optimization.offload_param.max_in_cpu", _S),
-    KeyRule("zero_optimization.offload_optimizer.device", _S),
-    KeyRule("zero_optimization.offload_optimizer.nvme_path", _S),
-    KeyRule("zero_optimization.offload_optimizer.pin_memory", _S),
-    KeyRule("zero_optimization.offload_optimizer.buffer_count", _S),
-    KeyRule("zero_optimization.offload_optimizer.ratio", _S),
-    KeyRule("zero_optimization.offload_optimizer.pipeline_read", _S),
-    KeyRule("zero_optimization.offload_optimizer.pipeline_write", _S),
-    KeyRule(
-        "zero_optimization.offload_optimizer.fast_init",
-        _A,
-        "tiered writes the initial optimizer state from the fp32 shards directly; an init-speed choice",
+        "zero_optimization.leaf_module",
+        _SEC,
+        "ZeRO-3 leaf modules, as DeepSpeed: a leaf gathers its whole subtree on entry and reduces it at its backward boundary, so that ranks routing tokens to different experts or taking different branches issue the same collectives (see [Leaf modules](#leaf-modules-moe-and-branches-across-ranks))",
     ),
     KeyRule(
         "zero_optimization.offload_optimizer.super_offload",
@@ -534,37 +455,38 @@ _RULES: tuple[KeyRule, ...] = (
         "SuperOffload's core split; tiered sizes its CPU Adam pool itself",
     ),
     # --- aio ---------------------------------------------------------------------------------
-    KeyRule("aio.block_size", _S),
-    KeyRule("aio.queue_depth", _S),
-    KeyRule("aio.thread_count", _S),
-    KeyRule("aio.intra_op_parallelism", _S),
-    KeyRule("aio.single_submit", _A, "tiered's nvme backend has no submission queue to configure"),
-    KeyRule("aio.overlap_events", _A, "tiered's nvme backend has no submission queue to configure"),
-    KeyRule("aio.use_gds", _S),
     # --- tiered's own ------------------------------------------------------------------------
-    KeyRule("tiered.tiers", _SEC),
-    KeyRule("tiered.trace_path", _S),
-    KeyRule("tiered.timeout_s", _S),
-    KeyRule("tiered.io_threads", _S),
-    KeyRule("tiered.verify_checksums", _S),
-    KeyRule("tiered.io_timeout_floor_s", _S),
-    KeyRule("tiered.io_min_bytes_per_s", _S),
-    KeyRule("tiered.io_retries", _S),
-    KeyRule("tiered.io_retry_backoff_s", _S),
-    KeyRule("tiered.io_retry_errnos", _S),
-    KeyRule("tiered.overlap_step_with_backward", _S),
-    KeyRule("tiered.nonfinite_step", _S),
-    KeyRule("tiered.param_tier", _S),
-    KeyRule("tiered.optimizer_tier", _S),
-    KeyRule("tiered.grad_tier", _S),
-    KeyRule("tiered.check_collective_order", _S),
-    KeyRule("tiered.host_mmap_threshold", _S),
-    KeyRule("tiered.optimizer_state_format", _S),
+    KeyRule("tiered.tiers", _SEC, "tiers by name: backend spec and byte budget"),
 )
 
-RULES: dict[str, KeyRule] = {rule.path: rule for rule in _RULES}
+
+def _declared() -> dict[str, tuple[dataclasses.Field[Any], KeyDecl]]:
+    """Every spelling of every key declared on a schema field ([Note: one declaration per key])."""
+    out: dict[str, tuple[dataclasses.Field[Any], KeyDecl]] = {}
+    for _, f, decl in declared_fields(TieredConfig):
+        for name in decl.names:
+            out[f"{decl.section}.{name}" if decl.section else name] = (f, decl)
+    return out
+
+
+DECLARED = _declared()
+
+
+def _declared_rule(path: str, decl: KeyDecl) -> KeyRule:
+    if path != decl.path and decl.kind == "supported":
+        return KeyRule(path, decl.kind, f"alias of {decl.names[0]}")
+    note = decl.doc
+    if decl.auto == "model":
+        note += f'; "auto": {HIDDEN_SIZE_FORMULAS[decl.path][0]} (H: the model\'s hidden size)'
+    return KeyRule(path, decl.kind, note)
+
+
+_ALL_RULES = (*_RULES, *(_declared_rule(path, decl) for path, (_, decl) in DECLARED.items()))
+RULES: dict[str, KeyRule] = {rule.path: rule for rule in _ALL_RULES}
+if len(RULES) != len(_ALL_RULES):
+    raise AssertionError("a config key is both declared on a schema field and listed in keys._RULES")
 _CHILDREN: dict[str, list[str]] = {}
-for _rule in _RULES:
+for _rule in _ALL_RULES:
     _parent, _, _leaf = _rule.path.rpartition(".")
     _CHILDREN.setdefault(_parent, []).append(_leaf)
 
@@ -591,7 +513,7 @@ def is_comment(key: Any) -> bool:
 
 def _home_of(key: str, section_path: str) -> str | None:
     """Where a known key found in the wrong section belongs ("the top level", "zero_optimization")."""
-    homes = [r.path.rpartition(".")[0] for r in _RULES if r.path.rpartition(".")[2] == key]
+    homes = [r.path.rpartition(".")[0] for r in _ALL_RULES if r.path.rpartition(".")[2] == key]
     homes = sorted(h for h in homes if h != section_path)
     if not homes or len(homes) > 2:  # a generic leaf ("enabled", "type") points nowhere useful
         return None
@@ -645,12 +567,38 @@ def check_section(section: dict[str, Any], section_path: str) -> None:
         elif rule.kind == "unsupported_if_enabled":
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: expected a JSON object {{...}}, got {value!r}")
-            if value.get("enabled", False) is not False:
+            where = _switched_on(value, path, on_when_present=rule.path in _ON_WHEN_PRESENT)
+            if where is not None:
                 raise UnsupportedConfigError(
-                    f"{path} is enabled, which tiered does not support: {rule.note}; "
-                    f'remove the section or set "enabled": false'
+                    f"{where} is enabled, which tiered does not support: {rule.note}; "
+                    f'remove the {path} section or set "enabled": false'
                 )
             _log_ignored(rule, "disabled section of an unsupported feature")
+
+
+_ON_WHEN_PRESENT = frozenset({"sparse_attention"})
+"""Sections DeepSpeed switches on by their presence (it has no "enabled" key for them)."""
+
+
+def _switched_on(section: dict[str, Any], path: str, *, on_when_present: bool) -> str | None:
+    """The section that turns an unsupported feature on, or None: an "enabled" that is not
+    false at any depth (DeepSpeed's compression_training enables each method in a nested
+    ``shared_parameters.enabled``), or, for a section DeepSpeed enables by presence, any setting
+    unless its own "enabled" is false. Walked without recursion: configs may be deep."""
+    if on_when_present and section.get("enabled", True) not in (False, None):
+        if any(not is_comment(k) for k in section):
+            return path
+    stack = [(path, section)]
+    while stack:
+        where, node = stack.pop()
+        for k, v in node.items():
+            if is_comment(k):
+                continue
+            if k == "enabled" and v not in (False, None):
+                return where
+            if isinstance(v, dict):
+                stack.append((f"{where}.{k}", v))
+    return None
 
 
 def _report(rule: KeyRule, value: Any) -> None:
@@ -681,7 +629,7 @@ def _same(value: Any, allowed: Any) -> bool:
             return float(value) == allowed
         except ValueError:
             return False
-    return value == allowed
+    return bool(value == allowed)
 
 
 def _log_ignored(rule: KeyRule, reason: str | None = None) -> None:
@@ -695,6 +643,54 @@ def ignored_keys_table() -> list[tuple[str, str]]:
     """(key path, reason) for every accepted-and-ignored key, for docs and `tiered plan`."""
     return [
         (r.path, r.note)
-        for r in _RULES
+        for r in _ALL_RULES
         if r.kind in ("ignored", "accepted", "reported", "unsupported_if_enabled")
     ]
+
+
+_CLASS_NAMES: dict[str, str] = {
+    "supported": "honoured",
+    "accepted": "accepted, no effect",
+    "ignored": "ignored",
+    "reported": "reported when set",
+    "default_only": "only its 'off' value",
+    "unsupported_if_enabled": "refused when enabled",
+    "section": "section",
+}
+
+
+def _default_text(path: str) -> str:
+    if path not in DECLARED:
+        return ""
+    f, decl = DECLARED[path]
+    if decl.default_doc:
+        return decl.default_doc
+    value = field_default(f)
+    if value == sys.maxsize:
+        return "sys.maxsize"
+    return "`" + json.dumps(list(value) if isinstance(value, tuple) else value) + "`"
+
+
+def markdown_table() -> str:
+    """docs/config.md's "Every key" table, generated from the rules and the schema's
+    declarations (tests/test_config_declared.py checks the file holds exactly this)."""
+    source = (*(r for r in _ALL_RULES if r.path in DECLARED), *_RULES)  # declared first in a section
+    children: dict[str, list[KeyRule]] = {}
+    for rule in source:
+        children.setdefault(rule.path.rpartition(".")[0], []).append(rule)
+    rules: list[KeyRule] = []
+
+    def walk(parent: str) -> None:  # a section's own rows, then each of its sub-sections'
+        rules.extend(children.get(parent, ()))
+        for rule in children.get(parent, ()):
+            if rule.path in children:
+                walk(rule.path)
+
+    walk("")
+    lines = ["| key | class | default | what tiered does |", "|---|---|---|---|"]
+    for r in rules:
+        what = r.note
+        if r.kind == "default_only":
+            what = f"accepted at {', '.join(repr(v) for v in r.allowed)}; otherwise refused: {r.note}"
+        lines.append(f"| `{r.path}` | {_CLASS_NAMES[r.kind]} | {_default_text(r.path)} | {what} |")
+    return "\n".join(lines) + "\n"

@@ -20,18 +20,18 @@ import torch
 from tiered.config.dump import dump_config
 from tiered.config.hyper import Hyperparameters, apply_hyperparameters, check_complete
 from tiered.config.keys import check_section
+from tiered.config.read import read_key
 from tiered.config.scheduler import normalize_scheduler, scheduler_type
 from tiered.config.schema import SchedulerConfig, TieredConfig
 from tiered.config.sections import parse_aio, parse_optimizer, parse_precision, parse_zero
 from tiered.config.tiers import parse_tiered
-from tiered.config.values import AUTO, as_bool, as_choice, as_count, as_float, as_section, is_auto
+from tiered.config.values import AUTO, as_choice, as_count, as_section, is_auto
 from tiered.errors import ConfigError, UnsupportedConfigError
 
 log = logging.getLogger(__name__)
 
 # steps_per_print "auto" is not a hyper-parameter: DeepSpeed's default. Other "auto" counts here
 # are unset (TieredConfig.unset) and hold placeholders nothing reads: None, and 0.0 for clipping.
-_STEPS_PER_PRINT_DEFAULT = 10
 _COMM_DTYPES = ("fp32", "fp16", "bf16")
 
 
@@ -57,6 +57,11 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     try:
         data = json.loads(text, object_pairs_hook=no_duplicates)
+    except RecursionError:
+        raise ConfigError(
+            f"config file {name!r} nests objects or lists deeper than Python's JSON parser can read; "
+            f"a config is a few levels deep (at most {MAX_DEPTH}): fix the file"
+        ) from None
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"config file {name!r} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
@@ -82,6 +87,29 @@ def _check_state_format_optimizer(config: dict[str, Any]) -> None:
         )
 
 
+MAX_DEPTH = 64
+"""How deep a config may nest: DeepSpeed's are 4 levels at most, a backend spec adds a few."""
+
+
+def check_depth(config: dict[str, Any], source: str = "config") -> None:
+    """ConfigError naming the first path nested deeper than `MAX_DEPTH` (walked without recursion,
+    so that a hostile config meets this error, not a RecursionError in a later reader)."""
+    stack: list[tuple[str, Any, int]] = [("", config, 0)]
+    while stack:
+        path, node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(
+                f"{source}: {path[:120]!r}... nests deeper than {MAX_DEPTH} levels; a config is a few "
+                "levels deep: fix the structure"
+            )
+        children = (
+            node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        )
+        for k, v in children:
+            if isinstance(v, dict | list):
+                stack.append((f"{path}.{k}" if path else str(k), v, depth + 1))
+
+
 def load_config(
     source: dict[str, Any] | str | os.PathLike[str],
     *,
@@ -104,6 +132,7 @@ def load_config(
         config = source
     else:
         raise ConfigError(f"load_config: expected a dict or a JSON file path, got {type(source).__name__}")
+    check_depth(config)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"load_config: world_size must be a positive int, got {world_size!r}")
 
@@ -147,15 +176,13 @@ def load_config(
         aio=aio,
         tiered=tiered,
         gradient_accumulation_steps=gas,
-        gradient_clipping=_float_key(config, "gradient_clipping", 0.0),
+        gradient_clipping=read_key(
+            config, TieredConfig, "gradient_clipping"
+        ),  # "auto": unset, 0.0 placeholder
         train_batch_size=train_batch,
         train_micro_batch_size_per_gpu=micro,
-        steps_per_print=_count_key(config, "steps_per_print", 10, minimum=1) or 10,
-        wall_clock_breakdown=(
-            False
-            if config.get("wall_clock_breakdown") is None
-            else as_bool(config["wall_clock_breakdown"], "wall_clock_breakdown")
-        ),
+        steps_per_print=read_key(config, TieredConfig, "steps_per_print"),
+        wall_clock_breakdown=read_key(config, TieredConfig, "wall_clock_breakdown"),
         communication_data_type=(
             None
             if config.get("communication_data_type") is None
@@ -165,22 +192,13 @@ def load_config(
     )
 
 
-def _count_key(config: dict[str, Any], key: str, default: int | None, *, minimum: int = 1) -> int | None:
+def _count_key(config: dict[str, Any], key: str) -> int | None:
+    """train_micro_batch_size_per_gpu / gradient_accumulation_steps: None when absent or "auto"
+    (then derived by the batch rules, or unset)."""
     value = config.get(key)
-    if value is None:
-        return default
-    if is_auto(value):
-        return _STEPS_PER_PRINT_DEFAULT if key == "steps_per_print" else None
-    return as_count(value, key, minimum=minimum)
-
-
-def _float_key(config: dict[str, Any], key: str, default: float) -> float:
-    value = config.get(key)
-    if value is None:
-        return default
-    if is_auto(value):
-        return 0.0  # unset: listed in TieredConfig.unset
-    return as_float(value, key, minimum=0.0)
+    if value is None or is_auto(value):
+        return None
+    return as_count(value, key, minimum=1)
 
 
 def _batch_sizes(config: dict[str, Any], world_size: int) -> tuple[int | None, int | None, int]:
@@ -190,8 +208,8 @@ def _batch_sizes(config: dict[str, Any], world_size: int) -> tuple[int | None, i
     satisfy train = micro * gas * world_size. Unlike DeepSpeed, giving none is allowed: tiered's
     engine does not need batch sizes (you feed it micro-batches), so they stay None and gas is 1.
     """
-    micro = _count_key(config, "train_micro_batch_size_per_gpu", None)
-    gas = _count_key(config, "gradient_accumulation_steps", None)
+    micro = _count_key(config, "train_micro_batch_size_per_gpu")
+    gas = _count_key(config, "gradient_accumulation_steps")
     train_raw = config.get("train_batch_size")
     if train_raw is not None and is_auto(train_raw):
         # derived, as HF derives it, once micro and gas are known; else left to them (unset)

@@ -17,9 +17,10 @@ from typing import Any, cast
 
 import torch
 
-from tiered.config.auto import resolve_from_model
 from tiered.config.keys import check_section
+from tiered.config.read import pick, read_key, read_keys
 from tiered.config.schema import (
+    AIO_MAX_BLOCK_BYTES,
     AioConfig,
     LeafModuleConfig,
     OffloadDevice,
@@ -34,7 +35,6 @@ from tiered.config.values import (
     as_bool,
     as_choice,
     as_count,
-    as_float,
     as_section,
     as_str,
     is_auto,
@@ -64,45 +64,8 @@ _DS_OPTIMIZERS = (
 )
 
 
-def pick(section: dict[str, Any], prefix: str, names: tuple[str, ...]) -> tuple[str, Any] | None:
-    """The one present spelling among aliases `names`, or None; two spellings is an error."""
-    present = [n for n in names if n in section]
-    if len(present) > 1:
-        spelled = " and ".join(f"{prefix}.{n}" for n in present)
-        raise ConfigError(f"{spelled} are aliases of one setting; keep only one")
-    return (present[0], section[present[0]]) if present else None
-
-
-def _count(
-    section: dict[str, Any],
-    prefix: str,
-    names: tuple[str, ...],
-    default: int,
-    model: torch.nn.Module | None = None,
-    minimum: int = 0,
-) -> int:
-    found = pick(section, prefix, names)
-    if found is None:
-        return default
-    key, value = found
-    path = f"{prefix}.{key}"
-    if is_auto(value):
-        if path in _MODEL_AUTO:
-            return resolve_from_model(path, model)
-        return default
-    return as_count(value, path, minimum=minimum)
-
-
-_MODEL_AUTO = {
-    f"{ZP}.reduce_bucket_size",
-    f"{ZP}.stage3_prefetch_bucket_size",
-    f"{ZP}.prefetch_bucket_size",
-    f"{ZP}.stage3_param_persistence_threshold",
-    f"{ZP}.param_persistence_threshold",
-}
-
-
 def _flag(section: dict[str, Any], prefix: str, key: str, default: bool) -> bool:
+    """A flag that sets no field of its own (the deprecated cpu_offload* aliases, enabled)."""
     if key not in section or section[key] is None or is_auto(section[key]):
         return default
     return as_bool(section[key], f"{prefix}.{key}")
@@ -158,37 +121,30 @@ def _offload_common(raw: Any, prefix: str) -> tuple[dict[str, Any], OffloadDevic
 
 def parse_offload_param(raw: Any, prefix: str, pin_default: bool) -> ParamOffloadConfig:
     section, device, nvme_path = _offload_common(raw, prefix)
-    return ParamOffloadConfig(
+    c = ParamOffloadConfig
+    return c(
         device=device,
         nvme_path=nvme_path,
-        pin_memory=_flag(section, prefix, "pin_memory", pin_default),
-        buffer_count=_count(section, prefix, ("buffer_count",), 5, minimum=1),
-        buffer_size_numel=_count(section, prefix, ("buffer_size",), 100_000_000, minimum=1),
-        max_in_cpu_numel=_count(section, prefix, ("max_in_cpu",), 1_000_000_000),
+        pin_memory=read_key(section, c, "pin_memory", default=pin_default),
+        **read_keys(section, c, "buffer_count", "buffer_size_numel", "max_in_cpu_numel"),
     )
 
 
 def parse_offload_optimizer(raw: Any, prefix: str, pin_default: bool) -> OptimizerOffloadConfig:
     section, device, nvme_path = _offload_common(raw, prefix)
-    ratio = 1.0
-    if section.get("ratio") is not None and not is_auto(section["ratio"]):
-        ratio = as_float(section["ratio"], f"{prefix}.ratio", minimum=0.0, maximum=1.0, min_exclusive=True)
-    return OptimizerOffloadConfig(
+    c = OptimizerOffloadConfig
+    return c(
         device=device,
         nvme_path=nvme_path,
-        pin_memory=_flag(section, prefix, "pin_memory", pin_default),
-        buffer_count=_count(section, prefix, ("buffer_count",), 4, minimum=1),
-        ratio=ratio,
-        pipeline_read=_flag(section, prefix, "pipeline_read", False),
-        pipeline_write=_flag(section, prefix, "pipeline_write", False),
-        fast_init=_flag(section, prefix, "fast_init", False),
+        pin_memory=read_key(section, c, "pin_memory", default=pin_default),
+        **read_keys(section, c, "buffer_count", "ratio", "pipeline_read", "pipeline_write", "fast_init"),
     )
 
 
 def parse_zero(raw: Any, model: torch.nn.Module | None) -> ZeroConfig:
     section = as_section(raw if raw is not None else {}, ZP)
     check_section(section, ZP)
-    stage = 0
+    stage: int = ZeroConfig.stage
     if "stage" in section and not is_auto(section["stage"]):
         stage = as_count(section["stage"], f"{ZP}.stage")
         if stage > 3:
@@ -246,48 +202,28 @@ def parse_zero(raw: Any, model: torch.nn.Module | None) -> ZeroConfig:
     # the fetch a module needs. tiered's budget is a hard cap including that fetch, so 0 becomes
     # prefetch off and no cap. stage3_prefetch_bucket_size 0 (no prefetch) and
     # stage3_max_reuse_distance 0 (release at once) mean the same in tiered as written.
-    prefetch = _count(section, ZP, ("stage3_prefetch_bucket_size", "prefetch_bucket_size"), 50_000_000, model)
-    max_live = _count(section, ZP, ("stage3_max_live_parameters", "max_live_parameters"), 1_000_000_000)
+    z = ZeroConfig
+    prefetch = read_key(section, z, "prefetch_bucket_size_numel", model)
+    max_live = read_key(section, z, "max_live_parameters_numel")
     if max_live == 0:
         log.info(
             "%s.stage3_max_live_parameters 0: as in DeepSpeed, no prefetch and no cap on a module's fetch", ZP
         )
         prefetch, max_live = 0, sys.maxsize
-    gather = pick(
-        section,
-        ZP,
-        (
-            "stage3_gather_16bit_weights_on_model_save",
-            "gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save",
-        ),
-    )
     return ZeroConfig(
         stage=stage,
         offload_param=offload_param,
         offload_optimizer=offload_opt,
         prefetch_bucket_size_numel=prefetch,
-        param_persistence_threshold_numel=_count(
-            section, ZP, ("stage3_param_persistence_threshold", "param_persistence_threshold"), 100_000, model
-        ),
-        model_persistence_threshold_numel=_count(
-            section,
-            ZP,
-            ("stage3_model_persistence_threshold", "model_persistence_threshold"),
-            ZeroConfig.model_persistence_threshold_numel,
-        ),
+        param_persistence_threshold_numel=read_key(section, z, "param_persistence_threshold_numel", model),
+        model_persistence_threshold_numel=read_key(section, z, "model_persistence_threshold_numel"),
         max_live_parameters_numel=max_live,
-        max_reuse_distance_numel=_count(
-            section, ZP, ("stage3_max_reuse_distance", "max_reuse_distance"), 1_000_000_000
-        ),
-        gather_16bit_weights_on_model_save=(
-            False if gather is None or is_auto(gather[1]) else as_bool(gather[1], f"{ZP}.{gather[0]}")
-        ),
-        sub_group_size_numel=max(1, _count(section, ZP, ("sub_group_size",), 1_000_000_000)),
-        reduce_bucket_size_numel=_count(section, ZP, ("reduce_bucket_size",), 500_000_000, model),
-        # DeepSpeed: overlap_comm None -> True for stage 3 only (overlap_comm_valid).
-        overlap_comm=_flag(section, ZP, "overlap_comm", stage == 3),
-        contiguous_gradients=_flag(section, ZP, "contiguous_gradients", True),
+        max_reuse_distance_numel=read_key(section, z, "max_reuse_distance_numel"),
+        gather_16bit_weights_on_model_save=read_key(section, z, "gather_16bit_weights_on_model_save"),
+        sub_group_size_numel=max(1, read_key(section, z, "sub_group_size_numel")),
+        reduce_bucket_size_numel=read_key(section, z, "reduce_bucket_size_numel", model),
+        overlap_comm=read_key(section, z, "overlap_comm"),  # None: DeepSpeed's stage-3-only default
+        contiguous_gradients=read_key(section, z, "contiguous_gradients"),
         leaf_module=parse_leaf_module(section.get("leaf_module")),
     )
 
@@ -316,19 +252,28 @@ def parse_leaf_module(raw: Any) -> LeafModuleConfig:
 def parse_aio(raw: Any) -> AioConfig:
     section = as_section(raw if raw is not None else {}, "aio")
     check_section(section, "aio")
-    use_gds = _flag(section, "aio", "use_gds", False)
+    use_gds = read_key(section, AioConfig, "use_gds")
     if use_gds and not torch.cuda.is_available():
         raise UnsupportedConfigError(
             "aio.use_gds is true but CUDA is not available here; GPUDirect Storage needs a CUDA GPU "
             'and cuFile. Set "use_gds": false'
         )
+    a = AioConfig
+    block, depth = read_key(section, a, "block_size_bytes"), read_key(section, a, "queue_depth")
+    if block * depth > AIO_MAX_BLOCK_BYTES:
+        # the nvme backend stages one chunk of block_size * queue_depth bytes per I/O call
+        # ([Note: DeepSpeed aio knobs] in the nvme backend): refuse it here, by name, rather than
+        # as an allocation failure at the first move
+        raise ConfigError(
+            f"aio.block_size ({block}) * aio.queue_depth ({depth}) = {block * depth} bytes is the "
+            f"nvme backend's staging chunk per I/O call, above its limit of {AIO_MAX_BLOCK_BYTES} (1 GiB); "
+            "use DeepSpeed's usual sizes (block_size 1048576, queue_depth 8)"
+        )
     return AioConfig(
-        block_size_bytes=_count(section, "aio", ("block_size",), 1_048_576, minimum=1),
-        queue_depth=_count(section, "aio", ("queue_depth",), 8, minimum=1),
-        thread_count=_count(section, "aio", ("thread_count", "intra_op_parallelism"), 1, minimum=1),
-        single_submit=_flag(section, "aio", "single_submit", False),
-        overlap_events=_flag(section, "aio", "overlap_events", True),
+        block_size_bytes=block,
+        queue_depth=depth,
         use_gds=use_gds,
+        **read_keys(section, a, "thread_count", "single_submit", "overlap_events"),
     )
 
 
@@ -367,19 +312,20 @@ def parse_optimizer(raw: Any) -> OptimizerConfig:
         return None if v is None or is_auto(v) else v
 
     adam_w_mode = value("adam_w_mode")
-    adam_w_mode = True if adam_w_mode is None else as_bool(adam_w_mode, f"{p}.adam_w_mode")
+    adam_w_mode = defaults.adamw_mode if adam_w_mode is None else as_bool(adam_w_mode, f"{p}.adam_w_mode")
     if type_ == "AdamW" and not adam_w_mode:
         raise ConfigError(
             f'{p}.adam_w_mode is false but optimizer.type is "AdamW" (DeepSpeed would silently run AdamW); '
             'use "type": "Adam" with adam_w_mode false for L2 weight decay'
         )
-    lr, betas, eps, wd = value("lr"), value("betas"), value("eps"), value("weight_decay")
+    o = OptimizerConfig
+    betas = value("betas")
     return OptimizerConfig(
         type=type_,
-        lr=defaults.lr if lr is None else as_float(lr, f"{p}.lr", minimum=0.0),
+        lr=read_key(params, o, "lr"),
         betas=defaults.betas if betas is None else as_betas(betas, f"{p}.betas"),
-        eps=defaults.eps if eps is None else as_float(eps, f"{p}.eps", minimum=0.0),
-        weight_decay=defaults.weight_decay if wd is None else as_float(wd, f"{p}.weight_decay", minimum=0.0),
+        eps=read_key(params, o, "eps"),
+        weight_decay=read_key(params, o, "weight_decay"),
         # DeepSpeed: effective adam_w_mode = (type == AdamW) or adam_w_mode (default True).
         adamw_mode=adam_w_mode,
     )
@@ -398,19 +344,18 @@ def parse_precision(config: dict[str, Any]) -> PrecisionConfig:
     fp16_on = _flag(fp16, "fp16", "enabled", False)
     if bf16_on and fp16_on:
         raise ConfigError("bf16.enabled and fp16.enabled are both true; enable only one of them")
-    d = PrecisionConfig()
-
-    def num(key: str, default: float, **bounds: Any) -> float:
-        v = fp16.get(key)
-        return default if v is None or is_auto(v) else as_float(v, f"fp16.{key}", **bounds)
-
+    c = PrecisionConfig
     return PrecisionConfig(
         dtype=torch.bfloat16 if bf16_on else torch.float16 if fp16_on else torch.float32,
-        loss_scale=num("loss_scale", d.loss_scale, minimum=0.0),
-        initial_scale_power=_count(fp16, "fp16", ("initial_scale_power",), d.initial_scale_power),
-        loss_scale_window=_count(fp16, "fp16", ("loss_scale_window",), d.loss_scale_window, minimum=1),
-        hysteresis=_count(fp16, "fp16", ("hysteresis",), d.hysteresis, minimum=1),
-        min_loss_scale=num("min_loss_scale", d.min_loss_scale, minimum=0.0, min_exclusive=True),
-        consecutive_hysteresis=_flag(fp16, "fp16", "consecutive_hysteresis", False),
-        auto_cast=_flag(fp16, "fp16", "auto_cast", False),
+        **read_keys(
+            fp16,
+            c,
+            "loss_scale",
+            "initial_scale_power",
+            "loss_scale_window",
+            "hysteresis",
+            "min_loss_scale",
+            "consecutive_hysteresis",
+            "auto_cast",
+        ),
     )

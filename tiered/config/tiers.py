@@ -28,12 +28,14 @@ keys then); config never imports plugins.
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any
 
 from tiered.config.keys import check_section, is_comment, unknown_key_error
+from tiered.config.read import read_key, read_keys
 from tiered.config.schema import OPTIMIZER_STATE_FORMATS, AioConfig, TieredSection, TierSpec, ZeroConfig
-from tiered.config.values import as_bool, as_count, as_float, as_section, as_str, errno_codes, is_auto
+from tiered.config.values import as_section, as_str, is_auto
 from tiered.errors import ConfigError
 from tiered.units import parse_bytes
 
@@ -177,40 +179,34 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
                 f"{', '.join(sorted(t for t in tiers if t != 'gpu'))}"
             )
     trace_path = section.get("trace_path")
-    timeout = section.get("timeout_s")
-    threads = section.get("io_threads")
-    overlap = section.get("overlap_step_with_backward")
-    defaults = TieredSection()
+    t = TieredSection
     return TieredSection(
         tiers=tiers,
         trace_path=None if trace_path is None else as_str(trace_path, "tiered.trace_path"),
-        timeout_s=defaults.timeout_s
-        if timeout is None
-        else as_float(timeout, "tiered.timeout_s", minimum=0.0, min_exclusive=True),
-        io_threads=defaults.io_threads
-        if threads is None
-        else as_count(threads, "tiered.io_threads", minimum=1),
-        **_io_keys(section, defaults),
+        **read_keys(
+            section,
+            t,
+            "timeout_s",
+            "io_threads",
+            "verify_checksums",
+            "io_timeout_floor_s",
+            "io_min_bytes_per_s",
+            "io_retries",
+            "io_retry_backoff_s",
+            "check_collective_order",
+        ),
+        io_retry_errnos=_errno_names(section.get("io_retry_errnos")),
+        host_mmap_threshold=(
+            _mmap_threshold(section["host_mmap_threshold"])
+            if "host_mmap_threshold" in section
+            else t.host_mmap_threshold
+        ),
         param_tier=param_tier,
         optimizer_tier=opt_tier,
         grad_tier=grad_tier,
-        check_collective_order=_flag(section, "check_collective_order", defaults.check_collective_order),
         optimizer_state_format=_state_format(section.get("optimizer_state_format")),
         nonfinite_step=_nonfinite_step(section.get("nonfinite_step")),
-    ), (False if overlap is None else as_bool(overlap, "tiered.overlap_step_with_backward"))
-
-
-def _state_format(value: Any) -> str:
-    """tiered.optimizer_state_format: one of OPTIMIZER_STATE_FORMATS ([Note: compressed optimizer
-    state] in tiered/optim/state_format.py); absent or null: "fp32"."""
-    if value is None:
-        return TieredSection().optimizer_state_format
-    if value not in OPTIMIZER_STATE_FORMATS:
-        raise ConfigError(
-            f"tiered.optimizer_state_format = {value!r} is not an optimizer-state format; use one of "
-            f"{', '.join(repr(n) for n in OPTIMIZER_STATE_FORMATS)} (default 'fp32', exact)"
-        )
-    return str(value)
+    ), read_key(section, ZeroConfig, "overlap_step_with_backward")
 
 
 NONFINITE_STEPS = ("raise", "skip", "apply")
@@ -229,9 +225,17 @@ def _nonfinite_step(value: Any) -> str | None:
     return str(value)
 
 
-def _flag(section: dict[str, Any], key: str, default: bool) -> bool:
-    value = section.get(key)
-    return default if value is None else as_bool(value, f"tiered.{key}")
+def _state_format(value: Any) -> str:
+    """tiered.optimizer_state_format: one of OPTIMIZER_STATE_FORMATS ([Note: compressed optimizer
+    state] in tiered/optim/state_format.py); absent or null: "fp32"."""
+    if value is None:
+        return TieredSection.optimizer_state_format
+    if value not in OPTIMIZER_STATE_FORMATS:
+        raise ConfigError(
+            f"tiered.optimizer_state_format = {value!r} is not an optimizer-state format; use one of "
+            f"{', '.join(repr(n) for n in OPTIMIZER_STATE_FORMATS)} (default 'fp32', exact)"
+        )
+    return str(value)
 
 
 def _mmap_threshold(value: Any) -> int | None:
@@ -248,29 +252,23 @@ def _mmap_threshold(value: Any) -> int | None:
     return n
 
 
-def _io_keys(section: dict[str, Any], defaults: TieredSection) -> dict[str, Any]:
-    """tiered.verify_checksums and the per-call timeout and retry keys (see
-    [Note: byte-scaled I/O timeouts] in tiered.tiers.io_policy)."""
-    out: dict[str, Any] = {}
-    if section.get("verify_checksums") is not None:
-        out["verify_checksums"] = as_bool(section["verify_checksums"], "tiered.verify_checksums")
-    if "host_mmap_threshold" in section:
-        out["host_mmap_threshold"] = _mmap_threshold(section["host_mmap_threshold"])
-    for key in ("io_timeout_floor_s", "io_min_bytes_per_s"):
-        if section.get(key) is not None:
-            out[key] = as_float(section[key], f"tiered.{key}", minimum=0.0, min_exclusive=True)
-    if section.get("io_retry_backoff_s") is not None:
-        out["io_retry_backoff_s"] = as_float(
-            section["io_retry_backoff_s"], "tiered.io_retry_backoff_s", minimum=0.0
+def _errno_names(names: Any) -> tuple[str, ...]:
+    """tiered.io_retry_errnos as errno names (numbers become their names); `TieredSection`
+    turns them into codes once, refusing an unknown name by the key."""
+    if names is None:
+        return TieredSection.io_retry_errnos
+    if not isinstance(names, list | tuple):
+        raise ConfigError(
+            f"tiered.io_retry_errnos: expected a list of errno names such as ['EAGAIN'], got {names!r}"
         )
-    if section.get("io_retries") is not None:
-        out["io_retries"] = as_count(section["io_retries"], "tiered.io_retries", minimum=0)
-    names = section.get("io_retry_errnos")
-    if names is not None:
-        if not isinstance(names, list | tuple):
-            raise ConfigError(
-                f"tiered.io_retry_errnos: expected a list of errno names such as ['EAGAIN'], got {names!r}"
-            )
-        errno_codes(names, "tiered.io_retry_errnos")
-        out["io_retry_errnos"] = tuple(str(n).upper() for n in names)
-    return out
+    out = []
+    for n in names:
+        if isinstance(n, int) and not isinstance(n, bool):
+            if n not in errno.errorcode:
+                raise ConfigError(
+                    f"tiered.io_retry_errnos: {n!r} is not an errno number; use names such as 'EIO'"
+                )
+            out.append(errno.errorcode[n])
+        else:
+            out.append(str(n).upper() if isinstance(n, str) else n)
+    return tuple(out)

@@ -210,7 +210,6 @@ def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1)
     (``<path>/rank<r>``): every rank names its partitions alike, so one shared nvme_path
     (the usual DeepSpeed config) must not make ranks overwrite each other's files. Swap
     backends (the derived offload tiers) need none: each process has its own swap folder."""
-    from tiered.config.values import errno_codes
     from tiered.tiers import TierManager
     from tiered.tiers.io_policy import IOPolicy
 
@@ -236,7 +235,7 @@ def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1)
         min_bytes_per_s=t.io_min_bytes_per_s,
         retries=t.io_retries,
         backoff_s=t.io_retry_backoff_s,
-        transient=errno_codes(t.io_retry_errnos, "tiered.io_retry_errnos"),
+        transient=t.io_retry_errno_codes,
     )
     return TierManager(
         tiers,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Protocol, TextIO
 
 from tiered.finetune.loop import StepLog
+from tiered.terminal import open_bar
 
 
 class Progress(Protocol):
@@ -48,20 +49,7 @@ class BarProgress:
     """A tqdm bar on a terminal ([Note: progress output])."""
 
     def __init__(self, out: TextIO, steps: int) -> None:
-        from tqdm import tqdm  # type: ignore[import-untyped]
-
-        # a terminal that reports a 0 x 0 size (a pty nobody sized: script(1), some CI runners)
-        # makes tqdm draw nothing at all (it takes 0 columns and 0 rows from it): fix both there
-        sized = _columns(out) > 0
-        self._bar: Any = tqdm(
-            total=steps,
-            file=out,
-            unit="step",
-            dynamic_ncols=sized,
-            ncols=None if sized else 120,
-            nrows=None if sized else 24,
-            leave=True,
-        )
+        self._bar: Any = open_bar(out, total=steps, unit="step")
         self._out = out
         self._done = 0
 
@@ -80,16 +68,6 @@ class BarProgress:
 
     def close(self) -> None:
         self._bar.close()
-
-
-def _columns(out: TextIO) -> int:
-    """The width of the terminal behind `out`; 0 when it reports none or is not a real one."""
-    import os
-
-    try:
-        return os.get_terminal_size(out.fileno()).columns
-    except (AttributeError, OSError, ValueError):
-        return 0
 
 
 def make_progress(out: TextIO, steps: int) -> Progress:

@@ -145,7 +145,8 @@ class IOBridge:
 
     async def run(self, fn: Callable[..., T], *args: Any, limiter: CapacityLimiter | None = None) -> T:
         """``fn(*args)`` off the loop; a cancelled caller returns only once the call stopped."""
-        return (await self.run_all([(fn, *args)], limiter=limiter))[0]
+        result: T = (await self.run_all([(fn, *args)], limiter=limiter))[0]
+        return result
 
     async def run_all(
         self,

@@ -7,8 +7,11 @@ dependency is missing fails only when it is opened, with a `BackendImportError` 
 plugin's install hint. Built-in backends live in ``plugins/`` and arrive through the entry-point
 group like any third-party one (docs/architecture.md, "Layers"); ``tiered/`` never imports them.
 
-Precedence: a name passed to `register_backend` overrides an entry point of the same name (so a
-user can swap in their own "nvme"); entry points are read once, on first use.
+Precedence: a name already known (an entry point, or an earlier `register_backend`) is replaced
+only with ``clobber=True``, as fsspec's ``register_implementation`` does: a plugin that happens to
+pick a taken name gets an error instead of silently swapping out another backend, and a user who
+means to swap in their own "nvme" says so. Registering the same target again is a no-op. Entry
+points are read once, on first use.
 
 The registered name is the spec's type: ``backend.spec()["type"]`` must reopen the same backend, yet a class may be registered (or listed
 as an entry point) under a name other than its ``name`` attribute: a user's own class swapped in
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from tiered.errors import BackendImportError, BackendNotFoundError, ConfigError
+from tiered.errors import BackendExistsError, BackendImportError, BackendNotFoundError, ConfigError
 from tiered.storage.base import StorageBackend
 from tiered.storage.bridge import IOBridge
 
@@ -84,31 +87,47 @@ def _target_of(cls: type) -> str:
 
 
 def register_backend(
-    name: str, cls_or_dotted_path: type[StorageBackend] | str, *, install_hint: str = ""
+    name: str,
+    cls_or_dotted_path: type[StorageBackend] | str,
+    *,
+    install_hint: str = "",
+    clobber: bool = False,
 ) -> None:
     """Register a backend under `name`: a StorageBackend subclass or a "module:Class" path.
 
     A dotted path is imported only when the backend is first opened (see
-    [Note: lazy backend registry]); `install_hint` is shown if that import fails.
+    [Note: lazy backend registry]); `install_hint` is shown if that import fails. A name that is
+    already registered or an entry point is replaced only with ``clobber=True`` (fsspec's rule);
+    otherwise `BackendExistsError` names what holds it.
     """
     if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
         raise ConfigError(f"register_backend: name must be a non-empty identifier-like string, got {name!r}")
+    if isinstance(cls_or_dotted_path, str):
+        if not cls_or_dotted_path.strip():
+            raise ConfigError(f"register_backend({name!r}): empty dotted path")
+        target = cls_or_dotted_path
+    elif isinstance(cls_or_dotted_path, type) and issubclass(cls_or_dotted_path, StorageBackend):
+        target = _target_of(cls_or_dotted_path)
+    else:
+        raise ConfigError(
+            f"register_backend({name!r}): expected a StorageBackend subclass or a 'module:Class' "
+            f"string, got {cls_or_dotted_path!r}"
+        )
+    entry_points = _load_entry_points()
     with _lock:
+        held = _registered.get(name) or entry_points.get(name)
+        if held is not None and held.target != target and not clobber:
+            by = "register_backend" if held.source == "register_backend" else "an entry point"
+            dist = f" of distribution {held.distribution!r}" if held.distribution else ""
+            raise BackendExistsError(
+                f"backend name {name!r} is already taken by {held.target!r} ({by}{dist}); pass "
+                f"clobber=True to replace it, or register {target!r} under another name"
+            )
+        _registered[name] = BackendInfo(name, target, install_hint, "register_backend")
         if isinstance(cls_or_dotted_path, str):
-            if not cls_or_dotted_path.strip():
-                raise ConfigError(f"register_backend({name!r}): empty dotted path")
-            _registered[name] = BackendInfo(name, cls_or_dotted_path, install_hint, "register_backend")
             _classes.pop(name, None)
-        elif isinstance(cls_or_dotted_path, type) and issubclass(cls_or_dotted_path, StorageBackend):
-            _registered[name] = BackendInfo(
-                name, _target_of(cls_or_dotted_path), install_hint, "register_backend"
-            )
-            _classes[name] = cls_or_dotted_path
         else:
-            raise ConfigError(
-                f"register_backend({name!r}): expected a StorageBackend subclass or a 'module:Class' "
-                f"string, got {cls_or_dotted_path!r}"
-            )
+            _classes[name] = cls_or_dotted_path
 
 
 def unregister_backend(name: str) -> None:

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from tiered_nvme import ALIGN, NVMeBackend
-from tiered_nvme.pieces import align_up
 
 from tiered.device import default_device
 from tiered.errors import ConfigError, StorageIOError
 from tiered.storage import open_backend
 from tiered.storage.files import is_temp_name
 from tiered.testing import BackendConformance, random_bytes
+from tiered.units import align_up
 
 
 class TestNVMeConformance(BackendConformance):
@@ -320,7 +320,7 @@ def test_plan_covers_every_byte_once_with_aligned_direct_pieces(tmp_path: Path) 
         shift = mem if same else file
         buf = base[mem : mem + n]
         plan = b._plan(buf, shift)
-        assert plan[0].offset == 0 and sum(p.span for p in plan) == align_up(shift + n)
+        assert plan[0].offset == 0 and sum(p.span for p in plan) == align_up(shift + n, ALIGN)
         pos = 0
         for off, span, bounce in plan:
             assert off == pos and 0 < span <= b.chunk_bytes and off % ALIGN == 0 and span % ALIGN == 0
