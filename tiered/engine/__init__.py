@@ -16,10 +16,10 @@ from tiered.engine import client, signals
 from tiered.engine.build import (
     Placement,
     build_tier_manager,
-    capacity_needs,
     check_capacity,
     check_not_managed,
     choose_placement,
+    engine_needs,
     mark_managed,
 )
 from tiered.engine.distributed import ensure_process_group
@@ -28,12 +28,7 @@ from tiered.engine.facade import TieredOptimizer
 from tiered.engine.host_memory import fix_mmap_threshold
 from tiered.errors import ConfigError, DistributedSetupError, UnsupportedConfigError
 from tiered.optim.offload import OffloadedAdam
-from tiered.optim.placement import (
-    optimizer_tile_numel,
-    pipeline_bytes,
-    plan_optimizer_placement,
-    tier_is_host,
-)
+from tiered.optim.placement import plan_optimizer_placement, tier_is_host
 from tiered.optim.schedulers import build_scheduler
 from tiered.zero import ZeroParameters
 
@@ -213,18 +208,7 @@ def _build(
         plans = plan_optimizer_placement(
             trainable, cfg, placement.optimizer_tier, gpu_is_host=tier_is_host(tm, "gpu")
         )
-        tile = optimizer_tile_numel(cfg)  # the one OffloadedAdam steps with: [Note: sub-group pipeline]
-        pipe = pipeline_bytes(
-            trainable, plans, cfg.zero.offload_optimizer.buffer_count, placement.compute_dtype, tile
-        )
-        needs = capacity_needs(
-            zp.groups,
-            plans,
-            zp.gpu_need,
-            pipeline=pipe,
-            compute_dtype=placement.compute_dtype,
-            tile_numel=tile,
-        )
+        needs = engine_needs(zp.groups, plans, zp.gpu_need, cfg, placement.compute_dtype)
         check_capacity(tm, needs)
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
         extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}
