@@ -183,25 +183,49 @@ class Prediction:
 
 
 def predict(
-    model: nn.Module, cfg: TieredConfig, *, world_size: int = 1, gpu_is_host: bool = False
+    model: nn.Module,
+    cfg: TieredConfig,
+    *,
+    world_size: int = 1,
+    gpu_is_host: bool = False,
+    layouts: dict[Any, Any] | None = None,
 ) -> Prediction:
     """What `tiered.initialize(model, cfg)` would check, without creating a tier: the same
     group planning, placement and sums ([Note: one memory model]). `model` may be on the meta
-    device. Raises what the engine raises when a module can never be gathered."""
+    device. Raises what the engine raises when a module can never be gathered. `layouts` caches
+    the group layout across configs that plan the same groups (the search's)."""
     from tiered.zero.layout import plan_layout
 
     placement = choose_placement(cfg)
     dtype = placement.compute_dtype
     gpu_spec = cfg.tiered.tiers.get("gpu")
-    layout = plan_layout(
-        model,
-        cfg.zero,
-        gpu_budget_bytes=gpu_spec.budget_bytes if gpu_spec is not None else None,
-        compute_dtype=dtype,
-        world_size=world_size,
-        param_tier=placement.param_tier,
-        grad_tier=placement.grad_tier,
+    gpu_budget = gpu_spec.budget_bytes if gpu_spec is not None else None
+    z = cfg.zero
+    key = (
+        z.sub_group_size_numel,
+        z.param_persistence_threshold_numel,
+        z.model_persistence_threshold_numel,
+        z.max_live_parameters_numel,
+        repr(z.leaf_module),
+        gpu_budget,
+        dtype,
+        world_size,
+        placement.param_tier,
+        placement.grad_tier,
     )
+    layout = None if layouts is None else layouts.get(key)
+    if layout is None:
+        layout = plan_layout(
+            model,
+            z,
+            gpu_budget_bytes=gpu_budget,
+            compute_dtype=dtype,
+            world_size=world_size,
+            param_tier=placement.param_tier,
+            grad_tier=placement.grad_tier,
+        )
+        if layouts is not None:
+            layouts[key] = layout
     itemsize = torch.empty(0, dtype=dtype).element_size()
     groups: list[ShardGroup] = []
     for i, pg in enumerate(layout.planned):

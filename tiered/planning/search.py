@@ -308,6 +308,7 @@ def weigh(
     nvme_path: str = "./tiered_offload",
     bandwidth: Mapping[str, float] = DEFAULT_BANDWIDTH,
     max_in_cpu: int | None = None,
+    layouts: dict[Any, Any] | None = None,
 ) -> Candidate:
     """One config: predicted by the engine's memory model, fit-checked, timed ([Note: config search])."""
     from tiered.config.loader import load_config
@@ -319,7 +320,8 @@ def weigh(
         knobs, precision=precision, accumulation=accumulation, nvme_path=nvme_path, budgets=budgets
     )
     try:
-        pred = predict(model, load_config(config, model=model, world_size=world_size), world_size=world_size)
+        cfg = load_config(config, model=model, world_size=world_size)
+        pred = predict(model, cfg, world_size=world_size, layouts=layouts)
     except (CapacityError, ConfigError) as exc:
         return Candidate(knobs, config, None, {}, refused=str(exc))
     host_extra = HOST_BASELINE_BYTES + pred.outside_tiers_bytes
@@ -382,6 +384,7 @@ class SearchResult:
 def search(model: nn.Module, mem: Memories, pinned: Pinned = Pinned(), **kw: Any) -> SearchResult:
     """Every candidate of `knob_grid`, weighed; the fastest that fits (ties: less host memory)."""
     weighed = []
+    kw.setdefault("layouts", {})
     for knobs in knob_grid(pinned):
         if pinned.get("max_in_cpu") is not None:
             kw["max_in_cpu"] = pinned.get("max_in_cpu")
