@@ -43,7 +43,15 @@ def shape_model(total: int, largest_layer: int | None = None) -> tuple[Any, tupl
         ) from exc
     d = llama_dims(total, largest_layer)
     heads = max(1, d["hidden_size"] // 128)
-    config = LlamaConfig(**d, num_attention_heads=heads, num_key_value_heads=heads, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        vocab_size=d["vocab_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     got = sum(p.numel() for p in model.parameters())
