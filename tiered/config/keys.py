@@ -560,6 +560,13 @@ _RULES: tuple[KeyRule, ...] = (
     KeyRule("tiered.check_collective_order", _S),
     KeyRule("tiered.host_mmap_threshold", _S),
     KeyRule("tiered.optimizer_state_format", _S),
+    # [Note: auto config] (tiered/planning/auto.py): resolved by tiered.initialize / finetune
+    KeyRule("tiered.auto_config", _SEC),
+    KeyRule("tiered.auto_config.cpu_mem", _S),
+    KeyRule("tiered.auto_config.gpu_mem", _S),
+    KeyRule("tiered.auto_config.nvme_mem", _S),
+    KeyRule("tiered.auto_config.activation_mem", _S),
+    KeyRule("tiered.auto_config.bandwidth", _S),
 )
 
 RULES: dict[str, KeyRule] = {rule.path: rule for rule in _RULES}

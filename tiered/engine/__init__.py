@@ -30,6 +30,8 @@ from tiered.errors import ConfigError, DistributedSetupError, UnsupportedConfigE
 from tiered.optim.offload import OffloadedAdam
 from tiered.optim.placement import plan_optimizer_placement, tier_is_host
 from tiered.optim.schedulers import build_scheduler
+from tiered.planning.needs import tier_memory
+from tiered.planning.traffic import bytes_per_step
 from tiered.zero import ZeroParameters
 
 log = logging.getLogger(__name__)
@@ -171,6 +173,15 @@ def _build(
             f"tiered.initialize: every parameter of {type(model).__name__} is frozen (requires_grad=False); "
             "there is nothing to train: unfreeze some parameters (or add LoRA adapters)"
         )
+    if not isinstance(config, (dict, TieredConfig)):  # a path: read here, so auto_config can be resolved
+        from tiered.config.loader import read_config_file
+
+        config = read_config_file(config)
+    from tiered.planning.auto import has_auto_config, resolve_auto_config
+
+    if has_auto_config(config):  # [Note: auto config]
+        assert isinstance(config, dict)
+        config = resolve_auto_config(config, model, world_size=world_size)
     cfg = config_for_training(config, model=model, world_size=world_size, **hyperparameters)
     _check_state_format(cfg)
     hyper, lr_scales = client.param_hyper(cfg, req) if req.given else (None, [1.0])
@@ -210,6 +221,15 @@ def _build(
         )
         needs = engine_needs(zp.groups, plans, zp.gpu_need, cfg, placement.compute_dtype)
         check_capacity(tm, needs)
+        memory = {t: tier_memory(cfg, t, gpu_is_host=tier_is_host(tm, "gpu")) for t in tm.tier_names}
+        floor = bytes_per_step(  # [Note: bytes per step]
+            zp.groups,
+            plans,
+            memory,
+            compute_dtype=placement.compute_dtype,
+            accumulation=cfg.gradient_accumulation_steps,
+            max_in_cpu_numel=cfg.zero.offload_param.max_in_cpu_numel,
+        )
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
         extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}
         optimizer = OffloadedAdam(
@@ -252,6 +272,8 @@ def _build(
         client=side,
         # its tokenizer files go into engine.save_pretrained's export
         tokenizer_source=None if weights is None else os.fspath(weights),
+        traffic_floor=floor,
+        tier_memory=memory,
     )
     if side is not None:
         side.facade.attach(engine)

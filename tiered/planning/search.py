@@ -26,6 +26,7 @@ refused by name.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 from collections.abc import Iterable, Mapping
@@ -200,8 +201,15 @@ def candidate_config(
     accumulation: int,
     nvme_path: str,
     budgets: Mapping[str, int | None],
+    base: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The DeepSpeed-format config (+ "tiered") for one set of knobs."""
+    """The DeepSpeed-format config (+ "tiered") for one set of knobs; with `base` (a user's
+    config, [Note: auto config]) its other keys are kept and the knobs' keys set."""
+    if base is not None:
+        own = candidate_config(
+            knobs, precision=precision, accumulation=accumulation, nvme_path=nvme_path, budgets=budgets
+        )
+        return _onto(base, own)
     zero: dict[str, Any] = {
         "stage": 3,
         "sub_group_size": knobs["sub_group_size"],
@@ -244,6 +252,30 @@ def candidate_config(
         tiered["grad_tier"] = knobs["grad_tier"]  # [Note: gradients on nvme]
     config["tiered"] = tiered
     return config
+
+
+def _onto(base: Mapping[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:
+    """`base` with the chosen zero_optimization and tiered keys set (the rest of base kept)."""
+    out = copy.deepcopy(dict(base))
+    zero = out.setdefault("zero_optimization", {})
+    zero["stage"] = 3
+    for key, value in chosen["zero_optimization"].items():
+        if isinstance(value, dict):
+            zero[key] = {**(zero.get(key) or {}), **value}
+        elif key not in zero or key in ("sub_group_size", "stage3_param_persistence_threshold"):
+            zero[key] = value
+    for key in ("offload_optimizer", "offload_param"):
+        if key not in chosen["zero_optimization"] and key in zero:
+            del zero[key]  # the chosen placement keeps it on the GPU
+    tiered = out.setdefault("tiered", {})
+    tiered["tiers"] = chosen["tiered"]["tiers"]
+    tiered.pop("grad_tier", None)
+    if "grad_tier" in chosen["tiered"]:
+        tiered["grad_tier"] = chosen["tiered"]["grad_tier"]
+    for key in ("bf16", "fp16", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu"):
+        if key in chosen and key not in out:
+            out[key] = chosen[key]
+    return out
 
 
 def knob_grid(pinned: Pinned) -> Iterable[dict[str, Any]]:
@@ -309,15 +341,19 @@ def weigh(
     bandwidth: Mapping[str, float] = DEFAULT_BANDWIDTH,
     max_in_cpu: int | None = None,
     layouts: dict[Any, Any] | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> Candidate:
     """One config: predicted by the engine's memory model, fit-checked, timed ([Note: config search])."""
     from tiered.config.loader import load_config
 
     gpu_budget = None if mem.gpu is None else max(0, mem.gpu - mem.activations)
-    knobs = {**knobs, "max_live_parameters": live_parameters(model)}
+    user_live = (
+        None if base is None else (base.get("zero_optimization") or {}).get("stage3_max_live_parameters")
+    )
+    knobs = {**knobs, "max_live_parameters": None if user_live is not None else live_parameters(model)}
     budgets: dict[str, int | None] = {"gpu": gpu_budget, "cpu": mem.cpu, "nvme": mem.nvme}
     config = candidate_config(
-        knobs, precision=precision, accumulation=accumulation, nvme_path=nvme_path, budgets=budgets
+        knobs, precision=precision, accumulation=accumulation, nvme_path=nvme_path, budgets=budgets, base=base
     )
     try:
         cfg = load_config(config, model=model, world_size=world_size)
@@ -343,7 +379,7 @@ def weigh(
             peaks["host"] += min(knobs["max_in_cpu"] * itemsize, max(0, cpu_budget - pred.tier_bytes("host")))
     budgets["cpu"] = cpu_budget
     config = candidate_config(
-        knobs, precision=precision, accumulation=accumulation, nvme_path=nvme_path, budgets=budgets
+        knobs, precision=precision, accumulation=accumulation, nvme_path=nvme_path, budgets=budgets, base=base
     )
     traffic = bytes_per_step(
         [g for g in pred.groups],
