@@ -36,7 +36,10 @@ def _config(tmp_path: Path, **auto: Any) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        },
         "tiered": {"auto_config": auto},
     }
 
@@ -82,3 +85,25 @@ def test_load_config_refuses_an_unresolved_auto_config(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="tiered.auto_config is resolved where the model is known"):
         load_config(_config(tmp_path, cpu_mem="2GiB"))
+
+
+def test_preflight_lists_every_short_tier_at_once_and_a_config_that_fits(tmp_path: Path) -> None:
+    """issue 21: a 1 GiB-class refusal named the tiers one run at a time; now every tier short is in
+    one error, each with the keys that fix it, and the planner's config for the same budgets."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 200_000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4},
+            "offload_param": {"device": "cpu"},
+        },
+        "tiered": {"tiers": {"cpu": {"budget": "600KiB"}, "nvme": {"budget": "600KiB"}}},
+    }
+    with pytest.raises(CapacityError) as err:
+        tiered.initialize(_model(), cfg)
+    text = str(err.value)
+    assert "cpu budget" in text and "nvme budget" in text  # both, in one error
+    assert "offload_optimizer.buffer_count" in text  # the key that fixes the cpu tier
+    assert "A config that fits these budgets" in text or "No config fits these budgets" in text

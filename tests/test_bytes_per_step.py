@@ -45,7 +45,9 @@ def _engine(tmp_path: Path, place: tuple[str, str, str]) -> Any:
     return tiered.initialize(model, cfg)
 
 
-@pytest.mark.parametrize("place", [("nvme", "nvme", "cpu"), ("nvme", "nvme", "nvme")], ids=["opt+params", "all"])
+@pytest.mark.parametrize(
+    "place", [("nvme", "nvme", "cpu"), ("nvme", "nvme", "nvme")], ids=["opt+params", "all"]
+)
 def test_floor_next_to_measured(tmp_path: Path, place: tuple[str, str, str]) -> None:
     x = torch.randint(0, 512, (2, 16))
     with _engine(tmp_path, place) as engine:

@@ -245,6 +245,21 @@ def _close_backends(backends: Sequence[StorageBackend]) -> None:
     t.join(timeout=60.0)
 
 
+def check_budgets(tm: TierManager, needs: dict[str, dict[str, Any]], *, fitting: str = "") -> None:
+    """Every tier with a budget below its need, in one CapacityError (each with the keys that
+    fix it, then `fitting`: a config that fits, from the planner). See [Note: capacity check
+    before training]."""
+    over = [
+        _over_budget(name, tm.tier(name).budget_bytes or 0, d)
+        for name, d in needs.items()
+        if name in tm.tier_names
+        and tm.tier(name).budget_bytes is not None
+        and d["total"] > (tm.tier(name).budget_bytes or 0)
+    ]
+    if over:
+        raise CapacityError("; ".join(over) + (f". {fitting}" if fitting else ""))
+
+
 def check_capacity(tm: TierManager, needs: dict[str, dict[str, Any]]) -> None:
     """Raise CapacityError, before any training, when a budget, or the free space of a tier
     without one, is below what the run needs. See [Note: capacity check before training]."""
