@@ -37,6 +37,7 @@ EXTERNAL = {
     "DistributedSampler": "torch.utils.data",
     "RandomSampler": "torch.utils.data",
     "DatasetDict": "datasets",
+    "DeepSpeedPlugin": "accelerate.utils",
     "MemAvailable": None,  # a /proc/meminfo field
 }
 

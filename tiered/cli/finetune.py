@@ -132,6 +132,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="DIR",
         help="overrides nvme_path of offload_param/offload_optimizer with device nvme",
     )
+    p.add_argument(
+        "--auto-config",
+        default=None,
+        metavar="SPEC",
+        help="let the planner choose placement, sub_group_size, buffer_count and budgets for these memories: "
+        "cpu_mem=64GB,gpu_mem=80GB[,nvme_mem=4TB,activation_mem=6GB,bandwidth=bench.json] "
+        "(sets tiered.auto_config; [Note: auto config])",
+    )
     p.add_argument("--stats-json", default=None, metavar="FILE", help="write losses and engine stats as JSON")
     p.add_argument(
         "--compare-torch",

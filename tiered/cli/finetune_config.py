@@ -11,6 +11,24 @@ from tiered.cli.finetune_options import FinetuneOptions
 from tiered.errors import ConfigError
 
 
+def with_auto_config(raw: dict[str, Any], spec: str) -> dict[str, Any]:
+    """`raw` with ``tiered.auto_config`` from ``--auto-config key=value,...``."""
+    from tiered.planning.auto import AUTO_KEYS
+
+    auto: dict[str, str] = {}
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq or key not in AUTO_KEYS:
+            raise ConfigError(
+                f"--auto-config: cannot read {part!r}; write key=value pairs, keys {', '.join(AUTO_KEYS)} "
+                "(e.g. cpu_mem=64GB,gpu_mem=80GB)"
+            )
+        auto[key] = value
+    tiered_section = dict(raw.get("tiered") or {})
+    tiered_section["auto_config"] = auto
+    return {**raw, "tiered": tiered_section}
+
+
 def load_checked(
     o: FinetuneOptions, raw: dict[str, Any], hp: Any, model: Any, hf: Any
 ) -> tuple[Any, int, Any]:
@@ -22,6 +40,15 @@ def load_checked(
     from tiered.finetune.activations import check_activations, estimate_activations
     from tiered.finetune.loop import micro_batch_size
 
+    if o.auto_config is not None:
+        raw = with_auto_config(raw, o.auto_config)
+    from tiered.planning.auto import has_auto_config, resolve_auto_config
+
+    if has_auto_config(raw):  # [Note: auto config]: chosen over the model being trained
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        raw = resolve_auto_config(raw, model, world_size=world)
     new_dirs = _missing_dirs(raw)
     try:
         cfg = load_config(raw, model=model, hyperparameters=hp)

@@ -58,6 +58,8 @@ class FinetuneOptions:
     trace_path: str | Path | None = None
     plot_path: str | Path | None = None
     checkpoints: CheckpointOptions | None = None
+    auto_config: str | None = None
+    """``--auto-config key=value,...``: sets tiered.auto_config ([Note: auto config])."""
 
     @property
     def config_name(self) -> str:
@@ -91,6 +93,7 @@ class FinetuneOptions:
             trace_path=args.trace,
             plot_path=args.plot,
             checkpoints=checkpoint_options(args),
+            auto_config=args.auto_config,
         )
 
 

@@ -81,9 +81,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sub-group-size",
-        default="1e8",
+        default=None,
         metavar="COUNT",
-        help="optimizer pipeline tile in elements (default 1e8)",
+        help="optimizer pipeline tile in elements (default: searched; the ZeRO table uses 1e8)",
     )
     p.add_argument(
         "--activation-mem",
@@ -94,6 +94,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--nvme-path", default="./tiered_offload", help="nvme_path written into the recommended config"
     )
+    p.add_argument(
+        "--accumulation", type=int, default=1, metavar="A", help="gradient_accumulation_steps (default 1)"
+    )
+    p.add_argument(
+        "--bandwidth",
+        metavar="FILE",
+        help="link bandwidths from `tiered bench --json FILE` to rank configs by (default: assumed, printed)",
+    )
+    pin = p.add_argument_group(
+        "pinned knobs (the search never varies a knob you give; see [Note: config search])"
+    )
+    pin.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"))
+    pin.add_argument("--offload-param", choices=("none", "cpu", "nvme"))
+    pin.add_argument("--grad-tier", choices=("gpu", "cpu", "nvme"), help="tiered.grad_tier")
+    pin.add_argument("--buffer-count", type=int, help="offload_optimizer.buffer_count")
+    pin.add_argument("--max-in-cpu", metavar="COUNT", help="offload_param.max_in_cpu")
+    pin.add_argument("--persistence-threshold", metavar="COUNT", help="stage3_param_persistence_threshold")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
     add_lora_argument(p)
     return p
@@ -144,7 +161,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         world_size=args.world_size,
         precision=args.precision,
         prefetch_layers=args.prefetch_layers,
-        sub_group_size=parse_count(args.sub_group_size, what="--sub-group-size"),
+        sub_group_size=parse_count(args.sub_group_size or "1e8", what="--sub-group-size"),
         activation_bytes=parse_bytes(args.activation_mem, what="--activation-mem"),
         nvme_path=args.nvme_path,
     )
@@ -180,6 +197,164 @@ def _fits(s: Any) -> str:
     return "yes" if all(v is True for v in s.fits.values()) else "yes?"
 
 
+def meta_model_from_args(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]]:
+    """The module tree the search plans: the real one on the meta device, or the documented
+    stand-in for --params ([Note: shape model for --params])."""
+    from tiered.planning.model_shape import parse_count
+
+    if args.model is not None:
+        from tiered.planning.hf_config import build_meta_model, resolve_model
+
+        model = build_meta_model(resolve_model(args.model))
+        said: tuple[str, ...] = ()
+    else:
+        from tiered.planning.shape_model import shape_model
+
+        big = None if args.largest_layer is None else parse_count(args.largest_layer, what="--largest-layer")
+        model, said = shape_model(parse_count(args.params, what="--params"), big)
+    if getattr(args, "lora", None) is not None:
+        from tiered.finetune.lora import apply_lora, parse_lora_spec
+
+        model = apply_lora(model, parse_lora_spec(args.lora))
+    return model, said
+
+
+def pinned_from_args(args: argparse.Namespace) -> Any:
+    from tiered.planning.model_shape import parse_count
+    from tiered.planning.search import Pinned
+
+    values: dict[str, Any] = {}
+    for name in ("offload_optimizer", "offload_param", "grad_tier", "buffer_count"):
+        if getattr(args, name, None) is not None:
+            values[name] = getattr(args, name)
+    if args.sub_group_size is not None:
+        values["sub_group_size"] = parse_count(args.sub_group_size, what="--sub-group-size")
+    if getattr(args, "max_in_cpu", None) is not None:
+        values["max_in_cpu"] = (
+            0 if args.max_in_cpu in ("0", 0) else parse_count(args.max_in_cpu, what="--max-in-cpu")
+        )
+    if getattr(args, "persistence_threshold", None) is not None:
+        t = args.persistence_threshold
+        values["persistence_threshold"] = (
+            0 if t in ("0", 0) else parse_count(t, what="--persistence-threshold")
+        )
+    if values.get("buffer_count") is not None and values["buffer_count"] < 1:
+        raise ConfigError(f"--buffer-count must be >= 1, got {values['buffer_count']}")
+    return Pinned(values)
+
+
+def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
+    """Fit, then fastest ([Note: config search]): the search result and what it assumed."""
+    from tiered.planning.search import DEFAULT_BANDWIDTH, Memories, read_bandwidth, search
+
+    model, said = meta_model_from_args(args)
+    notes = list(said)
+    if args.bandwidth is not None:
+        bw, taken = read_bandwidth(args.bandwidth)
+        notes += taken
+    else:
+        bw = dict(DEFAULT_BANDWIDTH)
+        notes.append(
+            "bandwidths assumed (pass --bandwidth FILE from tiered bench --json): disk "
+            f"{bw['disk_read'] / 1e9:.1f} / {bw['disk_write'] / 1e9:.1f} GB/s read / write, host<->device "
+            f"{bw['h2d'] / 1e9:.0f} GB/s, CPU Adam {bw['cpu_adam'] / 1e9:.1f}e9 elements/s"
+        )
+    if args.accumulation < 1:
+        raise ConfigError(f"--accumulation must be >= 1, got {args.accumulation}")
+    mem = Memories(
+        gpu=_size(args.gpu_mem, "--gpu-mem"),
+        cpu=_size(args.cpu_mem, "--cpu-mem"),
+        nvme=_size(args.nvme_mem, "--nvme-mem"),
+        activations=parse_bytes(args.activation_mem, what="--activation-mem"),
+    )
+    result = search(
+        model,
+        mem,
+        pinned_from_args(args),
+        precision=args.precision,
+        accumulation=args.accumulation,
+        world_size=args.world_size,
+        nvme_path=args.nvme_path,
+        bandwidth=bw,
+    )
+    return result, notes
+
+
+def _search_json(result: Any) -> dict[str, Any]:
+    def one(c: Any) -> dict[str, Any] | None:
+        if c is None:
+            return None
+        return {
+            "knobs": c.knobs,
+            "config": c.config,
+            "peaks_bytes": c.peaks,
+            "shortfall_bytes": c.shortfalls,
+            "refused": c.refused,
+            "seconds_per_step": c.seconds_per_step,
+            "bytes_per_step": c.traffic,
+            "needs": None if c.prediction is None else c.prediction.needs,
+        }
+
+    return {
+        "best": one(result.best),
+        "closest": None if result.best is not None else one(result.closest),
+        "weighed": len(result.weighed),
+        "fit": sum(c.fits for c in result.weighed),
+    }
+
+
+def render_search(result: Any, notes: list[str], out: TextIO) -> None:
+    """The search's answer: the fastest config that fits, or the closest and what it lacks."""
+    from tiered.planning.search import shortfall_text
+    from tiered.units import format_bytes
+
+    w = out.write
+    w(
+        f"\nconfigs weighed by the engine's own memory model ([Note: one memory model]): {len(result.weighed)}, "
+        f"{sum(c.fits for c in result.weighed)} fit\n"
+    )
+    for n in notes:
+        w(f"  assumed: {n}\n")
+    c = result.best
+    if c is None:
+        near = result.closest
+        if near is None:
+            w("nothing fits, and no config could be counted:\n")
+            for r in sorted({x.refused for x in result.weighed if x.refused})[:3]:
+                w(f"  {r}\n")
+            return
+        w(f"nothing fits. closest: {_knob_text(near.knobs)}; {shortfall_text(near)}\n")
+        w("(add memory on those tiers, use more ranks (--world-size), or a smaller model)\n")
+        return
+    k = c.knobs
+    w(f"\nrecommended: {_knob_text(k)}\n")
+    w(
+        "  peaks: GPU "
+        + format_bytes(c.peaks["device"], binary=True)
+        + ", host "
+        + format_bytes(c.peaks["host"], binary=True)
+        + " (process and transient copies included), NVMe "
+        + format_bytes(c.peaks["disk"], binary=True)
+        + "\n"
+    )
+    w(f"  predicted {c.seconds_per_step:.2f} s/step (the slowest link; GPU compute not modelled)\n")
+    w(
+        "  bytes per step ([Note: bytes per step]): "
+        + ", ".join(f"{link} {format_bytes(b)}" for link, b in c.traffic.items())
+        + "\n"
+    )
+    w('\nrecommended config (DeepSpeed format + "tiered" tier budgets, never above the memory given):\n')
+    w(json.dumps(c.config, indent=2) + "\n")
+
+
+def _knob_text(k: dict[str, Any]) -> str:
+    return (
+        f"optimizer {k['offload_optimizer']}, params {k['offload_param']}, grads {k['grad_tier']}, "
+        f"sub_group_size {k['sub_group_size']:,}, buffer_count {k['buffer_count']}, "
+        f"persistence threshold {k['persistence_threshold']:,}, max_in_cpu {k['max_in_cpu']:,}"
+    )
+
+
 def render(plan: Plan, out: TextIO) -> None:
     """The human form: header, strategy table, working set, recommendation and config."""
     sh, o, m = plan.shape, plan.options, plan.memories
@@ -208,7 +383,7 @@ def render(plan: Plan, out: TextIO) -> None:
         f"{'CPU':>8} {'NVMe':>8} {'comm/step':>9}  fits"
     )
     w(head + "\n" + "-" * len(head) + "\n")
-    for s in plan.strategies:
+    for s in plan.strategies[:4]:
         w(
             f"{s.name:<38} {_fmt(s.bytes_on('gpu', working=False)):>9} {_fmt(s.bytes_on('gpu', working=True)):>8} "
             f"{_fmt(s.bytes_on('gpu')):>8} {_fmt(s.bytes_on('cpu')):>8} {_fmt(s.bytes_on('nvme')):>8} "
@@ -227,28 +402,28 @@ def render(plan: Plan, out: TextIO) -> None:
         w(
             "  activations: NOT counted (depend on batch, sequence length, checkpointing); add --activation-mem\n"
         )
-    w("per-step traffic of the offloaded placements (per rank):\n")
-    for s in plan.strategies:
-        if s.offload_optimizer != "none":
-            w(
-                f"  {s.name:<38} host link {gb(s.host_link_bytes_per_step):.1f} GB, "
-                f"NVMe {gb(s.nvme_io_bytes_per_step):.1f} GB\n"
-            )
-    w("\n" + plan.message + "\n")
-    if plan.recommended:
-        s = plan.strategy(plan.recommended)
-        for t in s.terms:
-            if t.tier != "gpu" or not t.what.startswith("working:"):
-                w(f"  {_label(t.tier):<4} {gb(t.bytes):>8.1f} GB  {t.what}\n")
-        w('\nrecommended config (DeepSpeed format + "tiered" tier budgets):\n')
-        w(json.dumps(plan.config, indent=2) + "\n")
+    w(
+        "(the ZeRO paper's formulas without offload; offloaded placements are weighed below by the "
+        "engine's own group planner and capacity check)\n"
+    )
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     plan = plan_from_args(args)
+    result, notes = search_from_args(args)
     if args.json:
-        out.write(json.dumps(plan.to_json(), indent=2) + "\n")
+        doc = plan.to_json()
+        doc["strategies"] = doc["strategies"][:4]  # the formulas; offload is the search's
+        doc.update(
+            search=_search_json(result),
+            assumed=notes,
+            recommended=None if result.best is None else result.best.knobs,
+            config=None if result.best is None else result.best.config,
+        )
+        doc["message"] = "fits" if result.best is not None else "nothing fits"
+        out.write(json.dumps(doc, indent=2, default=str) + "\n")
     else:
         render(plan, out)
-    return 0 if plan.recommended is not None else 1
+        render_search(result, notes, out)
+    return 0 if result.best is not None else 1

@@ -457,6 +457,13 @@ _RULES: tuple[KeyRule, ...] = (
     # --- aio ---------------------------------------------------------------------------------
     # --- tiered's own ------------------------------------------------------------------------
     KeyRule("tiered.tiers", _SEC, "tiers by name: backend spec and byte budget"),
+    # [Note: auto config] (tiered/planning/auto.py): resolved by tiered.initialize / finetune
+    KeyRule("tiered.auto_config", _SEC, "the memories the planner fits a config to ([Note: auto config])"),
+    KeyRule("tiered.auto_config.cpu_mem", _S, "host memory to fit (a byte size)"),
+    KeyRule("tiered.auto_config.gpu_mem", _S, "GPU memory to fit (a byte size)"),
+    KeyRule("tiered.auto_config.nvme_mem", _S, "NVMe space to fit (a byte size)"),
+    KeyRule("tiered.auto_config.activation_mem", _S, "GPU memory reserved for activations"),
+    KeyRule("tiered.auto_config.bandwidth", _S, "`tiered bench --json` output that ranks the configs"),
 )
 
 

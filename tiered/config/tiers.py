@@ -115,6 +115,12 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
     """The resolved section, and tiered.overlap_step_with_backward (which lives in ZeroConfig)."""
     section = as_section(raw if raw is not None else {}, "tiered")
     check_section(section, "tiered")
+    if section.get("auto_config") is not None:  # [Note: auto config]: it needs the model
+        raise ConfigError(
+            "tiered.auto_config is resolved where the model is known: pass the config to "
+            "tiered.initialize(model, config) or tiered finetune, or resolve it first with "
+            "tiered.planning.auto.resolve_auto_config(config, model)"
+        )
     derived, param_tier, opt_tier = _derived_tiers(zero, aio)
 
     tiers: dict[str, TierSpec] = {}

@@ -16,25 +16,23 @@ from tiered.engine import client, signals
 from tiered.engine.build import (
     Placement,
     build_tier_manager,
-    capacity_needs,
+    check_budgets,
     check_capacity,
     check_not_managed,
     choose_placement,
+    engine_needs,
     mark_managed,
 )
 from tiered.engine.distributed import ensure_process_group
 from tiered.engine.engine import Engine
 from tiered.engine.facade import TieredOptimizer
 from tiered.engine.host_memory import fix_mmap_threshold
-from tiered.errors import ConfigError, DistributedSetupError, UnsupportedConfigError
+from tiered.errors import CapacityError, ConfigError, DistributedSetupError, UnsupportedConfigError
 from tiered.optim.offload import OffloadedAdam
-from tiered.optim.placement import (
-    optimizer_tile_numel,
-    pipeline_bytes,
-    plan_optimizer_placement,
-    tier_is_host,
-)
+from tiered.optim.placement import plan_optimizer_placement, tier_is_host
 from tiered.optim.schedulers import build_scheduler
+from tiered.planning.needs import tier_memory
+from tiered.planning.traffic import bytes_per_step
 from tiered.zero import ZeroParameters
 
 log = logging.getLogger(__name__)
@@ -176,6 +174,15 @@ def _build(
             f"tiered.initialize: every parameter of {type(model).__name__} is frozen (requires_grad=False); "
             "there is nothing to train: unfreeze some parameters (or add LoRA adapters)"
         )
+    if not isinstance(config, (dict, TieredConfig)):  # a path: read here, so auto_config can be resolved
+        from tiered.config.loader import read_config_file
+
+        config = read_config_file(config)
+    from tiered.planning.auto import has_auto_config, resolve_auto_config
+
+    if has_auto_config(config):  # [Note: auto config]
+        assert isinstance(config, dict)
+        config = resolve_auto_config(config, model, world_size=world_size)
     cfg = config_for_training(config, model=model, world_size=world_size, **hyperparameters)
     _check_state_format(cfg)
     hyper, lr_scales = client.param_hyper(cfg, req) if req.given else (None, [1.0])
@@ -199,6 +206,7 @@ def _build(
     tm = build_tier_manager(cfg, rank=rank, world_size=world_size)
     zp = None
     try:
+        preflight(model, cfg, tm, world_size=world_size)  # every budget shortfall at once, before any write
         zp = ZeroParameters(
             model,
             tm,
@@ -213,19 +221,17 @@ def _build(
         plans = plan_optimizer_placement(
             trainable, cfg, placement.optimizer_tier, gpu_is_host=tier_is_host(tm, "gpu")
         )
-        tile = optimizer_tile_numel(cfg)  # the one OffloadedAdam steps with: [Note: sub-group pipeline]
-        pipe = pipeline_bytes(
-            trainable, plans, cfg.zero.offload_optimizer.buffer_count, placement.compute_dtype, tile
-        )
-        needs = capacity_needs(
+        needs = engine_needs(zp.groups, plans, zp.gpu_need, cfg, placement.compute_dtype)
+        check_capacity(tm, needs)
+        memory = {t: tier_memory(cfg, t, gpu_is_host=tier_is_host(tm, "gpu")) for t in tm.tier_names}
+        floor = bytes_per_step(  # [Note: bytes per step]
             zp.groups,
             plans,
-            zp.gpu_need,
-            pipeline=pipe,
+            memory,
             compute_dtype=placement.compute_dtype,
-            tile_numel=tile,
+            accumulation=cfg.gradient_accumulation_steps,
+            max_in_cpu_numel=cfg.zero.offload_param.max_in_cpu_numel,
         )
-        check_capacity(tm, needs)
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
         extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}
         optimizer = OffloadedAdam(
@@ -268,6 +274,8 @@ def _build(
         client=side,
         # its tokenizer files go into engine.save_pretrained's export
         tokenizer_source=None if weights is None else os.fspath(weights),
+        traffic_floor=floor,
+        tier_memory=memory,
     )
     if side is not None:
         side.facade.attach(engine)
@@ -290,6 +298,56 @@ def _check_state_format(cfg: TieredConfig) -> None:
             "its state in fp32 only (the bf16 and int8 codecs of tiered.optim.state_format are not yet "
             "wired into its state partitions); use 'fp32' or leave the key out"
         )
+
+
+def preflight(model: torch.nn.Module, cfg: TieredConfig, tm: Any, *, world_size: int) -> None:
+    """The capacity check from the module tree, before any partition is written: every tier
+    short at once, then a config that fits the same budgets ([Note: one memory model],
+    [Note: config search])."""
+    from tiered.optim.placement import tier_is_host
+    from tiered.planning.needs import predict
+
+    gpu_is_host = tier_is_host(tm, "gpu")
+    try:
+        pred = predict(model, cfg, world_size=world_size, gpu_is_host=gpu_is_host)
+    except (ConfigError, CapacityError):
+        return  # ZeroParameters raises the same, with its own words
+    try:
+        check_budgets(tm, pred.needs)
+    except CapacityError as exc:
+        raise CapacityError(f"{exc}. {_fitting_config(model, cfg, tm, world_size, pred)}") from None
+
+
+def _fitting_config(model: torch.nn.Module, cfg: TieredConfig, tm: Any, world_size: int, pred: Any) -> str:
+    """The planner's fastest config within the budgets given, as JSON text, or what it lacks."""
+    import json
+
+    from tiered.planning.needs import HOST_BASELINE_BYTES
+    from tiered.planning.search import Memories, search, shortfall_text
+
+    def budget(name: str) -> int | None:
+        return tm.tier(name).budget_bytes if name in tm.tier_names else None
+
+    cpu = budget("cpu")
+    mem = Memories(
+        gpu=budget("gpu"),
+        cpu=None if cpu is None else cpu + HOST_BASELINE_BYTES + pred.outside_tiers_bytes,
+        nvme=budget("nvme"),
+    )
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(cfg.precision.dtype, "fp32")
+    result = search(
+        model, mem, precision=precision, accumulation=cfg.gradient_accumulation_steps, world_size=world_size
+    )
+    if result.best is None:
+        near = result.closest
+        return "No config fits these budgets" + (
+            f"; the closest is short: {shortfall_text(near)}" if near else ""
+        )
+    z = result.best.config["zero_optimization"]
+    t = result.best.config["tiered"]
+    return "A config that fits these budgets (tiered plan's choice): " + json.dumps(
+        {"zero_optimization": z, "tiered": t}
+    )
 
 
 from tiered.engine.pretrained import from_pretrained  # noqa: E402 - it calls initialize, defined above

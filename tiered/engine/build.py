@@ -38,21 +38,33 @@ import logging
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tiered.config.schema import TieredConfig
 from tiered.errors import AlreadyManagedError, CapacityError, ConfigError
+from tiered.planning.homes import Placement
+from tiered.planning.homes import choose_placement as _choose_placement
+from tiered.planning.needs import capacity_needs, engine_needs
 from tiered.units import format_bytes
 
+__all__ = [
+    "Placement",
+    "build_tier_manager",
+    "capacity_needs",
+    "check_capacity",
+    "check_not_managed",
+    "choose_placement",
+    "engine_needs",
+    "mark_managed",
+    "tier_order",
+    "unmark_managed",
+]
+
 if TYPE_CHECKING:
-    from tiered.optim.placement import GroupPlan
-    from tiered.shards import ShardGroup
     from tiered.storage.base import StorageBackend
     from tiered.tiers import Tier, TierManager
-    from tiered.zero.budget import GpuGatherNeed
 
 log = logging.getLogger(__name__)
 
@@ -60,80 +72,11 @@ _ORDER = ("gpu", "cpu", "nvme")
 _DEVICE_TIER = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Which tier is home to each kind of state, and the compute dtype."""
-
-    param_tier: str
-    grad_tier: str
-    optimizer_tier: str
-    compute_dtype: torch.dtype
-
-    def describe(self, cfg: TieredConfig) -> str:
-        """ "params in nvme (nvme), gradients in cpu (cpu), optimizer state in mine (dirstore)":
-        the tiers really used and the backend type behind each."""
-
-        def tier(name: str) -> str:
-            spec = cfg.tiered.tiers.get(name)
-            kind = spec.backend.get("type") if spec is not None else None
-            return f"{name} ({kind})" if kind not in (None, name) else name
-
-        return (
-            f"params in {tier(self.param_tier)}, gradients in {tier(self.grad_tier)}, "
-            f"optimizer state in {tier(self.optimizer_tier)}"
-        )
-
-
 def choose_placement(cfg: TieredConfig) -> Placement:
-    tiers = cfg.tiered.tiers
-    opt_dev = cfg.zero.offload_optimizer.device
-    # tiered.param_tier / optimizer_tier (a custom tier, e.g. a tensorstore backend) or the tier
-    # the offload device derives; None when that offload is off
-    opt_tier = cfg.tiered.optimizer_tier or _DEVICE_TIER[opt_dev]
-    if opt_dev == "nvme" and "nvme_optimizer" in tiers and cfg.tiered.optimizer_tier in (None, "nvme"):
-        opt_tier = "nvme_optimizer"
-    placement = Placement(
-        param_tier=cfg.tiered.param_tier or _DEVICE_TIER[cfg.zero.offload_param.device],
-        grad_tier="gpu" if opt_dev == "none" else (cfg.tiered.grad_tier or "cpu"),
-        optimizer_tier=opt_tier,
-        compute_dtype=cfg.precision.dtype,
-    )
-    for what, tier, key in (
-        ("parameters", placement.param_tier, "zero_optimization.offload_param.device"),
-        ("optimizer state", placement.optimizer_tier, "zero_optimization.offload_optimizer.device"),
-    ):
-        if tiers and tier not in tiers:
-            raise ConfigError(
-                f"{key} puts the {what} in tier {tier!r}, but no such tier is configured "
-                f"(tiers: {', '.join(tiers)}); add it under tiered.tiers.{tier} or set an nvme_path"
-            )
-    _refuse_unused_tiers(cfg, placement)
+    """Where the engine puts each kind of state (`tiered.planning.homes.choose_placement`), logged."""
+    placement = _choose_placement(cfg)
     log.info("tiers used: %s", placement.describe(cfg))
     return placement
-
-
-def _refuse_unused_tiers(cfg: TieredConfig, placement: Placement) -> None:
-    """A tier the user declares that no state is routed to would run with 0 reads and 0 writes:
-    a config error naming the keys that route offload there, never a silent no-op."""
-    from tiered.config.tiers import derived_tier_names
-    from tiered.storage.registry import get_backend_class
-    from tiered.tiers.tier import check_tier_name
-
-    used = {placement.param_tier, placement.grad_tier, placement.optimizer_tier}
-    derived = derived_tier_names(cfg.zero, cfg.aio)
-    unused = [n for n in cfg.tiered.tiers if n not in used and n not in derived]
-    for n in unused:  # a tier that could not even be opened is reported as that, first
-        check_tier_name(n)
-        get_backend_class(str(cfg.tiered.tiers[n].backend.get("type", "")))
-    if unused:
-        name = unused[0]
-        raise ConfigError(
-            f"tiered.tiers.{name} is declared but nothing is routed to it (parameters go to tier "
-            f"{placement.param_tier!r}, optimizer state to {placement.optimizer_tier!r}); set "
-            f'"tiered": {{"param_tier": "{name}"}} (with zero_optimization.offload_param.device) or '
-            f'{{"optimizer_tier": "{name}"}} (with zero_optimization.offload_optimizer.device), '
-            "or remove the tier" + (f"; unused too: {', '.join(unused[1:])}" if len(unused) > 1 else "")
-        )
 
 
 _MANAGED_ATTR = "_tiered_engine"
@@ -301,47 +244,19 @@ def _close_backends(backends: Sequence[StorageBackend]) -> None:
     t.join(timeout=60.0)
 
 
-def capacity_needs(
-    groups: Sequence[ShardGroup],
-    plans: Sequence[GroupPlan],
-    gpu_need: GpuGatherNeed,
-    *,
-    pipeline: dict[str, int],
-    compute_dtype: torch.dtype,
-    tile_numel: int,
-) -> dict[str, dict[str, Any]]:
-    """Per tier: {"homes": bytes, "gather": bytes, "persistent": bytes, "pipeline": bytes,
-    "module": what the gather is for, "total", "to_write": [nbytes of each partition not yet
-    created]}. `groups` are all of them (their param and grad partitions exist already), `plans`
-    one per trainable group. See [Note: capacity check before training]."""
-    from tiered.optim.placement import state_partition_specs
-
-    need: dict[str, dict[str, Any]] = {}
-
-    def at(tier: str) -> dict[str, Any]:
-        return need.setdefault(
-            tier, {"homes": 0, "gather": 0, "persistent": 0, "pipeline": 0, "module": "", "to_write": []}
-        )
-
-    for g in groups:
-        at(g.param.home)["homes"] += g.param.nbytes
-        if g.grad is not None:
-            at(g.grad.home)["homes"] += g.grad.nbytes
-    for g, p in zip([g for g in groups if g.trainable], plans, strict=True):  # frozen: no state
-        for _, numel, dtype, home in state_partition_specs(g, p, compute_dtype, tile_numel):
-            nbytes = numel * dtype.itemsize
-            at(home)["homes"] += nbytes
-            at(home)["to_write"].append(nbytes)
-    gpu = at("gpu")
-    gpu["persistent"] = gpu_need.persistent_bytes
-    if gpu_need.gather_bytes:
-        gpu["gather"] = gpu_need.gather_bytes
-        gpu["module"] = repr(gpu_need.largest_module)
-    for tier, b in pipeline.items():
-        at(tier)["pipeline"] += b
-    for d in need.values():
-        d["total"] = d["homes"] + d["gather"] + d["persistent"] + d["pipeline"]
-    return need
+def check_budgets(tm: TierManager, needs: dict[str, dict[str, Any]], *, fitting: str = "") -> None:
+    """Every tier with a budget below its need, in one CapacityError (each with the keys that
+    fix it, then `fitting`: a config that fits, from the planner). See [Note: capacity check
+    before training]."""
+    over = [
+        _over_budget(name, tm.tier(name).budget_bytes or 0, d)
+        for name, d in needs.items()
+        if name in tm.tier_names
+        and tm.tier(name).budget_bytes is not None
+        and d["total"] > (tm.tier(name).budget_bytes or 0)
+    ]
+    if over:
+        raise CapacityError("; ".join(over) + (f". {fitting}" if fitting else ""))
 
 
 def check_capacity(tm: TierManager, needs: dict[str, dict[str, Any]]) -> None:

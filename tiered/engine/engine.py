@@ -131,6 +131,8 @@ class Engine(DeepSpeedEngineAPI):
         capacity: dict[str, Any] | None = None,
         client: ClientSide | None = None,
         tokenizer_source: str | None = None,
+        traffic_floor: dict[str, int] | None = None,
+        tier_memory: dict[str, str] | None = None,
     ) -> None:
         self._module = module
         self.config = cfg
@@ -163,6 +165,9 @@ class Engine(DeepSpeedEngineAPI):
         """DeepSpeed's ``engine.lr_scheduler``: the client's, else a view of the config's schedule."""
         self.loss_scaler = build_loss_scaler(cfg.precision)
         self.capacity = capacity or {}
+        self._traffic_floor = traffic_floor or {}
+        """[Note: bytes per step]'s floor per link for this run (tiered/planning/traffic.py)."""
+        self._tier_memory = tier_memory or {}
         self.tokenizer_source = tokenizer_source
         """The folder the weights came from (from_pretrained, initialize(weights=...)): the
         tokenizer files `save_pretrained` copies by default."""
@@ -403,6 +408,7 @@ class Engine(DeepSpeedEngineAPI):
             "optimizer": self.optimizer.stats(),
             "timing": {"total": dict(self._timing), "last_step": dict(getattr(self, "_last_step", {}))},
             "capacity": self.capacity,
+            "bytes_per_step": self._bytes_per_step(),
             "loss_scale": self.loss_scale,
             "global_steps": self.global_steps,
             "skipped_steps": self.skipped_steps,
@@ -411,6 +417,21 @@ class Engine(DeepSpeedEngineAPI):
             "last_grad_norm": None
             if self.last_grad_norm is None or not math.isfinite(self.last_grad_norm)
             else self.last_grad_norm,
+        }
+
+    def _bytes_per_step(self) -> dict[str, Any]:
+        """The floor of [Note: bytes per step] next to what the tier manager moved per step so far
+        (every link's bytes since initialize, over the optimizer steps taken; the first step
+        includes the moves of initialize's writes and the first gather)."""
+        from tiered.planning.traffic import measured_per_step
+
+        links = self.tm.stats().get("links", {})
+        return {
+            "formula": dict(self._traffic_floor),
+            "measured": measured_per_step(links, self._tier_memory, self.global_steps)
+            if self.global_steps
+            else None,
+            "steps": self.global_steps,
         }
 
     def state_dict_fp32(self) -> dict[str, torch.Tensor]:

@@ -11,67 +11,17 @@ half-loaded model would train, but not the model the user meant.
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from tiered.errors import ConfigError, TieredError
+from tiered.errors import ConfigError
+from tiered.planning.hf_config import ModelSource, load_hf_config, resolve_model
+
+__all__ = ["ModelSource", "build_model", "load_hf_config", "resolve_model"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model comes from: its config file, its folder (None for a bare config.json) and
-    the safetensors files found there."""
-
-    config_path: Path
-    folder: Path | None
-    weight_files: tuple[Path, ...]
-
-
-def resolve_model(path: str | Path) -> ModelSource:
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(
-            f"--model {path}: no such file or folder; pass a local Hugging Face model folder "
-            "(with config.json) or a config.json file"
-        )
-    if p.is_dir():
-        cfg = p / "config.json"
-        if not cfg.is_file():
-            raise ConfigError(f"--model {path}: folder has no config.json; pass a Hugging Face model folder")
-        return ModelSource(cfg, p, tuple(sorted(p.glob("*.safetensors"))))
-    return ModelSource(p, None, ())
-
-
-def load_hf_config(source: ModelSource) -> Any:
-    """The transformers config (PretrainedConfig) of `source`."""
-    try:
-        from transformers import AutoConfig
-    except ImportError as exc:
-        raise TieredError(
-            "tiered finetune needs transformers; install it with pip install 'tiered[hf]'"
-        ) from exc
-    try:
-        data = json.loads(source.config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--model {source.config_path}: not a readable JSON config ({exc})") from None
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise ConfigError(
-            f'--model {source.config_path}: config has no "model_type" key; is it a Hugging Face config.json?'
-        )
-    model_type = data.pop("model_type")
-    try:
-        return AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(
-            f"--model {source.config_path}: unknown or invalid model_type {model_type!r}: {exc}"
-        ) from None
 
 
 def _load_weights(model: torch.nn.Module, files: tuple[Path, ...]) -> None:

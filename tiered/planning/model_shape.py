@@ -18,13 +18,13 @@ Llama: < 0.01 %).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
 from pathlib import Path
+from typing import Any
 
-from tiered.errors import ConfigError, TieredError
+from tiered.errors import ConfigError
 from tiered.planning.accounting import ModelShape
 
 log = logging.getLogger(__name__)
@@ -88,65 +88,21 @@ def shape_from_params(
     return ModelShape(total, big, persistent, f"--params {params}", tuple(assumptions))
 
 
-def _load_config(path: Path):  # -> transformers.PretrainedConfig
-    try:
-        from transformers import AutoConfig
-    except ImportError as exc:  # transformers is the optional "hf" extra
-        raise TieredError(
-            f"--model {path}: counting a model needs transformers; install it with "
-            "pip install 'tiered[hf]' (or pass --params instead)"
-        ) from exc
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"--model {path}: folder has no config.json; pass a Hugging Face model folder")
-        try:
-            return AutoConfig.from_pretrained(str(path), local_files_only=True)
-        except (ValueError, KeyError, OSError) as exc:
-            raise ConfigError(f"--model {path}/config.json: transformers cannot read it: {exc}") from exc
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--model {path}: not a readable JSON config ({exc})") from exc
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise ConfigError(
-            f'--model {path}: config has no "model_type" key; is it a Hugging Face config.json?'
-        )
-    model_type = data.pop("model_type")
-    try:
-        return AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError) as exc:
-        raise ConfigError(f"--model {path}: unknown or invalid model_type {model_type!r}: {exc}") from exc
-
-
 def shape_from_model(path: str | Path, *, persistence_threshold: int = 100_000) -> ModelShape:
     """Count a local HF model (folder or config.json) on the meta device.
 
     See [Note: counting a model on the meta device].
     """
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(
-            f"--model {path}: no such file or folder; pass a local Hugging Face model folder "
-            "(with config.json) or a config.json file"
-        )
-    config = _load_config(p)
-    import torch
-    from transformers import AutoModel, AutoModelForCausalLM
+    from tiered.planning.hf_config import build_meta_model, resolve_model
 
-    try:
-        with torch.device("meta"):
-            try:
-                model = AutoModelForCausalLM.from_config(config)
-            except ValueError:
-                # Not a causal LM (an encoder, say): the base model's parameters are what trains.
-                model = AutoModel.from_config(config)
-    except Exception as exc:  # any failure to build is the config's fault here
-        raise ConfigError(
-            f"--model {path}: transformers could not build the model from its config: {exc}"
-        ) from exc
+    model = build_meta_model(resolve_model(path))
+    return shape_of_module(model, f"model {path} ({type(model).__name__})", persistence_threshold)
+
+
+def shape_of_module(model: Any, source: str, persistence_threshold: int = 100_000) -> ModelShape:
+    """The ZeRO-formula summary of a (meta) module: total, largest layer, persistent."""
     total = sum(param.numel() for param in model.parameters())
     largest = max((sum(q.numel() for q in m.parameters(recurse=False)) for m in model.modules()), default=0)
     persistent = sum(q.numel() for q in model.parameters() if q.numel() <= persistence_threshold)
-    name = type(model).__name__
-    log.debug("counted %s from %s: %d params, largest layer %d", name, path, total, largest)
-    return ModelShape(total, largest, persistent, f"model {path} ({name})", ())
+    log.debug("counted %s: %d params, largest layer %d", source, total, largest)
+    return ModelShape(total, largest, persistent, source, ())

@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from tiered.errors import CapacityError, ConfigError, ShapeMutationError
-from tiered.shards import ShardGroup, padded_numel
+from tiered.shards import ShardGroup
 from tiered.zero import comm
-from tiered.zero.budget import GpuGatherNeed, LiveBudget, PlannedSize, check_gather_budgets
+from tiered.zero.budget import GpuGatherNeed, LiveBudget
 from tiered.zero.group import COUNTERS, GradSummary, GroupContext, GroupRuntime
 from tiered.zero.hooks import HookSet
-from tiered.zero.leaf import LeafBoundary, LeafSet, find_leaf_modules, local_context
+from tiered.zero.layout import plan_layout
+from tiered.zero.leaf import LeafBoundary, local_context
 from tiered.zero.order import RECEIVED, CollectiveOrder, union_over_ranks
 from tiered.zero.passes import BackwardHolds, PassState
 from tiered.zero.plan import check_no_meta_mix
@@ -37,9 +38,7 @@ from tiered.zero.saved import RecomputeParams, SavedTensorRefs
 from tiered.zero.schedule import BeladyPolicy, Trace
 from tiered.zero.sharding import (
     ALIGNMENT_NUMEL,
-    map_modules,
     move_buffers,
-    plan_model_groups,
     write_group_partitions,
 )
 
@@ -95,41 +94,22 @@ class ZeroParameters:
 
         ws = self.world_size
         is_meta = check_no_meta_mix(model)
-        gpu_budget = tm.tier("gpu").budget_bytes
-        leaf_names = find_leaf_modules(model, z.leaf_module)  # [Note: leaf modules]
-        planned = plan_model_groups(
+        layout = plan_layout(  # before any partition is written: fail fast
             model,
             z,
             gpu_budget_bytes=tm.budget_bytes("gpu"),
             compute_dtype=compute_dtype,
             world_size=ws,
-            leaves=tuple(leaf_names),
-        )
-        needs_fetch = ws > 1 or param_tier != "gpu"
-        self.managed: dict[int, tuple[int, int]] = {  # id(param) -> (group index, entry index)
-            id(p): (i, j) for i, pg in enumerate(planned) for j, (_, p) in enumerate(pg.params)
-        }
-        self._modules = map_modules(model, self.managed)
-        self._leaves = LeafSet(
-            model, leaf_names, [pg.leaf for pg in planned], [pg.trainable for pg in planned], self.managed
-        )
-        for mid, leaf in self._leaves.by_module.items():  # entering a leaf gathers its whole subtree
-            self._modules.groups[mid] = leaf.groups
-        self._extra_groups: dict[int, list[int]] = {}  # module -> groups it used from elsewhere
-        self.gpu_need: GpuGatherNeed = check_gather_budgets(  # before any partition is written: fail fast
-            [
-                PlannedSize(pg.numel, padded_numel(pg.numel, ws, ALIGNMENT_NUMEL), pg.persistent)
-                for pg in planned
-            ],
-            [(self._modules.names[mid], idxs) for mid, idxs in self._modules.groups.items()],
-            max_live=z.max_live_parameters_numel,
-            gpu_budget_bytes=gpu_budget,
-            param_itemsize=placeholder.element_size(),
-            world_size=ws,
             param_tier=param_tier,
             grad_tier=grad_tier,
-            needs_fetch=needs_fetch,
         )
+        planned = layout.planned
+        needs_fetch = ws > 1 or param_tier != "gpu"
+        self.managed: dict[int, tuple[int, int]] = layout.managed  # id(param) -> (group index, entry index)
+        self._modules = layout.modules
+        self._leaves = layout.leaves
+        self._extra_groups: dict[int, list[int]] = {}  # module -> groups it used from elsewhere
+        self.gpu_need: GpuGatherNeed = layout.gpu_need
         """Bytes the schedule holds in "gpu" at its peak (the engine's capacity check uses it)."""
         written = write_group_partitions(
             model,

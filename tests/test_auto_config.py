@@ -1,0 +1,109 @@
+"""[Note: auto config]: ``tiered.auto_config`` resolved by `tiered.initialize` over the model being
+trained: the chosen config fits what was given, every knob the config set itself is kept, and
+nothing fitting is a CapacityError naming the closest config and each shortfall."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiered
+from tiered.errors import CapacityError, ConfigError
+
+transformers = pytest.importorskip("transformers")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=512,
+            tie_word_embeddings=False,
+        )
+    )
+
+
+def _config(tmp_path: Path, **auto: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        },
+        "tiered": {"auto_config": auto},
+    }
+
+
+def test_auto_config_chooses_a_fitting_config_and_keeps_pinned_knobs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = _config(tmp_path, cpu_mem="2GiB", gpu_mem="64MiB", nvme_mem="1GiB")
+    with caplog.at_level(logging.INFO, logger="tiered.planning.auto"):
+        engine = tiered.initialize(_model(), cfg)
+    with engine:
+        c = engine.config
+        assert c.zero.offload_optimizer.device == "nvme"  # pinned by the config itself
+        assert c.tiered.tiers["cpu"].budget_bytes is not None
+        assert c.tiered.tiers["cpu"].budget_bytes <= 2 * 2**30  # never above what was given
+        assert c.tiered.tiers["gpu"].budget_bytes is not None
+        assert c.tiered.tiers["gpu"].budget_bytes <= 64 * 2**20
+        x = torch.randint(0, 512, (1, 8))
+        out = engine(input_ids=x, labels=x)
+        engine.backward(out.loss)
+        engine.step()
+    assert "tiered.auto_config chose" in caplog.text
+
+
+def test_auto_config_nothing_fits_names_the_closest_and_each_shortfall(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, cpu_mem="1MiB", gpu_mem="1MiB", nvme_mem="1MiB")
+    with pytest.raises(CapacityError, match="nothing fits") as err:
+        tiered.initialize(_model(), cfg)
+    assert "closest" in str(err.value) and "short by" in str(err.value)
+
+
+def test_auto_config_with_own_tiers_or_unknown_key_is_refused(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, cpu_mem="2GiB")
+    cfg["tiered"]["tiers"] = {"cpu": {"budget": "1GiB"}}
+    with pytest.raises(ConfigError, match="tiered.tiers is set too"):
+        tiered.initialize(_model(), cfg)
+    with pytest.raises(ConfigError, match="unknown key cpu_memory"):
+        tiered.initialize(_model(), _config(tmp_path, cpu_memory="2GiB"))
+
+
+def test_load_config_refuses_an_unresolved_auto_config(tmp_path: Path) -> None:
+    from tiered.config.loader import load_config
+
+    with pytest.raises(ConfigError, match="tiered.auto_config is resolved where the model is known"):
+        load_config(_config(tmp_path, cpu_mem="2GiB"))
+
+
+def test_preflight_lists_every_short_tier_at_once_and_a_config_that_fits(tmp_path: Path) -> None:
+    """issue 21: a 1 GiB-class refusal named the tiers one run at a time; now every tier short is in
+    one error, each with the keys that fix it, and the planner's config for the same budgets."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 200_000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4},
+            "offload_param": {"device": "cpu"},
+        },
+        "tiered": {"tiers": {"cpu": {"budget": "600KiB"}, "nvme": {"budget": "600KiB"}}},
+    }
+    with pytest.raises(CapacityError) as err:
+        tiered.initialize(_model(), cfg)
+    text = str(err.value)
+    assert "cpu budget" in text and "nvme budget" in text  # both, in one error
+    assert "offload_optimizer.buffer_count" in text  # the key that fixes the cpu tier
+    assert "A config that fits these budgets" in text or "No config fits these budgets" in text

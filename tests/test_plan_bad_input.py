@@ -1,0 +1,49 @@
+"""`tiered plan`'s bad input is named: the file, the flag, the contradiction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tiered.cli.main import main
+
+pytest.importorskip("transformers")
+
+
+def _err(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_bandwidth_file_not_the_bench_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "bw.json"
+    f.write_text('{"gbps": 3}')
+    assert 'not tiered bench\'s JSON (no "methods" list' in _err(
+        capsys, ["plan", "--params", "100M", "--bandwidth", str(f)]
+    )
+    f.write_text("not json")
+    assert f"--bandwidth {f}: not a JSON file" in _err(
+        capsys, ["plan", "--params", "100M", "--bandwidth", str(f)]
+    )
+
+
+def test_contradictory_pinned_knobs_are_named(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _err(capsys, ["plan", "--params", "100M", "--offload-optimizer", "none", "--grad-tier", "nvme"])
+    assert "contradictory pinned knobs" in err and "--grad-tier nvme" in err
+
+
+def test_model_folder_without_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "folder has no config.json" in _err(capsys, ["plan", "--model", str(tmp_path)])
+
+
+def test_memories_too_small_name_the_closest_config_and_each_shortfall(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(
+        ["plan", "--params", "100M", "--gpu-mem", "64MiB", "--cpu-mem", "256MiB", "--nvme-mem", "100MB"]
+    )
+    assert code == 1
+    out = capsys.readouterr().out
+    assert "nothing fits. closest:" in out and "short by" in out
+    assert "nvme_path" in out or "offload" in out  # each shortfall with the key that fixes it

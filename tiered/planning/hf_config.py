@@ -1,0 +1,83 @@
+"""The one reader of a local Hugging Face model's config.json: `tiered finetune`, `tiered bench
+--model` and `tiered plan --model` all build their model from what it returns, so a folder
+means the same model to each (no download: [Note: local models only] in tiered/finetune/model.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiered.errors import ConfigError, TieredError
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: its config file, its folder (None for a bare config.json) and
+    the safetensors files found there."""
+
+    config_path: Path
+    folder: Path | None
+    weight_files: tuple[Path, ...]
+
+
+def resolve_model(path: str | Path) -> ModelSource:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(
+            f"--model {path}: no such file or folder; pass a local Hugging Face model folder "
+            "(with config.json) or a config.json file"
+        )
+    if p.is_dir():
+        cfg = p / "config.json"
+        if not cfg.is_file():
+            raise ConfigError(f"--model {path}: folder has no config.json; pass a Hugging Face model folder")
+        return ModelSource(cfg, p, tuple(sorted(p.glob("*.safetensors"))))
+    return ModelSource(p, None, ())
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    """The transformers config (PretrainedConfig) of `source`."""
+    try:
+        from transformers import AutoConfig
+    except ImportError as exc:
+        raise TieredError(
+            "reading a Hugging Face model folder needs transformers; install it with "
+            "pip install 'tiered[hf]' (tiered plan: or pass --params instead)"
+        ) from exc
+    try:
+        data = json.loads(source.config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--model {source.config_path}: not a readable JSON config ({exc})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ConfigError(
+            f'--model {source.config_path}: config has no "model_type" key; is it a Hugging Face config.json?'
+        )
+    model_type = data.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"--model {source.config_path}: unknown or invalid model_type {model_type!r}: {exc}"
+        ) from None
+
+
+def build_meta_model(source: ModelSource) -> Any:
+    """`source`'s model on the meta device (shapes, no storage): a causal LM, or the base model
+    where the config is not one (an encoder). ConfigError when transformers cannot build it."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    config = load_hf_config(source)
+    try:
+        with torch.device("meta"):
+            try:
+                return AutoModelForCausalLM.from_config(config)
+            except ValueError:  # not a causal LM: the base model's parameters are what trains
+                return AutoModel.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is the user's to fix
+        raise ConfigError(
+            f"--model {source.config_path}: transformers could not build the model from its config: {exc}"
+        ) from None

@@ -1,0 +1,262 @@
+"""The one memory model: what a config needs on each tier, from the groups the engine plans.
+
+[Note: one memory model]
+The engine's pre-flight check ([Note: capacity check before training], tiered/engine/build.py)
+and `tiered plan` take their numbers from this module, never from two formulas:
+
+* the groups are `tiered.zero.layout.plan_layout`'s (the ZeRO-3 scheduler's own planner: blocks,
+  leaves, persistence, ``sub_group_size`` splits, the gather need); `tiered plan --model` runs it
+  over the real module tree built on the meta device, `--params` over the documented stand-in of
+  [Note: shape model for --params] (tiered/planning/shape_model.py);
+* where each group's optimizer step runs and its state lives is
+  `tiered.optim.placement.plan_optimizer_placement`, the state partitions
+  `state_partition_specs`, the staging `pipeline_bytes` at the tile the step runs in
+  (``sub_group_size`` elements: DeepSpeed's meaning, so the staging is bounded by
+  ``buffer_count x tile x bytes`` whatever the largest parameter);
+* `capacity_needs` sums them per tier: homes + gather + persistent + pipeline.
+
+The engine calls `engine_needs` with the groups it created; the planner calls `predict` with
+stand-ins of the same groups (`ShardGroup`s whose partitions are only a home and a size): a
+test (tests/test_plan_engine_agree.py) holds the two equal on a zoo of shapes.
+
+Host memory is more than the host tiers: the process itself (the interpreter, torch,
+transformers and tiered imported, the model skeleton) and the transient fp32 copies the engine
+holds outside the tiers (a group's fp32 shard while it is initialised, a gradient while it is
+reduced and flushed: at most the largest group's, per [Note: host allocations and glibc's heap]
+freed whole). `HOST_BASELINE_BYTES` is the first, measured once: peak RSS of
+``python -c "import torch, transformers, tiered"`` plus a 36B Llama skeleton built on the meta
+device is 377 MiB (CPU torch 2.x, Linux); without transformers 257 MiB. A CUDA process adds
+its driver context in host memory (a few hundred MiB), so the constant is 768 MiB. The second
+is `outside_tiers_bytes`. `tiered plan` adds both to the host tiers' need before it compares
+with ``--cpu-mem`` and writes only what is left as the cpu tier's budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tiered.config.schema import TieredConfig
+from tiered.optim.placement import (
+    GroupPlan,
+    optimizer_tile_numel,
+    pipeline_bytes,
+    plan_optimizer_placement,
+    state_partition_specs,
+)
+from tiered.planning.homes import Placement, choose_placement
+from tiered.shards import ParamEntry, ShardGroup, group_name
+
+if TYPE_CHECKING:
+    from tiered.tiers import Partition
+    from tiered.zero.budget import GpuGatherNeed
+
+HOST_BASELINE_BYTES = 768 * 2**20
+"""The process before any tier: see [Note: one memory model]."""
+MEMORY_BACKENDS = {"gpu": "device", "cpu": "host"}
+"""Backend type -> the memory it takes; every other backend stores on disk (nvme, stripe, ...)."""
+
+
+def pipeline_need(
+    groups: Sequence[ShardGroup], plans: Sequence[GroupPlan], cfg: TieredConfig, compute_dtype: torch.dtype
+) -> dict[str, int]:
+    """The optimizer pipeline's staging per tier, tiled at ``sub_group_size`` ([Note: one memory model])."""
+    return pipeline_bytes(
+        groups, plans, cfg.zero.offload_optimizer.buffer_count, compute_dtype, optimizer_tile_numel(cfg)
+    )
+
+
+def capacity_needs(
+    groups: Sequence[ShardGroup],
+    plans: Sequence[GroupPlan],
+    gpu_need: GpuGatherNeed,
+    *,
+    pipeline: dict[str, int],
+    compute_dtype: torch.dtype,
+    tile_numel: int,
+) -> dict[str, dict[str, Any]]:
+    """Per tier: {"homes": bytes, "gather": bytes, "persistent": bytes, "pipeline": bytes,
+    "module": what the gather is for, "total", "to_write": [nbytes of each partition not yet
+    created]}. `groups` are all of them (their param and grad partitions exist already), `plans`
+    one per trainable group. See [Note: capacity check before training]."""
+    need: dict[str, dict[str, Any]] = {}
+
+    def at(tier: str) -> dict[str, Any]:
+        return need.setdefault(
+            tier, {"homes": 0, "gather": 0, "persistent": 0, "pipeline": 0, "module": "", "to_write": []}
+        )
+
+    for g in groups:
+        at(g.param.home)["homes"] += g.param.nbytes
+        if g.grad is not None:
+            at(g.grad.home)["homes"] += g.grad.nbytes
+    for g, p in zip([g for g in groups if g.trainable], plans, strict=True):  # frozen: no state
+        for _, numel, dtype, home in state_partition_specs(g, p, compute_dtype, tile_numel):
+            nbytes = numel * dtype.itemsize
+            at(home)["homes"] += nbytes
+            at(home)["to_write"].append(nbytes)
+    gpu = at("gpu")
+    gpu["persistent"] = gpu_need.persistent_bytes
+    if gpu_need.gather_bytes:
+        gpu["gather"] = gpu_need.gather_bytes
+        gpu["module"] = repr(gpu_need.largest_module)
+    for tier, b in pipeline.items():
+        at(tier)["pipeline"] += b
+    for d in need.values():
+        d["total"] = d["homes"] + d["gather"] + d["persistent"] + d["pipeline"]
+    return need
+
+
+def engine_needs(
+    groups: Sequence[ShardGroup],
+    plans: Sequence[GroupPlan],
+    gpu_need: GpuGatherNeed,
+    cfg: TieredConfig,
+    compute_dtype: torch.dtype,
+) -> dict[str, dict[str, Any]]:
+    """`capacity_needs` with the pipeline of `pipeline_need`: what the engine checks."""
+    trainable = [g for g in groups if g.trainable]
+    pipe = pipeline_need(trainable, plans, cfg, compute_dtype)
+    return capacity_needs(
+        groups,
+        plans,
+        gpu_need,
+        pipeline=pipe,
+        compute_dtype=compute_dtype,
+        tile_numel=optimizer_tile_numel(cfg),
+    )
+
+
+def outside_tiers_bytes(groups: Sequence[ShardGroup]) -> int:
+    """Host bytes the engine holds outside its tiers at its peak ([Note: one memory model]): the
+    largest group's fp32 shard."""
+    return max((g.shard_numel * 4 for g in groups), default=0)
+
+
+def tier_memory(cfg: TieredConfig, name: str, *, gpu_is_host: bool) -> str:
+    """ "device", "host" or "disk": what tier `name` of `cfg` takes its bytes from."""
+    spec = cfg.tiered.tiers.get(name)
+    kind = MEMORY_BACKENDS.get(str(spec.backend.get("type")) if spec is not None else name, "disk")
+    return "host" if kind == "device" and gpu_is_host else kind
+
+
+@dataclass(frozen=True)
+class _SizedPartition:
+    """What the memory model reads of a partition: its home and size."""
+
+    name: str
+    home: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What one config needs, tier by tier, as the engine will check it."""
+
+    placement: Placement
+    needs: dict[str, dict[str, Any]]
+    """`capacity_needs`'s answer."""
+    memory: dict[str, str]
+    """tier -> "device", "host" or "disk"."""
+    groups: tuple[ShardGroup, ...]
+    plans: tuple[GroupPlan, ...]
+    outside_tiers_bytes: int
+    baseline_bytes: int = HOST_BASELINE_BYTES
+
+    def tier_bytes(self, memory: str) -> int:
+        """The tiers' need on one kind of memory (no process baseline)."""
+        return sum(d["total"] for t, d in self.needs.items() if self.memory.get(t) == memory)
+
+    def peak_bytes(self, memory: str) -> int:
+        """What the run takes of one kind of memory; host includes the process and what the
+        engine holds outside the tiers."""
+        extra = self.baseline_bytes + self.outside_tiers_bytes if memory == "host" else 0
+        return self.tier_bytes(memory) + extra
+
+    @property
+    def largest_group_numel(self) -> int:
+        return max((g.shard_numel for g in self.groups), default=0)
+
+
+def predict(
+    model: nn.Module,
+    cfg: TieredConfig,
+    *,
+    world_size: int = 1,
+    gpu_is_host: bool = False,
+    layouts: dict[Any, Any] | None = None,
+) -> Prediction:
+    """What `tiered.initialize(model, cfg)` would check, without creating a tier: the same
+    group planning, placement and sums ([Note: one memory model]). `model` may be on the meta
+    device. Raises what the engine raises when a module can never be gathered. `layouts` caches
+    the group layout across configs that plan the same groups (the search's)."""
+    from tiered.zero.layout import plan_layout
+
+    placement = choose_placement(cfg)
+    dtype = placement.compute_dtype
+    gpu_spec = cfg.tiered.tiers.get("gpu")
+    gpu_budget = gpu_spec.budget_bytes if gpu_spec is not None else None
+    z = cfg.zero
+    key = (
+        z.sub_group_size_numel,
+        z.param_persistence_threshold_numel,
+        z.model_persistence_threshold_numel,
+        z.max_live_parameters_numel,
+        repr(z.leaf_module),
+        gpu_budget,
+        dtype,
+        world_size,
+        placement.param_tier,
+        placement.grad_tier,
+    )
+    layout = None if layouts is None else layouts.get(key)
+    if layout is None:
+        layout = plan_layout(
+            model,
+            z,
+            gpu_budget_bytes=gpu_budget,
+            compute_dtype=dtype,
+            world_size=world_size,
+            param_tier=placement.param_tier,
+            grad_tier=placement.grad_tier,
+        )
+        if layouts is not None:
+            layouts[key] = layout
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    groups: list[ShardGroup] = []
+    for i, pg in enumerate(layout.planned):
+        entries, off = [], 0
+        for qual, p in pg.params:
+            entries.append(ParamEntry(qual, off, p.numel(), tuple(p.shape)))
+            off += p.numel()
+        shard = layout.shard_numel(i)
+        name = group_name(i)
+        param = _SizedPartition(f"{name}.param", placement.param_tier, shard * itemsize)
+        grad = _SizedPartition(f"{name}.grad", placement.grad_tier, shard * 4) if pg.trainable else None
+        groups.append(
+            ShardGroup(
+                i,
+                name,
+                tuple(entries),
+                shard * world_size,
+                shard,
+                0,
+                _as_partition(param),
+                None if grad is None else _as_partition(grad),
+                pg.persistent,
+            )
+        )
+    trainable = [g for g in groups if g.trainable]
+    plans = plan_optimizer_placement(trainable, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
+    needs = engine_needs(groups, plans, layout.gpu_need, cfg, dtype)
+    memory = {t: tier_memory(cfg, t, gpu_is_host=gpu_is_host) for t in {*cfg.tiered.tiers, *needs}}
+    return Prediction(placement, needs, memory, tuple(groups), tuple(plans), outside_tiers_bytes(groups))
+
+
+def _as_partition(p: _SizedPartition) -> Partition:
+    # the memory model reads only .name, .home and .nbytes of a partition
+    return p  # type: ignore[return-value]

@@ -1,0 +1,142 @@
+"""Bytes per optimizer step on each link: the floor the engine's data path can reach.
+
+[Note: bytes per step]
+Per rank and optimizer step, with A = gradient_accumulation_steps micro-batches, p the compute
+dtype's bytes (2 bf16/fp16, 4 fp32), S the elements of the non-persistent groups' shards, S_t
+of the trainable ones, S_c of the trainable groups stepped by the CPU kernel (the others, by
+``offload_optimizer.ratio``, step on the GPU with their state there) and K the states read from
+a disk home per element (12 B: master, exp_avg, exp_avg_sq; 8 B in fp32 where [Note: fp32
+master is the parameter] makes the parameter the master). Links are named by the memory at
+their ends: ``disk->host``, ``host->disk``, ``host->device``, ``device->host`` (disk is any
+storage tier: nvme, stripe, ...; on a machine without CUDA "device" is host memory and the
+host/device moves are memory copies):
+
+* parameters homed off the GPU are gathered once per micro-batch: A x S x p from their home
+  (``disk->device`` staged through host counts as one read on disk->host and one on
+  host->device); groups kept in cpu by ``offload_param.max_in_cpu`` ([Note: max_in_cpu]) are
+  read from host instead of disk. A backward that finds a parameter released re-reads it: the
+  floor counts 0 re-reads (the gpu tier keeps what backward needs), `tiered.bench pattern`'s
+  trace counts the engine's actual re-reads;
+* persistent groups stay on the GPU: 0 per step;
+* gradients leave the device as fp32 partitions: A x S_t x 4 device->host; homed on disk
+  (``tiered.grad_tier``): every micro-batch writes (A x S_t x 4 host->disk), every micro-batch
+  after the first reads the partial sum back ((A - 1) x S_t x 4) and the step reads it
+  (S_c x 4 disk->host);
+* optimizer state homed on disk: K x S_c read and K x S_c written;
+* the new parameters: S_c x p written to a disk home unless kept in cpu, or host->device to a
+  GPU home; GPU-stepped groups move nothing.
+
+The gradient's round trip through disk at A = 1 and the backward re-reads are what issue
+work on the engine's data path may remove; this formula is the floor it is measured against:
+`Engine.stats()["bytes_per_step"]` puts it next to the bytes the tier manager counted per
+step, and `tiered plan` divides it by the link bandwidths to rank configs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiered.optim.placement import GroupPlan, master_is_param
+
+if TYPE_CHECKING:
+    from tiered.shards import ShardGroup
+
+LINKS = ("disk->host", "host->disk", "host->device", "device->host")
+
+
+def kept_in_cpu(groups: Sequence[ShardGroup], plans: Sequence[GroupPlan], limit_numel: int) -> set[int]:
+    """Indices (into the trainable `groups`) whose new parameters stay in cpu ([Note: max_in_cpu]):
+    the rule of `OffloadedAdam._params_kept_in_cpu`."""
+    keep, total = set(), 0
+    for i, (g, p) in enumerate(zip(groups, plans, strict=True)):
+        if (
+            p.stage_tier == "cpu"
+            and g.param.home not in ("cpu", "gpu")
+            and total + g.shard_numel <= limit_numel
+        ):
+            keep.add(i)
+            total += g.shard_numel
+    return keep
+
+
+def bytes_per_step(
+    groups: Sequence[ShardGroup],
+    plans: Sequence[GroupPlan],
+    memory: dict[str, str],
+    *,
+    compute_dtype: torch.dtype,
+    accumulation: int,
+    max_in_cpu_numel: int,
+) -> dict[str, int]:
+    """The floor of [Note: bytes per step] per link; `memory` maps tier -> "device"/"host"/"disk"."""
+    p = torch.empty(0, dtype=compute_dtype).element_size()
+    a = max(1, accumulation)
+    out = dict.fromkeys(LINKS, 0)
+    trainable = [g for g in groups if g.trainable]
+    kept = {trainable[i].index for i in kept_in_cpu(trainable, plans, max_in_cpu_numel)}
+
+    def move(src: str, dst: str, n: int) -> None:
+        s, d = memory.get(src, "disk"), memory.get(dst, "disk")
+        if s == d or n == 0:
+            return
+        if s == "disk" and d == "device":  # staged through host memory
+            out["disk->host"] += n
+            out["host->device"] += n
+        elif d == "disk" and s == "device":
+            out["device->host"] += n
+            out["host->disk"] += n
+        else:
+            out[f"{s}->{d}"] += n
+
+    for g in groups:
+        home = g.param.home
+        if not g.persistent and home != "gpu":
+            move("cpu" if g.index in kept else home, "gpu", a * g.shard_numel * p)
+    for g, plan in zip(trainable, plans, strict=True):
+        assert g.grad is not None
+        n = g.shard_numel
+        grad_home = g.grad.home
+        if grad_home != "gpu":
+            if memory.get(grad_home) == "disk":
+                move("gpu", "cpu", a * n * 4)
+                move("cpu", grad_home, a * n * 4)
+                move(grad_home, "cpu", (a - 1) * n * 4)
+            else:
+                move("gpu", grad_home, a * n * 4)
+        if plan.side != "cpu":
+            if grad_home != "gpu":
+                move(grad_home, "gpu", n * 4)
+            continue
+        if memory.get(grad_home) == "disk":
+            move(grad_home, plan.compute_tier, n * 4)
+        states = 2 if master_is_param(g, plan, compute_dtype) else 3
+        move(plan.state_home, plan.compute_tier, states * 4 * n)
+        move(plan.compute_tier, plan.state_home, states * 4 * n)
+        if g.index not in kept:
+            move(plan.stage_tier, g.param.home, n * p)
+    return out
+
+
+def measured_per_step(
+    links: dict[str, dict[str, float]], memory: dict[str, str], steps: int
+) -> dict[str, float]:
+    """The tier manager's link counters (``"nvme->cpu": {"bytes": ...}``), summed per link of
+    [Note: bytes per step] and divided by `steps`."""
+    out = dict.fromkeys(LINKS, 0.0)
+    for key, v in links.items():
+        src, _, dst = key.partition("->")
+        s, d = memory.get(src, "disk"), memory.get(dst, "disk")
+        if s == d:
+            continue
+        if s == "disk" and d == "device":
+            out["disk->host"] += v["bytes"]
+            out["host->device"] += v["bytes"]
+        elif d == "disk" and s == "device":
+            out["device->host"] += v["bytes"]
+            out["host->disk"] += v["bytes"]
+        else:
+            out[f"{s}->{d}"] = out.get(f"{s}->{d}", 0.0) + v["bytes"]
+    return {k: v / max(1, steps) for k, v in out.items()}
