@@ -78,6 +78,8 @@ class ZeroParameters:
         self.compute_dtype = compute_dtype
         self.process_group = process_group
         self.world_size, self.rank = comm.world(process_group)
+        self._param_order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        """Where each parameter comes in model.parameters(): the order torch stacks the norms in."""
         for t in (param_tier, grad_tier, "gpu"):
             if t not in tm.tier_names:
                 raise ConfigError(
@@ -283,15 +285,35 @@ class ZeroParameters:
         return GradSummary(False, 0.0, nonfinite_group=self._probed_nonfinite_group())
 
     def grad_summary(self) -> GradSummary:
-        sq = 0.0
-        first: str | None = None
-        for rt in self.runtimes:
-            if rt.group.grad is not None:
-                g_sq = rt.grad_sq_norm()
-                if first is None and not math.isfinite(g_sq):
-                    first = rt.group.name
-                sq += g_sq
-        return GradSummary(found_inf=not math.isfinite(sq), sq_norm_local=sq, nonfinite_group=first)
+        """The local squared gradient norm and overflow flag ([Note: gradient norm as torch's])."""
+        # [Note: gradient norm as torch's]
+        # The clip coefficient scales every gradient of the step, and Adam carries a relative
+        # change of it in exp_avg into the following steps, where a loss surface can amplify it:
+        # on the demo's 20 steps, plain PyTorch clipped by the exact (float64) norm instead of its
+        # own ends 1.1e-4 away from plain PyTorch, ten times torch's fused-vs-foreach spread. And
+        # torch's fp32 norm is not exact (up to ~1e-5 relative on real gradients, torch 2.13 CPU).
+        # So the norm is taken as torch.nn.utils.clip_grad_norm_ takes it: the fp32 L2 norm of
+        # each parameter's gradient (torch.linalg.vector_norm on it), then the norm of those
+        # norms stacked in the model's parameter order, rounded as torch rounds, not more exactly.
+        # Across ranks a parameter's gradient is split, so no rank holds torch's operand: each
+        # rank sums the squares of its parts' norms in float64 and the ranks sum those.
+        per_group = [(rt, rt.grad_norms()) for rt in self.runtimes]
+        norms = [nm for _, group_norms in per_group for nm in group_norms]
+        if not norms:
+            return GradSummary(found_inf=False, sq_norm_local=0.0)
+        if self.world_size > 1:
+            sq = math.fsum(float(n) ** 2 for _, n in norms)
+        else:
+            norms.sort(key=lambda nm: self._param_order.get(nm[0], len(self._param_order)))
+            dev = norms[0][1].device
+            total = torch.linalg.vector_norm(torch.stack([n.to(dev) for _, n in norms]))
+            sq = float(total) ** 2  # exact in float64: its square root is `total` again
+        if math.isfinite(sq):
+            return GradSummary(found_inf=False, sq_norm_local=sq)
+        first = next(  # None where only the sum overflowed
+            (rt.group.name for rt, gn in per_group if not all(math.isfinite(float(n)) for _, n in gn)), None
+        )
+        return GradSummary(found_inf=True, sq_norm_local=sq, nonfinite_group=first)
 
     def probe_finite_grads(self) -> None:
         """From now on each gradient flush also records a sum of the gradients it adds, on their

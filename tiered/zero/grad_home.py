@@ -7,9 +7,10 @@ gradient partition lives there instead: each flush stages it in "cpu" (read from
 this backward's gradients are added to it under accumulation; only allocated, not read, at the
 first flush after zeroing, which overwrites all of it), adds or copies this backward's
 gradients, writes it back and frees the staged copy, so host memory holds one group's gradient
-at a time (and a step without accumulation reads no gradient before the optimizer does). The squared norm of the values written is kept per group, so the global
-norm for clipping is exact (the same fp32 values the optimizer reads) without reading every
-gradient again at the end of backward. The optimizer fetches each group's gradient from its
+at a time (and a step without accumulation reads no gradient before the optimizer does). The
+per-parameter norms of the values written are kept per group ([Note: gradient norm as torch's]),
+so the global norm for clipping is taken on the same fp32 values the optimizer reads without
+reading every gradient again at the end of backward. The optimizer fetches each group's gradient from its
 home like its states (tiered/optim/offload.py already does so for any gradient home).
 """
 
@@ -20,9 +21,28 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from tiered.shards import ShardGroup
     from tiered.tiers import Partition, TierManager
 
 STAGE_TIER = "cpu"
+
+
+def param_grad_norms(group: ShardGroup, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(parameter name, fp32 L2 norm of its part of the flat gradient shard `t`) for each
+    parameter of `group` this shard holds, as torch.linalg.vector_norm computes it on the
+    parameter's own gradient ([Note: gradient norm as torch's] in tiered/zero/coordinator.py)."""
+    norms = []
+    for entry in group.entries:
+        where = group.shard_slice(entry)
+        if where is None:
+            continue
+        start, _, length = where
+        part = t[start : start + length]
+        # the whole parameter in its own shape: torch reduces the gradient tensor itself
+        norms.append(
+            (entry.name, torch.linalg.vector_norm(part.view(entry.shape) if length == entry.numel else part))
+        )
+    return norms
 
 
 def is_staged(tm: TierManager, part: Partition) -> bool:
@@ -33,12 +53,13 @@ def is_staged(tm: TierManager, part: Partition) -> bool:
 class StagedGradHome:
     """One group's gradient partition homed in a storage tier; see [Note: gradients on nvme]."""
 
-    def __init__(self, tm: TierManager, part: Partition) -> None:
+    def __init__(self, tm: TierManager, group: ShardGroup, part: Partition) -> None:
         self.tm = tm
+        self.group = group
         self.part = part
         self.staged: torch.Tensor | None = None
-        self.sq_norm = 0.0
-        """Squared L2 norm of the values last written (0 while lazily zero)."""
+        self.norms: list[tuple[str, torch.Tensor]] = []
+        """Per-parameter norms of the values last written (`param_grad_norms`)."""
 
     def open(self, *, overwrite: bool = False) -> torch.Tensor:
         """The partition's values in "cpu", to be modified in place and then `write_back()`;
@@ -56,7 +77,7 @@ class StagedGradHome:
         should the cpu budget need its room first)."""
         t, self.staged = self.staged, None
         assert t is not None, f"{self.part.name}: write_back without open"
-        self.sq_norm = float(torch.dot(t, t).item()) if t.numel() else 0.0
+        self.norms = param_grad_norms(self.group, t)
         tm = self.tm
         tm.mark_dirty(self.part, STAGE_TIER)
         tm.release(self.part, STAGE_TIER)

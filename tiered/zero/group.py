@@ -45,6 +45,7 @@ backward, before anything (the norm, the optimizer) reads them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -56,7 +57,7 @@ from tiered.errors import ShapeMutationError
 from tiered.shards import ShardGroup
 from tiered.zero import comm
 from tiered.zero.budget import LiveBudget
-from tiered.zero.grad_home import StagedGradHome, is_staged
+from tiered.zero.grad_home import StagedGradHome, is_staged, param_grad_norms
 from tiered.zero.order import GATHER, REDUCE, CollectiveOrder
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ class GroupRuntime:
         """A flushed gradient homed in storage stays in "cpu" for the step to consume
         (`ZeroParameters.keep_flushed_grads`: [Note: gradient consumed from memory])."""
         self._staged_grad = (  # a gradient home in storage: [Note: gradients on nvme]
-            StagedGradHome(ctx.tm, group.grad)
+            StagedGradHome(ctx.tm, group, group.grad)
             if group.grad is not None and is_staged(ctx.tm, group.grad)
             else None
         )
@@ -450,13 +451,23 @@ class GroupRuntime:
         return self._staged_grad is not None
 
     def grad_sq_norm(self) -> float:
-        """Squared L2 norm of the accumulated fp32 gradient shard (0 for a frozen group)."""
+        """Squared L2 norm of the accumulated fp32 gradient shard, from `grad_norms` (0 for a
+        frozen group; a staged gradient's kept norms: nothing read)."""
+        return math.fsum(float(n) ** 2 for _, n in self.grad_norms())
+
+    def grad_norms(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, fp32 L2 norm) of each parameter's part of the accumulated gradient shard
+        ([Note: gradient norm as torch's] in tiered/zero/coordinator.py); none for a frozen group."""
         if self.group.grad is None:
-            return 0.0
+            return []
+        if self.grad_zero_pending:  # no gradient reached it: zeros, as the optimizer reads
+            return [
+                (n, torch.zeros(()))
+                for n, _ in param_grad_norms(self.group, torch.zeros(self.group.shard_numel))
+            ]
         if self._staged_grad is not None:
-            return 0.0 if self.grad_zero_pending else self._staged_grad.sq_norm
-        t = self.home_view(self.group.grad)
-        return float(torch.dot(t, t).item()) if t.numel() else 0.0
+            return self._staged_grad.norms
+        return param_grad_norms(self.group, self.home_view(self.group.grad))
 
     def read_grad_shard(self) -> torch.Tensor:
         """A CPU copy of this rank's accumulated fp32 gradient shard."""
