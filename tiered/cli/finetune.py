@@ -427,7 +427,8 @@ def _job_config(o: FinetuneOptions, rank: int) -> tuple[dict[str, Any], Path | N
     if o.lora is not None:
         parse_lora_spec(o.lora)  # a malformed spec fails before the model is built
     raw = apply_overrides(raw, lr=o.lr, batch_size=o.batch_size, nvme_path=o.nvme_path)
-    raw, trace_file, trace_is_temp = _with_trace(raw, o.trace_path, o.plot_path, rank)
+    out_dir = o.checkpoints.out_dir if o.checkpoints is not None else None
+    raw, trace_file, trace_is_temp = _with_trace(raw, o.trace_path, o.plot_path, rank, out_dir)
     raw, hp = hyperparameter_flags(
         raw, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, steps=o.steps
     )
@@ -538,7 +539,11 @@ def _check_plot_available() -> None:
 
 
 def _with_trace(
-    raw: dict[str, Any], trace_path: str | Path | None, plot_path: str | Path | None, rank: int
+    raw: dict[str, Any],
+    trace_path: str | Path | None,
+    plot_path: str | Path | None,
+    rank: int,
+    out_dir: Path | None = None,
 ) -> tuple[dict[str, Any], Path | None, bool]:
     """The config with tiered.trace_path set from --trace, else from the config's own
     trace_path, else (--plot alone) a hidden file next to the plot that the engine writes at
@@ -566,7 +571,9 @@ def _with_trace(
         temp = True
     else:
         return raw, None, False
-    if not temp:  # before the model is built ([Note: ranks in finetune]: rank 0 writes it)
+    # before the model is built ([Note: ranks in finetune]: rank 0 writes it); a folder inside
+    # --out is the run's to create ([Note: run directory])
+    if not temp and not (out_dir is not None and _inside(path, out_dir)):
         from tiered.engine.build import check_trace_path
 
         check_trace_path(path, "--trace" if trace_path is not None else "tiered.trace_path")

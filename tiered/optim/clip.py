@@ -5,7 +5,7 @@ The gradients never get multiplied in place: the optimizer kernel multiplies eac
 scalar on the fly (``grad_scale``), so clipping and fp16 unscaling cost no extra pass over the
 gradients: ``grad_scale = clip_coef / loss_scale``. The norm is computed once per step from each
 rank's local squared norm (its shard of the accumulated fp32 gradients, taken as torch takes it:
-[Note: gradient norm as torch's] in tiered/zero/coordinator.py), summed over the data-parallel
+[Note: gradient norm as torch's] in tiered/zero/grad_norm.py), summed over the data-parallel
 group in float64, so every rank computes the same coefficient.
 """
 

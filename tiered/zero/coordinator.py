@@ -16,7 +16,6 @@ modules (what a leaf gathers and flushes) are [Note: leaf modules] in tiered/zer
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +24,7 @@ from torch import nn
 
 from tiered.errors import CapacityError, ConfigError, ShapeMutationError
 from tiered.shards import ShardGroup
-from tiered.zero import comm
+from tiered.zero import comm, grad_norm
 from tiered.zero.budget import GpuGatherNeed, LiveBudget
 from tiered.zero.group import COUNTERS, GradSummary, GroupContext, GroupRuntime
 from tiered.zero.hooks import HookSet
@@ -285,35 +284,9 @@ class ZeroParameters:
         return GradSummary(False, 0.0, nonfinite_group=self._probed_nonfinite_group())
 
     def grad_summary(self) -> GradSummary:
-        """The local squared gradient norm and overflow flag ([Note: gradient norm as torch's])."""
-        # [Note: gradient norm as torch's]
-        # The clip coefficient scales every gradient of the step, and Adam carries a relative
-        # change of it in exp_avg into the following steps, where a loss surface can amplify it:
-        # on the demo's 20 steps, plain PyTorch clipped by the exact (float64) norm instead of its
-        # own ends 1.1e-4 away from plain PyTorch, ten times torch's fused-vs-foreach spread. And
-        # torch's fp32 norm is not exact (up to ~1e-5 relative on real gradients, torch 2.13 CPU).
-        # So the norm is taken as torch.nn.utils.clip_grad_norm_ takes it: the fp32 L2 norm of
-        # each parameter's gradient (torch.linalg.vector_norm on it), then the norm of those
-        # norms stacked in the model's parameter order, rounded as torch rounds, not more exactly.
-        # Across ranks a parameter's gradient is split, so no rank holds torch's operand: each
-        # rank sums the squares of its parts' norms in float64 and the ranks sum those.
-        per_group = [(rt, rt.grad_norms()) for rt in self.runtimes]
-        norms = [nm for _, group_norms in per_group for nm in group_norms]
-        if not norms:
-            return GradSummary(found_inf=False, sq_norm_local=0.0)
-        if self.world_size > 1:
-            sq = math.fsum(float(n) ** 2 for _, n in norms)
-        else:
-            norms.sort(key=lambda nm: self._param_order.get(nm[0], len(self._param_order)))
-            dev = norms[0][1].device
-            total = torch.linalg.vector_norm(torch.stack([n.to(dev) for _, n in norms]))
-            sq = float(total) ** 2  # exact in float64: its square root is `total` again
-        if math.isfinite(sq):
-            return GradSummary(found_inf=False, sq_norm_local=sq)
-        first = next(  # None where only the sum overflowed
-            (rt.group.name for rt, gn in per_group if not all(math.isfinite(float(n)) for _, n in gn)), None
-        )
-        return GradSummary(found_inf=True, sq_norm_local=sq, nonfinite_group=first)
+        """The local squared gradient norm and overflow flag ([Note: gradient norm as torch's]
+        in tiered/zero/grad_norm.py)."""
+        return grad_norm.local_grad_summary(self.runtimes, self.world_size, self._param_order)
 
     def probe_finite_grads(self) -> None:
         """From now on each gradient flush also records a sum of the gradients it adds, on their
@@ -325,19 +298,7 @@ class ZeroParameters:
                 rt.finite_probes = []
 
     def _probed_nonfinite_group(self) -> str | None:
-        probes = [(rt, p) for rt in self.runtimes if rt.finite_probes for p in rt.finite_probes]
-        staged = [rt for rt in self.runtimes if rt.finite_probes is not None and rt.grad_staged]
-        for rt in self.runtimes:
-            if rt.finite_probes:
-                rt.finite_probes = []
-        first = next((rt for rt in staged if not math.isfinite(rt.grad_sq_norm())), None)  # kept, no read
-        if probes:
-            dev = probes[0][1].device
-            bad = (~torch.isfinite(torch.stack([p.to(dev) for _, p in probes]).cpu())).nonzero()  # one sync
-            if bad.numel():
-                rt = probes[int(bad[0])][0]
-                first = rt if first is None or rt.index < first.index else first
-        return None if first is None else first.group.name
+        return grad_norm.probed_nonfinite_group(self.runtimes)
 
     def zero_grads(self) -> None:
         """Set every group's accumulated gradient to zero on its tier (lazily: see [Note: lazy

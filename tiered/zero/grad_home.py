@@ -30,7 +30,7 @@ STAGE_TIER = "cpu"
 def param_grad_norms(group: ShardGroup, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """(parameter name, fp32 L2 norm of its part of the flat gradient shard `t`) for each
     parameter of `group` this shard holds, as torch.linalg.vector_norm computes it on the
-    parameter's own gradient ([Note: gradient norm as torch's] in tiered/zero/coordinator.py)."""
+    parameter's own gradient ([Note: gradient norm as torch's] in tiered/zero/grad_norm.py)."""
     norms = []
     for entry in group.entries:
         where = group.shard_slice(entry)

@@ -457,7 +457,7 @@ class GroupRuntime:
 
     def grad_norms(self) -> list[tuple[str, torch.Tensor]]:
         """(name, fp32 L2 norm) of each parameter's part of the accumulated gradient shard
-        ([Note: gradient norm as torch's] in tiered/zero/coordinator.py); none for a frozen group."""
+        ([Note: gradient norm as torch's] in tiered/zero/grad_norm.py); none for a frozen group."""
         if self.group.grad is None:
             return []
         if self.grad_zero_pending:  # no gradient reached it: zeros, as the optimizer reads
