@@ -52,7 +52,10 @@ def test_small_replica_trains_resumes_exports_and_reports(tmp_path):
     # everything is homed on NVMe: each step reads and writes it, gradients included
     links = r["links_per_step"]
     assert links["nvme->cpu"]["bytes"] > 0 and links["cpu->nvme"]["bytes"] > 0
-    assert r["nvme_write_bytes_per_step"] >= 4 * r["params"] * 3  # gradient, exp_avg, exp_avg_sq, param
+    # exp_avg and exp_avg_sq at least: the overlapped step consumes the gradient from memory
+    # ([Note: gradient consumed from memory] in tiered/optim/group.py) and max_in_cpu may keep
+    # new parameters in cpu instead of writing them ([Note: max_in_cpu])
+    assert r["nvme_write_bytes_per_step"] >= 4 * r["params"] * 2
     assert r["raw_read_gbps"] > 0 and r["raw_write_gbps"] > 0 and r["layer_fwd_bwd_s"] > 0
     assert (
         r["bound_s"] == max(r["compute_s"], r["io_s"]) and r["ratio_to_bound"] == r["step_s"] / r["bound_s"]
