@@ -279,18 +279,3 @@ def test_checkpoint_formats_convert_only_where_exact() -> None:
             check_checkpoint_format(saved, running, path="ck")
     with pytest.raises(CheckpointMismatchError, match=r"format 'fp16' is unknown"):
         check_checkpoint_format("fp16", "fp32", path="ck")
-
-
-@pytest.mark.parametrize("fmt", LOSSY)
-def test_the_engine_refuses_a_format_its_optimizer_does_not_store(fmt: str) -> None:
-    """Until the codecs are wired into the offloaded optimizer's state partitions, a compressed
-    format is refused by name, never trained as fp32 in silence."""
-    import tiered
-
-    model = torch.nn.Linear(4, 2)
-    config = {
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "tiered": {"optimizer_state_format": fmt},
-    }
-    with pytest.raises(UnsupportedConfigError, match=rf"optimizer_state_format = '{fmt}': .*fp32 only"):
-        tiered.initialize(model, config)

@@ -112,6 +112,37 @@ def tiles_of(parts: Any) -> list[tuple[int, Any]]:
     return out
 
 
+def _tile_bytes(gs: GroupState) -> list[int]:
+    """Bytes of each tile of the group's exp_avg (empty for a frozen group): what a byte-coded
+    moment format (int8, [Note: compressed optimizer state]) needs to load into the same tiling."""
+    if "exp_avg" not in gs.parts:
+        return []
+    return [t.nbytes for _, t in tiles_of(gs.parts["exp_avg"])]
+
+
+def _blob_copies(
+    g: Any, kind: str, part: Any, tensors_of: dict, layouts: dict, path: str, rank: int
+) -> list[tuple[Any, list[tuple[int, int, int, str, int]]]]:
+    """Per tile of `part` (a moment stored as bytes, not by element: block codes), its bytes from
+    the same rank's same group in the checkpoint, refused by name unless that was stepped in the
+    same tiles (its block scales are per tile)."""
+    key = (rank, g.name)
+    saved = layouts.get(key)
+    mine = [t.nbytes for _, t in tiles_of(part)]
+    if saved is None or saved.get("tile_bytes") != mine or saved.get("shard_numel") != g.shard_numel:
+        raise CheckpointMismatchError(
+            f"checkpoint {path}: the {kind} of group {g.name} is stored as block codes (int8), which "
+            f"load only into the same world size, groups and sub_group_size tiles; this run's rank "
+            f"{rank} has tiles of {mine} bytes, the checkpoint "
+            f"{None if saved is None else saved.get('tile_bytes')}. Resume with the saved layout"
+        )
+    out, off = [], 0
+    for _, t in tiles_of(part):
+        out.append((t, [(0, off, t.numel, tensors_of[key][kind], rank)]))
+        off += t.numel
+    return out
+
+
 def _written(gs: GroupState) -> list[tuple[str, Any]]:
     """(tensor name, partition) of each distinct partition of the group, in file order."""
     out, seen = [], set()
@@ -204,6 +235,7 @@ def save_engine_state(
                     "shard_numel": gs.group.shard_numel,
                     "shard_offset": gs.group.shard_offset,
                     "tensors": _tensor_names(gs),
+                    "tile_bytes": _tile_bytes(gs),
                 }
                 for gs in groups
             ],
@@ -408,6 +440,7 @@ def load_engine_state(
 
     ranks = {lay["rank"]: lay for lay in manifest["ranks"]}
     tensors_of = {(lay["rank"], g["name"]): g["tensors"] for lay in manifest["ranks"] for g in lay["groups"]}
+    layouts = {(lay["rank"], g["name"]): g for lay in manifest["ranks"] for g in lay["groups"]}
     plan: list[tuple[Any, str, list[tuple[int, int, int, str, int]]]] = []
     need_files: set[int] = set()
     for gs in groups:
@@ -415,6 +448,11 @@ def load_engine_state(
         for kind, part in gs.parts.items():
             if kind == "master" and part is gs.parts["param"]:
                 continue  # the param partition is the master: filled as "param"
+            if kind in ("exp_avg", "exp_avg_sq") and tiles_of(part)[0][1].dtype == torch.uint8:
+                for tile, copies in _blob_copies(g, kind, part, tensors_of, layouts, path, comm.rank):
+                    plan.append((tile, kind, copies))
+                    need_files.add(comm.rank)
+                continue
             copies = []
             for e in g.entries:
                 sl = g.shard_slice(e)

@@ -431,8 +431,9 @@ class TieredSection:
         'rounding, 8 B of state per parameter instead of 12) and `"int8"` (block-wise 8-bit log '
         "codes, exp_avg_sq in the sqrt domain, 6.03 B) are opt-in codecs with stated error ([Note: "
         "compressed optimizer state] in `tiered/optim/state_format.py`), Adam/AdamW only; an unknown "
-        "name is a `ConfigError` listing the formats. In this version the offloaded optimizer stores "
-        'fp32 only: `initialize` refuses `"bf16"` / `"int8"` by name',
+        "name is a `ConfigError` listing the formats. The compressed formats need the state offloaded "
+        "(offload_optimizer.device cpu or nvme, ratio 1); their checkpoints load only into a run of "
+        "the same format (int8: the same layout)",
         auto="refused",
     )
     nonfinite_step: str | None = key(

@@ -27,7 +27,7 @@ from tiered.engine.distributed import ensure_process_group
 from tiered.engine.engine import Engine
 from tiered.engine.facade import TieredOptimizer
 from tiered.engine.host_memory import fix_mmap_threshold
-from tiered.errors import CapacityError, ConfigError, DistributedSetupError, UnsupportedConfigError
+from tiered.errors import CapacityError, ConfigError, DistributedSetupError
 from tiered.optim.offload import OffloadedAdam
 from tiered.optim.placement import plan_optimizer_placement, tier_is_host
 from tiered.optim.schedulers import build_scheduler
@@ -231,6 +231,7 @@ def _build(
             compute_dtype=placement.compute_dtype,
             accumulation=cfg.gradient_accumulation_steps,
             max_in_cpu_numel=cfg.zero.offload_param.max_in_cpu_numel,
+            state_format=cfg.tiered.optimizer_state_format,
         )
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
         extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}
@@ -286,18 +287,12 @@ def _build(
 
 
 def _check_state_format(cfg: TieredConfig) -> None:
-    """tiered.optimizer_state_format against the optimizer, and against what this version's
-    offloaded optimizer stores: the compressed codecs ([Note: compressed optimizer state]) are not
-    wired into its state partitions yet, so a compressed format is refused, never ignored."""
+    """tiered.optimizer_state_format against the optimizer, before anything is built (an unknown
+    name, or a compressed format with a non-Adam optimizer, refused by name; [Note: compressed
+    optimizer state])."""
     from tiered.optim.state_format import state_format
 
-    fmt = state_format(cfg.tiered.optimizer_state_format, optimizer=cfg.optimizer.type)
-    if not fmt.lossless:
-        raise UnsupportedConfigError(
-            f"tiered.optimizer_state_format = {fmt.name!r}: this version's offloaded optimizer stores "
-            "its state in fp32 only (the bf16 and int8 codecs of tiered.optim.state_format are not yet "
-            "wired into its state partitions); use 'fp32' or leave the key out"
-        )
+    state_format(cfg.tiered.optimizer_state_format, optimizer=cfg.optimizer.type)
 
 
 def preflight(model: torch.nn.Module, cfg: TieredConfig, tm: Any, *, world_size: int) -> None:

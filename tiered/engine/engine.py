@@ -475,6 +475,7 @@ class Engine(DeepSpeedEngineAPI):
         body = {
             "config": dump_config(self.config),
             "compute_dtype": str(self.placement.compute_dtype),
+            "optimizer_state_format": self.optimizer.fmt.name,  # [Note: compressed optimizer state]
             "training": self._training_state(),
             "client_state": json_state,
             "frozen_excluded": bool(exclude_frozen_parameters),
@@ -515,6 +516,7 @@ class Engine(DeepSpeedEngineAPI):
         )
         from tiered.config.dump import dump_config
         from tiered.engine.ds_checkpoint import join_client_state, load_scope, tensor_names
+        from tiered.optim.state_format import check_state_format_loads
 
         scope = load_scope(
             load_module_strict=load_module_strict,
@@ -538,6 +540,8 @@ class Engine(DeepSpeedEngineAPI):
             path,
         )
         groups = [GroupState(gs.group, scope.keep(gs.parts)) for gs in groups]
+        if any("exp_avg" in gs.parts for gs in groups):
+            check_state_format_loads(manifest, self.optimizer.fmt.name, path)
         load_engine_state(self.tm, groups, path, manifest, comm=self._collective())
         if scope.training_state:
             self._apply_training_state(manifest["training"], scope.optimizer_steps, scope.lr_scheduler)

@@ -54,6 +54,7 @@ from tiered.optim.placement import (
     tile_bounds,
 )
 from tiered.optim.runs import GroupSteps, ParamHyper, Run
+from tiered.optim.state_format import FORMATS, StateFormat
 from tiered.shards import ShardGroup
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class OptimGroup:
         compute_dtype: torch.dtype,
         keep_in_cpu: bool,
         tile_numel: int,
+        fmt: StateFormat = FORMATS["fp32"],
     ) -> None:
         """Create `group`'s state partitions, tile by tile (the specs the engine's capacity check
         counted), the master filled from `initial_fp32` (its fp32 shard)."""
@@ -108,7 +110,9 @@ class OptimGroup:
             )
         self.param_is_master = master_is_param(group, plan, compute_dtype)
         """[Note: fp32 master is the parameter]: the param partition is the master."""
-        specs = iter(state_partition_specs(group, plan, compute_dtype, tile_numel))
+        self.fmt = fmt
+        """How its moments are stored ([Note: compressed optimizer state])."""
+        specs = iter(state_partition_specs(group, plan, compute_dtype, tile_numel, fmt))
         self.tiles: list[Tile] = []
         """Its shard's tiles in order (one, the whole shard, unless its states are staged)."""
         for a, b in tile_bounds(group, plan, tile_numel):

@@ -90,6 +90,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from tiered.config.schema import TieredConfig
+from tiered.errors import UnsupportedConfigError
 from tiered.optim.arrivals import Arrivals
 from tiered.optim.group import OptimGroup, params_kept_in_cpu
 from tiered.optim.kernels import adam_update
@@ -102,6 +103,7 @@ from tiered.optim.placement import (
     tier_is_host,
 )
 from tiered.optim.runs import ParamHyper, entry_hypers
+from tiered.optim.state_format import rounding_seed, state_format
 from tiered.optim.writebacks import WriteBacks
 from tiered.shards import ShardGroup
 
@@ -186,6 +188,15 @@ class OffloadedAdam:
         default = ParamHyper(float(self.opt.weight_decay), 1.0)
         hypers = entry_hypers(shards, default, param_hyper)
         keep = params_kept_in_cpu(shards, plans, int(cfg.zero.offload_param.max_in_cpu_numel))
+        self.fmt = state_format(cfg.tiered.optimizer_state_format, optimizer=cfg.optimizer.type)
+        """How the moments are stored ([Note: compressed optimizer state]); fp32 unless opted in."""
+        if not self.fmt.lossless and any(p.side != "cpu" for p in plans):
+            raise UnsupportedConfigError(
+                f"tiered.optimizer_state_format = {self.fmt.name!r} compresses offloaded optimizer "
+                "state, stepped by the CPU kernel; here some groups keep their state in 'gpu' "
+                "(zero_optimization.offload_optimizer.device none, or offload_optimizer.ratio < 1): "
+                "offload the optimizer to 'cpu' or 'nvme' with ratio 1, or use 'fp32'"
+            )
         for g in shards:
             if g.grad is None:
                 raise ValueError(
@@ -204,6 +215,7 @@ class OffloadedAdam:
                     compute_dtype=compute_dtype,
                     keep_in_cpu=kept,
                     tile_numel=self.tile_numel,
+                    fmt=self.fmt,
                 )
             )
         self._index = {og.name: i for i, og in enumerate(self.groups)}
@@ -223,6 +235,7 @@ class OffloadedAdam:
             self.buffer_count,
             self.compute_dtype,
             self.tile_numel,
+            self.fmt,
         )
 
     def group(self, group: ShardGroup) -> OptimGroup:
@@ -411,6 +424,12 @@ class OffloadedAdam:
         out = og.staging_buffer(j)  # None: [Note: fp32 master is the parameter], updated in place
         if lowp and out is not None and out.device != master.device:
             raise RuntimeError(f"group {og.name}: staging buffer on {out.device}, master on {master.device}")
+        stored = None
+        if not self.fmt.lossless:  # [Note: compressed optimizer state]: decode, exact Adam, encode
+            stored = (exp_avg.view(torch.uint8), exp_avg_sq.view(torch.uint8))
+            exp_avg, exp_avg_sq = torch.empty(master.numel()), torch.empty(master.numel())
+            self.fmt.exp_avg.decode(stored[0], exp_avg)
+            self.fmt.exp_avg_sq.decode(stored[1], exp_avg_sq)
         adam_update(
             self.opt,
             og.runs(j),
@@ -421,6 +440,10 @@ class OffloadedAdam:
             lr=lr,
             grad_scale=grad_scale,
         )
+        if stored is not None:
+            gen = torch.Generator().manual_seed(rounding_seed(self.step_count, i, j))
+            self.fmt.exp_avg.encode(exp_avg, stored[0], gen)
+            self.fmt.exp_avg_sq.encode(exp_avg_sq, stored[1], gen)
         if out is not None and not lowp:
             out.copy_(master)
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from tiered.config.schema import TieredConfig
+from tiered.optim.state_format import FORMATS, StateFormat
 from tiered.shards import ShardGroup
 
 if TYPE_CHECKING:
@@ -87,23 +88,31 @@ def tile_bounds(group: ShardGroup, plan: GroupPlan, tile_numel: int) -> list[tup
 
 
 def state_partition_specs(
-    group: ShardGroup, plan: GroupPlan, compute_dtype: torch.dtype, tile_numel: int
+    group: ShardGroup,
+    plan: GroupPlan,
+    compute_dtype: torch.dtype,
+    tile_numel: int,
+    fmt: StateFormat = FORMATS["fp32"],
 ) -> list[tuple[str, int, torch.dtype, str]]:
     """(name, numel, dtype, home) of each optimizer-state partition `OptimGroup` creates for
     `group`, tile by tile (`tile_bounds`; a tiled one's names end in ``.t<index>``): what it
-    allocates, and what the engine's capacity check counts before it does."""
+    allocates, and what the engine's capacity check counts before it does. The moments are
+    stored as `fmt` encodes them ([Note: compressed optimizer state]); the master is fp32."""
     suffixes = STATE_SUFFIXES[1:] if master_is_param(group, plan, compute_dtype) else STATE_SUFFIXES
     bounds = tile_bounds(group, plan, tile_numel)
-    return [
-        (
-            f"{group.name}.{s}" + (f".t{j:04d}" if len(bounds) > 1 else ""),
-            b - a,
-            torch.float32,
-            plan.state_home,
-        )
-        for j, (a, b) in enumerate(bounds)
-        for s in suffixes
-    ]
+    out = []
+    for j, (a, b) in enumerate(bounds):
+        for s in suffixes:
+            numel, dtype = (b - a, torch.float32) if s == "master" else getattr(fmt, s).storage(b - a)
+            out.append(
+                (
+                    f"{group.name}.{s}" + (f".t{j:04d}" if len(bounds) > 1 else ""),
+                    numel,
+                    dtype,
+                    plan.state_home,
+                )
+            )
+    return out
 
 
 def plan_optimizer_placement(
@@ -138,6 +147,7 @@ def pipeline_bytes(
     buffer_count: int,
     compute_dtype: torch.dtype,
     tile_numel: int,
+    fmt: StateFormat = FORMATS["fp32"],
 ) -> dict[str, int]:
     """Staging bytes per tier the pipeline holds beyond the partitions' homes, at most, whatever
     the order the groups become ready in: a pure function of the trainable `groups`, their
@@ -146,7 +156,7 @@ def pipeline_bytes(
 
     - tile bytes: the ``buffer_count`` largest tiles (`tile_bounds`) of 4 B x its elements per
       state read from a slower home (master, exp_avg, exp_avg_sq; the master not where the
-      parameter is the master); and
+      parameter is the master; the moments at `fmt`'s bytes); and
     - group bytes: the ``buffer_count`` largest groups of 4 B x shard_numel for a gradient not
       at home in the compute tier, plus the parameter staged whole away from its home
       (param bytes x shard_numel; 4 B where the fp32 parameter is the master, fetched into the
@@ -163,10 +173,10 @@ def pipeline_bytes(
     for g, p in zip(groups, plans, strict=True):
         assert g.grad is not None, f"group {g.name} is frozen: it has no optimizer step"
         alias = master_is_param(g, p, compute_dtype)
-        n_states = 2 if alias else 3
         if p.state_home != p.compute_tier:
             tiles.setdefault(p.compute_tier, []).extend(
-                n_states * _FP32 * (b - a) for a, b in tile_bounds(g, p, tile_numel)
+                (0 if alias else _FP32 * (b - a)) + fmt.moment_bytes(b - a)
+                for a, b in tile_bounds(g, p, tile_numel)
             )
         grad_b = _FP32 * g.shard_numel if g.grad.home != p.compute_tier else 0
         if alias:

@@ -42,6 +42,11 @@ class MomentCodec(abc.ABC):
     def encoded_bytes(self, numel: int) -> int:
         """Bytes of the encoding of `numel` elements."""
 
+    def storage(self, numel: int) -> tuple[int, torch.dtype]:
+        """(numel, dtype) of the partition holding the encoding of `numel` elements: the codec's
+        own element type where it has one (so a checkpoint addresses it by element), else bytes."""
+        return self.encoded_bytes(numel), torch.uint8
+
     @abc.abstractmethod
     def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
         """Write the encoding of flat fp32 `x` into flat uint8 `out` (`encoded_bytes(x.numel())`)."""
@@ -73,6 +78,9 @@ class Fp32Codec(MomentCodec):
     def encoded_bytes(self, numel: int) -> int:
         return 4 * numel
 
+    def storage(self, numel: int) -> tuple[int, torch.dtype]:
+        return numel, torch.float32
+
     def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
         self._check(x, out, "encode")
         out.view(torch.float32).copy_(x)
@@ -95,6 +103,9 @@ class Bf16StochasticCodec(MomentCodec):
 
     def encoded_bytes(self, numel: int) -> int:
         return 2 * numel
+
+    def storage(self, numel: int) -> tuple[int, torch.dtype]:
+        return numel, torch.bfloat16
 
     def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
         self._check(x, out, "encode")

@@ -26,15 +26,31 @@ keeps small values accurate, where a linear code would round a small denominator
 its element's update into m / eps. sqrt(v) is unbiased; v itself is biased up by the variance of
 its rounding (under 0.05% of v), the safe direction (a slightly smaller step).
 
+In the offloaded optimizer (tiered/optim/offload.py, `OffloadedAdam._update`) each tile's
+moments live in their partitions as the format stores them (bf16: a bfloat16 partition of the
+tile's elements; int8: a byte partition, the tile's block scales then its codes); the step
+fetches them, decodes into two fp32 scratch tensors of the tile's size, runs the same
+tiered_ext Adam kernel on the fp32 master, and encodes back before the write-back, so NVMe
+moves the encoded bytes ([Note: bytes per step] counts them at the same size). The rounding's
+randomness is a generator seeded by (step, group, tile) (`rounding_seed`): a resumed run rounds
+exactly as the uninterrupted one. Elements a step skips ([Note: parameters without a gradient
+are not stepped]) are re-encoded with their block: exact in bf16 (a bf16 value re-rounds to
+itself), within the bound and unbiased in int8. Only CPU-stepped, offloaded state is compressed:
+a group whose state stays in "gpu" (offload_optimizer.device none, ratio < 1) is refused by name.
+
 What this costs in training is measured, not assumed: `tests/test_state_format.py` bounds one
 step's parameter change against exact Adam from the codec bounds, and trains a small model both
-ways.
+ways; tests/test_state_format_engine.py trains through the engine with each format.
 
-Checkpoints record the format (the resolved config in the manifest). Loading one of another
-format converts only where that is exact, decoding bf16 or int8 moments into an fp32 run (every
-decoded value is an fp32 value, and an fp32 run would have continued from it); anything else
-(fp32 into bf16 or int8, bf16 into int8, int8 into bf16) would round the saved moments and is
-refused by name (`check_checkpoint_format`).
+Checkpoints record the format (``optimizer_state_format`` in the manifest, and the resolved
+config). A run loads moments of its own format only (`check_state_format_loads`): bf16 ones
+reshard like fp32 ones (addressed by element); int8 ones are block codes whose scales belong to
+a tile, so they load only into the same ranks, groups and tiles (`tile_bytes` in the manifest),
+refused by name otherwise. `check_checkpoint_format` states the rule: converting is exact only
+decoding bf16 or int8 moments into an fp32 run (every decoded value is an fp32 value); anything
+else (fp32 into bf16 or int8, bf16 into int8, int8 into bf16) would round the saved moments and
+is refused by name. This version does not implement even the exact decode on load: it is refused
+too, saying so (load with load_optimizer_states=False, or in the saved format).
 """
 
 from __future__ import annotations
@@ -110,6 +126,13 @@ def state_format(
     return fmt
 
 
+def rounding_seed(step: int, group: int, tile: int) -> int:
+    """The seed of the stochastic rounding of group `group`'s tile `tile` at optimizer step
+    `step`: a function of where and when only, so a resumed run (same step counter) rounds
+    exactly as the uninterrupted one, whatever thread or order the tiles are stepped in."""
+    return ((step * 1_000_003 + group) * 65_537 + tile) & 0x7FFF_FFFF_FFFF_FFFF
+
+
 def check_checkpoint_format(saved: str, running: str, *, path: str) -> Literal["same", "decode"]:
     """How a checkpoint whose moments are in format `saved` loads into a run of format `running`:
     as they are, decoded exactly into fp32, or (lossy) a CheckpointMismatchError naming both."""
@@ -128,6 +151,21 @@ def check_checkpoint_format(saved: str, running: str, *, path: str) -> Literal["
         f"{running!r}; converting would round the saved moments. Load it with "
         f"tiered.optimizer_state_format {saved!r} (or 'fp32', which decodes it exactly)"
     )
+
+
+def check_state_format_loads(manifest: dict, running: str, path: str) -> None:
+    """Refuse, by name, to load a checkpoint's moments (format `manifest` records; older ones hold
+    fp32) into a run of format `running`, unless they are the same format. The exact conversion
+    `check_checkpoint_format` allows (bf16 or int8 into fp32) is not implemented in this version,
+    so it is refused too, saying so."""
+    saved = manifest.get("optimizer_state_format", "fp32")
+    if check_checkpoint_format(saved, running, path=path) == "decode":
+        raise CheckpointMismatchError(
+            f"checkpoint {path} holds the optimizer state in format {saved!r}, this run stores it as "
+            f"{running!r}: decoding it into fp32 would be exact, but this version does not convert "
+            f"moments on load; resume with tiered.optimizer_state_format {saved!r}, or load with "
+            "load_optimizer_states=False"
+        )
 
 
 def adam_step_compressed(

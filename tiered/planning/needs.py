@@ -48,6 +48,7 @@ from tiered.optim.placement import (
     plan_optimizer_placement,
     state_partition_specs,
 )
+from tiered.optim.state_format import FORMATS
 from tiered.planning.homes import Placement, choose_placement
 from tiered.shards import ParamEntry, ShardGroup, group_name
 
@@ -66,7 +67,12 @@ def pipeline_need(
 ) -> dict[str, int]:
     """The optimizer pipeline's staging per tier, tiled at ``sub_group_size`` ([Note: one memory model])."""
     return pipeline_bytes(
-        groups, plans, cfg.zero.offload_optimizer.buffer_count, compute_dtype, optimizer_tile_numel(cfg)
+        groups,
+        plans,
+        cfg.zero.offload_optimizer.buffer_count,
+        compute_dtype,
+        optimizer_tile_numel(cfg),
+        FORMATS[cfg.tiered.optimizer_state_format],
     )
 
 
@@ -78,6 +84,7 @@ def capacity_needs(
     pipeline: dict[str, int],
     compute_dtype: torch.dtype,
     tile_numel: int,
+    state_format: str = "fp32",
 ) -> dict[str, dict[str, Any]]:
     """Per tier: {"homes": bytes, "gather": bytes, "persistent": bytes, "pipeline": bytes,
     "module": what the gather is for, "total", "to_write": [nbytes of each partition not yet
@@ -95,7 +102,9 @@ def capacity_needs(
         if g.grad is not None:
             at(g.grad.home)["homes"] += g.grad.nbytes
     for g, p in zip([g for g in groups if g.trainable], plans, strict=True):  # frozen: no state
-        for _, numel, dtype, home in state_partition_specs(g, p, compute_dtype, tile_numel):
+        for _, numel, dtype, home in state_partition_specs(
+            g, p, compute_dtype, tile_numel, FORMATS[state_format]
+        ):
             nbytes = numel * dtype.itemsize
             at(home)["homes"] += nbytes
             at(home)["to_write"].append(nbytes)
@@ -128,6 +137,7 @@ def engine_needs(
         pipeline=pipe,
         compute_dtype=compute_dtype,
         tile_numel=optimizer_tile_numel(cfg),
+        state_format=cfg.tiered.optimizer_state_format,
     )
 
 

@@ -388,6 +388,7 @@ def weigh(
         compute_dtype=pred.placement.compute_dtype,
         accumulation=accumulation,
         max_in_cpu_numel=knobs["max_in_cpu"],
+        state_format=cfg.tiered.optimizer_state_format,
     )
     adam = sum(
         g.shard_numel

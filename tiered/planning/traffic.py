@@ -6,7 +6,9 @@ dtype's bytes (2 bf16/fp16, 4 fp32), S the elements of the non-persistent groups
 of the trainable ones, S_c of the trainable groups stepped by the CPU kernel (the others, by
 ``offload_optimizer.ratio``, step on the GPU with their state there) and K the states read from
 a disk home per element (12 B: master, exp_avg, exp_avg_sq; 8 B in fp32 where [Note: fp32
-master is the parameter] makes the parameter the master). Links are named by the memory at
+master is the parameter] makes the parameter the master; with a compressed
+``tiered.optimizer_state_format`` the moments count at their encoded size, 2 + 2 B in bf16 and
+2 x (1 + 4/256) B in int8, [Note: compressed optimizer state]). Links are named by the memory at
 their ends: ``disk->host``, ``host->disk``, ``host->device``, ``device->host`` (disk is any
 storage tier: nvme, stripe, ...; on a machine without CUDA "device" is host memory and the
 host/device moves are memory copies):
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiered.optim.placement import GroupPlan, master_is_param
+from tiered.optim.state_format import FORMATS
 
 if TYPE_CHECKING:
     from tiered.shards import ShardGroup
@@ -70,8 +73,11 @@ def bytes_per_step(
     compute_dtype: torch.dtype,
     accumulation: int,
     max_in_cpu_numel: int,
+    state_format: str = "fp32",
 ) -> dict[str, int]:
-    """The floor of [Note: bytes per step] per link; `memory` maps tier -> "device"/"host"/"disk"."""
+    """The floor of [Note: bytes per step] per link; `memory` maps tier -> "device"/"host"/"disk";
+    `state_format` the moments' ([Note: compressed optimizer state])."""
+    fmt = FORMATS[state_format]
     p = torch.empty(0, dtype=compute_dtype).element_size()
     a = max(1, accumulation)
     out = dict.fromkeys(LINKS, 0)
@@ -112,9 +118,9 @@ def bytes_per_step(
             continue
         if memory.get(grad_home) == "disk":
             move(grad_home, plan.compute_tier, n * 4)
-        states = 2 if master_is_param(g, plan, compute_dtype) else 3
-        move(plan.state_home, plan.compute_tier, states * 4 * n)
-        move(plan.compute_tier, plan.state_home, states * 4 * n)
+        states = (0 if master_is_param(g, plan, compute_dtype) else 4 * n) + fmt.moment_bytes(n)
+        move(plan.state_home, plan.compute_tier, states)
+        move(plan.compute_tier, plan.state_home, states)
         if g.index not in kept:
             move(plan.stage_tier, g.param.home, n * p)
     return out
