@@ -19,13 +19,19 @@ def iter_parameters(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) per parameter, one at a time. `kind`: "param" (compute dtype), "master"
     (fp32; the parameter itself where the run kept no separate master), "exp_avg", "exp_avg_sq".
-    Frozen parameters have only "param" ("master" falls back to it, in its own dtype)."""
+    Frozen parameters have only "param" ("master" falls back to it, in its own dtype). Moments of
+    a bf16-state run come in bfloat16; those of an int8 one are refused (block codes per tile)."""
     from safetensors import safe_open
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     path = d.resolve(os.fspath(load_dir), tag)
     m = d.read_manifest(path)
+    if kind in ("exp_avg", "exp_avg_sq") and m.get("optimizer_state_format") == "int8":
+        raise ValueError(
+            f"checkpoint {path} holds {kind} as int8 block codes (tiered.optimizer_state_format "
+            "'int8'), per tile, not per element: read it through an engine of the same format"
+        )
     for fname, rec in m["files"].items():
         verify_file(os.path.join(path, fname), rec)
     tensors = {(lay["rank"], g["name"]): g["tensors"] for lay in m["ranks"] for g in lay["groups"]}
