@@ -209,6 +209,7 @@ def run_tiered(
             for k in ("forward_s", "backward_s", "step_s")
         },
         "zero": final["zero"],
+        "bytes_per_step_formula": final["bytes_per_step"]["formula"],  # [Note: bytes per step]
         "gpu_peak_bytes": final["tiers"]["tiers"]["gpu"]["peak_bytes"],
         "cpu_peak_bytes": final["tiers"]["tiers"]["cpu"]["peak_bytes"],
     }
@@ -641,6 +642,8 @@ def main() -> int:
         print("|---|---|---|")
         for link, v in sorted(t["links_per_step"].items()):
             print(f"| {link} | {v['bytes'] / 1e6:.1f} | {v['seconds']:.3f} |")
+        formula = {k: round(v / 1e6, 1) for k, v in t["bytes_per_step_formula"].items()}
+        print(f"[Note: bytes per step] formula, MB/step: {formula}")
         o, ph = t["optimizer_per_step"], t["phases_per_step"]
         print(
             f"\ncompute (plain step) {compute:.3f} s; forward {ph['forward_s']:.3f} s, backward "

@@ -1,0 +1,148 @@
+"""issue 21, measured: the config the search chooses vs what the engine does with it.
+
+For each shape of the plan/engine test zoo (scaled small) at each host budget, a fresh process
+per config: the model on the meta device, `tiered.planning.search.search` (what `tiered plan` and
+``"auto_config"`` run) chooses the config, `tiered.initialize` trains it for --steps bf16 steps,
+and the process reports its peak RSS (``ru_maxrss``), the tiers' peaks, the NVMe bytes per step
+(link counters after the first step) and s/step next to the plan's figures. On a machine without
+CUDA the gpu tier is host memory, so RSS is compared with the plan's GPU + host peaks.
+
+    python benchmarks/plan_vs_measured.py [--cpu-mem 1GiB 2GiB] [--gpu-mem 256MiB] [--steps 4]
+        [--dir DIR] [--bandwidth bench.json] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-small-vocab": {},
+    "llama-128k-ratio-vocab": {"vocab_size": 512 * 16},  # vocab / hidden as 128256 / 8192
+    "llama-tied": {"tie_word_embeddings": True},
+    "llama-gqa": {"num_key_value_heads": 2},
+    "mixtral-moe": {"moe": True},
+    "llama-lora": {"lora": True},
+}
+
+_CHILD = r"""
+import json, os, resource, sys, time
+import torch, transformers
+import tiered
+from tiered.planning.search import Memories, search, DEFAULT_BANDWIDTH, read_bandwidth
+shape, cpu_mem, gpu_mem, steps, nvme, bwfile = json.loads(sys.argv[1])
+kw = dict(shape)
+moe, lora = kw.pop("moe", False), kw.pop("lora", False)
+base = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
+            num_key_value_heads=8, vocab_size=4096, tie_word_embeddings=False)
+if moe:
+    hf = transformers.MixtralConfig(**{**base, "intermediate_size": 512, "num_local_experts": 4,
+                                       "num_experts_per_tok": 2, **kw})
+else:
+    hf = transformers.LlamaConfig(**{**base, **kw})
+torch.manual_seed(0)
+with torch.device("meta"):
+    model = transformers.AutoModelForCausalLM.from_config(hf)
+if lora:
+    from tiered.finetune.lora import apply_lora, parse_lora_spec
+    model = apply_lora(model, parse_lora_spec("r=8,targets=q_proj,v_proj"))
+raw = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": True},
+       "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+       "zero_optimization": {"stage": 3, "offload_optimizer": {"nvme_path": nvme}}}
+bw = dict(DEFAULT_BANDWIDTH) if not bwfile else read_bandwidth(bwfile)[0]
+res = search(model, Memories(gpu_mem, cpu_mem, 10 * 2**30), precision="bf16", nvme_path=nvme,
+             bandwidth=bw, base=raw)
+best = res.best
+if best is None:
+    print("RESULT " + json.dumps({"fits": False, "closest": res.closest.knobs if res.closest else None}))
+    sys.exit(0)
+plan = {"knobs": best.knobs, "peaks": best.peaks, "traffic": best.traffic, "s_per_step": best.seconds_per_step,
+        "needs": {t: d["total"] for t, d in best.prediction.needs.items()},
+        "budgets": {t: s["budget"] for t, s in best.config["tiered"]["tiers"].items()}}
+g = torch.Generator().manual_seed(1)
+times, before = [], None
+with tiered.initialize(model, best.config) as engine:
+    for i in range(steps):
+        ids = torch.randint(0, hf.vocab_size, (1, 64), generator=g)
+        if i == 1:
+            before = engine.stats()["tiers"]["links"]
+        t0 = time.perf_counter()
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    st = engine.stats()
+links = st["tiers"]["links"]
+per = {k: (v["bytes"] - before.get(k, {}).get("bytes", 0)) / (steps - 1) for k, v in links.items()}
+nvme_rw = sum(v for k, v in per.items() if k.startswith("nvme->")), sum(v for k, v in per.items() if k.endswith("->nvme"))
+meas = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "tier_peaks": {t: d["peak_bytes"] for t, d in st["tiers"]["tiers"].items()},
+        "nvme_read": nvme_rw[0], "nvme_write": nvme_rw[1], "s_per_step": sorted(times[1:])[len(times[1:]) // 2],
+        "formula": st["bytes_per_step"]["formula"]}
+print("RESULT " + json.dumps({"fits": True, "plan": plan, "measured": meas}))
+"""
+
+
+def parse_size(s: str) -> int:
+    from tiered.units import parse_bytes
+
+    return parse_bytes(s, what="size")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-mem", nargs="+", default=["1GiB", "2GiB"])
+    ap.add_argument("--gpu-mem", default="256MiB")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--bandwidth", default=None, help="tiered bench --json output")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rows = []
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+    print("| shape | cpu given | chosen (opt/param/grad, sgs, bc) | plan GPU+host | measured RSS | RSS/plan | "
+          "plan NVMe r/w per step | measured NVMe r/w | plan s/step | measured s/step | load |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in a.shapes:
+        for cpu in a.cpu_mem:
+            with tempfile.TemporaryDirectory(dir=a.dir) as d:
+                arg = json.dumps(
+                    [SHAPES[name], parse_size(cpu), parse_size(a.gpu_mem), a.steps, d, a.bandwidth]
+                )
+                p = subprocess.run([sys.executable, "-c", _CHILD, arg], capture_output=True, text=True)
+            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+            load = os.getloadavg()[0]
+            if line is None:
+                print(
+                    f"| {name} | {cpu} | FAILED rc {p.returncode}: {p.stderr.strip()[-300:]!r} |", flush=True
+                )
+                continue
+            r = json.loads(line[7:])
+            r.update(shape=name, cpu_mem=cpu, load1=load)
+            rows.append(r)
+            if not r["fits"]:
+                print(f"| {name} | {cpu} | nothing fits (closest {r['closest']}) |", flush=True)
+                continue
+            pl, m = r["plan"], r["measured"]
+            k = pl["knobs"]
+            want = pl["peaks"]["device"] + pl["peaks"]["host"]
+            gib = 2**30
+            print(f"| {name} | {cpu} | {k['offload_optimizer']}/{k['offload_param']}/{k['grad_tier']}, "
+                  f"{k['sub_group_size']:.0e}, {k['buffer_count']} | {want / gib:.3f} GiB | {m['rss'] / gib:.3f} GiB | "
+                  f"{m['rss'] / want:.2f} | {pl['traffic']['disk->host'] / 1e6:.1f} / {pl['traffic']['host->disk'] / 1e6:.1f} MB | "
+                  f"{m['nvme_read'] / 1e6:.1f} / {m['nvme_write'] / 1e6:.1f} MB | {pl['s_per_step']:.3f} | "
+                  f"{m['s_per_step']:.3f} | {load:.2f} |", flush=True)  # fmt: skip
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
