@@ -252,3 +252,32 @@ def test_gradients_homed_on_nvme_are_checked_from_their_kept_norm(tmp_path: Any)
         engine.backward(engine(**_poison(mb[1], "grad")))
         with pytest.raises(NonFiniteError, match=r"step 2: the gradient of group"):
             engine.step()
+
+
+def test_skip_on_every_step_is_not_exit_0_from_finetune(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`"skip"` over a run whose every step is non-finite (a checkpoint whose final norm overflows the logits)
+    learnt nothing: the run says so and exits non-zero, never 0."""
+    import json
+
+    from test_finetune import TEXT, TINY, cli
+    from test_finetune import ds_config as ft_config
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tiered.cli.main import main
+
+    model = tmp_path / "model"
+    broken = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY.items() if k != "architectures"}))
+    with torch.no_grad():
+        broken.model.norm.weight.fill_(3e38)  # finite, but the logits overflow
+    broken.save_pretrained(model, safe_serialization=True)
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    raw = ft_config(tmp_path / "nvme")
+    raw["tiered"] = {"nonfinite_step": "skip"}
+    cfg = tmp_path / "ds_config.json"
+    cfg.write_text(json.dumps(raw))
+    files = {"model": model, "data": tmp_path / "corpus.txt", "config": cfg, "tmp": tmp_path}
+    assert main(cli(files)) == 3
+    err = capsys.readouterr().err
+    assert "3 of 3 optimizer steps were skipped" in err and "no optimizer step was applied" in err, err

@@ -631,6 +631,21 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         _write_json(args.stats_json, doc)
         out.write(f"stats written to {args.stats_json}\n")
     policy = job.checkpoints
+    skipped = int(job.result.stats.get("nonfinite_steps", 0) or 0)
+    if skipped and rank == 0:
+        # [Note: non-finite steps]: "skip" must not end a run that learnt nothing with status 0.
+        applied = job.result.steps_done - skipped
+        sys.stderr.write(
+            f"tiered finetune: {skipped} of {job.result.steps_done} optimizer steps were skipped as "
+            'non-finite (tiered.nonfinite_step = "skip")\n'
+        )
+        if applied <= 0 and not job.result.interrupted:
+            sys.stderr.write(
+                "error: no optimizer step was applied, so nothing was learnt and the saved model equals "
+                "its start: look for NaN/inf in the model's weights or the data, or lower the learning "
+                'rate; tiered.nonfinite_step = "raise" stops at the first such step\n'
+            )
+            return 3
     if job.result.interrupted and policy is not None and policy.stop.exit_signal is not None:
         return 128 + int(policy.stop.exit_signal)
     return 130 if job.result.interrupted else 0

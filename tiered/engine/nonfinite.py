@@ -18,7 +18,8 @@ chooses:
 
 The default is to raise because a run that skips every step (an lr that diverged) would
 otherwise end with exit status 0 and nothing learnt; ``"skip"`` is there for runs that prefer
-to step over the odd bad batch.
+to step over the odd bad batch (`tiered finetune` counts them on stderr at the end, and exits
+with status 3 when every step was skipped).
 
 Cost. The check reads nothing the step does not read already, and never a gradient in storage:
 the loss's finiteness is one device op per backward (read with the next sync, never before
