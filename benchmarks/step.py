@@ -419,6 +419,9 @@ def compare_trees(trees: list[str], steps: int, warmup: int, base: Path, rounds:
             env = dict(
                 os.environ,
                 PYTHONPATH=os.pathsep.join([tree, os.path.join(tree, "plugins")]),
+                # a tree from before tiered_ext/_cache.py builds its kernel where torch's cache
+                # says; this keeps each such tree's build its own (newer trees key the cache by
+                # their sources and ignore it)
                 TORCH_EXTENSIONS_DIR=os.path.join(tree, ".cache", "torch_extensions"),
             )
             load = os.getloadavg()[0]
