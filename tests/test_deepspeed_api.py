@@ -142,6 +142,19 @@ def test_training_data_gives_micro_batches() -> None:
         assert first["x"].shape == (4, 16)
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_dataloader_drop_last_is_deepspeeds(drop_last: bool) -> None:
+    # 10 samples in micro-batches of 4: DeepSpeed's loader yields 4, 4, 2, or 4, 4 with the key
+    data = [{"x": torch.full((16,), float(i)), "y": torch.randn(8)} for i in range(10)]
+    config = {**ds_config(param="cpu", opt="cpu"), "dataloader_drop_last": drop_last}
+    engine, _, loader, _ = deepspeed.initialize(model=MLP(), config=config, training_data=data)
+    with engine:
+        sizes = [len(b["x"]) for b in loader]
+        assert engine.dataloader_drop_last() is drop_last
+    assert sizes == ([4, 4] if drop_last else [4, 4, 2])
+    assert len(loader) == len(sizes)
+
+
 def test_old_call_still_returns_the_engine() -> None:
     engine = tiered.initialize(MLP(), ds_config(param="cpu", opt="cpu"))
     with engine:

@@ -236,3 +236,64 @@ def test_an_epoch_that_ends_inside_an_accumulation_window(tmp_path: Path) -> Non
     )
     with pytest.raises(ConfigError, match=r"3 batches, not a multiple of gradient_accumulation_steps \(2\)"):
         trainer.train()
+
+
+def _logged_lrs(trainer: Any) -> list[float]:
+    return [float(e["learning_rate"]) for e in trainer.state.log_history if "learning_rate" in e]
+
+
+def test_the_logged_learning_rate_is_the_one_hf_logs(tmp_path: Path) -> None:
+    # the Trainer's own scheduler: HF logs the lr each step used (read before it steps the
+    # scheduler), with DeepSpeed too ([0, .005, .01, .005] here on DeepSpeed 0.19.8).
+    # Warmup over 2 of 4 steps makes the values differ.
+    run = dict(max_steps=4, warmup_steps=2)
+    plain = transformers.Trainer(
+        model=model_at(), args=args(tmp_path / "plain", **run), train_dataset=Tokens(n=32)
+    )
+    plain.train()
+    tiered = TieredTrainer(
+        model=model_at(),
+        args=args(tmp_path / "tiered", **run),
+        train_dataset=Tokens(n=32),
+        tiered_config=CONFIG,
+    )
+    tiered.train()
+    assert tiered.engine is not None
+    tiered.engine.close()
+    expected = _logged_lrs(plain)
+    assert len(expected) == 4 and len(set(expected)) > 2
+    assert _logged_lrs(tiered) == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_logged_learning_rate_with_a_config_scheduler(tmp_path: Path) -> None:
+    # the config's WarmupLR drives the lr: HF on DeepSpeed reads it after the engine's step stepped
+    # it, so at step k the log shows the scheduler's lr after step k. HF's Trainer with
+    # deepspeed=this config on DeepSpeed 0.19.8's CPU engine logged [0, 1/3, 2/3, 1] * 1e-2.
+    cfg = {
+        **CONFIG,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}},
+    }
+
+    class AfterEachStep(transformers.TrainerCallback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.lrs: list[float] = []
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.lrs.append(float(kw["optimizer"].param_groups[0]["lr"]))
+
+    seen = AfterEachStep()
+    trainer = TieredTrainer(
+        model=model_at(),
+        args=args(tmp_path, max_steps=4, warmup_steps=3),
+        train_dataset=Tokens(n=32),
+        tiered_config=cfg,
+        callbacks=[seen],
+    )
+    trainer.train()
+    assert trainer.engine is not None
+    after = [float(x) for x in trainer.engine.lr_scheduler.get_last_lr()]
+    trainer.engine.close()
+    assert len(seen.lrs) == 4 and len(set(seen.lrs)) > 2
+    assert _logged_lrs(trainer) == pytest.approx(seen.lrs, rel=1e-9)
+    assert seen.lrs[-1] == pytest.approx(after[0], rel=1e-9)
+    assert _logged_lrs(trainer) == pytest.approx([0.0, 1e-2 / 3, 2e-2 / 3, 1e-2], rel=1e-9)

@@ -125,7 +125,6 @@ _RULES: tuple[KeyRule, ...] = (
     ),
     KeyRule("expert_parallel", _D, "expert parallelism is not supported; remove the section", (None, {})),
     KeyRule("dump_state", _R, _LOGGER),
-    KeyRule("dataloader_drop_last", _I, "tiered does not build data loaders; your loader decides"),
     KeyRule("timers", _R, _LOGGER),
     KeyRule("flops_profiler", _R, _LOGGER),
     KeyRule("tensorboard", _R, _LOGGER),

@@ -183,6 +183,7 @@ def load_config(
         train_micro_batch_size_per_gpu=micro,
         steps_per_print=read_key(config, TieredConfig, "steps_per_print"),
         wall_clock_breakdown=read_key(config, TieredConfig, "wall_clock_breakdown"),
+        dataloader_drop_last=read_key(config, TieredConfig, "dataloader_drop_last"),
         communication_data_type=(
             None
             if config.get("communication_data_type") is None

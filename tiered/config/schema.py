@@ -509,6 +509,11 @@ class TieredConfig:
     wall_clock_breakdown: bool = key(
         False, "wall_clock_breakdown", "adds forward/backward/step seconds to that line"
     )
+    dataloader_drop_last: bool = key(
+        False,
+        "dataloader_drop_last",
+        "the loader initialize builds from training_data drops each pass's last, short micro-batch",
+    )
     communication_data_type: str | None = key(
         None,
         "communication_data_type",

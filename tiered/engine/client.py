@@ -249,7 +249,8 @@ def dataloader(
     `DistributedSampler` over the data-parallel ranks with its default seed, on one process too
     (DeepSpeed's loader does so whenever LOCAL_RANK is set, which its init_distributed ensures):
     the same batches in the same order as DeepSpeed's. No `set_epoch`: as DeepSpeed's, every pass
-    over the data repeats the first epoch's order."""
+    over the data repeats the first epoch's order. `dataloader_drop_last` is DeepSpeed's: the
+    DataLoader's `drop_last` (the sampler pads to equal shards across ranks either way)."""
     from torch.utils.data import DistributedSampler
 
     micro = cfg.train_micro_batch_size_per_gpu
@@ -261,4 +262,6 @@ def dataloader(
     sampler: DistributedSampler[Any] = DistributedSampler(
         data, num_replicas=world_size, rank=rank, seed=DEEPSPEED_SAMPLER_SEED
     )
-    return DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn)
+    return DataLoader(
+        data, batch_size=micro, sampler=sampler, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last
+    )

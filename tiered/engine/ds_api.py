@@ -192,6 +192,9 @@ class DeepSpeedEngineAPI:
     def wall_clock_breakdown(self) -> bool:
         return bool(self.config.wall_clock_breakdown)
 
+    def dataloader_drop_last(self) -> bool:
+        return bool(self.config.dataloader_drop_last)
+
     def dump_state(self) -> bool:
         """Always False: tiered's config refuses ``dump_state`` (the engine logs its placement)."""
         return False

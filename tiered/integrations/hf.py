@@ -115,7 +115,6 @@ class TieredTrainerMixin:
         self.tiered_config = tiered_config
         self.engine: Engine | None = None
         self._tiered_max_steps: int | None = None
-        self._tiered_lr_used: float | None = None
         super().__init__(*args, **kwargs)
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
@@ -191,8 +190,6 @@ class TieredTrainerMixin:
         if not scaled_for_ga:
             loss = loss / self.current_gradient_accumulation_steps  # type: ignore[attr-defined]
         engine.backward(loss, scale_wrt_gas=False)
-        if engine.is_gradient_accumulation_boundary():
-            self._tiered_lr_used = engine.get_lr()[0]
         engine.step()
         return loss.detach()
 
@@ -204,8 +201,12 @@ class TieredTrainerMixin:
         return grad_norm
 
     def _get_learning_rate(self) -> float:
-        if self._tiered_lr_used is not None:
-            return self._tiered_lr_used
+        # What HF logs on DeepSpeed: a config scheduler has stepped inside the engine's step by the
+        # time the Trainer reads the lr, so the log shows its get_last_lr() after the step; the
+        # Trainer's own scheduler is read before the Trainer steps it (the lr the step used).
+        engine = self.engine
+        if engine is not None and engine.config.scheduler is not None and engine.lr_scheduler is not None:
+            return float(engine.lr_scheduler.get_last_lr()[0])
         return super()._get_learning_rate()  # type: ignore[misc]
 
     # ---- saving and resuming -------------------------------------------------------------------
