@@ -109,7 +109,7 @@ def load_extension(kind: str, name: str, verbose: bool = False, **kwargs: object
         # copies: torch appends its own flags to the lists it is given, which would change the
         # flags (and so the key, hence the folder) this process computes for its next look-up
         given = {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
-        mod = cpp_extension.load(name=name, build_directory=str(where), verbose=verbose, **given)  # type: ignore[arg-type]
+        mod: ModuleType = cpp_extension.load(name=name, build_directory=str(where), verbose=verbose, **given)  # type: ignore[arg-type]
         if compiles:
             log.warning(
                 "built %s in %.0f s; later runs in this environment load it", title, time.perf_counter() - t0

@@ -342,7 +342,7 @@ class FioMethod(Method):
             raise StorageIOError(f"fio {rw} failed (exit {proc.returncode}): {proc.stderr.strip()[:300]}")
         # fio may print warnings before the JSON document.
         report = json.loads(proc.stdout[proc.stdout.index("{") :])
-        bw = report["jobs"][0][rw]["bw_bytes"]
+        bw = float(report["jobs"][0][rw]["bw_bytes"])
         if not bw:
             raise StorageIOError(f"fio {rw} reported 0 bytes/s: {proc.stdout[:300]}")
         return size / bw

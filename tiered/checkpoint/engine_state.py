@@ -121,7 +121,13 @@ def _tile_bytes(gs: GroupState) -> list[int]:
 
 
 def _blob_copies(
-    g: Any, kind: str, part: Any, tensors_of: dict, layouts: dict, path: str, rank: int
+    g: Any,
+    kind: str,
+    part: Any,
+    tensors_of: dict[tuple[int, str], dict[str, str]],
+    layouts: dict[tuple[int, str], dict[str, Any]],
+    path: str,
+    rank: int,
 ) -> list[tuple[Any, list[tuple[int, int, int, str, int]]]]:
     """Per tile of `part` (a moment stored as bytes, not by element: block codes), its bytes from
     the same rank's same group in the checkpoint, refused by name unless that was stepped in the

@@ -18,7 +18,7 @@ capabilities. Open one in Python with tiered.open_backend({"type": NAME, ...}).
 """
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "backends",
         help="list the registered storage backends",

@@ -38,7 +38,7 @@ needs about 2 x --size of free space in --dir (a subfolder is created and remove
 """
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench",
         help="measure offload bandwidth of the storage backends",

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     return subparsers.add_parser(
         "build-ext",
         help="build the native CPU (and CUDA) Adam kernels once for this environment",

@@ -9,7 +9,7 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 DEMO_PLAN_ARGS = [
     "--params",
@@ -46,7 +46,7 @@ examples:
 """
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "demo",
         help="the main job on its default: fine-tune a tiny Llama offloaded to NVMe, plan a 40B model",

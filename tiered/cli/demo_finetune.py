@@ -21,7 +21,7 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from tiered.errors import TieredError
 
@@ -147,7 +147,7 @@ def run_demo(
     return max(status, plan_status)
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "demo-finetune",
         help="fine-tune a tiny Llama with NVMe offload, compare with PyTorch, then plan a 40B model",

@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from tiered.cli.finetune_config import hyperparameter_flags, load_checked
 from tiered.cli.finetune_options import (
@@ -28,6 +28,10 @@ from tiered.cli.finetune_options import (
     report_checkpoints,
 )
 from tiered.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tiered.finetune.checkpointing import CheckpointPolicy
+    from tiered.finetune.loop import TrainResult
 
 DESCRIPTION = """\
 Fine-tune a causal language model through tiered's engine (ZeRO-3, with parameters, gradients
@@ -75,7 +79,7 @@ exit status: 0 done, 2 bad input (one line on stderr naming the file or key), 13
 """
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "finetune",
         help="fine-tune a Hugging Face model with ZeRO-3 offload",
@@ -158,12 +162,12 @@ class JobResult:
     """What `finetune_job` did: the engine run and, with compare, the plain-PyTorch losses and
     the worst parameter difference (norm-relative)."""
 
-    result: Any  # tiered.finetune.TrainResult
+    result: TrainResult
     reference_losses: tuple[float, ...] | None = None
     max_rel_diff: float | None = None
     max_rel_param: str | None = None
-    checkpoints: Any = None
-    """The job's tiered.finetune.checkpointing.CheckpointPolicy (saved, resumed_from, stop), or None."""
+    checkpoints: CheckpointPolicy | None = None
+    """The job's checkpoint policy (saved, resumed_from, stop), or None."""
 
     def to_json(self) -> dict[str, Any]:
         doc = self.result.to_json()

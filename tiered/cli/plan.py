@@ -44,7 +44,7 @@ def _label(tier: str) -> str:
     return {"gpu": "GPU", "cpu": "CPU", "nvme": "NVMe"}.get(tier, tier)
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan",
         help="will it fit? memory per rank for DP and ZeRO-1/2/3 with offload",

@@ -46,7 +46,7 @@ from tiered.config.schema import TieredConfig
 from tiered.errors import AlreadyManagedError, CapacityError, ConfigError
 from tiered.planning.homes import Placement
 from tiered.planning.homes import choose_placement as _choose_placement
-from tiered.planning.needs import capacity_needs, engine_needs
+from tiered.planning.needs import TierNeed, capacity_needs, engine_needs
 from tiered.units import format_bytes
 
 __all__ = [
@@ -244,7 +244,7 @@ def _close_backends(backends: Sequence[StorageBackend]) -> None:
     t.join(timeout=60.0)
 
 
-def check_budgets(tm: TierManager, needs: dict[str, dict[str, Any]], *, fitting: str = "") -> None:
+def check_budgets(tm: TierManager, needs: dict[str, TierNeed], *, fitting: str = "") -> None:
     """Every tier with a budget below its need, in one CapacityError (each with the keys that
     fix it, then `fitting`: a config that fits, from the planner). See [Note: capacity check
     before training]."""
@@ -259,7 +259,7 @@ def check_budgets(tm: TierManager, needs: dict[str, dict[str, Any]], *, fitting:
         raise CapacityError("; ".join(over) + (f". {fitting}" if fitting else ""))
 
 
-def check_capacity(tm: TierManager, needs: dict[str, dict[str, Any]]) -> None:
+def check_capacity(tm: TierManager, needs: dict[str, TierNeed]) -> None:
     """Raise CapacityError, before any training, when a budget, or the free space of a tier
     without one, is below what the run needs. See [Note: capacity check before training]."""
     free_space: dict[object, list[tuple[str, int]]] = {}
@@ -274,7 +274,7 @@ def check_capacity(tm: TierManager, needs: dict[str, dict[str, Any]]) -> None:
         _check_free_space(tm, tiers)
 
 
-def _still_needed(tier: Tier, d: dict[str, Any]) -> int:
+def _still_needed(tier: Tier, d: TierNeed) -> int:
     """Bytes of free space the run takes from now on in a tier without a budget: the partitions
     not created yet, as the backend stores them, and the buffers memory tiers allocate later.
     The partitions written already (the parameters) hold their space: counting them again would
@@ -320,7 +320,7 @@ def _check_free_space(tm: TierManager, tiers: list[tuple[str, int]]) -> None:
     )
 
 
-def _over_budget(name: str, budget: int, d: dict[str, Any]) -> str:
+def _over_budget(name: str, budget: int, d: TierNeed) -> str:
     parts = [f"{format_bytes(d['homes'], binary=True)} of partitions homed there"]
     if d["gather"]:
         parts.append(f"{format_bytes(d['gather'], binary=True)} to gather module {d['module']}")

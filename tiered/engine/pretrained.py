@@ -52,7 +52,7 @@ def meta_causal_lm(folder: str | os.PathLike[str], *, attn_implementation: str =
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"from_pretrained({folder}): config.json cannot be read: {exc}") from None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model: torch.nn.Module = AutoModelForCausalLM.from_config(
             hf, attn_implementation=attn_implementation, dtype=torch.float32
         )
     read_generation_config(model, path)
@@ -73,10 +73,16 @@ def from_pretrained(
     from tiered.engine import initialize
 
     model = meta_causal_lm(folder, attn_implementation=attn_implementation)
+    # DeepSpeed's client keywords named here: given in `hyperparameters` they are a TypeError
+    # (a second value), never an `InitializeResult` returned as an Engine
     return initialize(
         model,
         config,
         process_group=process_group,
+        model_parameters=None,
+        optimizer=None,
+        lr_scheduler=None,
+        training_data=None,
         weights=folder,
         init_missing=init_missing,
         **hyperparameters,

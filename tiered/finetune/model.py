@@ -81,7 +81,7 @@ def build_model(
     torch.manual_seed(seed)
     try:
         with torch.device("meta" if meta else "cpu"):
-            model = AutoModelForCausalLM.from_config(
+            model: torch.nn.Module = AutoModelForCausalLM.from_config(
                 config, attn_implementation=attn_implementation, dtype=torch.float32
             )
     except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is the user's to fix

@@ -16,10 +16,12 @@ when tracing, so the default run pays nothing; `remove()` takes the hooks off.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 
 def traced_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -67,7 +69,7 @@ class ComputeTracer:
 
     def __init__(self, model: nn.Module, recorder: Any) -> None:
         self._rec = recorder
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         # per block: the forward start, and the backward box of the forward call in flight
         self._fwd_start: dict[str, float] = {}
         self._open: dict[str, list[float] | None] = {}
@@ -76,8 +78,8 @@ class ComputeTracer:
             # prepend: run before the engine's post-hook releases the parameters
             self._handles.append(mod.register_forward_hook(self._post(name), prepend=True))
 
-    def _pre(self, name: str) -> Any:
-        def pre(mod: nn.Module, args: tuple) -> None:
+    def _pre(self, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def pre(mod: nn.Module, args: tuple[Any, ...]) -> None:
             box: list[float] | None = None
             x = _first_tensor(args)
             if x is not None and x.requires_grad and torch.is_grad_enabled():
@@ -88,8 +90,8 @@ class ComputeTracer:
 
         return pre
 
-    def _post(self, name: str) -> Any:
-        def post(mod: nn.Module, args: tuple, output: Any) -> None:
+    def _post(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def post(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             t1 = time.perf_counter()
             t0 = self._fwd_start.pop(name, t1)
             self._rec.record_span(f"forward {name}", self.TRACK, t0, t1)

@@ -181,7 +181,7 @@ class TieredTrainerMixin:
         model.train()
         inputs = self._prepare_inputs(inputs)  # type: ignore[attr-defined]
         with self.compute_loss_context_manager():  # type: ignore[attr-defined]
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)  # type: ignore[attr-defined]
+            loss: torch.Tensor = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)  # type: ignore[attr-defined]
         scaled_for_ga = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled_for_ga is None:
             scaled_for_ga = (
@@ -207,12 +207,14 @@ class TieredTrainerMixin:
         engine = self.engine
         if engine is not None and engine.config.scheduler is not None and engine.lr_scheduler is not None:
             return float(engine.lr_scheduler.get_last_lr()[0])
-        return super()._get_learning_rate()  # type: ignore[misc]
+        lr: float = super()._get_learning_rate()  # type: ignore[misc]
+        return lr
 
     # ---- saving and resuming -------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self.engine is None:
-            return super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+            super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+            return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         dtype = self.engine.placement.compute_dtype
         self.engine.save_pretrained(output_dir, dtype=dtype)

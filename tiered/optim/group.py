@@ -198,7 +198,7 @@ class OptimGroup:
             return 0
         return sum(p.nbytes for p in self._read_by(j))
 
-    def prefetch(self, j: int) -> list[TierFuture]:
+    def prefetch(self, j: int) -> list[TierFuture[None]]:
         """Start reading tile `j`'s states into the compute tier, unpinned ([Note: pipeline_read])."""
         return [self.tm.prefetch(p, self.plan.compute_tier) for p in self._read_by(j)]
 
@@ -242,11 +242,12 @@ class OptimGroup:
         assert self._out is not None, f"group {self.name}: tile {j} stepped before tile 0"
         return self._out if len(self.tiles) == 1 else self._out[self.tiles[j].start : self.tiles[j].stop]
 
-    def issue_writes(self, j: int) -> list[TierFuture]:
+    def issue_writes(self, j: int) -> list[TierFuture[None]]:
         """After tile `j`'s update: its states dirty where they changed, unpinned, evicted when
         staged away from home (a write-back when home is slower); after the last tile the same
         for the gradient (clean: freed) and the new parameter. The futures."""
-        plan, tm, futs = self.plan, self.tm, []
+        plan, tm = self.plan, self.tm
+        futs: list[TierFuture[None]] = []
         param = self.group.param
         for part in self.tiles[j].states:
             if part is param:

@@ -243,11 +243,11 @@ class OffloadedAdam:
         return self.groups[self._index[group.name]]
 
     # ---- the step --------------------------------------------------------------------------
-    def prefetch_states(self) -> list[TierFuture]:
+    def prefetch_states(self) -> list[TierFuture[None]]:
         """Start reading optimizer states into their compute tier during backward, unpinned, so
         the step's reads find them resident; returns the prefetch futures. See [Note: pipeline_read]."""
         tm = self.tm
-        futs: list[TierFuture] = []
+        futs: list[TierFuture[None]] = []
         jobs = [(og, j) for og in self.groups for j in range(len(og.tiles))]
         count = len(jobs) if self.cfg.zero.offload_optimizer.pipeline_read else self.buffer_count
         room: dict[str, float] = {}
@@ -447,7 +447,7 @@ class OffloadedAdam:
         if out is not None and not lowp:
             out.copy_(master)
 
-    def _finish_tile(self, i: int, j: int) -> list[TierFuture]:
+    def _finish_tile(self, i: int, j: int) -> list[TierFuture[None]]:
         og = self.groups[i]
         futs = og.issue_writes(j)
         if j == len(og.tiles) - 1 and self.on_params_written is not None:

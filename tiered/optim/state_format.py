@@ -56,7 +56,7 @@ too, saying so (load with load_optimizer_states=False, or in the saved format).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -153,7 +153,7 @@ def check_checkpoint_format(saved: str, running: str, *, path: str) -> Literal["
     )
 
 
-def check_state_format_loads(manifest: dict, running: str, path: str) -> None:
+def check_state_format_loads(manifest: dict[str, Any], running: str, path: str) -> None:
     """Refuse, by name, to load a checkpoint's moments (format `manifest` records; older ones hold
     fp32) into a run of format `running`, unless they are the same format. The exact conversion
     `check_checkpoint_format` allows (bf16 or int8 into fp32) is not implemented in this version,

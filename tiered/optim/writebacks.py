@@ -40,7 +40,7 @@ class WriteBacks:
 
     def __init__(self, timeout_s: float) -> None:
         self._timeout_s = timeout_s
-        self._pending: deque[Future[list[TierFuture]]] = deque()
+        self._pending: deque[Future[list[TierFuture[None]]]] = deque()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-opt-write")
         self._errors: list[Exception] = []
         """Write-backs that failed inside a step, raised by the next `wait`."""
@@ -48,7 +48,7 @@ class WriteBacks:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def submit(self, finish: Callable[[], list[TierFuture]]) -> None:
+    def submit(self, finish: Callable[[], list[TierFuture[None]]]) -> None:
         """Run `finish` (which issues a tile's moves and returns their futures) on the writer."""
         self._pending.append(self._writer.submit(finish))
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import nn
@@ -55,11 +55,31 @@ from tiered.shards import ParamEntry, ShardGroup, group_name
 if TYPE_CHECKING:
     from tiered.tiers import Partition
     from tiered.zero.budget import GpuGatherNeed
+    from tiered.zero.layout import GroupLayout
 
 HOST_BASELINE_BYTES = 768 * 2**20
 """The process before any tier: see [Note: one memory model]."""
 MEMORY_BACKENDS = {"gpu": "device", "cpu": "host"}
 """Backend type -> the memory it takes; every other backend stores on disk (nvme, stripe, ...)."""
+
+
+class TierNeed(TypedDict):
+    """What one tier needs ([Note: one memory model]); a dict, so `tiered plan --json` writes it as is."""
+
+    homes: int
+    """Bytes of the partitions homed there (parameters, gradients, optimizer states)."""
+    gather: int
+    """Bytes to gather the largest module (gpu only)."""
+    persistent: int
+    """Bytes of the persistent parameters (gpu only)."""
+    pipeline: int
+    """Bytes of the optimizer pipeline's staging buffers."""
+    module: str
+    """What the gather is for (the largest module), "" where there is none."""
+    to_write: list[int]
+    """nbytes of each partition not created yet (the optimizer states)."""
+    total: int
+    """homes + gather + persistent + pipeline."""
 
 
 def pipeline_need(
@@ -85,16 +105,15 @@ def capacity_needs(
     compute_dtype: torch.dtype,
     tile_numel: int,
     state_format: str = "fp32",
-) -> dict[str, dict[str, Any]]:
-    """Per tier: {"homes": bytes, "gather": bytes, "persistent": bytes, "pipeline": bytes,
-    "module": what the gather is for, "total", "to_write": [nbytes of each partition not yet
-    created]}. `groups` are all of them (their param and grad partitions exist already), `plans`
+) -> dict[str, TierNeed]:
+    """Per tier, what it needs (`TierNeed`). `groups` are all of them (their param and grad partitions exist already), `plans`
     one per trainable group. See [Note: capacity check before training]."""
-    need: dict[str, dict[str, Any]] = {}
+    need: dict[str, TierNeed] = {}
 
-    def at(tier: str) -> dict[str, Any]:
+    def at(tier: str) -> TierNeed:
         return need.setdefault(
-            tier, {"homes": 0, "gather": 0, "persistent": 0, "pipeline": 0, "module": "", "to_write": []}
+            tier,
+            TierNeed(homes=0, gather=0, persistent=0, pipeline=0, module="", to_write=[], total=0),
         )
 
     for g in groups:
@@ -126,7 +145,7 @@ def engine_needs(
     gpu_need: GpuGatherNeed,
     cfg: TieredConfig,
     compute_dtype: torch.dtype,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, TierNeed]:
     """`capacity_needs` with the pipeline of `pipeline_need`: what the engine checks."""
     trainable = [g for g in groups if g.trainable]
     pipe = pipeline_need(trainable, plans, cfg, compute_dtype)
@@ -168,7 +187,7 @@ class Prediction:
     """What one config needs, tier by tier, as the engine will check it."""
 
     placement: Placement
-    needs: dict[str, dict[str, Any]]
+    needs: dict[str, TierNeed]
     """`capacity_needs`'s answer."""
     memory: dict[str, str]
     """tier -> "device", "host" or "disk"."""
@@ -198,7 +217,7 @@ def predict(
     *,
     world_size: int = 1,
     gpu_is_host: bool = False,
-    layouts: dict[Any, Any] | None = None,
+    layouts: dict[tuple[object, ...], GroupLayout] | None = None,
 ) -> Prediction:
     """What `tiered.initialize(model, cfg)` would check, without creating a tier: the same
     group planning, placement and sums ([Note: one memory model]). `model` may be on the meta

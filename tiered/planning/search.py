@@ -32,7 +32,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ from tiered.errors import CapacityError, ConfigError
 from tiered.planning.needs import HOST_BASELINE_BYTES, Prediction, predict
 from tiered.planning.traffic import bytes_per_step
 from tiered.units import format_bytes
+
+if TYPE_CHECKING:
+    from tiered.zero.layout import GroupLayout
 
 SUB_GROUP_SIZES = (1_000_000_000, 200_000_000, 100_000_000, 50_000_000, 20_000_000, 10_000_000, 5_000_000)
 BUFFER_COUNTS = (4, 2, 1)
@@ -340,7 +343,7 @@ def weigh(
     nvme_path: str = "./tiered_offload",
     bandwidth: Mapping[str, float] = DEFAULT_BANDWIDTH,
     max_in_cpu: int | None = None,
-    layouts: dict[Any, Any] | None = None,
+    layouts: dict[tuple[object, ...], GroupLayout] | None = None,
     base: Mapping[str, Any] | None = None,
 ) -> Candidate:
     """One config: predicted by the engine's memory model, fit-checked, timed ([Note: config search])."""

@@ -139,8 +139,10 @@ class GroupRuntime:
         self.pins = 0
         self.full: torch.Tensor | None = None
         """The gathered full buffer the parameters view, while pins > 0."""
-        self.inflight: TierFuture | None = None  # a fetch or prefetch not yet consumed
-        self.evicting: TierFuture | None = None  # an eviction issued at release, not yet awaited
+        self.inflight: TierFuture[torch.Tensor] | TierFuture[None] | None = (
+            None  # a fetch or prefetch not yet consumed
+        )
+        self.evicting: TierFuture[None] | None = None  # an eviction issued at release, not yet awaited
         self.full_part: Partition | None = None  # world_size > 1: the gathered full buffer's partition
         self.grads_seen: set[int] = set()
         """ids of the parameters whose gradient arrived in this backward."""
@@ -209,7 +211,7 @@ class GroupRuntime:
                 tm.evict(g.param, "gpu").result()
 
     # ---- gather ------------------------------------------------------------------------------
-    def start_fetch(self) -> TierFuture | torch.Tensor:
+    def start_fetch(self) -> TierFuture[torch.Tensor] | torch.Tensor:
         """Count and issue the fetch of this rank's shard into "gpu" (marking it live); returns
         the fetch, or the home shard itself where that is the gathered buffer."""
         g, ctx = self.group, self.ctx
@@ -231,7 +233,7 @@ class GroupRuntime:
             ctx.budget.add(self.index)
         return fut
 
-    def finish_gather(self, fetch: TierFuture | torch.Tensor) -> None:
+    def finish_gather(self, fetch: TierFuture[torch.Tensor] | torch.Tensor) -> None:
         """Wait for the shard, assemble the full buffer and point the parameters at it."""
         if isinstance(fetch, torch.Tensor):
             shard = fetch

@@ -180,7 +180,9 @@ class ExternalParamMode(TorchFunctionMode):
         super().__init__()
         self._zp = zp
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         zp = self._zp
         if not zp.busy:
             managed = zp.managed
@@ -265,7 +267,9 @@ class ReleasedData(torch.Tensor):
         return out
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         with torch._C.DisableTorchFunctionSubclass():
             name = getattr(func, "__name__", None)
             if name == "__get__":
@@ -301,7 +305,9 @@ class PartitionedParameter(nn.Parameter):
         return type("PartitionedParameter", (cls,), {"_names": names, "_numel": numel})
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         with torch._C.DisableTorchFunctionSubclass():  # as nn.Parameter's own (disabled) handler
             name = getattr(func, "__name__", None)
             if name == "__get__":
@@ -386,7 +392,7 @@ class HookSet:
     def _make_pre(zp: HookTarget, module: nn.Module, name: str) -> Callable[..., Any]:
         boundary = zp._leaf_boundary(module)  # a leaf's inputs: see [Note: leaf modules]
 
-        def pre(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
+        def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             with _no_torch_function():
                 zp._forward_enter(module)
                 if boundary is None or not torch.is_grad_enabled():
@@ -397,7 +403,7 @@ class HookSet:
 
     @staticmethod
     def _make_post(zp: HookTarget, module: nn.Module, name: str) -> Callable[..., Any]:
-        def post(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        def post(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             with _no_torch_function():
                 zp._forward_exit(module)
                 if not torch.is_grad_enabled():

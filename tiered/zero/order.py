@@ -63,9 +63,12 @@ def check_group(process_group: ProcessGroup | None) -> ProcessGroup | None:
     if str(dist.get_backend(process_group)).lower() == "gloo":
         return process_group
     ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+    checks: ProcessGroup | None
     if ranks is None:
-        return dist.new_group(backend="gloo")
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        checks = dist.new_group(backend="gloo")
+    else:
+        checks = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    return checks
 
 
 class CollectiveOrder:

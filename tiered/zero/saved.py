@@ -25,6 +25,13 @@ import torch
 from tiered.zero.budget import LiveBudget
 from tiered.zero.group import GroupRuntime
 
+ParamRef = tuple[int, int]
+"""A managed parameter saved by autograd: (group index, entry index)."""
+ViewRef = tuple[int, int | torch.SymInt, tuple[int, ...], tuple[int, ...]]
+"""A view of a gathered buffer: (group index, storage offset from the buffer's, shape, stride)."""
+Saved = torch.Tensor | ParamRef | ViewRef
+"""What `SavedTensorRefs.pack` keeps of a saved tensor: itself, or where it lies."""
+
 
 class SavedTensorRefs:
     """The pack / unpack pair installed as ``saved_tensors_hooks`` during the engine's forward."""
@@ -45,10 +52,10 @@ class SavedTensorRefs:
         self._device = device
         self._regather = regather  # gather a released group again, held for this backward
 
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor) -> Saved:
         ref = self._managed.get(id(t))
         if ref is not None:
-            return ("p", ref[0], ref[1])
+            return (ref[0], ref[1])
         if t.numel() == 0 or t.device != self._device:
             return t
         ptr = t.data_ptr()
@@ -62,23 +69,24 @@ class SavedTensorRefs:
                 and f.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
             ):
                 self._counters["saved_refs"] += 1
-                return ("v", i, t.storage_offset() - f.storage_offset(), tuple(t.shape), t.stride())
+                return (i, t.storage_offset() - f.storage_offset(), tuple(t.shape), t.stride())
         return t
 
-    def unpack(self, obj: Any) -> torch.Tensor:
+    def unpack(self, obj: Saved) -> torch.Tensor:
         if isinstance(obj, torch.Tensor):
             return obj
-        kind, i = obj[0], obj[1]
+        i = obj[0]
         rt = self._runtimes[i]
         if rt.full is None:
             self._counters["backward_on_demand"] += 1
             self._regather(i)
         full = rt.full
         assert full is not None
-        if kind == "p":  # the values, not the Parameter: a later release must not empty them
-            e = rt.group.entries[obj[2]]
+        if len(obj) == 2:  # the values, not the Parameter: a later release must not empty them
+            e = rt.group.entries[obj[1]]
             return full[e.offset : e.offset + e.numel].view(e.shape)
-        return full.as_strided(obj[3], obj[4], full.storage_offset() + obj[2])
+        _, offset, shape, stride = obj
+        return full.as_strided(shape, stride, full.storage_offset() + offset)
 
 
 class RecomputeParams:
