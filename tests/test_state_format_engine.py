@@ -123,3 +123,42 @@ def test_int8_moments_are_not_read_as_elements_out_of_a_checkpoint(tmp_path) -> 
     assert read_parameters(str(tmp_path / "ck"), "t", kind="master")  # the master is fp32 as ever
     with pytest.raises(ValueError, match=r"holds exp_avg as int8 block codes"):
         read_parameters(str(tmp_path / "ck"), "t", kind="exp_avg")
+
+
+@pytest.mark.parametrize("fmt", LOSSY)
+def test_decode_scratch_is_one_pair_for_every_tile_and_counted_by_the_plan(fmt: str, tmp_path) -> None:
+    """The step decodes each tile's moments into one fp32 pair allocated with the optimizer (no
+    allocation per tile per step), of the largest tile's size, and the memory model counts those
+    8 B per element among the host bytes outside the tiers ([Note: one memory model])."""
+    import copy
+
+    from tiered.config.loader import load_config
+    from tiered.optim.placement import MIN_TILE_NUMEL
+    from tiered.planning.needs import outside_tiers_bytes, predict
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512))
+
+    config = _config(fmt, str(tmp_path / "s"))
+    config["zero_optimization"]["sub_group_size"] = MIN_TILE_NUMEL  # the 512 x 512 weight: 4 tiles
+    engine = tiered.initialize(model(), copy.deepcopy(config))
+    try:
+        decoded = engine.optimizer._decoded
+        assert decoded is not None
+        tiles = [b.stop - b.start for og in engine.optimizer.groups for b in og.tiles]
+        assert len(tiles) > len(engine.optimizer.groups), "the groups were not tiled"
+        assert decoded[0].numel() == decoded[1].numel() == max(tiles)
+        ptrs = [t.data_ptr() for t in decoded]
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        assert [t.data_ptr() for t in engine.optimizer._decoded] == ptrs
+    finally:
+        engine.close()
+    m = model()
+    pred = predict(m, load_config(copy.deepcopy(config), model=m))
+    assert pred.outside_tiers_bytes == outside_tiers_bytes(pred.groups) + 8 * max(tiles)
+    exact = predict(m, load_config(copy.deepcopy(_config("fp32", str(tmp_path / "e"))), model=m))
+    assert exact.outside_tiers_bytes == outside_tiers_bytes(exact.groups)

@@ -97,6 +97,7 @@ from tiered.optim.kernels import adam_update
 from tiered.optim.placement import (
     GroupPlan,
     StatePartitions,
+    decode_scratch_numel,
     optimizer_tile_numel,
     pipeline_bytes,
     plan_optimizer_placement,
@@ -219,6 +220,10 @@ class OffloadedAdam:
                 )
             )
         self._index = {og.name: i for i, og in enumerate(self.groups)}
+        n = decode_scratch_numel(shards, plans, self.tile_numel, self.fmt)
+        self._decoded = (torch.empty(n), torch.empty(n)) if n else None
+        """The fp32 moments of the tile being stepped, decoded from a compressed format: one pair
+        for every tile (`decode_scratch_numel`), so the step allocates nothing per tile."""
         self._totals = {
             "read_wait_s": 0.0,
             "compute_s": 0.0,
@@ -427,7 +432,8 @@ class OffloadedAdam:
         stored = None
         if not self.fmt.lossless:  # [Note: compressed optimizer state]: decode, exact Adam, encode
             stored = (exp_avg.view(torch.uint8), exp_avg_sq.view(torch.uint8))
-            exp_avg, exp_avg_sq = torch.empty(master.numel()), torch.empty(master.numel())
+            assert self._decoded is not None and master.numel() <= self._decoded[0].numel()
+            exp_avg, exp_avg_sq = (t[: master.numel()] for t in self._decoded)
             self.fmt.exp_avg.decode(stored[0], exp_avg)
             self.fmt.exp_avg_sq.decode(stored[1], exp_avg_sq)
         adam_update(

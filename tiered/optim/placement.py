@@ -87,6 +87,22 @@ def tile_bounds(group: ShardGroup, plan: GroupPlan, tile_numel: int) -> list[tup
     return [(a, min(a + tile_numel, n)) for a in range(0, n, tile_numel)]
 
 
+def decode_scratch_numel(
+    groups: Sequence[ShardGroup], plans: Sequence[GroupPlan], tile_numel: int, fmt: StateFormat
+) -> int:
+    """Elements of each of the two fp32 tensors a compressed `fmt` decodes a tile's moments into
+    ([Note: compressed optimizer state]): the largest tile of the trainable `groups` (one pair,
+    reused tile after tile: the step updates one tile at a time); 0 for a lossless format, which
+    updates the stored moments in place. The offloaded optimizer allocates it; the memory model
+    counts it among the host bytes outside the tiers."""
+    if fmt.lossless:
+        return 0
+    return max(
+        (b - a for g, p in zip(groups, plans, strict=True) for a, b in tile_bounds(g, p, tile_numel)),
+        default=0,
+    )
+
+
 def state_partition_specs(
     group: ShardGroup,
     plan: GroupPlan,

@@ -29,7 +29,8 @@ its rounding (under 0.05% of v), the safe direction (a slightly smaller step).
 In the offloaded optimizer (tiered/optim/offload.py, `OffloadedAdam._update`) each tile's
 moments live in their partitions as the format stores them (bf16: a bfloat16 partition of the
 tile's elements; int8: a byte partition, the tile's block scales then its codes); the step
-fetches them, decodes into two fp32 scratch tensors of the tile's size, runs the same
+fetches them, decodes into one pair of fp32 tensors (allocated with the optimizer at the largest
+tile's size, `decode_scratch_numel`, and counted by the memory model), runs the same
 tiered_ext Adam kernel on the fp32 master, and encodes back before the write-back, so NVMe
 moves the encoded bytes ([Note: bytes per step] counts them at the same size). The rounding's
 randomness is a generator seeded by (step, group, tile) (`rounding_seed`): a resumed run rounds

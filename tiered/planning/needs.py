@@ -27,7 +27,7 @@ freed whole). `HOST_BASELINE_BYTES` is the first, measured once: peak RSS of
 ``python -c "import torch, transformers, tiered"`` plus a 36B Llama skeleton built on the meta
 device is 377 MiB (CPU torch 2.x, Linux); without transformers 257 MiB. A CUDA process adds
 its driver context in host memory (a few hundred MiB), so the constant is 768 MiB. The second
-is `outside_tiers_bytes`. `tiered plan` adds both to the host tiers' need before it compares
+is `outside_tiers_bytes` (with a compressed optimizer-state format, also its decode scratch). `tiered plan` adds both to the host tiers' need before it compares
 with ``--cpu-mem`` and writes only what is left as the cpu tier's budget.
 """
 
@@ -43,6 +43,7 @@ from torch import nn
 from tiered.config.schema import TieredConfig
 from tiered.optim.placement import (
     GroupPlan,
+    decode_scratch_numel,
     optimizer_tile_numel,
     pipeline_bytes,
     plan_optimizer_placement,
@@ -160,10 +161,12 @@ def engine_needs(
     )
 
 
-def outside_tiers_bytes(groups: Sequence[ShardGroup]) -> int:
+def outside_tiers_bytes(groups: Sequence[ShardGroup], decode_scratch_numel: int = 0) -> int:
     """Host bytes the engine holds outside its tiers at its peak ([Note: one memory model]): the
-    largest group's fp32 shard."""
-    return max((g.shard_numel * 4 for g in groups), default=0)
+    largest group's fp32 shard, plus the two fp32 tensors a compressed optimizer-state format
+    decodes a tile's moments into (`decode_scratch_numel` elements each; they live for the
+    whole run, alongside the transient shard)."""
+    return max((g.shard_numel * 4 for g in groups), default=0) + 8 * decode_scratch_numel
 
 
 def tier_memory(cfg: TieredConfig, name: str, *, gpu_is_host: bool) -> str:
@@ -283,7 +286,11 @@ def predict(
     plans = plan_optimizer_placement(trainable, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
     needs = engine_needs(groups, plans, layout.gpu_need, cfg, dtype)
     memory = {t: tier_memory(cfg, t, gpu_is_host=gpu_is_host) for t in {*cfg.tiered.tiers, *needs}}
-    return Prediction(placement, needs, memory, tuple(groups), tuple(plans), outside_tiers_bytes(groups))
+    scratch = decode_scratch_numel(
+        trainable, plans, optimizer_tile_numel(cfg), FORMATS[cfg.tiered.optimizer_state_format]
+    )
+    outside = outside_tiers_bytes(groups, scratch)
+    return Prediction(placement, needs, memory, tuple(groups), tuple(plans), outside)
 
 
 def _as_partition(p: _SizedPartition) -> Partition:
