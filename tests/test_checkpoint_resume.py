@@ -198,3 +198,26 @@ def test_resume_is_bit_exact_with_idle_experts(tmp_path: Path, param: str, opt: 
         got = full_state(e)
     assert first + rest == want_losses
     assert_bitwise_equal({**got, "opt": {}}, {**want, "opt": {}})  # (groups may differ: params compared)
+
+
+@pytest.mark.parametrize("bad", ["3", 2.0, -1, True, None])
+def test_a_checkpoint_whose_optimizer_step_is_not_a_non_negative_int_is_refused(
+    tmp_path: Path, bad: object
+) -> None:
+    """The optimizer owns its step count and checks the one it is given: a manifest rewritten
+    with a consistent checksum but a step count that is no count is refused by its key, not
+    coerced (``int("3")``, ``int(2.0)``, ``int(True)``) into a silently different bias correction."""
+    from tiered.checkpoint.directory import MANIFEST_CHECKSUM, manifest_digest
+    from tiered.errors import CheckpointCorruptError
+
+    case = CASES["mlp"]
+    config = ds_config(param="cpu", opt="cpu")
+    with tiered.initialize(build(case), config) as e:
+        train(e, case, make_batches(case, 2, 4))
+        path = Path(e.save_checkpoint(tmp_path / "ckpt"))
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["training"]["optimizer_step"] = bad
+        manifest[MANIFEST_CHECKSUM] = manifest_digest(manifest)
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointCorruptError, match=r"training\.optimizer_step"):
+            e.load_checkpoint(tmp_path / "ckpt")

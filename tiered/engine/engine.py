@@ -657,8 +657,7 @@ class Engine(DeepSpeedEngineAPI):
         self.micro_steps = int(state["micro_steps"])
         self.skipped_steps = int(state["skipped_steps"])
         if optimizer_steps:
-            self.optimizer.step_count = int(state["optimizer_step"])
-            self.optimizer.load_param_step_counts(state.get("param_steps"))
+            self.optimizer.load_step_counts(state["optimizer_step"], state.get("param_steps"))
         self.loss_scaler.load_state_dict(state["loss_scaler"])
         if self.client is not None:
             self.client.apply_training_state(state, lr_scheduler=lr_scheduler)

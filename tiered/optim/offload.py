@@ -90,7 +90,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from tiered.config.schema import TieredConfig
-from tiered.errors import UnsupportedConfigError
+from tiered.errors import CheckpointCorruptError, UnsupportedConfigError
 from tiered.optim.arrivals import Arrivals
 from tiered.optim.group import OptimGroup, params_kept_in_cpu
 from tiered.optim.kernels import adam_update
@@ -504,11 +504,21 @@ class OffloadedAdam:
             out.update(og.param_step_counts(self.step_count))
         return out
 
-    def load_param_step_counts(self, counts: Mapping[str, int] | None) -> None:
-        """Set the per-parameter step counts (after `step_count`); None (an older checkpoint):
-        every parameter counts every step."""
+    def load_step_counts(self, optimizer_step: object, param_steps: Mapping[str, int] | None) -> None:
+        """Restore the step counts a checkpoint recorded: the optimizer's (bias correction, the
+        lr schedule's position, the rounding seeds) and each parameter's. The optimizer owns its
+        counters, so it also checks what it is given: a count that is not a non-negative int is
+        refused naming the manifest key instead of training with a wrong bias correction.
+        `param_steps` None (an older checkpoint): every parameter counts every step."""
+        if isinstance(optimizer_step, bool) or not isinstance(optimizer_step, int) or optimizer_step < 0:
+            raise CheckpointCorruptError(
+                f"the checkpoint's training.optimizer_step is {optimizer_step!r}, not a non-negative "
+                "integer: its manifest was edited or written by something else; load another "
+                "checkpoint or pass load_optimizer_states=False to start the optimizer afresh"
+            )
+        self.step_count = optimizer_step
         for og in self.groups:
-            og.load_param_step_counts(counts or {}, self.step_count)
+            og.load_param_step_counts(param_steps or {}, self.step_count)
 
     def stats(self) -> dict[str, Any]:
         return {
