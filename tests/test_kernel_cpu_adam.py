@@ -344,6 +344,31 @@ def test_bad_input_is_a_clear_value_error(fn, case) -> None:
 
 
 @pytest.mark.parametrize(
+    "fn",
+    [tiered_ext.adam_step, tiered_ext.adam_step_reference, tiered_ext.gpu_adam_step],
+    ids=["native", "reference", "multi-tensor"],
+)
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"betas": (0.9, 0.999)}, "unexpected keyword argument 'betas'"), ({"lr": None}, "missing .*'lr'")],
+    ids=["unknown", "missing"],
+)
+def test_a_misspelt_or_missing_hyper_parameter_is_refused_by_name(fn, change, message) -> None:
+    """The entries take their Adam scalars as one keyword bundle (`tiered_ext.AdamScalars`): a
+    keyword the bundle does not declare, or a required one left out, is still Python's TypeError
+    naming it, never swallowed by ``**hyper`` nor defaulted."""
+    t = _ok()
+    kw: dict[str, object] = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    kw = {k: v for k, v in {**kw, **change}.items() if v is not None}
+    args = (t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"])
+    if fn is tiered_ext.gpu_adam_step:
+        args = tuple([a] for a in args)
+    with pytest.raises(TypeError, match=message):
+        fn(*args, **kw)
+    assert not t["param"].any() and not t["exp_avg"].any()
+
+
+@pytest.mark.parametrize(
     "case",
     [
         ("size", dict(grad=torch.zeros(9)), {}, "grad has 9 elements"),

@@ -21,13 +21,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from typing_extensions import Unpack
 
 from . import _loader
 from ._gpu import gpu_adam_step
 from ._reference import adam_step_reference
-from ._validate import check_scalars, check_tensors
+from ._validate import AdamScalars, bind_scalars, check_tensors
+from ._validate import check_scalars as check_scalars  # tiered.optim.kernels checks a step list's minimum
 
-__all__ = ["adam_step", "adam_step_reference", "gpu_adam_step", "kernel_info"]
+__all__ = ["AdamScalars", "adam_step", "adam_step_reference", "gpu_adam_step", "kernel_info"]
 
 
 def adam_step(
@@ -37,27 +39,18 @@ def adam_step(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool = True,
-    grad_scale: float = 1.0,
     out_lowp: torch.Tensor | None = None,
     check_finite: bool = False,
+    **hyper: Unpack[AdamScalars],
 ) -> bool:
-    """Fused Adam/AdamW step on one flat CPU partition (see the module docstring)."""
-    check_scalars(
-        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale
-    )
+    """Fused Adam/AdamW step on one flat CPU partition (see the module docstring); `hyper`:
+    lr, beta1, beta2, eps, weight_decay, adamw_mode (True), grad_scale (1.0)."""
+    bound = bind_scalars(step, hyper)
     mod = _loader.cpu_module()
     if mod is None:
         return adam_step_reference(
-            param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, adamw_mode=adamw_mode, grad_scale=grad_scale, out_lowp=out_lowp,
-            check_finite=check_finite,
-        )  # fmt: skip
+            param, grad, exp_avg, exp_avg_sq, step=step, out_lowp=out_lowp, check_finite=check_finite, **hyper
+        )
     # [Note: two-layer argument checks]
     # The C++ binding checks every tensor (device, layout, size, dtype, overlap) before the kernel
     # touches memory and raises ValueError; only then does the Python checker run, to replace that
@@ -65,22 +58,7 @@ def adam_step(
     # cost ~15 us per partition, a tenth of a small model's optimizer step.
     try:
         return bool(
-            mod.adam_step(
-                param,
-                grad,
-                exp_avg,
-                exp_avg_sq,
-                int(step),
-                float(lr),
-                float(beta1),
-                float(beta2),
-                float(eps),
-                float(weight_decay),
-                bool(adamw_mode),
-                float(grad_scale),
-                out_lowp,
-                bool(check_finite),
-            )  # fmt: skip
+            mod.adam_step(param, grad, exp_avg, exp_avg_sq, int(step), *bound, out_lowp, bool(check_finite))
         )
     except (ValueError, TypeError):
         check_tensors(param, grad, exp_avg, exp_avg_sq, out_lowp, device_type="cpu")
@@ -94,35 +72,28 @@ def _adam_step_many(
     exp_avg_sqs: Sequence[torch.Tensor],
     *,
     steps: Sequence[int],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
-    grad_scale: float = 1.0,
     out_lowp: Sequence[torch.Tensor] | None = None,
     flat: bool = True,
+    **hyper: Unpack[AdamScalars],
 ) -> None:
     """adam_step over many CPU partitions, each with its own step count, in one native call: one
     parallel region for the whole list instead of one fork/join per tensor. For tiered.optim.CPUAdam
-    (flat=False: contiguous tensors of any equal shape) and gpu_adam_step's CPU lists; scalars are
-    validated by the caller. The C++ binding checks every tensor before the kernel touches any and
+    (flat=False: contiguous tensors of any equal shape) and gpu_adam_step's CPU lists; the caller
+    checks the step counts. The C++ binding checks every tensor before the kernel touches any and
     raises ValueError naming the index."""
+    bound = bind_scalars(1, hyper)
     mod = _loader.cpu_module()
     if mod is None:
         outs = list(out_lowp) if out_lowp is not None else [None] * len(params)
         for p, g, m, v, o, step in zip(params, grads, exp_avgs, exp_avg_sqs, outs, steps, strict=True):
             adam_step_reference(
-                p.view(-1), g.view(-1), m.view(-1), v.view(-1), step=step, lr=lr, beta1=beta1, beta2=beta2,
-                eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode, grad_scale=grad_scale,
-                out_lowp=o.view(-1) if o is not None else None,
+                p.view(-1), g.view(-1), m.view(-1), v.view(-1), step=step,
+                out_lowp=o.view(-1) if o is not None else None, **hyper,
             )  # fmt: skip
         return
     mod.adam_step_many(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
-                       list(out_lowp) if out_lowp is not None else None, [int(s) for s in steps], float(lr),
-                       float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode),
-                       float(grad_scale), False, flat)  # fmt: skip
+                       list(out_lowp) if out_lowp is not None else None, [int(s) for s in steps], *bound,
+                       False, flat)  # fmt: skip
 
 
 def kernel_info() -> dict[str, object]:

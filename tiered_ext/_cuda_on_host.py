@@ -19,10 +19,12 @@ import threading
 from collections.abc import Sequence
 
 import torch
+from typing_extensions import Unpack
 
 from . import _loader
 from ._cache import cache_root
 from ._gpu import check_lists
+from ._validate import AdamScalars
 
 SOURCE = _loader.CSRC / "gpu_adam" / "gpu_adam.cu"
 HEADERS = _loader.GPU_HEADERS
@@ -98,21 +100,16 @@ def gpu_adam_step_on_host(
     exp_avg_sqs: Sequence[torch.Tensor],
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool = True,
-    grad_scale: float = 1.0,
     out_lowp: Sequence[torch.Tensor] | None = None,
+    **hyper: Unpack[AdamScalars],
 ) -> int:
     """gpu_adam_step's one-group launch, emulated on CPU tensors; returns the number of chunks run.
 
     All tensors share one (grad, state, out) dtype triple, as within one launch of the binding.
     """
-    outs = check_lists(params, grads, exp_avgs, exp_avg_sqs, out_lowp, device_type="cpu", step=step, lr=lr,
-                       beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)  # fmt: skip
+    outs, bound = check_lists(
+        params, grads, exp_avgs, exp_avg_sqs, out_lowp, device_type="cpu", step=step, hyper=hyper
+    )
     n = len(params)
     if n == 0:
         return 0
@@ -135,7 +132,7 @@ def gpu_adam_step_on_host(
                                params[i].numel())  # fmt: skip
     return int(
         library().tiered_gpu_adam_emulate(
-            descs, n, _CODES[first[0]], _CODES[first[1]], _CODES[first[2]], int(step), float(lr), float(beta1),
-            float(beta2), float(eps), float(weight_decay), int(bool(adamw_mode)), float(grad_scale),
+            descs, n, _CODES[first[0]], _CODES[first[1]], _CODES[first[2]], int(step), bound.lr, bound.beta1,
+            bound.beta2, bound.eps, bound.weight_decay, int(bound.adamw_mode), bound.grad_scale,
         )
     )  # fmt: skip

@@ -7,14 +7,15 @@ a built CUDA kernel run the pure-torch reference (with a KernelBuildWarning, see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
 from . import _loader
 from ._reference import adam_step_reference
-from ._validate import check_scalars, check_tensors
+from ._validate import AdamScalars, BoundScalars, bind_scalars, check_tensors
 
 
 def check_lists(
@@ -25,10 +26,12 @@ def check_lists(
     out_lowp: Sequence[torch.Tensor] | None,
     *,
     device_type: str | None,
-    **scalars: Any,
-) -> list[torch.Tensor | None]:
+    step: int,
+    hyper: Mapping[str, Any],
+) -> tuple[list[torch.Tensor | None], BoundScalars]:
     """The checks of a multi-tensor step: aligned lists, valid scalars, every partition's buffers
-    (check_tensors) and one device for all; returns out_lowp as a list (None entries without it)."""
+    (check_tensors) and one device for all; returns out_lowp as a list (None entries without it)
+    and the bound scalars."""
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if out_lowp is not None:
@@ -36,7 +39,7 @@ def check_lists(
     for name, seq in lists.items():
         if len(seq) != n:
             raise ValueError(f"{name} has {len(seq)} tensors but params has {n}: the lists must align")
-    check_scalars(**scalars)
+    bound = bind_scalars(step, hyper)
     outs: list[torch.Tensor | None] = list(out_lowp) if out_lowp is not None else [None] * n
     for i in range(n):
         check_tensors(
@@ -46,7 +49,7 @@ def check_lists(
             raise ValueError(
                 f"params[{i}] is on {params[i].device} but params[0] is on {params[0].device}: one device per call"
             )
-    return outs
+    return outs, bound
 
 
 def gpu_adam_step(
@@ -56,14 +59,8 @@ def gpu_adam_step(
     exp_avg_sqs: Sequence[torch.Tensor],
     *,
     step: int | Sequence[int],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool = True,
-    grad_scale: float = 1.0,
     out_lowp: Sequence[torch.Tensor] | None = None,
+    **hyper: Unpack[AdamScalars],
 ) -> None:
     """Adam/AdamW step over lists of flat partitions on one device (same semantics as adam_step).
     `step` is one count for all, or one per tensor (parameters stepped a different number of
@@ -72,39 +69,37 @@ def gpu_adam_step(
     steps = [int(step)] * n if isinstance(step, int) else [int(s) for s in step]
     if len(steps) != n:
         raise ValueError(f"step has {len(steps)} counts but params has {n}: one per tensor, or one int")
-    outs = check_lists(params, grads, exp_avgs, exp_avg_sqs, out_lowp, device_type=None, step=min(steps, default=1), lr=lr,
-                       beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)  # fmt: skip
+    outs, bound = check_lists(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        out_lowp,
+        device_type=None,
+        step=min(steps, default=1),
+        hyper=hyper,
+    )
     if n == 0:
         return
     device = params[0].device
-    scalars: dict[str, Any] = dict(
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-        grad_scale=grad_scale,
-    )  # fmt: skip
     if device.type != "cuda":
         if device.type != "cpu":
             for i in range(n):
                 adam_step_reference(
-                    params[i],
-                    grads[i],
-                    exp_avgs[i],
-                    exp_avg_sqs[i],
-                    out_lowp=outs[i],
-                    step=steps[i],
-                    **scalars,
+                    params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out_lowp=outs[i], step=steps[i], **hyper
                 )
             return
         from . import _adam_step_many  # the CPU kernel; imported here to keep the package import acyclic
 
         if out_lowp is not None and any(o is None for o in outs):
             raise ValueError("out_lowp holds None: pass a tensor for every param, or out_lowp=None")
-        _adam_step_many(params, grads, exp_avgs, exp_avg_sqs, steps=steps, out_lowp=out_lowp, **scalars)
+        _adam_step_many(params, grads, exp_avgs, exp_avg_sqs, steps=steps, out_lowp=out_lowp, **hyper)
         return
     mod = _loader.gpu_module()
     if mod is None:
         for i in range(n):
             adam_step_reference(
-                params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out_lowp=outs[i], step=steps[i], **scalars
+                params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out_lowp=outs[i], step=steps[i], **hyper
             )
         return
     groups: dict[tuple[int, torch.dtype, torch.dtype, torch.dtype | None], list[int]] = {}
@@ -116,6 +111,5 @@ def gpu_adam_step(
         mod.gpu_adam_step(
             [params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
             [exp_avg_sqs[i] for i in idx], [outs[i] for i in idx] if out_dtype is not None else None,
-            int(step_i), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode),
-            float(grad_scale),
+            int(step_i), *bound,
         )  # fmt: skip

@@ -10,8 +10,9 @@ ulps (their own op order is described in csrc/cpu_adam/scalar_ops.h).
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack
 
-from ._validate import check_scalars, check_tensors
+from ._validate import AdamScalars, bind_scalars, check_tensors
 
 
 @torch.no_grad()
@@ -22,21 +23,13 @@ def adam_step_reference(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool = True,
-    grad_scale: float = 1.0,
     out_lowp: torch.Tensor | None = None,
     check_finite: bool = False,
+    **hyper: Unpack[AdamScalars],
 ) -> bool:
     """One Adam/AdamW step on a flat partition; see tiered_ext.adam_step for the contract."""
     check_tensors(param, grad, exp_avg, exp_avg_sq, out_lowp, device_type=None)
-    check_scalars(
-        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale
-    )
+    lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale = bind_scalars(step, hyper)
     g = grad.float()
     if grad_scale != 1.0:
         g = g * grad_scale

@@ -8,8 +8,11 @@ runs them to word the error (see [Note: two-layer argument checks] in tiered_ext
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple, TypedDict
 
 import torch
+from typing_extensions import NotRequired
 
 _LOWP = (torch.bfloat16, torch.float16)
 _GRAD_DTYPES = (torch.float32, *_LOWP)
@@ -19,6 +22,69 @@ _STATE_DTYPES = (torch.float32, torch.bfloat16)
 def _span(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
     return start, start + t.numel() * t.element_size()
+
+
+class AdamScalars(TypedDict):
+    """The Adam/AdamW hyper-parameters every kernel entry takes by keyword (`step` aside: one
+    count, or one per tensor). The entries declare ``**hyper: Unpack[AdamScalars]`` instead of
+    repeating the keywords, and `bind_scalars` checks them once."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: NotRequired[bool]
+    grad_scale: NotRequired[float]
+
+
+class BoundScalars(NamedTuple):
+    """`AdamScalars` validated, defaults filled, in the native bindings' argument order."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool
+    grad_scale: float
+
+
+def _bound(
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    grad_scale: float = 1.0,
+) -> BoundScalars:
+    # a real signature: a missing or unknown keyword is Python's own TypeError naming it
+    return BoundScalars(
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        bool(adamw_mode),
+        float(grad_scale),
+    )
+
+
+def bind_scalars(step: int, hyper: Mapping[str, Any]) -> BoundScalars:
+    """The keywords an entry received, checked (`check_scalars`, with `step`) and bound."""
+    bound = _bound(**hyper)
+    check_scalars(
+        step=step,
+        lr=bound.lr,
+        beta1=bound.beta1,
+        beta2=bound.beta2,
+        eps=bound.eps,
+        weight_decay=bound.weight_decay,
+        grad_scale=bound.grad_scale,
+    )
+    return bound
 
 
 def check_scalars(
