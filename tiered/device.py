@@ -18,6 +18,7 @@ asynchronously at full link speed; the same slicing keeps it page aligned.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import mmap
 import os
@@ -170,13 +171,9 @@ class Device:
         return f"Device({self.name!r})"
 
 
-_default: Device | None = None
-
-
+@functools.cache
 def default_device() -> Device:
     """The process-wide compute device (created on first use)."""
-    global _default
-    if _default is None:
-        _default = Device()
-        log.debug("compute device: %s", _default.name)
-    return _default
+    device = Device()
+    log.debug("compute device: %s", device.name)
+    return device

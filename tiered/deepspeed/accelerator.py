@@ -3,6 +3,7 @@ answered by torch for the device tiered computes on (CUDA where there is one, el
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -82,11 +83,7 @@ class TorchAccelerator:
         return f"TorchAccelerator({self._name})"
 
 
-_ACCELERATOR: TorchAccelerator | None = None
-
-
+@functools.cache
 def get_accelerator() -> TorchAccelerator:
-    global _ACCELERATOR
-    if _ACCELERATOR is None:
-        _ACCELERATOR = TorchAccelerator()
-    return _ACCELERATOR
+    """The process's one accelerator object, as DeepSpeed's ``get_accelerator()``."""
+    return TorchAccelerator()
