@@ -1,5 +1,7 @@
 """[Note: bytes per step]: `engine.stats()["bytes_per_step"]` puts the floor next to what the tier
-manager moved; the writes are at least the formula's, the reads within 5 % of it."""
+manager moved: in fp32 and bf16, with and without accumulation, with the step overlapped with
+backward (gradients consumed from memory) or not, the writes are the formula's to 5 % and the
+reads at most 5 % above it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from tiered.planning.traffic import measured_per_step
 transformers = pytest.importorskip("transformers")
 
 
-def _engine(tmp_path: Path, place: tuple[str, str, str]) -> Any:
+def _engine(
+    tmp_path: Path, place: tuple[str, str, str], precision: str, accumulation: int, overlap: bool
+) -> Any:
     knobs = {
         "offload_optimizer": place[0],
         "offload_param": place[1],
@@ -27,9 +31,14 @@ def _engine(tmp_path: Path, place: tuple[str, str, str]) -> Any:
         "max_in_cpu": 0,
     }
     cfg = candidate_config(
-        knobs, precision="bf16", accumulation=1, nvme_path=str(tmp_path), budgets={"gpu": None, "cpu": None}
+        knobs,
+        precision=precision,
+        accumulation=accumulation,
+        nvme_path=str(tmp_path),
+        budgets={"gpu": None, "cpu": None},
     )
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    cfg.setdefault("tiered", {})["overlap_step_with_backward"] = overlap
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.LlamaConfig(
@@ -46,16 +55,23 @@ def _engine(tmp_path: Path, place: tuple[str, str, str]) -> Any:
 
 
 @pytest.mark.parametrize(
+    ("accumulation", "overlap"), [(1, False), (1, True), (2, False)], ids=["a1", "a1-overlap", "a2"]
+)
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize(
     "place", [("nvme", "nvme", "cpu"), ("nvme", "nvme", "nvme")], ids=["opt+params", "all"]
 )
-def test_floor_next_to_measured(tmp_path: Path, place: tuple[str, str, str]) -> None:
+def test_floor_next_to_measured(
+    tmp_path: Path, place: tuple[str, str, str], precision: str, accumulation: int, overlap: bool
+) -> None:
     x = torch.randint(0, 512, (2, 16))
-    with _engine(tmp_path, place) as engine:
+    with _engine(tmp_path, place, precision, accumulation, overlap) as engine:
         snaps = []
         for _ in range(3):
-            out = engine(input_ids=x, labels=x)
-            engine.backward(out.loss)
-            engine.step()
+            for _ in range(accumulation):
+                out = engine(input_ids=x, labels=x)
+                engine.backward(out.loss)
+                engine.step()
             engine.optimizer.wait_writes()  # this step's write-backs counted in this step
             snaps.append(engine.tm.stats()["links"])
         stats = engine.stats()["bytes_per_step"]
@@ -63,16 +79,15 @@ def test_floor_next_to_measured(tmp_path: Path, place: tuple[str, str, str]) -> 
     assert stats["steps"] == 3 and stats["measured"] is not None
     floor = stats["formula"]
     # steps 2 and 3 (after initialize's writes); the next forward's prefetch may start inside a
-    # step's window, so one group's read can fall on either side of a boundary: 5 % slack
+    # step's window, so one group's read can fall on either side of a boundary
     last = {k: {"bytes": v["bytes"] - snaps[0].get(k, {"bytes": 0})["bytes"]} for k, v in snaps[2].items()}
     step3 = measured_per_step(last, memory, 2)
     assert floor["disk->host"] > 0 and floor["host->disk"] > 0
-    # writes: the engine writes at least what the formula counts (write-backs of this step)
-    assert floor["host->disk"] <= step3["host->disk"] * 1.05, (floor, step3)
-    # reads: parameters once, optimizer state once: within 5 % of the formula (the persistent
-    # groups re-read after their update). With gradients on nvme the formula still counts every
-    # gradient read back; the overlapped step now consumes some from memory, so it reads less.
-    if place[2] == "nvme":
-        assert step3["disk->host"] <= floor["disk->host"] * 1.05, (floor, step3)
-    else:
-        assert abs(step3["disk->host"] - floor["disk->host"]) <= 0.05 * floor["disk->host"], (floor, step3)
+    # writes: exactly the write-backs the formula counts (the gradient round trip only where the
+    # step cannot consume it from memory)
+    assert abs(step3["host->disk"] - floor["host->disk"]) <= 0.05 * floor["host->disk"], (floor, step3)
+    # reads: parameters once per micro-batch, the optimizer state once (in fp32 the master, which is
+    # the parameter, once more: the forward's copy is not kept until the step). A group the step
+    # just wrote may still be resident when the next forward's prefetch asks for it, saving a
+    # read the floor counts: up to 10 % below, never more than 5 % above
+    assert 0.90 * floor["disk->host"] <= step3["disk->host"] <= 1.05 * floor["disk->host"], (floor, step3)

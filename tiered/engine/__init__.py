@@ -28,6 +28,7 @@ from tiered.engine.engine import Engine
 from tiered.engine.facade import TieredOptimizer
 from tiered.engine.host_memory import fix_mmap_threshold
 from tiered.errors import CapacityError, ConfigError, DistributedSetupError
+from tiered.optim.arrivals import grads_consumed_from_memory
 from tiered.optim.offload import OffloadedAdam
 from tiered.optim.placement import plan_optimizer_placement, tier_is_host
 from tiered.optim.schedulers import build_scheduler
@@ -232,6 +233,7 @@ def _build(
             accumulation=cfg.gradient_accumulation_steps,
             max_in_cpu_numel=cfg.zero.offload_param.max_in_cpu_numel,
             state_format=cfg.tiered.optimizer_state_format,
+            grads_from_memory=grads_consumed_from_memory(cfg),
         )
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
         extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}

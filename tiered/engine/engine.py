@@ -35,6 +35,7 @@ from tiered.engine.progress import report_step
 from tiered.engine.signals import unwatch as unwatch_sigterm
 from tiered.engine.zero_grad import redirect_zero_grad
 from tiered.errors import ParameterNotGatheredError, StorageIOError
+from tiered.optim.arrivals import grads_consumed_from_memory, overlap_blockers
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
 from tiered.zero.full_params import gathered, iter_full_groups
@@ -54,20 +55,13 @@ log = logging.getLogger(__name__)
 def overlap_step_applies(cfg: TieredConfig) -> bool:
     """tiered.overlap_step_with_backward, where nothing needs the whole gradient before the first
     update: no gradient clipping (a global norm) and no fp16 overflow check. Warns otherwise."""
-    if not cfg.zero.overlap_step_with_backward:
-        return False
-    blockers = []
-    if float(cfg.gradient_clipping) > 0:
-        blockers.append(f"gradient_clipping={cfg.gradient_clipping} needs the global gradient norm first")
-    if cfg.precision.dtype == torch.float16:
-        blockers.append("fp16 needs the overflow check over every gradient first")
+    blockers = overlap_blockers(cfg)
     if blockers:
         log.warning(
             "tiered.overlap_step_with_backward has no effect: %s; the step runs after backward",
             "; ".join(blockers),
         )
-        return False
-    return True
+    return bool(cfg.zero.overlap_step_with_backward) and not blockers
 
 
 def _is_enospc(e: BaseException | None) -> bool:
@@ -191,8 +185,8 @@ class Engine(DeepSpeedEngineAPI):
         self.overlap_step = overlap_step_applies(cfg)
         if self.overlap_step:
             zp.on_group_grads_complete(self._group_grads_complete)
-            if self.gas == 1:  # [Note: gradient consumed from memory] in tiered/optim/group.py
-                zp.keep_flushed_grads()
+        if grads_consumed_from_memory(cfg):  # [Note: gradient consumed from memory] in tiered/optim/group.py
+            zp.keep_flushed_grads()
         # the model's own zero_grad reaches the engine: [Note: zero_grad of the model]
         self._undo_zero_grad = redirect_zero_grad(
             module, self, None if client is None else client.client_optimizer

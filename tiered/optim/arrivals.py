@@ -8,6 +8,36 @@ completes its gradients, while the pipeline's stepper thread takes them.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tiered.config.schema import TieredConfig
+
+
+def overlap_blockers(cfg: TieredConfig) -> list[str]:
+    """Why `tiered.overlap_step_with_backward` cannot apply to `cfg` (empty: it applies, or was
+    not asked for): what needs the whole gradient before the first update."""
+    if not cfg.zero.overlap_step_with_backward:
+        return []
+    blockers = []
+    if float(cfg.gradient_clipping) > 0:
+        blockers.append(f"gradient_clipping={cfg.gradient_clipping} needs the global gradient norm first")
+    if cfg.precision.dtype == torch.float16:
+        blockers.append("fp16 needs the overflow check over every gradient first")
+    return blockers
+
+
+def grads_consumed_from_memory(cfg: TieredConfig) -> bool:
+    """Whether the step takes each gradient from memory instead of its home: the step overlaps
+    backward and there is no accumulation ([Note: gradient consumed from memory] in
+    tiered/optim/group.py). The engine and [Note: bytes per step] both ask this."""
+    return (
+        cfg.zero.overlap_step_with_backward
+        and not overlap_blockers(cfg)
+        and int(cfg.gradient_accumulation_steps) == 1
+    )
 
 
 class Arrivals:

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from tiered.errors import CapacityError, ConfigError
+from tiered.optim.arrivals import grads_consumed_from_memory
 from tiered.planning.needs import HOST_BASELINE_BYTES, Prediction, predict
 from tiered.planning.traffic import bytes_per_step
 from tiered.units import format_bytes
@@ -392,6 +393,7 @@ def weigh(
         accumulation=accumulation,
         max_in_cpu_numel=knobs["max_in_cpu"],
         state_format=cfg.tiered.optimizer_state_format,
+        grads_from_memory=grads_consumed_from_memory(cfg),
     )
     adam = sum(
         g.shard_numel

@@ -5,8 +5,11 @@ Per rank and optimizer step, with A = gradient_accumulation_steps micro-batches,
 dtype's bytes (2 bf16/fp16, 4 fp32), S the elements of the non-persistent groups' shards, S_t
 of the trainable ones, S_c of the trainable groups stepped by the CPU kernel (the others, by
 ``offload_optimizer.ratio``, step on the GPU with their state there) and K the states read from
-a disk home per element (12 B: master, exp_avg, exp_avg_sq; 8 B in fp32 where [Note: fp32
-master is the parameter] makes the parameter the master; with a compressed
+a disk home per element (12 B: master, exp_avg, exp_avg_sq; in fp32, where [Note: fp32 master
+is the parameter] makes the parameter the master, 8 B written, the master going home as the new
+parameter below, but still 12 B read: the forward's copy of the parameter is not kept until
+the step, so the step reads it again, except for the groups kept in cpu by ``max_in_cpu``,
+whose master is already there; with a compressed
 ``tiered.optimizer_state_format`` the moments count at their encoded size, 2 + 2 B in bf16 and
 2 x (1 + 4/256) B in int8, [Note: compressed optimizer state]). Links are named by the memory at
 their ends: ``disk->host``, ``host->disk``, ``host->device``, ``device->host`` (disk is any
@@ -23,13 +26,17 @@ host/device moves are memory copies):
 * gradients leave the device as fp32 partitions: A x S_t x 4 device->host; homed on disk
   (``tiered.grad_tier``): every micro-batch writes (A x S_t x 4 host->disk), every micro-batch
   after the first reads the partial sum back ((A - 1) x S_t x 4) and the step reads it
-  (S_c x 4 disk->host);
+  (S_c x 4 disk->host). Where the step consumes each gradient from memory (the step overlapped
+  with backward and A = 1: `grads_consumed_from_memory`, [Note: gradient consumed from memory]
+  in tiered/optim/group.py) the disk sees none of it: 0 B, the floor the engine reaches when
+  the cpu tier has room for the gradients backward runs ahead with (otherwise the tier manager
+  parks some at home and the step reads them back: measured above the floor, never below);
 * optimizer state homed on disk: K x S_c read and K x S_c written;
 * the new parameters: S_c x p written to a disk home unless kept in cpu, or host->device to a
   GPU home; GPU-stepped groups move nothing.
 
-The gradient's round trip through disk at A = 1 and the backward re-reads are what issue
-work on the engine's data path may remove; this formula is the floor it is measured against:
+The backward re-reads are what work on the engine's data path may still remove; this formula
+is the floor it is measured against:
 `Engine.stats()["bytes_per_step"]` puts it next to the bytes the tier manager counted per
 step, and `tiered plan` divides it by the link bandwidths to rank configs.
 """
@@ -74,9 +81,11 @@ def bytes_per_step(
     accumulation: int,
     max_in_cpu_numel: int,
     state_format: str = "fp32",
+    grads_from_memory: bool = False,
 ) -> dict[str, int]:
     """The floor of [Note: bytes per step] per link; `memory` maps tier -> "device"/"host"/"disk";
-    `state_format` the moments' ([Note: compressed optimizer state])."""
+    `state_format` the moments' ([Note: compressed optimizer state]); `grads_from_memory`: the
+    step consumes each gradient from memory (`tiered.optim.arrivals.grads_consumed_from_memory`)."""
     fmt = FORMATS[state_format]
     p = torch.empty(0, dtype=compute_dtype).element_size()
     a = max(1, accumulation)
@@ -105,6 +114,8 @@ def bytes_per_step(
         assert g.grad is not None
         n = g.shard_numel
         grad_home = g.grad.home
+        if grads_from_memory and memory.get(grad_home) == "disk":
+            grad_home = "cpu"  # kept there, dirty, and dropped after the step: never on disk
         if grad_home != "gpu":
             if memory.get(grad_home) == "disk":
                 move("gpu", "cpu", a * n * 4)
@@ -118,9 +129,14 @@ def bytes_per_step(
             continue
         if memory.get(grad_home) == "disk":
             move(grad_home, plan.compute_tier, n * 4)
-        states = (0 if master_is_param(g, plan, compute_dtype) else 4 * n) + fmt.moment_bytes(n)
-        move(plan.state_home, plan.compute_tier, states)
-        move(plan.compute_tier, plan.state_home, states)
+        moments = fmt.moment_bytes(n)
+        if master_is_param(g, plan, compute_dtype):
+            # the master is read back unless kept in cpu; written once, as the parameter (below)
+            move(plan.state_home, plan.compute_tier, moments + (0 if g.index in kept else 4 * n))
+            move(plan.compute_tier, plan.state_home, moments)
+        else:
+            move(plan.state_home, plan.compute_tier, moments + 4 * n)
+            move(plan.compute_tier, plan.state_home, moments + 4 * n)
         if g.index not in kept:
             move(plan.stage_tier, g.param.home, n * p)
     return out
