@@ -13,13 +13,14 @@ from typing import Any
 import pytest
 
 import tiered.bench.tune as tune_mod
-from tiered.bench.pattern import _backward_rereads, derive_pattern
+from tiered.bench.pattern import derive_pattern
 from tiered.bench.training import LinkFigure, bench_training
 from tiered.bench.training_check import measure_training
 from tiered.cli.main import main
 from tiered.config import load_config
 from tiered.errors import ConfigError
 from tiered.finetune.model import build_model, resolve_model
+from tiered.planning.traffic import backward_rereads
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny-llama"
@@ -103,12 +104,12 @@ def test_pattern_follows_the_engines_grouping(tmp_path: Path) -> None:
 def test_backward_rereads_follow_the_live_budget() -> None:
     numel = [100] * 6
     flat = [False] * 6
-    assert _backward_rereads(numel, flat, max_live=10_000, max_reuse=10_000) == set()
+    assert backward_rereads(numel, flat, max_live=10_000, max_reuse=10_000) == set()
     # room for two: everything but the last groups of the forward is gone by the backward
-    assert _backward_rereads(numel, flat, max_live=200, max_reuse=10_000) == {0, 1, 2, 3}
+    assert backward_rereads(numel, flat, max_live=200, max_reuse=10_000) == {0, 1, 2, 3}
     # reuse distance 0: every group is evicted at release
-    assert _backward_rereads(numel, flat, max_live=10_000, max_reuse=0) == set(range(6)) - {5}
-    assert _backward_rereads(numel, [True] * 6, max_live=0, max_reuse=0) == set()
+    assert backward_rereads(numel, flat, max_live=10_000, max_reuse=0) == set(range(6)) - {5}
+    assert backward_rereads(numel, [True] * 6, max_live=0, max_reuse=0) == set()
 
 
 def test_cli_training_check_prints_both_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

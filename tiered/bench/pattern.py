@@ -18,7 +18,7 @@ the engine's step (tiered/optim/offload.py, tiered/zero/group.py, tiered/zero/gr
   optimizer;
 * parameters homed in a storage tier: read for the forward, again for the backward where the
   live budget evicted them in between (the engine's reuse-distance and live-budget rules replayed
-  on the forward + reversed trace, `_backward_rereads`), and the new values written back by the
+  on the forward + reversed trace, `tiered.planning.traffic.backward_rereads`), and the new values written back by the
   step, except the groups kept in "cpu" by
   ``offload_param.max_in_cpu`` ([Note: max_in_cpu]), which move no storage bytes after their
   first step. Two reads are not where the forward would make them: the step prefetches the next
@@ -161,7 +161,8 @@ def derive_pattern(
     `gpu_budget_bytes` is the "gpu" tier's budget as the tier manager reports it (the engine caps
     blocks by it); `gpu_is_host` whether that tier is host memory (no CUDA)."""
     from tiered.engine.build import choose_placement
-    from tiered.optim.placement import plan_optimizer_placement
+    from tiered.optim.placement import kept_in_cpu, plan_optimizer_placement
+    from tiered.planning.traffic import backward_rereads
     from tiered.shards import padded_numel
     from tiered.zero.sharding import ALIGNMENT_NUMEL, plan_model_groups
 
@@ -181,11 +182,14 @@ def derive_pattern(
     plans = plan_optimizer_placement(
         cast("Sequence[ShardGroup]", standins), cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host
     )
-    kept = _kept_in_cpu(
-        [shards[i] for i in trainable], plans, placement.param_tier, cfg.zero.offload_param.max_in_cpu_numel
+    kept = kept_in_cpu(
+        [shards[i] for i in trainable],
+        [placement.param_tier] * len(trainable),
+        plans,
+        cfg.zero.offload_param.max_in_cpu_numel,
     )
     moving = [j for j in range(len(trainable)) if placement.param_tier in storage and j not in kept]
-    reread = _backward_rereads(
+    reread = backward_rereads(
         [shards[trainable[j]] for j in moving],
         [planned[trainable[j]].persistent for j in moving],
         cfg.zero.max_live_parameters_numel,
@@ -276,48 +280,3 @@ def _after_step_prefetch(cfg: TieredConfig, planned: Sequence[Any], shards: list
         out.add(i)
         total += shards[i]
     return out
-
-
-def _backward_rereads(numel: list[int], persistent: list[bool], max_live: int, max_reuse: int) -> set[int]:
-    """Which groups (by position in `numel`) the backward must read again, having been evicted
-    from "gpu" after their forward use: the engine's rules replayed on the trace forward order +
-    reverse order ([Note: the live budget]): after a release a group goes when its next use is
-    further than ``stage3_max_reuse_distance`` elements away; before a fetch, released groups go,
-    furthest next use first, until ``stage3_max_live_parameters`` has room. Persistent groups stay
-    for the whole step."""
-    trace = list(range(len(numel))) + list(reversed(range(len(numel))))
-    prefix = [0]
-    for i in trace:
-        prefix.append(prefix[-1] + numel[i])
-
-    def next_use(i: int, t: int) -> float:
-        later = [u for u in range(t + 1, len(trace)) if trace[u] == i]
-        return float("inf") if not later else float(prefix[later[0]] - prefix[t + 1])
-
-    live: dict[int, int] = {}
-    reread: set[int] = set()
-    for t, i in enumerate(trace):
-        if persistent[i]:
-            continue
-        if i not in live:
-            if t >= len(numel):
-                reread.add(i)
-            for v in sorted(live, key=lambda v: next_use(v, t), reverse=True):
-                if sum(live.values()) + numel[i] <= max_live:
-                    break
-                del live[v]
-            live[i] = numel[i]
-        if next_use(i, t) > max_reuse:
-            live.pop(i, None)
-    return reread
-
-
-def _kept_in_cpu(shards: list[int], plans: Sequence[Any], param_tier: str, limit: int) -> set[int]:
-    """The trainable groups (by position) whose new parameters stay in "cpu": the engine's
-    tiered.optim.group.params_kept_in_cpu rule ([Note: max_in_cpu]), in execution order."""
-    keep, total = set(), 0
-    for j, (n, p) in enumerate(zip(shards, plans, strict=True)):
-        if p.stage_tier == "cpu" and param_tier not in MEMORY_TIERS and total + n <= int(limit):
-            keep.add(j)
-            total += n
-    return keep

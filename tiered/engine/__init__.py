@@ -234,6 +234,8 @@ def _build(
             max_in_cpu_numel=cfg.zero.offload_param.max_in_cpu_numel,
             state_format=cfg.tiered.optimizer_state_format,
             grads_from_memory=grads_consumed_from_memory(cfg),
+            max_live_numel=cfg.zero.max_live_parameters_numel,
+            max_reuse_numel=cfg.zero.max_reuse_distance_numel,
         )
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
         extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}

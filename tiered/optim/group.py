@@ -49,6 +49,7 @@ from tiered.optim.placement import (
     STATE_SUFFIXES,
     GroupPlan,
     StatePartitions,
+    kept_in_cpu,
     master_is_param,
     state_partition_specs,
     tile_bounds,
@@ -318,13 +319,7 @@ def params_kept_in_cpu(
 ) -> list[bool]:
     """Per group: its new parameter, staged in "cpu" away from a slower home, stays there
     (within `max_in_cpu_numel` elements, in execution order). See [Note: max_in_cpu]."""
-    keep, total = [], 0
-    for g, p in zip(groups, plans, strict=True):
-        kept = (
-            p.stage_tier == "cpu"
-            and g.param.home not in ("cpu", "gpu")
-            and total + g.shard_numel <= max_in_cpu_numel
-        )
-        keep.append(kept)
-        total += g.shard_numel if kept else 0
-    return keep
+    keep = kept_in_cpu(
+        [g.shard_numel for g in groups], [g.param.home for g in groups], plans, max_in_cpu_numel
+    )
+    return [j in keep for j in range(len(groups))]

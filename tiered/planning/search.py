@@ -394,6 +394,8 @@ def weigh(
         max_in_cpu_numel=knobs["max_in_cpu"],
         state_format=cfg.tiered.optimizer_state_format,
         grads_from_memory=grads_consumed_from_memory(cfg),
+        max_live_numel=cfg.zero.max_live_parameters_numel,
+        max_reuse_numel=cfg.zero.max_reuse_distance_numel,
     )
     adam = sum(
         g.shard_numel

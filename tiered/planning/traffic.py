@@ -20,8 +20,10 @@ host/device moves are memory copies):
   (``disk->device`` staged through host counts as one read on disk->host and one on
   host->device); groups kept in cpu by ``offload_param.max_in_cpu`` ([Note: max_in_cpu]) are
   read from host instead of disk. A backward that finds a parameter released re-reads it: the
-  floor counts 0 re-reads (the gpu tier keeps what backward needs), `tiered.bench pattern`'s
-  trace counts the engine's actual re-reads;
+  forward + backward trace replayed under the engine's rules (`backward_rereads`: what
+  ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` keep in the gpu tier between
+  a group's forward and its backward use) says which groups are read twice per micro-batch;
+  with the default limits (1e9 elements each) a model up to ~1e9 parameters is read once;
 * persistent groups stay on the GPU: 0 per step;
 * gradients leave the device as fp32 partitions: A x S_t x 4 device->host; homed on disk
   (``tiered.grad_tier``): every micro-batch writes (A x S_t x 4 host->disk), every micro-batch
@@ -35,8 +37,7 @@ host/device moves are memory copies):
 * the new parameters: S_c x p written to a disk home unless kept in cpu, or host->device to a
   GPU home; GPU-stepped groups move nothing.
 
-The backward re-reads are what work on the engine's data path may still remove; this formula
-is the floor it is measured against:
+This formula is what the engine's data path is measured against:
 `Engine.stats()["bytes_per_step"]` puts it next to the bytes the tier manager counted per
 step, and `tiered plan` divides it by the link bandwidths to rank configs.
 """
@@ -48,28 +49,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiered.optim.placement import GroupPlan, master_is_param
+from tiered.optim.placement import GroupPlan, kept_in_cpu, master_is_param
 from tiered.optim.state_format import FORMATS
 
 if TYPE_CHECKING:
     from tiered.shards import ShardGroup
 
 LINKS = ("disk->host", "host->disk", "host->device", "device->host")
-
-
-def kept_in_cpu(groups: Sequence[ShardGroup], plans: Sequence[GroupPlan], limit_numel: int) -> set[int]:
-    """Indices (into the trainable `groups`) whose new parameters stay in cpu ([Note: max_in_cpu]):
-    the rule of `OffloadedAdam._params_kept_in_cpu`."""
-    keep, total = set(), 0
-    for i, (g, p) in enumerate(zip(groups, plans, strict=True)):
-        if (
-            p.stage_tier == "cpu"
-            and g.param.home not in ("cpu", "gpu")
-            and total + g.shard_numel <= limit_numel
-        ):
-            keep.add(i)
-            total += g.shard_numel
-    return keep
 
 
 def bytes_per_step(
@@ -82,16 +68,35 @@ def bytes_per_step(
     max_in_cpu_numel: int,
     state_format: str = "fp32",
     grads_from_memory: bool = False,
+    max_live_numel: int | None = None,
+    max_reuse_numel: int | None = None,
 ) -> dict[str, int]:
     """The floor of [Note: bytes per step] per link; `memory` maps tier -> "device"/"host"/"disk";
     `state_format` the moments' ([Note: compressed optimizer state]); `grads_from_memory`: the
-    step consumes each gradient from memory (`tiered.optim.arrivals.grads_consumed_from_memory`)."""
+    step consumes each gradient from memory (`tiered.optim.arrivals.grads_consumed_from_memory`);
+    `max_live_numel` / `max_reuse_numel`: ``stage3_max_live_parameters`` /
+    ``stage3_max_reuse_distance``, which decide the backward's re-reads (None: unbounded)."""
     fmt = FORMATS[state_format]
     p = torch.empty(0, dtype=compute_dtype).element_size()
     a = max(1, accumulation)
     out = dict.fromkeys(LINKS, 0)
     trainable = [g for g in groups if g.trainable]
-    kept = {trainable[i].index for i in kept_in_cpu(trainable, plans, max_in_cpu_numel)}
+    kept = {
+        trainable[j].index
+        for j in kept_in_cpu(
+            [g.shard_numel for g in trainable], [g.param.home for g in trainable], plans, max_in_cpu_numel
+        )
+    }
+    gathered = [g for g in groups if not g.persistent and g.param.home != "gpu"]
+    reread = {
+        gathered[j].index
+        for j in backward_rereads(
+            [g.shard_numel for g in gathered],
+            [False] * len(gathered),
+            max_live_numel if max_live_numel is not None else sum(g.shard_numel for g in gathered),
+            max_reuse_numel if max_reuse_numel is not None else sum(g.shard_numel for g in gathered),
+        )
+    }
 
     def move(src: str, dst: str, n: int) -> None:
         s, d = memory.get(src, "disk"), memory.get(dst, "disk")
@@ -109,7 +114,8 @@ def bytes_per_step(
     for g in groups:
         home = g.param.home
         if not g.persistent and home != "gpu":
-            move("cpu" if g.index in kept else home, "gpu", a * g.shard_numel * p)
+            reads = a * (2 if g.index in reread else 1)
+            move("cpu" if g.index in kept else home, "gpu", reads * g.shard_numel * p)
     for g, plan in zip(trainable, plans, strict=True):
         assert g.grad is not None
         n = g.shard_numel
@@ -162,3 +168,40 @@ def measured_per_step(
         else:
             out[f"{s}->{d}"] = out.get(f"{s}->{d}", 0.0) + v["bytes"]
     return {k: v / max(1, steps) for k, v in out.items()}
+
+
+def backward_rereads(numel: list[int], persistent: list[bool], max_live: int, max_reuse: int) -> set[int]:
+    """Which groups (by position in `numel`, forward order) the backward must read again, having
+    been evicted from "gpu" after their forward use: the engine's rules replayed on the trace
+    forward order + reverse order ([Note: the live budget]): after a release a group goes when
+    its next use is further than ``stage3_max_reuse_distance`` elements away; before a fetch,
+    released groups go, furthest next use first, until ``stage3_max_live_parameters`` has room.
+    Persistent groups stay for the whole step."""
+    trace = list(range(len(numel))) + list(reversed(range(len(numel))))
+    prefix = [0]
+    for i in trace:
+        prefix.append(prefix[-1] + numel[i])
+    uses: dict[int, list[int]] = {}
+    for t, i in enumerate(trace):
+        uses.setdefault(i, []).append(t)
+
+    def next_use(i: int, t: int) -> float:
+        later = [u for u in uses[i] if u > t]
+        return float("inf") if not later else float(prefix[later[0]] - prefix[t + 1])
+
+    live: dict[int, int] = {}
+    reread: set[int] = set()
+    for t, i in enumerate(trace):
+        if persistent[i]:
+            continue
+        if i not in live:
+            if t >= len(numel):
+                reread.add(i)
+            for v in sorted(live, key=lambda v: next_use(v, t), reverse=True):
+                if sum(live.values()) + numel[i] <= max_live:
+                    break
+                del live[v]
+            live[i] = numel[i]
+        if next_use(i, t) > max_reuse:
+            live.pop(i, None)
+    return reread
