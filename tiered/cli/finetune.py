@@ -19,142 +19,17 @@ from typing import TYPE_CHECKING, Any, TextIO
 from tiered.cli.finetune_config import hyperparameter_flags, load_checked
 from tiered.cli.finetune_options import (
     FinetuneOptions,
-    add_checkpoint_arguments,
-    add_data_arguments,
-    add_model_arguments,
-    add_observability_arguments,
     checkpoint_policy,
     clear_for_overwrite,
     report_checkpoints,
 )
+from tiered.cli.finetune_parser import add_parser as add_parser  # the command table's entry
+from tiered.cli.finetune_trace import check_plot_available, inside, report_trace, with_trace
 from tiered.errors import ConfigError
 
 if TYPE_CHECKING:
     from tiered.finetune.checkpointing import CheckpointPolicy
     from tiered.finetune.loop import TrainResult
-
-DESCRIPTION = """\
-Fine-tune a causal language model through tiered's engine (ZeRO-3, with parameters, gradients
-and optimizer state placed by the config: GPU, pinned CPU or NVMe), fully or with LoRA adapters.
-
---model is a local Hugging Face folder (config.json, optionally *.safetensors weights and
-tokenizer files) or a bare config.json: the model is built from the config, nothing is downloaded;
-safetensors weights in the folder are loaded. Without tokenizer files the text is tokenized with
-the built-in byte tokenizer (token id = UTF-8 byte value, 0..255; needs vocab_size >= 256).
---config is a DeepSpeed ds_config.json (used unchanged) or a tiered config. Prints the loss every
---log-every steps, tokens/s, and at the end the bytes moved per link, GB/s, stall time and peak
-resident bytes per tier. Ctrl-C stops cleanly after closing the engine (exit status 130); with
---out it first saves a checkpoint. --out DIR writes checkpoints and, at the end, the trained model
-(DIR/final, loadable with AutoModelForCausalLM.from_pretrained; with --lora the adapter in peft's
-format) and prints the line that loads it.
-
---data is a .txt file (one document), a .jsonl file (one document per row: the --text-field
-string, or a chat "messages" list rendered with the tokenizer's chat template and trained on the
-assistant turns only: every other token has label -100), a .parquet file, a folder saved by
-Hugging Face datasets (save_to_disk), or a folder of such files (sorted by path). Packing: each
-document ends with EOS; all are concatenated and cut into rows of --seq-len tokens, the last
-partial row dropped; labels are not masked at document boundaries (as Hugging Face's run_clm and
-TRL's packing). The row order is a permutation per epoch seeded by --seed. Before training, the
-activations of one micro-batch (the Megatron estimate, see docs/finetune.md) are checked against
-the compute device's free memory: a batch that cannot fit is refused with the numbers.
-"""
-
-EPILOG = """\
-examples:
-  tiered finetune --model examples/tiny-llama --config examples/ds_config.json \\
-      --data examples/corpus.txt --steps 20 --nvme-path /mnt/nvme0/tiered
-  tiered finetune --model ./my-llama --config ds_config.json --data train.txt \\
-      --seq-len 512 --batch-size 4 --lr 1e-5 --stats-json stats.json --compare-torch
-  tiered finetune --model ./my-llama --config ds_config.json --data chats.jsonl \\
-      --lora r=16,alpha=32,dropout=0.05,targets=q_proj,k_proj,v_proj,o_proj \\
-      --gradient-checkpointing --gradient-checkpointing-reentrant --eval-fraction 0.05 --eval-every 50
-
-  tiered finetune --model ./my-llama --config ds_config.json --data train.txt --steps 1000 \\
-      --out run --save-every 100 --keep-last 3          # later: the same command plus --resume
-
-A step is one optimizer step (gradient_accumulation_steps micro-batches of --batch-size rows).
-With --out, SIGINT/SIGTERM finish the step, save a checkpoint and exit (a second one exits at once).
-exit status: 0 done, 2 bad input (one line on stderr naming the file or key), 130 interrupted
-(SIGINT), 143 stopped by SIGTERM.
-"""
-
-
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "finetune",
-        help="fine-tune a Hugging Face model with ZeRO-3 offload",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--model", required=True, metavar="PATH", help="local HF model folder or config.json")
-    p.add_argument(
-        "--config", required=True, metavar="JSON", help="DeepSpeed ds_config.json or tiered config"
-    )
-    p.add_argument(
-        "--data",
-        required=True,
-        metavar="PATH",
-        help="text/JSONL/parquet file, folder of them, or a saved HF dataset (see above)",
-    )
-    p.add_argument("--seq-len", type=int, default=128, metavar="N", help="tokens per row (default 128)")
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="rows per micro-batch (default: train_micro_batch_size_per_gpu of the config, else 1)",
-    )
-    p.add_argument("--steps", type=int, default=10, metavar="N", help="optimizer steps (default 10)")
-    p.add_argument(
-        "--lr",
-        type=float,
-        default=None,
-        help='learning rate (overrides optimizer.params.lr; required when the config has none or "auto")',
-    )
-    p.add_argument(
-        "--weight-decay",
-        type=float,
-        default=None,
-        help="AdamW weight decay (overrides optimizer.params.weight_decay; without it and without "
-        "the key: none)",
-    )
-    p.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=None,
-        metavar="N",
-        help="lr warmup steps (overrides scheduler.params.warmup_num_steps)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seeds the model init and the batch order (default 0)")
-    p.add_argument(
-        "--log-every", type=int, default=1, metavar="N", help="print the loss every N steps (default 1)"
-    )
-    p.add_argument(
-        "--nvme-path",
-        default=None,
-        metavar="DIR",
-        help="overrides nvme_path of offload_param/offload_optimizer with device nvme",
-    )
-    p.add_argument(
-        "--auto-config",
-        default=None,
-        metavar="SPEC",
-        help="let the planner choose placement, sub_group_size, buffer_count and budgets for these memories: "
-        "cpu_mem=64GB,gpu_mem=80GB[,nvme_mem=4TB,activation_mem=6GB,bandwidth=bench.json] "
-        "(sets tiered.auto_config; [Note: auto config])",
-    )
-    p.add_argument("--stats-json", default=None, metavar="FILE", help="write losses and engine stats as JSON")
-    p.add_argument(
-        "--compare-torch",
-        action="store_true",
-        help="also run the same steps with plain PyTorch AdamW (fp32) and print the difference",
-    )
-    add_data_arguments(p)
-    add_model_arguments(p)
-    add_observability_arguments(p)
-    add_checkpoint_arguments(p)
-    return p
 
 
 @dataclass(frozen=True)
@@ -187,7 +62,7 @@ def _check_output(path: str | None, option: str, out_dir: str | None = None) -> 
     if path is None:
         return
     parent = Path(path).resolve().parent
-    if out_dir is not None and _inside(parent, Path(out_dir)):
+    if out_dir is not None and inside(parent, Path(out_dir)):
         return
     if not parent.is_dir():
         raise ConfigError(
@@ -288,7 +163,7 @@ def finetune_job(options: FinetuneOptions, out: TextIO | None = None) -> JobResu
             "compare a 1-process run instead"
         )
     if o.plot_path is not None:
-        _check_plot_available()
+        check_plot_available()
     source = resolve_model(o.model_path)
     policy = _checkpoint_policy(o, source.folder)
     raw, trace_file, trace_is_temp, hp = _job_config(o, rank)
@@ -381,7 +256,7 @@ def finetune_job(options: FinetuneOptions, out: TextIO | None = None) -> JobResu
         w(f"loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}\n")
     w("\n" + tier_table(result.stats) + "\n")
     if trace_file is not None:
-        _report_trace(w, result, trace_file, trace_is_temp, o.plot_path)
+        report_trace(w, result, trace_file, trace_is_temp, o.plot_path)
     if policy is not None and o.checkpoints is not None:
         report_checkpoints(policy, result, out, temporary=o.checkpoints.temporary)
     job = JobResult(result, checkpoints=policy)
@@ -432,7 +307,7 @@ def _job_config(o: FinetuneOptions, rank: int) -> tuple[dict[str, Any], Path | N
         parse_lora_spec(o.lora)  # a malformed spec fails before the model is built
     raw = apply_overrides(raw, lr=o.lr, batch_size=o.batch_size, nvme_path=o.nvme_path)
     out_dir = o.checkpoints.out_dir if o.checkpoints is not None else None
-    raw, trace_file, trace_is_temp = _with_trace(raw, o.trace_path, o.plot_path, rank, out_dir)
+    raw, trace_file, trace_is_temp = with_trace(raw, o.trace_path, o.plot_path, rank, out_dir)
     raw, hp = hyperparameter_flags(
         raw, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, steps=o.steps
     )
@@ -472,12 +347,8 @@ def _make_output_folders(o: FinetuneOptions) -> None:
     if o.checkpoints is None:
         return
     for path in (o.trace_path, o.plot_path):
-        if path is not None and _inside(Path(path), o.checkpoints.out_dir):
+        if path is not None and inside(Path(path), o.checkpoints.out_dir):
             Path(path).resolve().parent.mkdir(parents=True, exist_ok=True)
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    return path.resolve().is_relative_to(folder.resolve())
 
 
 def _train_stream(rows: Any, micro: int, seed: int) -> Any:
@@ -531,83 +402,6 @@ def _rank_stream(rows: Any, micro: int, seed: int, rank: int, world: int) -> Any
     from tiered.finetune.ranks import RankSlice
 
     return RankSlice(stream, rank, world)
-
-
-def _check_plot_available() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "--plot needs matplotlib: pip install 'tiered[plot]' (or pip install matplotlib)"
-        ) from None
-
-
-def _with_trace(
-    raw: dict[str, Any],
-    trace_path: str | Path | None,
-    plot_path: str | Path | None,
-    rank: int,
-    out_dir: Path | None = None,
-) -> tuple[dict[str, Any], Path | None, bool]:
-    """The config with tiered.trace_path set from --trace, else from the config's own
-    trace_path, else (--plot alone) a hidden file next to the plot that the engine writes at
-    close and `_report_trace` removes (only a name here: a refusal before training leaves
-    nothing behind). Returns (config, trace file or None, whether it is temporary). Ranks other
-    than 0 record no trace ([Note: ranks in finetune])."""
-    import uuid
-
-    raw = copy.deepcopy(raw)
-    section = raw.get("tiered")
-    if section is not None and not isinstance(section, dict):
-        raise ConfigError('the config\'s "tiered" section must be a JSON object')
-    own = section.get("trace_path") if isinstance(section, dict) else None
-    if rank != 0:
-        if isinstance(section, dict):
-            section.pop("trace_path", None)
-        return raw, None, False
-    temp = False
-    if trace_path is not None:
-        path = Path(str(trace_path))
-    elif isinstance(own, str):
-        path = Path(own)
-    elif plot_path is not None:
-        path = Path(str(plot_path)).resolve().parent / f".trace-{uuid.uuid4().hex}.json"
-        temp = True
-    else:
-        return raw, None, False
-    # before the model is built ([Note: ranks in finetune]: rank 0 writes it); a folder inside
-    # --out is the run's to create ([Note: run directory])
-    if not temp and not (out_dir is not None and _inside(path, out_dir)):
-        from tiered.engine.build import check_trace_path
-
-        check_trace_path(path, "--trace" if trace_path is not None else "tiered.trace_path")
-    raw.setdefault("tiered", {})["trace_path"] = str(path)
-    return raw, path, temp
-
-
-def _report_trace(w: Any, result: Any, trace_file: Path, temp: bool, plot_path: str | Path | None) -> None:
-    """The per-lane table of the last step, the plot, and where the trace is."""
-    from tiered.finetune.report import step_table
-
-    try:
-        trace = json.loads(trace_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"--trace {trace_file}: the engine did not write a readable trace ({exc})"
-        ) from None
-    try:
-        if result.steps_done:
-            w("\n" + step_table(trace) + "\n")
-        if plot_path is not None and result.steps_done:
-            from tiered.finetune.plot import plot_run
-
-            step = plot_run(plot_path, trace, result.losses, result.eval_losses, title="tiered finetune")
-            w(f"plot of step {step} and the loss curve written to {plot_path}\n")
-    finally:
-        if temp:
-            trace_file.unlink(missing_ok=True)
-    if not temp:
-        w(f"trace written to {trace_file} (open it in ui.perfetto.dev)\n")
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
