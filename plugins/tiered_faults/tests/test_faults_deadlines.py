@@ -105,3 +105,4 @@ def test_a_hung_close_fails_within_the_timeout_naming_backend_tier_and_key(tmp_p
     msg = str(ei.value)
     assert "backend 'faults' of tier 'flaky'" in msg and "tiered.timeout_s" in msg, msg
     assert list((tmp_path / "nvme").iterdir()) == [], "the other tiers' swap folders were not removed"
+    assert all(p.numel() > 0 for p in engine.module.parameters()), "the trained weights were not given back"
