@@ -92,3 +92,35 @@ def test_a_script_that_never_closes_exits_promptly_and_leaves_no_swap(tmp_path: 
     assert "trained" in p.stdout
     assert "did not finish cleanly" not in p.stderr
     assert list(nvme.iterdir()) == []
+
+
+def test_a_fifo_named_lock_in_a_stale_swap_folder_does_not_hang_initialize(tmp_path: Path) -> None:
+    # anyone who can write into a shared nvme_path can plant this; opening it for reading blocks
+    # until a writer comes. Run in a thread, unblocked on failure, so a regression cannot hang the suite
+    import threading
+
+    from tiered_nvme.swap import LOCK_NAME, SWAP_PREFIX, host_tag
+
+    nvme = tmp_path / "nvme"
+    trap = nvme / f"{SWAP_PREFIX}{host_tag()}-{int(Path('/proc/sys/kernel/pid_max').read_text()) + 1}-ab12_cd"
+    trap.mkdir(parents=True)
+    os.mkfifo(trap / LOCK_NAME)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            torch.manual_seed(0)
+            with tiered.initialize(MLP(), ds_config(param="nvme", opt="nvme", nvme_path=str(nvme))) as engine:
+                _train(engine, 1)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    if t.is_alive():
+        os.close(os.open(trap / LOCK_NAME, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(30)
+        pytest.fail("tiered.initialize blocked on a FIFO named 'lock' in a stale swap folder")
+    assert not errors, errors
+    assert (trap / LOCK_NAME).exists()  # another user's trap is left alone (with a WARNING), not opened

@@ -208,6 +208,41 @@ def test_a_killed_builders_lock_is_reclaimed(tmp_path: Path, caplog: pytest.LogC
     assert doc["pid"] == os.getpid()
 
 
+def test_a_live_holder_that_never_finishes_is_a_timeout_naming_it(tmp_path: Path) -> None:
+    # Before: the wait had no end; a builder stuck without dying stalled every later run silently.
+    import time
+
+    from tiered.errors import KernelBuildLockError
+
+    holder = _hold(tmp_path / "b", 600)
+    try:
+        t0 = time.monotonic()
+        with (
+            pytest.raises(KernelBuildLockError) as ei,
+            _cache.build_lock(tmp_path / "b", "the test kernel", 1.0),
+        ):
+            pass
+        took = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert took < 1.1 * 1.0 + 0.5, f"gave up after {took:.2f} s of a 1 s wait"
+    msg = str(ei.value)
+    assert f"process {holder.pid} on " in msg and _cache.WAIT_ENV in msg and "the test kernel" in msg, msg
+
+
+def test_the_wait_comes_from_the_environment_and_a_bad_value_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(_cache.WAIT_ENV, "2.5")
+    assert _cache.wait_limit_s() == 2.5
+    monkeypatch.setenv(_cache.WAIT_ENV, "soon")
+    with pytest.raises(ValueError, match=_cache.WAIT_ENV):
+        _cache.wait_limit_s()
+    monkeypatch.delenv(_cache.WAIT_ENV)
+    assert _cache.wait_limit_s() == _cache.DEFAULT_WAIT_S
+
+
 def test_a_lock_that_is_not_a_regular_file_is_refused_not_hung_on(tmp_path: Path) -> None:
     (tmp_path / "b").mkdir()
     os.mkfifo(tmp_path / "b" / _cache.HOLDER_FILE)

@@ -118,6 +118,11 @@ class KernelBuildWarning(UserWarning):
     """The native extension could not be built; the pure-torch reference runs instead."""
 
 
+class KernelBuildLockError(TieredError, TimeoutError):
+    """Another live process held a native kernel's build lock for the whole wait
+    (TIERED_EXT_BUILD_WAIT_S); the message names the holder (pid, host) and the build folder."""
+
+
 class CheckpointNotFoundError(TieredError, FileNotFoundError):
     """A checkpoint directory, tag or ``latest`` pointer that was asked for does not exist."""
 

@@ -21,7 +21,10 @@ it forever, silently. Around torch's build tiered holds an advisory flock(2) on
 `tiered-build.lock` in the same folder, with the holder's pid, host and start time written in it.
 The kernel drops a flock when its process dies, so: a process that gets the flock is the only
 tiered builder of that folder, and a torch `lock` it finds is stale (its builder is gone) and is
-removed with a WARNING; a process that does not get it logs who holds it and waits.
+removed with a WARNING; a process that does not get it logs who holds it and waits, at most
+TIERED_EXT_BUILD_WAIT_S (default 30 min, a cold CUDA build takes a few), then raises
+KernelBuildLockError naming the holder, and the kernel's loader falls back to the pure-torch
+reference with a KernelBuildWarning: a builder that hangs without dying delays a run, never stops it.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from tiered.errors import KernelBuildLockError
+
 log = logging.getLogger("tiered_ext")
 
 CACHE_ENV = "TIERED_EXT_CACHE"
@@ -51,6 +56,22 @@ HOLDER_FILE = "tiered-build.lock"
 TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build folder
 # How often a waiting process repeats whom it waits for.
 WAIT_REPORT_S = 60.0
+WAIT_ENV = "TIERED_EXT_BUILD_WAIT_S"
+DEFAULT_WAIT_S = 1800.0
+
+
+def wait_limit_s() -> float:
+    """How long to wait for another process's build ([Note: the build lock]): TIERED_EXT_BUILD_WAIT_S."""
+    raw = os.environ.get(WAIT_ENV, "")
+    if not raw:
+        return DEFAULT_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{WAIT_ENV}={raw!r}: expected a number of seconds > 0, e.g. 1800")
+    return value
 
 
 def _compiler() -> str:
@@ -126,20 +147,28 @@ def _holder_text(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def build_lock(build_dir: Path, what: str) -> Iterator[None]:
+def build_lock(build_dir: Path, what: str, wait_s: float | None = None) -> Iterator[None]:
     """Hold the build lock of `build_dir` ([Note: the build lock]): wait, naming the holder,
-    while another live process builds there; remove torch's lock left by a dead one."""
+    while another live process builds there (at most `wait_s`, default `wait_limit_s()`, then
+    KernelBuildLockError); remove torch's lock left by a dead one."""
+    limit = wait_limit_s() if wait_s is None else wait_s
     build_dir.mkdir(parents=True, exist_ok=True)
     holder = build_dir / HOLDER_FILE
     # O_NONBLOCK: a FIFO planted under the name must not hang the open; it is then refused below.
-    fd = os.open(holder, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    fd = os.open(holder, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise OSError(f"{holder} is not a regular file; remove it (tiered writes its build lock there)")
+        if st.st_uid != os.geteuid():
+            raise OSError(
+                f"{holder} belongs to uid {st.st_uid}, not this user: the kernel cache is shared with "
+                f"another user; set {CACHE_ENV} to a folder of your own"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            waited = time.monotonic()
+            start = waited = time.monotonic()
             log.warning(
                 "tiered_ext: waiting for %s, which builds %s in %s", _holder_text(holder), what, build_dir
             )
@@ -148,7 +177,13 @@ def build_lock(build_dir: Path, what: str) -> Iterator[None]:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
-                    time.sleep(0.2)
+                    time.sleep(min(0.2, max(0.0, start + limit - time.monotonic())))
+                if time.monotonic() - start >= limit:
+                    raise KernelBuildLockError(
+                        f"{what}: {_holder_text(holder)} still holds the build lock {holder} after {limit:.3g} s "
+                        f"({WAIT_ENV}); if that process is stuck, end it (the lock goes with it), or wait longer "
+                        f"with a larger {WAIT_ENV}"
+                    ) from None
                 if time.monotonic() - waited > WAIT_REPORT_S:
                     waited = time.monotonic()
                     log.warning(

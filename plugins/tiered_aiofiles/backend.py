@@ -25,6 +25,7 @@ from tiered.storage.files import (
     adopt_into,
     check_directory,
     fsync_directory,
+    open_own_file,
     probe_writable,
     remove_quietly,
     temp_path,
@@ -113,7 +114,7 @@ class AiofilesBackend(StorageBackend):
         dst = tensor_bytes(out, what=f"aiofiles read of key {key!r}").detach()
         host = dst if dst.device.type == "cpu" else torch.empty_like(dst, device="cpu")
         try:
-            async with aiofiles.open(path, "rb", executor=self.bridge.executor) as f:
+            async with aiofiles.open(path, "rb", executor=self.bridge.executor, opener=_own_file) as f:
                 size = (await self.bridge.run(os.fstat, f.fileno())).st_size
                 check_out_size(key, size, host.numel(), where=f"file {str(path)!r}")
                 mv = host.numpy().data
@@ -127,6 +128,8 @@ class AiofilesBackend(StorageBackend):
             raise StorageKeyError(
                 f"key {key!r} not found in aiofiles backend (no file {str(path)!r})"
             ) from None
+        except StorageIOError:
+            raise  # a file tiered did not write: the message names it
         except OSError as exc:
             raise StorageIOError(
                 f"aiofiles backend: read of key {key!r} from {str(path)!r} failed: {exc.strerror or exc}"
@@ -164,4 +167,10 @@ class AiofilesBackend(StorageBackend):
 
 def _owner_only(path: str, flags: int) -> int:
     """Files only their owner can read: they hold optimizer state and weights."""
-    return os.open(path, flags, 0o600)
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def _own_file(path: str, flags: int) -> int:
+    """A key's file as found in the folder, which others may write into: [Note: opening files
+    found in a shared folder]."""
+    return open_own_file(path, flags, backend="aiofiles")

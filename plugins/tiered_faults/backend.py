@@ -304,7 +304,13 @@ class FaultsBackend(WrappingBackend):
                 fut.get_loop().call_soon_threadsafe(_fail, fut, err)
             except RuntimeError:  # its loop is closed: nothing waits on it any more
                 pass
-        await super().close()
+        try:
+            for st in self._states:
+                if st.rule.kind == "hang" and st.fire("close", ""):
+                    self._record(st, "close", "", "hung until cancelled")
+                    await asyncio.get_running_loop().create_future()  # only a cancel ends it
+        finally:
+            await super().close()  # the inner backend is closed even so
 
 
 def _fail(fut: asyncio.Future[None], err: BaseException) -> None:

@@ -32,7 +32,7 @@ TRIGGER_KEYS = ("op", "key", "nth", "every", "probability", "after", "max_fires"
 _KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
     "error": (TRIGGER_KEYS + ("errno",), OPS, True),
     "delay": (TRIGGER_KEYS + ("delay_s",), OPS, False),
-    "hang": (TRIGGER_KEYS, OPS, True),
+    "hang": (TRIGGER_KEYS, OPS + ("close",), True),  # a close that hangs: a dead mount at the end
     "enospc": (("key", "after_bytes", "count"), ("write",), False),
     "torn_write": (
         tuple(k for k in TRIGGER_KEYS if k != "op")
@@ -135,13 +135,13 @@ def _parse_ops(value: Any, kind: str, allowed: tuple[str, ...], where: str) -> t
         raise ConfigError(
             f"{where}.op: expected one of {', '.join(allowed)} (or a list of them), got {value!r}"
         )
-    if names == ["any"] and allowed == OPS:
-        return OPS
+    if names == ["any"] and set(OPS) <= set(allowed):
+        return OPS  # the data operations; a close is named
     for n in names:
         if n not in allowed:
             raise ConfigError(
                 f"{where}.op: {n!r} is not an operation a {kind!r} fault applies to.{nearest(n, allowed)} "
-                f"Choose from {', '.join(allowed)}" + (" or 'any'" if allowed == OPS else "")
+                f"Choose from {', '.join(allowed)}" + (" or 'any'" if set(OPS) <= set(allowed) else "")
             )
     return tuple(dict.fromkeys(names))
 

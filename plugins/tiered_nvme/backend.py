@@ -79,6 +79,7 @@ from tiered.storage.files import (
     adopt_into,
     check_directory,
     fsync_directory,
+    open_own_file,
     remove_quietly,
     temp_path,
     unwritable_error,
@@ -271,9 +272,9 @@ class NVMeBackend(StorageBackend):
     async def _open(self, path: Path, flags: int, fds: list[int]) -> None:
         """``os.open`` on the bridge; the fd lands in `fds` even if the caller is cancelled
         meanwhile (the bridge waits for the running call), so the caller's cleanup closes it."""
-        await self.run_blocking(
-            [(lambda: fds.append(os.open(path, flags, 0o600)),)]
-        )  # owner only: optimizer state is private
+        # owner only (optimizer state is private), and never a FIFO, device or symlink someone put
+        # in a shared folder: [Note: opening files found in a shared folder]
+        await self.run_blocking([(lambda: fds.append(open_own_file(path, flags, backend="nvme")),)])
 
     # ---- contract ----------------------------------------------------------------------------
     def key_path(self, key: str) -> Path:
@@ -423,7 +424,7 @@ class NVMeBackend(StorageBackend):
                 raise StorageKeyError(
                     f"key {key!r} not found in nvme backend (no file {str(path)!r})"
                 ) from None
-            if isinstance(exc, OSError):
+            if isinstance(exc, OSError) and not isinstance(exc, StorageIOError):
                 raise StorageIOError(
                     f"nvme backend: cannot open {str(path)!r} for key {key!r}: {exc.strerror or exc}"
                 ) from exc

@@ -89,7 +89,7 @@ class SwapDirectory:
 
 def _create_lock(directory: Path) -> int:
     pending = directory / _PENDING_LOCK
-    fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

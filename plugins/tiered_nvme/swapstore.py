@@ -25,7 +25,7 @@ import torch
 
 from tiered.errors import StorageCorruptError, StorageIOError, StorageKeyError
 from tiered.storage.base import LocalFile, check_out_size
-from tiered.storage.files import adopt_into
+from tiered.storage.files import adopt_into, open_own_file
 from tiered.units import align_up
 from tiered_nvme.pieces import ALIGN, TRUNCATED_REMEDY, FileEndedEarly
 from tiered_nvme.slab import Coalescer, SlabSlots, Slot, SwapEntry
@@ -88,7 +88,9 @@ class SwapStore:
                 raise StorageIOError(f"nvme backend at {str(self.backend.directory)!r} is closed")
             if self._slab_fd < 0:
                 flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if self.backend.direct else 0)
-                self._slab_fd = os.open(self.slab_path, flags, 0o600)
+                self._slab_fd = open_own_file(
+                    self.slab_path, flags, backend="nvme"
+                )  # [Note: opening files found in a shared folder]
             return self._slab_fd
 
     def hold(self, key: str) -> _KeyHold:

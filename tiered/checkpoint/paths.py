@@ -19,20 +19,7 @@ import os
 import stat
 
 from tiered.errors import CheckpointCorruptError, CheckpointPathError
-
-_KINDS = {
-    stat.S_IFLNK: "a symlink",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFDIR: "a directory",
-    stat.S_IFREG: "a regular file",
-}
-
-
-def kind_of(mode: int) -> str:
-    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+from tiered.storage.files import kind_of
 
 
 def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:

@@ -347,7 +347,9 @@ class TieredSection:
         600.0,
         "tiered.timeout_s",
         "longest wait of one tier-manager request (fetch, prefetch, evict, flush; all its inner waits "
-        "share it) and of `close()`, before TierTimeoutError",
+        "share it) and of `close()` (the backends close at once, each within it), before "
+        "TierTimeoutError naming the backend and tier: [Waits, hangs and shared folders]"
+        "(#waits-hangs-and-shared-folders)",
         auto="refused",
         minimum=0.0,
         min_exclusive=True,

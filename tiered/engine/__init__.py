@@ -253,7 +253,10 @@ def _build(
     except BaseException:
         if zp is not None:
             zp.remove_hooks()
-        tm.close()
+        try:
+            tm.close()
+        except Exception as e:  # noqa: BLE001 - the set-up error is the one to report
+            log.warning("closing the tiers after a failed set-up: %s", e)
         raise
     log.info(
         "tiered engine: %d groups, params in %s, grads in %s, optimizer in %s, %s, world %d",

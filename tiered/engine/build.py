@@ -165,11 +165,15 @@ def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1)
     tiers: list[Tier] = []
     try:
         for name in tier_order(list(specs)):
-            tiers.append(_open_tier(name, specs[name], rank=rank, world_size=world_size))
+            tiers.append(
+                _open_tier(
+                    name, specs[name], rank=rank, world_size=world_size, timeout_s=cfg.tiered.timeout_s
+                )
+            )
     except BaseException:
         # a later tier that fails (an unknown backend, a budget too big) must not leave the
         # swap folders of the tiers already opened behind
-        _close_backends([t.backend for t in tiers])
+        _close_backends([(t.name, t.backend) for t in tiers], cfg.tiered.timeout_s)
         raise
     t = cfg.tiered
     policy = IOPolicy(
@@ -190,7 +194,7 @@ def build_tier_manager(cfg: TieredConfig, *, rank: int = 0, world_size: int = 1)
     )
 
 
-def _open_tier(name: str, spec: Any, *, rank: int, world_size: int) -> Tier:
+def _open_tier(name: str, spec: Any, *, rank: int, world_size: int, timeout_s: float) -> Tier:
     from tiered.storage import open_backend
     from tiered.tiers import Tier
 
@@ -217,7 +221,7 @@ def _open_tier(name: str, spec: Any, *, rank: int, world_size: int) -> Tier:
     except Exception:  # noqa: BLE001 - a backend that cannot tell its size: nothing to compare
         total = None
     if budget is not None and total is not None and budget > total:
-        _close_backends([backend])
+        _close_backends([(name, backend)], timeout_s)
         raise CapacityError(
             f"tiered.tiers.{name}.budget {format_bytes(budget, binary=True)} ({budget} bytes) is more than "
             f"backend {backend.name!r} has in all: {format_bytes(total, binary=True)} ({total} bytes); "
@@ -226,22 +230,24 @@ def _open_tier(name: str, spec: Any, *, rank: int, world_size: int) -> Tier:
     return Tier(name=name, backend=backend, budget_bytes=budget)
 
 
-def _close_backends(backends: Sequence[StorageBackend]) -> None:
+def _close_backends(backends: Sequence[tuple[str, StorageBackend]], timeout_s: float) -> None:
     """Close backends from synchronous code, on a thread with its own loop (the caller may run
-    inside one); errors are logged, never raised over the error being reported."""
+    inside one), all at once and each within `timeout_s` ([Note: bounded close]); errors are
+    logged, never raised over the error being reported."""
     import asyncio
     import threading
 
-    async def close_all() -> None:
-        for b in backends:
-            try:
-                await b.close()
-            except Exception:
-                log.warning("closing backend %r after a failed set-up failed", b, exc_info=True)
+    from tiered.tiers.waiting import close_all
 
-    t = threading.Thread(target=lambda: asyncio.run(close_all()), name="tiered-setup-close", daemon=True)
+    async def close_them() -> None:
+        try:
+            await close_all(backends, timeout_s)
+        except Exception as e:  # noqa: BLE001 - the set-up error is the one to report
+            log.warning("after a failed set-up: %s", e)
+
+    t = threading.Thread(target=lambda: asyncio.run(close_them()), name="tiered-setup-close", daemon=True)
     t.start()
-    t.join(timeout=60.0)
+    t.join(timeout=1.05 * timeout_s + 0.5)  # close_all bounds itself; this only covers a blocked loop
 
 
 def check_budgets(tm: TierManager, needs: dict[str, TierNeed], *, fitting: str = "") -> None:

@@ -701,6 +701,7 @@ class Engine(DeepSpeedEngineAPI):
         self._closed = True
         restored: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         flush_error: Exception | None = None
+        close_error: Exception | None = None
         try:
             self.optimizer.close()
             flush_error = self._flush_persistent_tiers()
@@ -731,6 +732,8 @@ class Engine(DeepSpeedEngineAPI):
                         log.exception("could not write the trace to %s", trace_path)
                 try:
                     self.tm.close()
+                except Exception as e:  # noqa: BLE001 - a backend that would not close: raised below, once the weights are back
+                    close_error = e
                 finally:
                     unwatch_sigterm(self)  # [Note: SIGTERM from a library]
                     unmark_managed(self._module, self)
@@ -740,7 +743,9 @@ class Engine(DeepSpeedEngineAPI):
         if not restored:
             _refuse_use_while_empty(self._module)
         if flush_error is not None:  # raised once the engine is closed all the same
-            raise flush_error
+            raise flush_error from close_error
+        if close_error is not None:
+            raise close_error
 
     def _flush_persistent_tiers(self) -> Exception | None:
         """Write home the dirty copies of partitions whose home outlives the process (a tier the

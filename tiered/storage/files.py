@@ -7,13 +7,25 @@ either the old complete file or the new complete file, never a mix. A failed or 
 closes and unlinks its temp file and leaves the old file untouched. Temp names contain ``~``, a
 character `check_key` never allows, so no key can collide with a temp file, and stale temp files of
 a crashed process are recognisable (`is_temp_name`).
+
+[Note: opening files found in a shared folder]
+A backend's folder (an ``nvme_path`` on a scratch disk) may be writable by others, who can put
+anything under a key's name: a FIFO, whose plain open blocks until a writer comes (every run on
+that path then hangs in its first read), a device, or a symlink to a file of this user elsewhere
+(a write through it would overwrite that file). So a backend opens a key's file with
+`open_own_file`: ``O_NOFOLLOW`` (a symlink is refused, not followed), ``O_NONBLOCK`` (a FIFO or
+device opens at once instead of blocking; cleared again once the file is known to be regular),
+``O_CLOEXEC``, then ``fstat``: anything but a regular file of this user is refused with a
+StorageIOError naming the path and what to do. Nothing found in such a folder is opened otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import stat
 import uuid
 from pathlib import Path
 
@@ -29,6 +41,71 @@ def temp_path(directory: Path, key: str) -> Path:
 
 def is_temp_name(name: str) -> bool:
     return TEMP_MARK in name
+
+
+_KINDS = {
+    stat.S_IFLNK: "a symlink",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFREG: "a regular file",
+}
+
+
+def kind_of(mode: int) -> str:
+    """What an ``st_mode`` is, in words ("a FIFO")."""
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def open_own_file(path: str | os.PathLike[str], flags: int, *, backend: str, mode: int = 0o600) -> int:
+    """An fd of `path`, which must be a regular file owned by this user; anything else is refused
+    without blocking ([Note: opening files found in a shared folder]). FileNotFoundError passes
+    through, for the caller's own "no such key"."""
+    name = os.fspath(path)
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _foreign(name, backend, "a symlink", exc.errno) from exc
+        if exc.errno == errno.ENXIO:  # a FIFO opened for writing with no reader
+            raise _foreign(name, backend, "a FIFO", exc.errno) from exc
+        if exc.errno != errno.ENOENT:  # e.g. O_DIRECT on a FIFO is EINVAL: say what is there
+            try:
+                found = os.lstat(name).st_mode
+            except OSError:
+                found = stat.S_IFREG
+            if not stat.S_ISREG(found):
+                raise _foreign(name, backend, kind_of(found), exc.errno) from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _foreign(name, backend, kind_of(st.st_mode), errno.EINVAL)
+        if st.st_uid != os.geteuid():
+            err = StorageIOError(
+                f"{backend} backend: {name!r} is owned by uid {st.st_uid}, not by this user (uid "
+                f"{os.geteuid()}): tiered did not write it and will not use it; remove it, or give the "
+                "backend a folder only you can write to"
+            )
+            err.errno = errno.EPERM
+            raise err
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _foreign(name: str, backend: str, kind: str, code: int | None) -> StorageIOError:
+    err = StorageIOError(
+        f"{backend} backend: {name!r} is {kind}, not a regular file: tiered did not put it there and "
+        "will not open it (someone else can write into this folder); remove it, or give the backend "
+        "a folder only you can write to"
+    )
+    err.errno = code
+    return err
 
 
 def remove_quietly(path: Path | str) -> None:

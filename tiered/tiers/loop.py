@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from tiered.errors import ManagerClosedError, TierTimeoutError
+from tiered.errors import ManagerClosedError, TieredError, TierTimeoutError
 from tiered.storage.bridge import CapacityLimiter, IOBridge
 
 log = logging.getLogger(__name__)
@@ -86,10 +86,12 @@ class EventLoopThread:
         return self._thread is not None and threading.current_thread() is self._thread
 
     def close(
-        self, timeout_s: float = 30.0, final: Callable[[], Coroutine[Any, Any, None]] | None = None
+        self, timeout_s: float = 30.0, final: Callable[[float], Coroutine[Any, Any, None]] | None = None
     ) -> None:
-        """Cancel every task still running, run `final()` (if given), stop the loop, join the
-        thread. Idempotent."""
+        """Cancel every task still running, run `final(seconds_left)` (if given), stop the loop,
+        join the thread. Idempotent. A TieredError from `final` (a backend that would not close,
+        [Note: bounded close]) is raised once the loop has stopped; so is a loop too blocked to
+        close within `timeout_s`."""
         with self._lock:
             if self._closed:
                 return
@@ -114,10 +116,21 @@ class EventLoopThread:
             if tasks:  # at most half the time: the backends' close (removing swap files) gets the rest
                 await asyncio.wait(tasks, timeout=left() / 2)
             if final is not None:
-                await asyncio.wait_for(final(), left())
+                await final(left())  # bounds itself, so that its own error (naming what hung) comes first
 
+        error: BaseException | None = None
         try:
-            asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(timeout=left() + 0.05)
+            # the grace lets `final`'s error, raised at the deadline, arrive before this wait ends
+            asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(
+                timeout=left() + 0.05 * timeout_s + 0.1
+            )
+        except TieredError as exc:
+            error = exc
+        except concurrent.futures.TimeoutError:
+            error = TierTimeoutError(
+                f"{self._name}: closing did not finish within {timeout_s:.3g} s (tiered.timeout_s): "
+                "the event loop is blocked (a backend call that holds it?)"
+            )
         except Exception as exc:  # noqa: BLE001 - a stuck task must not keep close() from stopping the loop
             log.warning("%s: closing did not finish cleanly within %.1f s: %r", self._name, timeout_s, exc)
         loop.call_soon_threadsafe(loop.stop)
@@ -127,6 +140,8 @@ class EventLoopThread:
         else:
             loop.close()
         self.bridge.close(wait=False)
+        if error is not None:
+            raise error
 
     # ---- entry points from other threads ---------------------------------------------------
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

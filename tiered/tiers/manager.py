@@ -314,7 +314,8 @@ class TierManager:
     def close(self, *, close_backends: bool = True) -> None:
         """Cancel work in flight, close the tiers' backends (unless told not to) and stop the
         loop thread. Flushes nothing: call ``flush().result()`` first to keep dirty bytes.
-        Idempotent."""
+        Idempotent. Bounded by ``timeout_s``: a backend still closing then is a TierTimeoutError
+        naming it and its tier, the others closed ([Note: bounded close])."""
         if self._loop.closed:
             return
         _OPEN.discard(self)
@@ -324,7 +325,7 @@ class TierManager:
             except Exception:  # noqa: BLE001 - already closing in another thread
                 pass
         self._loop.close(
-            timeout_s=min(self.timeout_s, 60.0),
+            timeout_s=self.timeout_s,  # [Note: bounded close]
             final=self._machine.close_backends if close_backends else None,
         )
 

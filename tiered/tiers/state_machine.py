@@ -52,7 +52,7 @@ from tiered.tiers.error_context import mark, raise_in_context, rethrow, with_con
 from tiered.tiers.partition import CopyState, Partition
 from tiered.tiers.policy import EvictionPolicy
 from tiered.tiers.transfer import Transfers
-from tiered.tiers.waiting import ChangeSignal, deadline_after, outside_request, wait_done
+from tiered.tiers.waiting import ChangeSignal, close_all, deadline_after, outside_request, wait_done
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -566,12 +566,11 @@ class TierStateMachine:
             task = asyncio.get_running_loop().create_task(self._finish_evict(part, tier, prev, fut))
             task.add_done_callback(_log_failure)
 
-    async def close_backends(self) -> None:
-        for ts in self.tiers.values():
-            try:
-                await ts.backend.close()
-            except Exception:  # one bad backend must not keep the others open
-                log.exception("closing backend %r of tier %r failed", ts.backend.name, ts.name)
+    async def close_backends(self, timeout_s: float | None = None) -> None:
+        """Close every tier's backend at once, each within `timeout_s` (default the manager's);
+        see [Note: bounded close]."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        await close_all([(ts.name, ts.backend) for ts in self.tiers.values()], limit)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,15 @@ variable, inherited by the moves the request starts): every wait inside it (`dea
 request joins keeps the deadline of the request that started it; a waiter that times out on it
 reports the move's own error when the move failed at the same instant (it names the backend
 and key).
+
+[Note: bounded close]
+Closing a manager closes its tiers' backends (a swap backend removes its folder then). They are
+closed all at once, each with ``timeout_s``, not one after another: one hung backend (a dead
+mount, an injected hang) must neither keep the others open nor add its wait to theirs. The close
+of the whole manager is bounded by ``timeout_s`` too (no fixed cap: a configured timeout above
+it was cut, one below it was not honoured), and a backend still closing at the deadline is a
+TierTimeoutError naming it and its tier, raised after the loop stopped, so a hang is an error
+the user sees rather than a log line or a stall.
 """
 
 from __future__ import annotations
@@ -24,11 +33,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from tiered.errors import TierTimeoutError
+from tiered.storage.base import StorageBackend
 from tiered.tiers.error_context import mark
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -128,3 +141,28 @@ async def bounded(aw: Awaitable[T], timeout_s: float, describe: Callable[[], str
         if by_request:
             msg += f" (the call had {left:.3g} s left of its request's tiered.timeout_s)"
         raise mark(TierTimeoutError(msg)) from None
+
+
+async def close_all(backends: Sequence[tuple[str, StorageBackend]], timeout_s: float) -> None:
+    """Close every `(tier, backend)` at once, each given `timeout_s`; a close that fails is
+    logged, one that runs out raises TierTimeoutError naming it. See [Note: bounded close]."""
+    tasks = {asyncio.ensure_future(b.close()): (tier, b) for tier, b in backends}
+    if not tasks:
+        return
+    done, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout_s))
+    for t in done:
+        if not t.cancelled() and t.exception() is not None:
+            tier, b = tasks[t]
+            log.error("closing backend %r of tier %r failed", b.name, tier, exc_info=t.exception())
+    if not pending:
+        return
+    for t in pending:
+        t.cancel()
+    # a close stuck in a blocking call ignores the cancel; do not wait for it
+    await asyncio.wait(pending, timeout=0.05)
+    hung = ", ".join(f"backend {tasks[t][1].name!r} of tier {tasks[t][0]!r}" for t in pending)
+    raise TierTimeoutError(
+        f"closing {hung} did not finish within {timeout_s:.3g} s (tiered.timeout_s); the other backends "
+        "were closed. Its files (a swap folder) may be left behind: check the storage under it, or "
+        "raise tiered.timeout_s if its close is only slow"
+    )

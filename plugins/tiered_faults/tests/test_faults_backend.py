@@ -195,6 +195,27 @@ def test_hang_lasts_until_cancelled_or_closed() -> None:
     _run(main())
 
 
+def test_a_hung_close_lasts_until_cancelled_and_still_closes_the_inner_backend() -> None:
+    async def main() -> None:
+        b = _faults({"kind": "hang", "op": "close"})
+        await b.write("k", torch.ones(4))
+        await b.read("k", torch.empty(4))  # data operations are not touched
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(b.close(), timeout=0.2)
+        assert b.stats()["injected"]["hang"] == 1
+        with pytest.raises(StorageIOError, match="closed"):
+            await b.inner.read("k", torch.empty(4))
+        await b.close()  # idempotent: no second hang
+
+    _run(main())
+
+
+def test_any_means_the_data_operations_not_close() -> None:
+    assert "close" not in _faults({"kind": "hang", "op": "any"}).rules[0].ops
+    with pytest.raises(ConfigError, match="'close' is not an operation a 'error' fault applies to"):
+        _faults({"kind": "error", "op": "close"})
+
+
 # ---- enospc ---------------------------------------------------------------------------------
 def test_enospc_after_k_bytes_written() -> None:
     async def main() -> None:
