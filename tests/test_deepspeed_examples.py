@@ -66,8 +66,11 @@ def ported_and_reference(name: str, tmp_path: Path, argv: list[str]) -> tuple[li
     return got, want
 
 
-def test_cifar_zero3_trains_equal_to_plain_pytorch(tmp_path: Path) -> None:
-    got, want = ported_and_reference("cifar10_deepspeed.py", tmp_path, ["--stage", "3", "--dtype", "fp32"])
+@pytest.mark.parametrize("groups", [[], ["--moe-param-group"]], ids=["parameters", "moe_param_group"])
+def test_cifar_zero3_trains_equal_to_plain_pytorch(tmp_path: Path, groups: list[str]) -> None:
+    # --moe-param-group on a model without MoE layers: the groups pass the splitter unchanged
+    argv = ["--stage", "3", "--dtype", "fp32", *groups]
+    got, want = ported_and_reference("cifar10_deepspeed.py", tmp_path, argv)
     assert len(got) == 8  # 128 images, train_batch_size 16
     assert got == pytest.approx(want, abs=1e-5)
     assert got[-1] != got[0]
