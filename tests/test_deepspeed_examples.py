@@ -91,3 +91,32 @@ def test_gan_losses_equal_plain_pytorch_each_step(tmp_path: Path) -> None:
     assert len(got) == 6  # 48 images, batches of 8
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g == pytest.approx(w, abs=1e-5), f"step {step}: Loss_D/Loss_G {g} vs plain PyTorch {w}"
+
+
+def test_accelerate_launch_without_use_deepspeed_runs_the_port(tmp_path: Path) -> None:
+    """docs/deepspeed.md's accelerate route: the ported script under ``accelerate launch`` (no
+    ``--use_deepspeed``, which requires DeepSpeed installed, the JSON passed to the script) trains
+    as under plain ``python``."""
+    pytest.importorskip("accelerate")
+    launcher = Path(sys.executable).with_name("accelerate")
+    if not launcher.exists():
+        pytest.skip("no accelerate launcher next to this interpreter")
+    script = EXAMPLES / "gan_deepspeed_train.py"
+    argv = ["--deepspeed", "--deepspeed_config", str(EXAMPLES / "gan_deepspeed_config.json")]
+    argv += ["--outf", str(tmp_path / "out"), "--losses-out"]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC")}
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (ROOT, ROOT / "plugins", EXAMPLES))
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    flags = ["--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no"]
+    runs = {}
+    for how, cmd in (
+        ("accelerate", [str(launcher), "launch", *flags, "--dynamo_backend", "no", str(script)]),
+        ("python", [sys.executable, str(script)]),
+    ):
+        out = tmp_path / f"{how}.json"
+        proc = subprocess.run(
+            [*cmd, *argv, str(out)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[how] = json.loads(out.read_text())
+    assert runs["accelerate"] == runs["python"]
