@@ -206,6 +206,31 @@ def _all_reduce(c: Ctx) -> Any:
     return t
 
 
+def _moe_split(c: Ctx) -> Any:
+    groups = c.ds.moe.utils.split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(c.model.parameters()), "name": "parameters"}
+    )
+    return [len(groups), [len(g["params"]) for g in groups]]
+
+
+def _moe_layer(c: Ctx) -> Any:
+    """DeepSpeed builds its expert-parallel layer; tiered refuses it naming the alternative."""
+    try:
+        c.ds.moe.layer.MoE(hidden_size=48, expert=nn.Linear(48, 48), num_experts=1, ep_size=1)
+    except Exception as e:  # the refusal is the answer
+        if "expert parallelism" in str(e) and "leaf module" in str(e):
+            return "refused, naming leaf modules"
+        raise
+    return "built"
+
+
+def _launcher_env(c: Ctx) -> Any:
+    """What DeepSpeed's init_distributed leaves in os.environ for one process without a launcher."""
+    return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")} | {
+        "MASTER_PORT set": bool(os.environ["MASTER_PORT"])
+    }
+
+
 def _leaf(c: Ctx) -> Any:
     c.ds.utils.set_z3_leaf_modules(Net(), [nn.Linear])
     return True
@@ -399,6 +424,11 @@ PROBES: list[Probe] = [
     ("get_accelerator().manual_seed(0)", "runs", lambda c: c.ds.accelerator.get_accelerator().manual_seed(0)),
     ("utils.set_z3_leaf_modules", "runs", _leaf),
     ("zero.Init(config_dict_or_path=) then initialize and train", "value", _zero_init),
+    # one process, and DeepSpeedExamples' CIFAR script; "runs" until values are recorded on DeepSpeed
+    ("RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT in os.environ after initialize", "runs", _launcher_env),
+    ("moe.utils.split_params_into_different_moe_groups_for_optimizer (no experts)", "runs", _moe_split),
+    # tiered has no expert parallelism ([Note: MoE without expert parallelism])
+    ("moe.layer.MoE(...)", "differs", _moe_layer),
 ]
 
 
@@ -443,6 +473,8 @@ def _deepspeed() -> Any:
     import deepspeed
     import deepspeed.accelerator
     import deepspeed.comm
+    import deepspeed.moe.layer
+    import deepspeed.moe.utils
     import deepspeed.utils
 
     return deepspeed

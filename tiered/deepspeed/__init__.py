@@ -6,8 +6,8 @@
 
 `initialize`, `init_distributed`, `add_config_arguments`, `zero` (``Init``,
 ``GatheredParameters``), `comm`, `utils` (the safe getters and setters), `accelerator`
-(``get_accelerator``), none of which needs DeepSpeed installed. The table of DeepSpeed's API and
-tiered's is docs/deepspeed.md.
+(``get_accelerator``), `moe` (the group splitter; ``MoE`` refused), none of which needs DeepSpeed
+installed. The table of DeepSpeed's API and tiered's is docs/deepspeed.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiered.deepspeed import accelerator, comm, utils, zero
+from tiered.deepspeed import accelerator, comm, moe, utils, zero
 from tiered.deepspeed.comm import init_distributed
 from tiered.engine import Engine, InitializeResult
 from tiered.engine import initialize as _initialize
@@ -43,6 +43,7 @@ __all__ = [
     "comm",
     "init_distributed",
     "initialize",
+    "moe",
     "utils",
     "zero",
 ]

@@ -3,11 +3,18 @@
 [Note: one process without a launcher]
 DeepSpeed's ``init_distributed`` (called by its initialize) always leaves a default process group
 behind: under a launcher from its environment, else from an MPI discovery that makes a single
-process a world of one. Ported scripts rely on it (``deepspeed.comm.get_rank()``,
-``torch.distributed.barrier()`` after initialize), so tiered does the same: under torchrun
-(WORLD_SIZE > 1) from its environment ([Note: process group from torchrun]); in one process
-without a launcher a world of one on an in-process store (no port to collide on), NCCL with CUDA
-else gloo. An existing group is used as it is.
+process a world of one and writes RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT into
+``os.environ``. Ported scripts rely on both: on the group (``deepspeed.comm.get_rank()``,
+``torch.distributed.barrier()`` after initialize) and on the variables (``int(os.environ
+["LOCAL_RANK"])``, a Hugging Face helper reading WORLD_SIZE). So tiered does the same for
+``python train.py`` (with or without the ``--local_rank`` a launcher passes): under torchrun
+(WORLD_SIZE > 1) from its environment ([Note: process group from torchrun]); in one process the
+missing variables get DeepSpeed's single-process values (RANK 0, WORLD_SIZE 1, LOCAL_RANK 0,
+MASTER_ADDR 127.0.0.1) and the group a world of one, NCCL with CUDA else gloo. Without a
+MASTER_PORT the store listens on a port the kernel picks (port 0), which then becomes MASTER_PORT:
+no guessed free port that another process could take first (DeepSpeed's fixed 29500 collides with
+any other run on the machine). Variables already set are kept, and with all of them set the group
+comes from env://, as DeepSpeed's. An existing group is used as it is.
 """
 
 from __future__ import annotations
@@ -71,11 +78,28 @@ def init_distributed(
         ensure_process_group(dist_backend)  # [Note: process group from torchrun]
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    _one_process_group(backend, distributed_port)
     if verbose:
         log.info(
-            "no launcher: initialised a one-process %s group, as DeepSpeed's init_distributed does", backend
+            "no launcher: initialised a one-process %s group (MASTER_PORT %s), as DeepSpeed's "
+            "init_distributed does",
+            backend,
+            os.environ["MASTER_PORT"],
         )
+
+
+def _one_process_group(backend: str, port: int | None) -> None:
+    """A world of one with DeepSpeed's environment ([Note: one process without a launcher])."""
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    if port is not None:
+        os.environ.setdefault("MASTER_PORT", str(port))
+    if os.environ.get("MASTER_PORT"):
+        dist.init_process_group(backend, init_method="env://")
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, 1, is_master=True, wait_for_workers=False)
+    os.environ["MASTER_PORT"] = str(store.port)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=1)
 
 
 def is_available() -> bool:
