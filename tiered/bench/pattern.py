@@ -264,7 +264,7 @@ def _after_step_prefetch(cfg: TieredConfig, planned: Sequence[Any], shards: list
     ones of the forward until ``prefetch_bucket_size`` elements are covered (the trace's
     `upcoming`), as long as they fit the live budget (persistent groups do not count in it).
     None where the step overlaps backward (the engine prefetches only between passes)."""
-    from tiered.engine.engine import overlap_step_applies
+    from tiered.optim.arrivals import overlap_step_applies
 
     if overlap_step_applies(cfg):
         return set()

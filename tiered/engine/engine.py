@@ -31,14 +31,14 @@ from tiered.engine.ds_api import DeepSpeedEngineAPI
 from tiered.engine.facade import ConfigLRScheduler
 from tiered.engine.inputs import cast_floating, check_inputs, input_dtype_error
 from tiered.engine.nonfinite import NonFiniteGuard
+from tiered.engine.persistence import EnginePersistence, refuse_use_while_empty
 from tiered.engine.progress import report_step
 from tiered.engine.signals import unwatch as unwatch_sigterm
 from tiered.engine.zero_grad import redirect_zero_grad
-from tiered.errors import ParameterNotGatheredError, StorageIOError
-from tiered.optim.arrivals import grads_consumed_from_memory, overlap_blockers
+from tiered.errors import StorageIOError
+from tiered.optim.arrivals import grads_consumed_from_memory, overlap_step_applies
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
-from tiered.zero.full_params import gathered, iter_full_groups
 
 if TYPE_CHECKING:
     from tiered.engine.build import Placement
@@ -52,46 +52,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def overlap_step_applies(cfg: TieredConfig) -> bool:
-    """tiered.overlap_step_with_backward, where nothing needs the whole gradient before the first
-    update: no gradient clipping (a global norm) and no fp16 overflow check. Warns otherwise."""
-    blockers = overlap_blockers(cfg)
-    if blockers:
-        log.warning(
-            "tiered.overlap_step_with_backward has no effect: %s; the step runs after backward",
-            "; ".join(blockers),
-        )
-    return bool(cfg.zero.overlap_step_with_backward) and not blockers
-
-
 def _is_enospc(e: BaseException | None) -> bool:
     while e is not None:
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return True
         e = e.__cause__
     return False
-
-
-def _refuse_use_while_empty(module: torch.nn.Module) -> None:
-    """After a close that gave no weights back, a forward of `module` (its parameters are empty
-    tensors) is a clear error, not a shape error deep inside; the guard goes once weights are
-    assigned again."""
-    if not any(p.numel() == 0 for p in module.parameters()):
-        return
-    name = type(module).__name__
-
-    def guard(mod: torch.nn.Module, args: Any) -> None:
-        if not any(p.numel() == 0 for p in mod.parameters()):
-            handle.remove()
-            return
-        raise ParameterNotGatheredError(
-            f"{name} was closed by a tiered Engine without getting its weights back "
-            "(close(restore_weights=False), a close by the garbage collector, or a `with` block left "
-            "by an exception): its parameters are empty. Load weights into it (e.g. from the folder "
-            "engine.save_pretrained wrote), or close with restore_weights=True"
-        )
-
-    handle = module.register_forward_pre_hook(guard)
 
 
 class _ConstantLR:
@@ -140,6 +106,18 @@ class Engine(DeepSpeedEngineAPI):
         self.client = client
         """DeepSpeed's keywords made into the facade, client scheduler and loader
         (tiered.engine.client); None for ``tiered.initialize(model, config)``."""
+        self._persistence = EnginePersistence(
+            module,
+            cfg,
+            tm,
+            zp,
+            optimizer,
+            placement,
+            rank=rank,
+            world_size=world_size,
+            process_group=process_group,
+        )
+        """Checkpoints, exports and full values over these partitions (tiered/engine/persistence.py)."""
         self.scheduler: LRSchedule = (
             client.lr_source
             if client is not None and client.lr_source is not None
@@ -455,35 +433,14 @@ class Engine(DeepSpeedEngineAPI):
         checkpoint's path. As DeepSpeed's: `client_state` is JSON plus tensors (those go into the
         safetensors file), `exclude_frozen_parameters` leaves out frozen parameters ([Note:
         checkpoint keywords]). Every rank calls it."""
-        from tiered.checkpoint.engine_state import check_json, parameter_specs, save_engine_state
-        from tiered.config.dump import dump_config
-        from tiered.engine.ds_checkpoint import split_client_state
-
         self._check_checkpoint_point("save_checkpoint")
-        json_state, tensors = split_client_state(client_state if client_state is not None else {})
-        check_json(json_state)
-        self.optimizer.wait_writes()  # (their errors surface here, not inside the save)
-        groups = self._checkpoint_groups()
-        if exclude_frozen_parameters:
-            groups = [gs for gs in groups if gs.group.trainable]
-        body = {
-            "config": dump_config(self.config),
-            "compute_dtype": str(self.placement.compute_dtype),
-            "optimizer_state_format": self.optimizer.fmt.name,  # [Note: compressed optimizer state]
-            "training": self._training_state(),
-            "client_state": json_state,
-            "frozen_excluded": bool(exclude_frozen_parameters),
-            "parameter_specs": parameter_specs(groups),
-        }
-        return save_engine_state(
-            self.tm,
-            groups,
+        return self._persistence.save(
             save_dir,
             tag if tag is not None else f"global_step{self.global_steps}",
-            body=body,
-            comm=self._collective(),
+            client_state=client_state if client_state is not None else {},
             save_latest=save_latest,
-            extra_tensors=tensors if self.rank == 0 else None,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+            training=self._training_state(),
         )
 
     def load_checkpoint(
@@ -500,17 +457,7 @@ class Engine(DeepSpeedEngineAPI):
         names) on any world size; returns ``(path, client_state)`` as DeepSpeed does, with
         DeepSpeed's keywords ([Note: checkpoint keywords]). A missing, half-written, corrupt or
         incompatible checkpoint raises (DeepSpeed returns None)."""
-        from tiered.checkpoint.engine_state import (
-            GroupState,
-            check_compatible,
-            load_engine_state,
-            open_checkpoint,
-            parameter_specs,
-            read_rank_tensors,
-        )
-        from tiered.config.dump import dump_config
-        from tiered.engine.ds_checkpoint import join_client_state, load_scope, tensor_names
-        from tiered.optim.state_format import check_state_format_loads
+        from tiered.engine.ds_checkpoint import load_scope
 
         scope = load_scope(
             load_module_strict=load_module_strict,
@@ -521,28 +468,12 @@ class Engine(DeepSpeedEngineAPI):
             config_schedule=isinstance(self.lr_scheduler, ConfigLRScheduler),
         )
         self._check_checkpoint_point("load_checkpoint")
-        self.optimizer.wait_writes()
-        path, manifest = open_checkpoint(load_dir, tag)
-        groups = self._checkpoint_groups()
-        if manifest.get("frozen_excluded"):
-            groups = [gs for gs in groups if gs.group.trainable]
-        check_compatible(
-            manifest,
-            parameter_specs(groups),
-            str(self.placement.compute_dtype),
-            dump_config(self.config),
-            path,
-        )
-        groups = [GroupState(gs.group, scope.keep(gs.parts)) for gs in groups]
-        if any("exp_avg" in gs.parts for gs in groups):
-            check_state_format_loads(manifest, self.optimizer.fmt.name, path)
-        load_engine_state(self.tm, groups, path, manifest, comm=self._collective())
+        path, manifest, client_state = self._persistence.load(load_dir, tag, scope)
         if scope.training_state:
             self._apply_training_state(manifest["training"], scope.optimizer_steps, scope.lr_scheduler)
         self.zero.params_updated()
         log.info("loaded checkpoint %s (global step %d)", path, self.global_steps)
-        saved = manifest.get("client_state")
-        return path, join_client_state(saved, read_rank_tensors(path, manifest, 0, tensor_names(saved)))
+        return path, client_state
 
     def save_pretrained(
         self,
@@ -560,55 +491,23 @@ class Engine(DeepSpeedEngineAPI):
         weights came from (`tokenizer_source`), False writes none ([Note: tokenizer files in the
         export]). A peft model exports its adapter in peft's format ([Note: exporting a peft
         model])."""
-        from tiered.checkpoint.export import is_peft_model, save_peft_adapter, save_pretrained
-
         self._check_open()
         self._check_no_step_in_flight("save_pretrained")
-        self.optimizer.wait_writes()
-        tokenizer = self.tokenizer_source if tokenizer is None else tokenizer
-        if is_peft_model(self._module):
-            out = save_peft_adapter(
-                self._module,
-                self.gathered_parameters,
-                save_directory,
-                dtype=dtype,
-                writer=self.rank == 0,
-                base_model=self.tokenizer_source,
-                tokenizer=tokenizer,
-            )
-            self._collective().barrier()
-            return out
-        out = save_pretrained(
-            self._module,
-            iter_full_groups(self.zero),
-            self.zero.groups,
+        return self._persistence.export(
             save_directory,
             dtype=dtype,
             max_shard_size=max_shard_size,
-            writer=self.rank == 0,
-            tokenizer=tokenizer,
+            tokenizer=self.tokenizer_source if tokenizer is None else tokenizer,
+            base_model=self.tokenizer_source,
         )
-        self._collective().barrier()
-        return out
 
     def gathered_parameters(self, params_or_module: Any, modify: bool = False) -> Any:
         """``with engine.gathered_parameters(module_or_params, modify=False):`` the parameters hold
         their full values inside; with `modify`, what they hold at exit is written back to every
         tier (and the fp32 master). See [Note: gathered parameters]. Every rank enters it."""
-        from tiered.checkpoint.gathered import gathered_parameters, parameters_of
-
         self._check_open()
         self._check_no_step_in_flight("gathered_parameters")
-        return gathered_parameters(
-            self.zero,
-            self.tm,
-            self.optimizer.checkpoint_partitions(),
-            parameters_of(params_or_module),
-            modify=modify,
-            world_size=self.world_size,
-            process_group=self.process_group,
-            gather=lambda ps: gathered(self.zero, ps),
-        )
+        return self._persistence.gathered(params_or_module, modify)
 
     def _check_checkpoint_point(self, what: str) -> None:
         self._check_open()
@@ -619,17 +518,6 @@ class Engine(DeepSpeedEngineAPI):
                 f"gradient_accumulation_steps={self.gas}): the accumulated gradients are not part of a "
                 "checkpoint; call it after the engine.step() that ends the window"
             )
-
-    def _checkpoint_groups(self) -> list[Any]:
-        from tiered.checkpoint.engine_state import GroupState
-
-        states = self.optimizer.checkpoint_partitions()
-        return [GroupState(g, {"param": g.param, **states.get(g.name, {})}) for g in self.zero.groups]
-
-    def _collective(self) -> Any:
-        from tiered.checkpoint.engine_state import Collective
-
-        return Collective(self.rank, self.world_size, self.process_group)
 
     def _training_state(self) -> dict[str, Any]:
         return {
@@ -704,22 +592,9 @@ class Engine(DeepSpeedEngineAPI):
         close_error: Exception | None = None
         try:
             self.optimizer.close()
-            flush_error = self._flush_persistent_tiers()
+            flush_error = self._persistence.flush_persistent_tiers()
             if restore_weights:
-                by_name = dict(self._module.named_parameters(remove_duplicate=False))
-                try:
-                    restored = [
-                        (by_name[name], t.to("cpu", copy=True))
-                        for _, params in iter_full_groups(self.zero)
-                        for name, t in params
-                    ]
-                except Exception as e:  # noqa: BLE001 - a broken model or a failed backward: still close
-                    log.warning(
-                        "close(): the module's parameters stay empty, its weights could not be "
-                        "gathered back: %s",
-                        e,
-                    )
-                    restored = []
+                restored = self._persistence.full_weights()
         finally:
             try:
                 self.zero.remove_hooks()
@@ -741,37 +616,11 @@ class Engine(DeepSpeedEngineAPI):
         for p, t in restored:
             p.data = t
         if not restored:
-            _refuse_use_while_empty(self._module)
+            refuse_use_while_empty(self._module)
         if flush_error is not None:  # raised once the engine is closed all the same
             raise flush_error from close_error
         if close_error is not None:
             raise close_error
-
-    def _flush_persistent_tiers(self) -> Exception | None:
-        """Write home the dirty copies of partitions whose home outlives the process (a tier the
-        user declared: its files must hold the trained values after close); swap tiers are
-        deleted anyway. Returns the error, logged, of a flush that failed."""
-        parts = [p for g in self.zero.groups for p in (g.param, g.grad) if p is not None]
-        parts += self.optimizer.own_partitions()
-        todo = [p for p in {id(p): p for p in parts}.values() if self._persists(p.home)]
-        if not todo:
-            return None
-        try:
-            for f in [self.tm.flush(p) for p in todo]:
-                f.result()
-        except Exception as e:  # noqa: BLE001 - returned, raised at the end of close
-            log.error(
-                "close(): the persistent tier(s) %s do not hold the final values: %s",
-                sorted({p.home for p in todo}),
-                e,
-            )
-            return e
-        log.debug("close(): flushed %d partitions to persistent tiers", len(todo))
-        return None
-
-    def _persists(self, tier: str) -> bool:
-        caps = self.tm.tier(tier).backend.capabilities
-        return bool(caps.persistent) and not caps.memory_like
 
     def _check_open(self) -> None:
         if self._closed:

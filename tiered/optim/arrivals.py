@@ -7,6 +7,7 @@ completes its gradients, while the pipeline's stepper thread takes them.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,8 @@ import torch
 
 if TYPE_CHECKING:
     from tiered.config.schema import TieredConfig
+
+log = logging.getLogger(__name__)
 
 
 def overlap_blockers(cfg: TieredConfig) -> list[str]:
@@ -27,6 +30,18 @@ def overlap_blockers(cfg: TieredConfig) -> list[str]:
     if cfg.precision.dtype == torch.float16:
         blockers.append("fp16 needs the overflow check over every gradient first")
     return blockers
+
+
+def overlap_step_applies(cfg: TieredConfig) -> bool:
+    """tiered.overlap_step_with_backward, where nothing needs the whole gradient before the first
+    update: no gradient clipping (a global norm) and no fp16 overflow check. Warns otherwise."""
+    blockers = overlap_blockers(cfg)
+    if blockers:
+        log.warning(
+            "tiered.overlap_step_with_backward has no effect: %s; the step runs after backward",
+            "; ".join(blockers),
+        )
+    return bool(cfg.zero.overlap_step_with_backward) and not blockers
 
 
 def grads_consumed_from_memory(cfg: TieredConfig) -> bool:
