@@ -98,6 +98,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--accumulation", type=int, default=1, metavar="A", help="gradient_accumulation_steps (default 1)"
     )
     p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="the compute device of the machine that will train: sets the process's own host memory "
+        "counted ([Note: one memory model]; default cuda)",
+    )
+    p.add_argument(
         "--bandwidth",
         metavar="FILE",
         help="link bandwidths from `tiered bench --json FILE` to rank configs by (default: assumed, printed)",
@@ -276,6 +283,7 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
         world_size=args.world_size,
         nvme_path=args.nvme_path,
         bandwidth=bw,
+        device_kind=getattr(args, "device", "cuda"),
     )
     return result, notes
 
@@ -333,7 +341,7 @@ def render_search(result: Any, notes: list[str], out: TextIO) -> None:
         + format_bytes(c.peaks["device"], binary=True)
         + ", host "
         + format_bytes(c.peaks["host"], binary=True)
-        + " (process and transient copies included), NVMe "
+        + " (process, transient copies and backend buffers included), NVMe "
         + format_bytes(c.peaks["disk"], binary=True)
         + "\n"
     )

@@ -317,7 +317,7 @@ def _fitting_config(model: torch.nn.Module, cfg: TieredConfig, tm: Any, world_si
     """The planner's fastest config within the budgets given, as JSON text, or what it lacks."""
     import json
 
-    from tiered.planning.needs import HOST_BASELINE_BYTES
+    from tiered.optim.placement import tier_is_host
     from tiered.planning.search import Memories, search, shortfall_text
 
     def budget(name: str) -> int | None:
@@ -326,12 +326,17 @@ def _fitting_config(model: torch.nn.Module, cfg: TieredConfig, tm: Any, world_si
     cpu = budget("cpu")
     mem = Memories(
         gpu=budget("gpu"),
-        cpu=None if cpu is None else cpu + HOST_BASELINE_BYTES + pred.outside_tiers_bytes,
+        cpu=None if cpu is None else cpu + pred.host_extra_bytes,
         nvme=budget("nvme"),
     )
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(cfg.precision.dtype, "fp32")
     result = search(
-        model, mem, precision=precision, accumulation=cfg.gradient_accumulation_steps, world_size=world_size
+        model,
+        mem,
+        precision=precision,
+        accumulation=cfg.gradient_accumulation_steps,
+        world_size=world_size,
+        device_kind="cpu" if tier_is_host(tm, "gpu") else "cuda",
     )
     if result.best is None:
         near = result.closest
