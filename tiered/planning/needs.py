@@ -39,7 +39,16 @@ Host memory is more than the host tiers. Three more terms, all in `Prediction.ho
   ``workers x chunk_bytes`` bounce buffers: 8 x 8 MiB at DeepSpeed's aio defaults), as the
   backend class states them from its spec (`tiered.storage.StorageBackend.host_buffer_bytes`,
   read through the registry: [Note: lazy backend registry] imports only the tiers' own plugins);
-  counted whole, as a CUDA process pins them at first use.
+  counted whole, as a CUDA process pins them at first use (on the CPU their pages become
+  resident as bounce pieces touch them, so there the count is an upper bound).
+
+Not modelled yet (measured in benchmarks/RESULTS.md, issue 21, by sampling VmHWM through a run):
+``close()`` with ``restore_weights`` (the default, and a ``with`` block's) gives the module the
+whole model in the compute dtype while the tiers still hold their bytes, so a run's host peak
+comes at its close, by up to the model's bf16 bytes (72.6 GB for the 36B headline, which
+therefore fits 64 GB only closed with ``restore_weights=False``); and the compute's own working
+memory (activations, autograd temporaries, the allocator's caches), device memory on a GPU
+(``--activation-mem``, taken off the gpu budget) but host memory on a CPU-only machine.
 
 `tiered plan` adds all three to the host tiers' need before it compares with ``--cpu-mem`` and
 writes only what is left as the cpu tier's budget.
