@@ -3,13 +3,13 @@
 Each measurement is a fresh interpreter that imports torch, transformers and tiered (the
 built-in nvme backend too, as a run that offloads to NVMe opens it), builds a small Llama
 skeleton on the meta device, and reads its own VmRSS and VmHWM from /proc/self/status. The
-median of --runs is printed with the spread; `tiered.planning.needs.HOST_BASELINE_CPU_BYTES`
-is that median rounded up to a MiB. Run it under the venv the engine runs in, e.g.
+median of --runs is printed with the spread; `tiered.planning.needs.HOST_BASELINE_BYTES` holds
+that median, rounded to a MiB, per device kind ([Note: one memory model]). Run it under the venv the engine runs in, e.g.
 
     PYTHONPATH=$PWD:$PWD/plugins python benchmarks/host_baseline.py --runs 5
 
-With ``--cuda`` the child also creates the CUDA context (``torch.cuda.init()`` and one tensor on
-the device), which is what a CUDA run's baseline needs; not yet run on a GPU machine.
+With ``--cuda`` the child also creates the CUDA context and runs one bf16 matrix product on the
+device (cuBLAS loaded), which is what a CUDA run's baseline needs.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import json, sys
 import torch, transformers
 import tiered
 import tiered_nvme.backend  # noqa: F401 - an NVMe run opens it
-if CUDA:
-    torch.cuda.init()
-    torch.empty(1, device="cuda")
+if CUDA:  # the context, and cuBLAS loaded by one bf16 product, as the first training step does
+    a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+    (a @ a).sum().item()
 hf = transformers.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
                               num_attention_heads=8, num_key_value_heads=8, vocab_size=4096)
 with torch.device("meta"):

@@ -26,9 +26,12 @@ Host memory is more than the host tiers. Three more terms, all in `Prediction.ho
   memory) was measured by benchmarks/host_baseline.py: a fresh interpreter imports torch,
   transformers, tiered and the nvme backend, builds a 6-layer hidden-512 Llama on the meta
   device and reads VmHWM from /proc/self/status: 349 MiB, the same to 0.2 MiB over 3 runs
-  (torch 2.13.0+cpu, transformers 5.25.0, Linux x86-64, 2026-12-04), so 350 MiB. "cuda" adds the
-  driver's context in host memory (a few hundred MiB, by CUDA version); it is 768 MiB, an
-  estimate not yet measured on a GPU machine (``host_baseline.py --cuda`` there measures it).
+  (torch 2.13.0+cpu, transformers 5.25.0, Linux x86-64, 2026-12-04), so 350 MiB. "cuda" was
+  measured the same way with the context created and cuBLAS loaded by one bf16 product
+  (``host_baseline.py --cuda``) on an H200 (torch 2.11.0+cu130, transformers 5.17.0, driver
+  580.159.04, tiered at b3098e7, 2026-12-04): 1062 MiB over 3 runs (to 0.4 MiB); importing a
+  CUDA build of torch alone took 804 MiB there (its CUDA libraries), the context and cuBLAS 258
+  MiB more. (It was 768 MiB, an estimate, before.)
   The pre-flight takes the kind from the engine's own gpu tier, ``auto_config`` from the
   process's compute device, `tiered plan` from ``--device`` (default cuda: it plans for a GPU);
 * the transient fp32 copies the engine holds outside the tiers (a group's fp32 shard while it
@@ -81,8 +84,8 @@ if TYPE_CHECKING:
     from tiered.zero.budget import GpuGatherNeed
     from tiered.zero.layout import GroupLayout
 
-HOST_BASELINE_BYTES = {"cpu": 350 * 2**20, "cuda": 768 * 2**20}
-"""The process before any tier, per device kind: see [Note: one memory model] (cuda not yet measured)."""
+HOST_BASELINE_BYTES = {"cpu": 350 * 2**20, "cuda": 1062 * 2**20}
+"""The process before any tier, per device kind, measured: see [Note: one memory model]."""
 DEVICE_KINDS = tuple(HOST_BASELINE_BYTES)
 MEMORY_BACKENDS = {"gpu": "device", "cpu": "host"}
 """Backend type -> the memory it takes; every other backend stores on disk (nvme, stripe, ...)."""
