@@ -99,7 +99,16 @@ def test_plan_equals_engine_preflight(tmp_path: Path, shape: str, placement: str
     with tiered.initialize(built, config) as engine:
         measured = engine.capacity
         held = _backend_buffers(engine)
+        host = engine.stats()["host_memory"]
     assert pred.needs == measured
+    # stats() reports the host peak the plan promised, term by term, beside the process's own
+    assert host["planned_peak_bytes"] == pred.peak_bytes("host")
+    assert (host["baseline"], host["outside_tiers"], host["backends"]) == (
+        pred.baseline_bytes,
+        pred.outside_tiers_bytes,
+        pred.backend_bytes,
+    )
+    assert host["tiers"] == pred.tier_bytes("host") and host["peak_rss_bytes"] > host["baseline"] / 2
     # host memory outside the tiers: the backends' own buffers are the ones the engine opened
     assert pred.backend_bytes == held
     assert pred.host_extra_bytes == pred.baseline_bytes + pred.outside_tiers_bytes + sum(held.values())

@@ -31,7 +31,7 @@ from tiered.errors import CapacityError, ConfigError, DistributedSetupError
 from tiered.optim.offload import OffloadedAdam
 from tiered.optim.placement import plan_optimizer_placement, tier_is_host
 from tiered.optim.schedulers import build_scheduler
-from tiered.planning.needs import tier_memory
+from tiered.planning.needs import host_extra, tier_memory
 from tiered.planning.traffic import bytes_per_step
 from tiered.zero import ZeroParameters
 
@@ -224,6 +224,9 @@ def _build(
         needs = engine_needs(zp.groups, plans, zp.gpu_need, cfg, placement.compute_dtype)
         check_capacity(tm, needs)
         memory = {t: tier_memory(cfg, t, gpu_is_host=tier_is_host(tm, "gpu")) for t in tm.tier_names}
+        host = host_extra(  # [Note: one memory model]: what stats()["host_memory"] reports
+            zp.groups, plans, cfg, device_kind="cpu" if tier_is_host(tm, "gpu") else "cuda"
+        )
         floor = bytes_per_step(  # [Note: bytes per step]
             zp.groups,
             plans,
@@ -272,6 +275,7 @@ def _build(
         rank=rank,
         scheduler=scheduler,
         capacity=needs,
+        host_memory=host,
         client=side,
         # its tokenizer files go into engine.save_pretrained's export
         tokenizer_source=None if weights is None else os.fspath(weights),

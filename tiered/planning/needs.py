@@ -217,6 +217,33 @@ def outside_tiers_bytes(groups: Sequence[ShardGroup], decode_scratch_numel: int 
     return max((g.shard_numel * 4 for g in groups), default=0) + 8 * decode_scratch_numel
 
 
+class HostExtra(TypedDict):
+    """Host memory a run takes beyond its tiers ([Note: one memory model]); a dict, so
+    ``engine.stats()["host_memory"]`` writes it as is."""
+
+    baseline: int
+    """`host_baseline_bytes` of the device kind."""
+    outside_tiers: int
+    """`outside_tiers_bytes`: the transient fp32 copies, a compressed format's decode scratch."""
+    backends: dict[str, int]
+    """tier -> its backend's own host buffers (`backend_host_bytes`)."""
+
+
+def host_extra(
+    groups: Sequence[ShardGroup], plans: Sequence[GroupPlan], cfg: TieredConfig, *, device_kind: str
+) -> HostExtra:
+    """What `predict` and the engine (``stats()["host_memory"]``) add to the host tiers' need."""
+    trainable = [g for g in groups if g.trainable]
+    scratch = decode_scratch_numel(
+        trainable, plans, optimizer_tile_numel(cfg), FORMATS[cfg.tiered.optimizer_state_format]
+    )
+    return HostExtra(
+        baseline=host_baseline_bytes(device_kind),
+        outside_tiers=outside_tiers_bytes(groups, scratch),
+        backends=backend_host_bytes(cfg),
+    )
+
+
 def tier_memory(cfg: TieredConfig, name: str, *, gpu_is_host: bool) -> str:
     """ "device", "host" or "disk": what tier `name` of `cfg` takes its bytes from."""
     spec = cfg.tiered.tiers.get(name)
@@ -345,20 +372,17 @@ def predict(
     plans = plan_optimizer_placement(trainable, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
     needs = engine_needs(groups, plans, layout.gpu_need, cfg, dtype)
     memory = {t: tier_memory(cfg, t, gpu_is_host=gpu_is_host) for t in {*cfg.tiered.tiers, *needs}}
-    scratch = decode_scratch_numel(
-        trainable, plans, optimizer_tile_numel(cfg), FORMATS[cfg.tiered.optimizer_state_format]
-    )
-    outside = outside_tiers_bytes(groups, scratch)
     kind = device_kind if device_kind is not None else ("cpu" if gpu_is_host else "cuda")
+    extra = host_extra(groups, plans, cfg, device_kind=kind)
     return Prediction(
         placement,
         needs,
         memory,
         tuple(groups),
         tuple(plans),
-        outside,
-        host_baseline_bytes(kind),
-        backend_host_bytes(cfg),
+        extra["outside_tiers"],
+        extra["baseline"],
+        extra["backends"],
     )
 
 
