@@ -54,7 +54,9 @@ memory (activations, autograd temporaries, the allocator's caches), device memor
 (``--activation-mem``, taken off the gpu budget) but host memory on a CPU-only machine.
 
 `tiered plan` adds all three to the host tiers' need before it compares with ``--cpu-mem`` and
-writes only what is left as the cpu tier's budget.
+writes only what is left as the cpu tier's budget; the engine computes them with the same
+`host_extra` and reports them, and their sum with its host tiers, in ``stats()["host_memory"]``
+beside its peak RSS.
 """
 
 from __future__ import annotations
