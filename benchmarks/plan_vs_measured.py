@@ -5,7 +5,8 @@ per config: the model on the meta device, `tiered.planning.search.search` (what 
 ``"auto_config"`` run) chooses the config, `tiered.initialize` trains it for --steps bf16 steps,
 and the process reports its peak RSS (``ru_maxrss``), the tiers' peaks, the NVMe bytes per step
 (link counters after the first step) and s/step next to the plan's figures. On a machine without
-CUDA the gpu tier is host memory, so RSS is compared with the plan's GPU + host peaks.
+CUDA the gpu tier is host memory, so RSS is compared with the plan's GPU + host peaks. The search
+is told the device kind of this machine (the process baseline of [Note: one memory model]).
 
     python benchmarks/plan_vs_measured.py [--cpu-mem 1GiB 2GiB] [--gpu-mem 256MiB] [--steps 4]
         [--dir DIR] [--bandwidth bench.json] [--json out.json]
@@ -56,7 +57,7 @@ raw = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled
        "zero_optimization": {"stage": 3, "offload_optimizer": {"nvme_path": nvme}}}
 bw = dict(DEFAULT_BANDWIDTH) if not bwfile else read_bandwidth(bwfile)[0]
 res = search(model, Memories(gpu_mem, cpu_mem, 10 * 2**30), precision="bf16", nvme_path=nvme,
-             bandwidth=bw, base=raw)
+             bandwidth=bw, base=raw, device_kind="cuda" if torch.cuda.is_available() else "cpu")
 best = res.best
 if best is None:
     print("RESULT " + json.dumps({"fits": False, "closest": res.closest.knobs if res.closest else None}))

@@ -71,6 +71,28 @@ def test_plan_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert all({"tier", "what", "bytes"} == set(t) for s in doc["strategies"] for t in s["terms"])
 
 
+def test_plan_device_sets_the_process_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    """--device: the host memory of the process that will train ([Note: one memory model]) comes
+    off the cpu budget; cuda (the default) measured larger than cpu."""
+    pinned = ["--offload-optimizer", "cpu", "--offload-param", "none", "--grad-tier", "cpu"]
+    pinned += ["--sub-group-size", "1e7", "--buffer-count", "1", "--persistence-threshold", "0"]
+    argv = ["plan", "--params", "1e8", "--gpu-mem", "8GiB", "--cpu-mem", "8GiB", *pinned, "--json"]
+    docs = {}
+    for device in ("cuda", "cpu"):
+        assert main([*argv, "--device", device]) == 0
+        docs[device] = json.loads(capsys.readouterr().out)
+    mib = 2**20
+    budget = {
+        d: doc["search"]["best"]["config"]["tiered"]["tiers"]["cpu"]["budget"] for d, doc in docs.items()
+    }
+    host = {d: doc["search"]["best"]["peaks_bytes"]["host"] for d, doc in docs.items()}
+    assert budget["cpu"] - budget["cuda"] == (1062 - 350) * mib
+    assert host["cuda"] - host["cpu"] == (1062 - 350) * mib
+    assert any(n.startswith("process baseline: 350") and "cpu process" in n for n in docs["cpu"]["assumed"])
+    assert main(argv[:-1]) == 0  # the text, and cuda by default
+    assert "process baseline: 1.04 GiB of host memory for a cuda process" in capsys.readouterr().out
+
+
 def test_plan_paper_vector_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--params", "7.5e9", "--world-size", "64", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

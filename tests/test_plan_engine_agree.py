@@ -98,12 +98,139 @@ def test_plan_equals_engine_preflight(tmp_path: Path, shape: str, placement: str
     pred = predict(planned, load_config(copy.deepcopy(config), model=planned), gpu_is_host=True)
     with tiered.initialize(built, config) as engine:
         measured = engine.capacity
+        held = _backend_buffers(engine)
+        host = engine.stats()["host_memory"]
     assert pred.needs == measured
+    # stats() reports the host peak the plan promised, term by term, beside the process's own
+    assert host["planned_peak_bytes"] == pred.peak_bytes("host")
+    assert (host["baseline"], host["outside_tiers"], host["backends"]) == (
+        pred.baseline_bytes,
+        pred.outside_tiers_bytes,
+        pred.backend_bytes,
+    )
+    assert host["tiers"] == pred.tier_bytes("host") and host["peak_rss_bytes"] > host["baseline"] / 2
+    # host memory outside the tiers: the backends' own buffers are the ones the engine opened
+    assert pred.backend_bytes == held
+    assert pred.host_extra_bytes == pred.baseline_bytes + pred.outside_tiers_bytes + sum(held.values())
     # the zoo is not trivial: optimizer state homed off the gpu, a pipeline counted
     opt_tier = "nvme" if placement == "all-nvme" else "cpu"
     assert pred.needs[opt_tier]["homes"] > 0
     if placement == "all-nvme":
         assert pred.needs["cpu"]["pipeline"] > 0
+        assert held["nvme"] == 8 * 8 * 2**20  # DeepSpeed's aio defaults: 8 workers x 1 MiB x 8
+    else:
+        assert held == {}
+
+
+def _backend_buffers(engine: Any) -> dict[str, int]:
+    """Per tier, the bounce buffers its opened backend made (the nvme backend's, at first use)."""
+    out = {}
+    for name in engine.tm.tier_names:
+        backend = engine.tm.tier(name).backend
+        bounce = getattr(backend, "_bounce", None)
+        if bounce is not None:
+            out[name] = bounce.qsize() * backend.chunk_bytes
+    return out
+
+
+def test_process_baseline_is_per_device_kind(tmp_path: Path) -> None:
+    """[Note: one memory model]: the host figure carries the process of the machine that runs it:
+    measured for a CPU-only process, larger for a CUDA one (CUDA libraries, context, cuBLAS)."""
+    from tiered.planning.needs import host_baseline_bytes
+
+    model = _meta(ZOO["llama-small-vocab"](), lora=False)
+    cfg = load_config(_config(tmp_path, "opt-cpu", "bf16"), model=model)
+    on_cpu = predict(model, cfg, gpu_is_host=True)
+    assert on_cpu.baseline_bytes == host_baseline_bytes("cpu") == 350 * 2**20
+    on_cuda = predict(model, cfg, device_kind="cuda")
+    assert on_cuda.baseline_bytes == host_baseline_bytes("cuda") == 1062 * 2**20
+    # the kind is the process's, not the gpu tier's memory: a CPU-only plan with a device-memory gpu tier
+    assert predict(model, cfg, device_kind="cpu").baseline_bytes == 350 * 2**20
+    assert on_cuda.peak_bytes("host") - on_cuda.tier_bytes("host") == on_cuda.host_extra_bytes
+    with pytest.raises(ValueError, match="'tpu'"):
+        host_baseline_bytes("tpu")
+
+
+def test_search_budgets_the_cpu_tier_from_the_device_kind_and_backend_buffers(tmp_path: Path) -> None:
+    """The cpu tier's budget is cpu_mem less the process baseline of the machine, the transients
+    and the nvme backend's bounce buffers, never more ([Note: config search])."""
+    from tiered.planning.search import Memories, weigh
+
+    model = _meta(ZOO["llama-small-vocab"](), lora=False)
+    knobs = {
+        **PLACEMENTS["all-nvme"],
+        "sub_group_size": 5_000,
+        "buffer_count": 2,
+        "persistence_threshold": 100,
+        "max_in_cpu": 0,
+    }
+    mem = Memories(gpu=2**30, cpu=2 * 2**30, nvme=2**30)
+    budgets = {}
+    for kind in ("cpu", "cuda"):
+        c = weigh(model, knobs, mem, nvme_path=str(tmp_path), max_in_cpu=0, device_kind=kind)
+        assert c.prediction is not None and c.fits
+        pred = c.prediction
+        assert pred.backend_bytes == {"nvme": 64 * 2**20}
+        budgets[kind] = c.config["tiered"]["tiers"]["cpu"]["budget"]
+        assert budgets[kind] == mem.cpu - pred.baseline_bytes - pred.outside_tiers_bytes - 64 * 2**20
+        assert c.peaks["host"] == pred.tier_bytes("host") + pred.host_extra_bytes
+    assert budgets["cpu"] - budgets["cuda"] == (1062 - 350) * 2**20
+
+
+def test_backend_buffers_follow_the_tier_spec(tmp_path: Path) -> None:
+    """A tier's backend options set its buffers: the nvme aio knobs, and wrappers (faults) and
+    stripes (one nvme member per path) count their inner backends'."""
+    from tiered.storage.registry import spec_host_buffer_bytes
+
+    mib = 2**20
+    d = str(tmp_path)
+    assert spec_host_buffer_bytes({"type": "nvme", "path": d}) == 8 * 8 * mib
+    assert spec_host_buffer_bytes({"type": "nvme", "path": d, "io_threads": 2, "chunk_bytes": mib}) == 2 * mib
+    assert (
+        spec_host_buffer_bytes({"type": "nvme", "path": d, "thread_count": 16, "queue_depth": 2})
+        == 16 * 2 * mib
+    )
+    assert spec_host_buffer_bytes({"type": "nvme", "path": d, "intra_op_parallelism": 12}) == 12 * 8 * mib
+    assert spec_host_buffer_bytes({"type": "faults", "inner": {"type": "nvme", "path": d}}) == 64 * mib
+    stripe = {"type": "stripe", "paths": [f"{d}/a", f"{d}/b"], "member_options": {"io_threads": 2}}
+    assert spec_host_buffer_bytes(stripe) == 2 * 2 * 8 * mib
+    assert spec_host_buffer_bytes("cpu") == spec_host_buffer_bytes({"type": "gpu"}) == 0
+
+    # the memory model counts a user's own tier by its spec, as the engine then opens it
+    model = _meta(ZOO["llama-small-vocab"](), lora=False)
+    config = _config(tmp_path, "all-nvme", "bf16")
+    config["tiered"]["tiers"]["nvme"] = {
+        "backend": {"type": "nvme", "path": d, "io_threads": 2, "chunk_bytes": mib}
+    }
+    pred = predict(model, load_config(copy.deepcopy(config), model=model), gpu_is_host=True)
+    assert pred.backend_bytes == {"nvme": 2 * mib}
+    with tiered.initialize(copy.deepcopy(model), config) as engine:
+        assert _backend_buffers(engine) == pred.backend_bytes
+
+
+def test_cpu_baseline_is_what_a_fresh_process_measures() -> None:
+    """The "cpu" baseline against benchmarks/host_baseline.py's measurement, in a fresh
+    interpreter (torch, transformers, tiered, the nvme backend, a meta Llama): within 25%, so a
+    CUDA-sized constant (or a dependency that grew) is caught here."""
+    import json
+    import subprocess
+    import sys
+
+    from tiered.planning.needs import host_baseline_bytes
+
+    if torch.cuda.is_available() or not Path("/proc/self/status").exists():
+        pytest.skip("measures a CPU-only process's VmHWM from /proc")
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "host_baseline.py"), "--runs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    measured = json.loads(p.stdout)["median_hwm_mib"] * 2**20
+    assert 0.8 <= measured / host_baseline_bytes("cpu") <= 1.25, measured
 
 
 @pytest.mark.slow

@@ -53,10 +53,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import inspect
 import logging
 import os
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,28 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CAPABILITIES = Capabilities(persistent=True, memory_like=False, alignment_bytes=ALIGN)
 
 
+def _io_shape(
+    block_size: int,
+    queue_depth: int,
+    thread_count: int,
+    io_threads: int,
+    chunk_bytes: int | None,
+    intra_op_parallelism: int | None,
+) -> tuple[int, int, int, int, int]:
+    """(block_size, queue_depth, thread_count, io_threads, chunk_bytes) validated, with
+    DeepSpeed's names resolved ([Note: DeepSpeed aio knobs])."""
+    block_size = _positive("block_size", block_size, multiple_of=ALIGN)
+    queue_depth = _positive("queue_depth", queue_depth)
+    thread_count = _positive("thread_count", thread_count)
+    if intra_op_parallelism is not None:  # DeepSpeed's newer name for thread_count
+        thread_count = _positive("intra_op_parallelism", intra_op_parallelism)
+    io_threads = _positive("io_threads", io_threads)
+    chunk = _positive(
+        "chunk_bytes", chunk_bytes if chunk_bytes is not None else block_size * queue_depth, multiple_of=ALIGN
+    )
+    return block_size, queue_depth, thread_count, io_threads, chunk
+
+
 def _positive(name: str, value: Any, *, multiple_of: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % multiple_of:
         extra = f" and a multiple of {multiple_of}" if multiple_of > 1 else ""
@@ -140,18 +163,10 @@ class NVMeBackend(StorageBackend):
         swap: bool = False,
         coalesce_bytes: int = 1 << 20,
     ) -> None:
-        self.block_size = _positive("block_size", block_size, multiple_of=ALIGN)
-        self.queue_depth = _positive("queue_depth", queue_depth)
-        self.thread_count = _positive("thread_count", thread_count)
-        if intra_op_parallelism is not None:  # DeepSpeed's newer name for thread_count
-            self.thread_count = _positive("intra_op_parallelism", intra_op_parallelism)
-        self.io_threads = _positive("io_threads", io_threads)
-        self._chunk_arg = chunk_bytes
-        self.chunk_bytes = _positive(
-            "chunk_bytes",
-            chunk_bytes if chunk_bytes is not None else block_size * queue_depth,
-            multiple_of=ALIGN,
+        self.block_size, self.queue_depth, self.thread_count, self.io_threads, self.chunk_bytes = _io_shape(
+            block_size, queue_depth, thread_count, io_threads, chunk_bytes, intra_op_parallelism
         )
+        self._chunk_arg = chunk_bytes
         self.workers = max(self.io_threads, self.thread_count)
         self.fsync = bool(fsync)
         self.atomic = bool(atomic)
@@ -177,6 +192,22 @@ class NVMeBackend(StorageBackend):
         # [Note: nvme swap index]: a private swap directory needs no size records on disk
         self._store = SwapStore(self, coalesce_bytes) if self.swap and not self.atomic else None
         self._closed = False
+
+    @classmethod
+    def host_buffer_bytes(cls, options: Mapping[str, Any]) -> int:
+        """The ``workers`` bounce buffers of ``chunk_bytes`` that `_check_open` makes (8 x 8 MiB
+        at the defaults), for the memory model ([Note: one memory model])."""
+        keys = (
+            "block_size",
+            "queue_depth",
+            "thread_count",
+            "io_threads",
+            "chunk_bytes",
+            "intra_op_parallelism",
+        )
+        params = inspect.signature(cls.__init__).parameters
+        _, _, threads, io_threads, chunk = _io_shape(*(options.get(k, params[k].default) for k in keys))
+        return max(io_threads, threads) * chunk
 
     @property
     def capabilities(self) -> Capabilities:

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from tiered.storage.base import (
 )
 from tiered.storage.bridge import IOBridge
 from tiered.storage.nested import forwarded_options, open_nested
+from tiered.storage.registry import spec_host_buffer_bytes
 from tiered.units import parse_bytes
 from tiered_stripe.layout import (
     PAGE_BYTES,
@@ -160,6 +161,12 @@ class StripeBackend(StorageBackend):
         self._records: dict[str, StripeRecord] = {}  # this process is the only writer: a cache
         self._locks = _KeyLocks()
         self._closed = False
+
+    @classmethod
+    def host_buffer_bytes(cls, options: Mapping[str, Any]) -> int:
+        """Each member's own buffers ([Note: one memory model]): every member is a backend of its own."""
+        specs, _ = _member_specs(options.get("members"), options.get("paths"), options.get("member_options"))
+        return sum(spec_host_buffer_bytes(spec) for spec in specs)
 
     # ---- description -------------------------------------------------------------------------
     @property

@@ -14,7 +14,7 @@ from typing import Any, TextIO
 from tiered.errors import ConfigError
 from tiered.planning.accounting import TIERS, Memories, PlanOptions, PrecisionBytes, gb
 from tiered.planning.verdict import Plan, make_plan
-from tiered.units import parse_bytes
+from tiered.units import format_bytes, parse_bytes
 
 DESCRIPTION = """\
 Estimate, before launching, the memory each rank needs for plain data parallel, ZeRO-1/2/3 and
@@ -96,6 +96,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument(
         "--accumulation", type=int, default=1, metavar="A", help="gradient_accumulation_steps (default 1)"
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="the compute device of the machine that will train: sets the process's own host memory "
+        "counted ([Note: one memory model]; default cuda)",
     )
     p.add_argument(
         "--bandwidth",
@@ -245,6 +252,7 @@ def pinned_from_args(args: argparse.Namespace) -> Any:
 
 def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
     """Fit, then fastest ([Note: config search]): the search result and what it assumed."""
+    from tiered.planning.needs import host_baseline_bytes
     from tiered.planning.search import DEFAULT_BANDWIDTH, Memories, read_bandwidth, search
 
     model, said = meta_model_from_args(args)
@@ -261,6 +269,11 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
         )
     if args.accumulation < 1:
         raise ConfigError(f"--accumulation must be >= 1, got {args.accumulation}")
+    kind = getattr(args, "device", "cuda")
+    notes.append(
+        f"process baseline: {format_bytes(host_baseline_bytes(kind), binary=True)} of host memory for a "
+        f"{kind} process, measured ([Note: one memory model]; --device cuda|cpu)"
+    )
     mem = Memories(
         gpu=_size(args.gpu_mem, "--gpu-mem"),
         cpu=_size(args.cpu_mem, "--cpu-mem"),
@@ -276,6 +289,7 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
         world_size=args.world_size,
         nvme_path=args.nvme_path,
         bandwidth=bw,
+        device_kind=kind,
     )
     return result, notes
 
@@ -333,7 +347,7 @@ def render_search(result: Any, notes: list[str], out: TextIO) -> None:
         + format_bytes(c.peaks["device"], binary=True)
         + ", host "
         + format_bytes(c.peaks["host"], binary=True)
-        + " (process and transient copies included), NVMe "
+        + " (process, transient copies and backend buffers included), NVMe "
         + format_bytes(c.peaks["disk"], binary=True)
         + "\n"
     )

@@ -32,7 +32,7 @@ from tiered.optim.arrivals import grads_consumed_from_memory
 from tiered.optim.offload import OffloadedAdam
 from tiered.optim.placement import plan_optimizer_placement, tier_is_host
 from tiered.optim.schedulers import build_scheduler
-from tiered.planning.needs import tier_memory
+from tiered.planning.needs import host_extra, tier_memory
 from tiered.planning.traffic import bytes_per_step
 from tiered.zero import ZeroParameters
 
@@ -225,6 +225,9 @@ def _build(
         needs = engine_needs(zp.groups, plans, zp.gpu_need, cfg, placement.compute_dtype)
         check_capacity(tm, needs)
         memory = {t: tier_memory(cfg, t, gpu_is_host=tier_is_host(tm, "gpu")) for t in tm.tier_names}
+        host = host_extra(  # [Note: one memory model]: what stats()["host_memory"] reports
+            zp.groups, plans, cfg, device_kind="cpu" if tier_is_host(tm, "gpu") else "cuda"
+        )
         floor = bytes_per_step(  # [Note: bytes per step]
             zp.groups,
             plans,
@@ -279,6 +282,7 @@ def _build(
         rank=rank,
         scheduler=scheduler,
         capacity=needs,
+        host_memory=host,
         client=side,
         # its tokenizer files go into engine.save_pretrained's export
         tokenizer_source=None if weights is None else os.fspath(weights),
@@ -324,7 +328,7 @@ def _fitting_config(model: torch.nn.Module, cfg: TieredConfig, tm: Any, world_si
     """The planner's fastest config within the budgets given, as JSON text, or what it lacks."""
     import json
 
-    from tiered.planning.needs import HOST_BASELINE_BYTES
+    from tiered.optim.placement import tier_is_host
     from tiered.planning.search import Memories, search, shortfall_text
 
     def budget(name: str) -> int | None:
@@ -333,12 +337,17 @@ def _fitting_config(model: torch.nn.Module, cfg: TieredConfig, tm: Any, world_si
     cpu = budget("cpu")
     mem = Memories(
         gpu=budget("gpu"),
-        cpu=None if cpu is None else cpu + HOST_BASELINE_BYTES + pred.outside_tiers_bytes,
+        cpu=None if cpu is None else cpu + pred.host_extra_bytes,
         nvme=budget("nvme"),
     )
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(cfg.precision.dtype, "fp32")
     result = search(
-        model, mem, precision=precision, accumulation=cfg.gradient_accumulation_steps, world_size=world_size
+        model,
+        mem,
+        precision=precision,
+        accumulation=cfg.gradient_accumulation_steps,
+        world_size=world_size,
+        device_kind="cpu" if tier_is_host(tm, "gpu") else "cuda",
     )
     if result.best is None:
         near = result.closest

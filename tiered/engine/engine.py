@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,6 +90,7 @@ class Engine(DeepSpeedEngineAPI):
         rank: int = 0,
         scheduler: LRSchedule | None = None,
         capacity: dict[str, Any] | None = None,
+        host_memory: Mapping[str, Any] | None = None,
         client: ClientSide | None = None,
         tokenizer_source: str | None = None,
         traffic_floor: dict[str, int] | None = None,
@@ -137,6 +139,8 @@ class Engine(DeepSpeedEngineAPI):
         """DeepSpeed's ``engine.lr_scheduler``: the client's, else a view of the config's schedule."""
         self.loss_scaler = build_loss_scaler(cfg.precision)
         self.capacity = capacity or {}
+        self._host_extra = dict(host_memory or {})
+        """`tiered.planning.needs.HostExtra`: the host bytes beyond the tiers the plan counts."""
         self._traffic_floor = traffic_floor or {}
         """[Note: bytes per step]'s floor per link for this run (tiered/planning/traffic.py)."""
         self._tier_memory = tier_memory or {}
@@ -380,6 +384,7 @@ class Engine(DeepSpeedEngineAPI):
             "optimizer": self.optimizer.stats(),
             "timing": {"total": dict(self._timing), "last_step": dict(getattr(self, "_last_step", {}))},
             "capacity": self.capacity,
+            "host_memory": self._host_memory(),
             "bytes_per_step": self._bytes_per_step(),
             "loss_scale": self.loss_scale,
             "global_steps": self.global_steps,
@@ -390,6 +395,19 @@ class Engine(DeepSpeedEngineAPI):
             if self.last_grad_norm is None or not math.isfinite(self.last_grad_norm)
             else self.last_grad_norm,
         }
+
+    def _host_memory(self) -> dict[str, Any]:
+        """The host peak the memory model promises for this run ([Note: one memory model]: the
+        host tiers' need, the process baseline, the transients outside the tiers, the backends'
+        buffers), next to the process's peak RSS so far (``ru_maxrss``)."""
+        import resource
+
+        extra = self._host_extra
+        tiers = sum(int(d["total"]) for t, d in self.capacity.items() if self._tier_memory.get(t) == "host")
+        planned = tiers + int(extra.get("baseline", 0)) + int(extra.get("outside_tiers", 0))
+        planned += sum(extra.get("backends", {}).values())
+        rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        return {**extra, "tiers": tiers, "planned_peak_bytes": planned, "peak_rss_bytes": rss_kib * 1024}
 
     def _bytes_per_step(self) -> dict[str, Any]:
         """The floor of [Note: bytes per step] next to what the tier manager moved per step so far

@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import nn
 
+from tiered.device import default_device
 from tiered.errors import CapacityError, ConfigError
 from tiered.planning.search import DEFAULT_BANDWIDTH, Memories, Pinned, read_bandwidth, search, shortfall_text
 from tiered.units import format_bytes, parse_bytes
@@ -112,6 +113,7 @@ def resolve_auto_config(config: dict[str, Any], model: nn.Module, *, world_size:
         nvme_path=_nvme_path(raw),
         bandwidth=bw,
         base=raw,
+        device_kind="cuda" if default_device().is_cuda else "cpu",  # the process that will run it
     )
     best = result.best
     if best is None:

@@ -19,22 +19,50 @@ The engine calls `engine_needs` with the groups it created; the planner calls `p
 stand-ins of the same groups (`ShardGroup`s whose partitions are only a home and a size): a
 test (tests/test_plan_engine_agree.py) holds the two equal on a zoo of shapes.
 
-Host memory is more than the host tiers: the process itself (the interpreter, torch,
-transformers and tiered imported, the model skeleton) and the transient fp32 copies the engine
-holds outside the tiers (a group's fp32 shard while it is initialised, a gradient while it is
-reduced and flushed: at most the largest group's, per [Note: host allocations and glibc's heap]
-freed whole). `HOST_BASELINE_BYTES` is the first, measured once: peak RSS of
-``python -c "import torch, transformers, tiered"`` plus a 36B Llama skeleton built on the meta
-device is 377 MiB (CPU torch 2.x, Linux); without transformers 257 MiB. A CUDA process adds
-its driver context in host memory (a few hundred MiB), so the constant is 768 MiB. The second
-is `outside_tiers_bytes` (with a compressed optimizer-state format, also its decode scratch). `tiered plan` adds both to the host tiers' need before it compares
-with ``--cpu-mem`` and writes only what is left as the cpu tier's budget.
+Host memory is more than the host tiers. Three more terms, all in `Prediction.host_extra_bytes`:
+
+* the process itself (the interpreter, torch, transformers and tiered imported, the model
+  skeleton): `host_baseline_bytes`, per device kind. "cpu" (no CUDA: the "gpu" tier is host
+  memory) was measured by benchmarks/host_baseline.py: a fresh interpreter imports torch,
+  transformers, tiered and the nvme backend, builds a 6-layer hidden-512 Llama on the meta
+  device and reads VmHWM from /proc/self/status: 349 MiB, the same to 0.2 MiB over 3 runs
+  (torch 2.13.0+cpu, transformers 5.25.0, Linux x86-64, 2026-12-04), so 350 MiB. "cuda" was
+  measured the same way with the context created and cuBLAS loaded by one bf16 product
+  (``host_baseline.py --cuda``) on an H200 (torch 2.11.0+cu130, transformers 5.17.0, driver
+  580.159.04, tiered at b3098e7, 2026-12-04): 1062 MiB over 3 runs (to 0.4 MiB); importing a
+  CUDA build of torch alone took 804 MiB there (its CUDA libraries), the context and cuBLAS 258
+  MiB more. (It was 768 MiB, an estimate, before.)
+  The pre-flight takes the kind from the engine's own gpu tier, ``auto_config`` from the
+  process's compute device, `tiered plan` from ``--device`` (default cuda: it plans for a GPU);
+* the transient fp32 copies the engine holds outside the tiers (a group's fp32 shard while it
+  is initialised, a gradient while it is reduced and flushed: at most the largest group's, per
+  [Note: host allocations and glibc's heap] freed whole), with a compressed optimizer-state
+  format also its decode scratch: `outside_tiers_bytes`;
+* each tier's backend's own host buffers, which no budget covers (the nvme backend's
+  ``workers x chunk_bytes`` bounce buffers: 8 x 8 MiB at DeepSpeed's aio defaults), as the
+  backend class states them from its spec (`tiered.storage.StorageBackend.host_buffer_bytes`,
+  read through the registry: [Note: lazy backend registry] imports only the tiers' own plugins);
+  counted whole, as a CUDA process pins them at first use (on the CPU their pages become
+  resident as bounce pieces touch them, so there the count is an upper bound).
+
+Not modelled yet (measured in benchmarks/RESULTS.md, issue 21, by sampling VmHWM through a run):
+``close()`` with ``restore_weights`` (the default, and a ``with`` block's) gives the module the
+whole model in the compute dtype while the tiers still hold their bytes, so a run's host peak
+comes at its close, by up to the model's bf16 bytes (72.6 GB for the 36B headline, which
+therefore fits 64 GB only closed with ``restore_weights=False``); and the compute's own working
+memory (activations, autograd temporaries, the allocator's caches), device memory on a GPU
+(``--activation-mem``, taken off the gpu budget) but host memory on a CPU-only machine.
+
+`tiered plan` adds all three to the host tiers' need before it compares with ``--cpu-mem`` and
+writes only what is left as the cpu tier's budget; the engine computes them with the same
+`host_extra` and reports them, and their sum with its host tiers, in ``stats()["host_memory"]``
+beside its peak RSS.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypedDict
 
 import torch
@@ -58,10 +86,32 @@ if TYPE_CHECKING:
     from tiered.zero.budget import GpuGatherNeed
     from tiered.zero.layout import GroupLayout
 
-HOST_BASELINE_BYTES = 768 * 2**20
-"""The process before any tier: see [Note: one memory model]."""
+HOST_BASELINE_BYTES = {"cpu": 350 * 2**20, "cuda": 1062 * 2**20}
+"""The process before any tier, per device kind, measured: see [Note: one memory model]."""
+DEVICE_KINDS = tuple(HOST_BASELINE_BYTES)
 MEMORY_BACKENDS = {"gpu": "device", "cpu": "host"}
 """Backend type -> the memory it takes; every other backend stores on disk (nvme, stripe, ...)."""
+
+
+def host_baseline_bytes(device_kind: str) -> int:
+    """The process's host memory before any tier on a `device_kind` ("cpu" or "cuda") machine."""
+    try:
+        return HOST_BASELINE_BYTES[device_kind]
+    except KeyError:
+        raise ValueError(f"device kind {device_kind!r}: expected one of {', '.join(DEVICE_KINDS)}") from None
+
+
+def backend_host_bytes(cfg: TieredConfig) -> dict[str, int]:
+    """Per tier, the host buffers its backend holds of its own ([Note: one memory model]); tiers
+    whose backend holds none are left out."""
+    from tiered.storage.registry import spec_host_buffer_bytes
+
+    out: dict[str, int] = {}
+    for name, spec in cfg.tiered.tiers.items():
+        b = spec_host_buffer_bytes(dict(spec.backend))
+        if b:
+            out[name] = b
+    return out
 
 
 class TierNeed(TypedDict):
@@ -169,6 +219,33 @@ def outside_tiers_bytes(groups: Sequence[ShardGroup], decode_scratch_numel: int 
     return max((g.shard_numel * 4 for g in groups), default=0) + 8 * decode_scratch_numel
 
 
+class HostExtra(TypedDict):
+    """Host memory a run takes beyond its tiers ([Note: one memory model]); a dict, so
+    ``engine.stats()["host_memory"]`` writes it as is."""
+
+    baseline: int
+    """`host_baseline_bytes` of the device kind."""
+    outside_tiers: int
+    """`outside_tiers_bytes`: the transient fp32 copies, a compressed format's decode scratch."""
+    backends: dict[str, int]
+    """tier -> its backend's own host buffers (`backend_host_bytes`)."""
+
+
+def host_extra(
+    groups: Sequence[ShardGroup], plans: Sequence[GroupPlan], cfg: TieredConfig, *, device_kind: str
+) -> HostExtra:
+    """What `predict` and the engine (``stats()["host_memory"]``) add to the host tiers' need."""
+    trainable = [g for g in groups if g.trainable]
+    scratch = decode_scratch_numel(
+        trainable, plans, optimizer_tile_numel(cfg), FORMATS[cfg.tiered.optimizer_state_format]
+    )
+    return HostExtra(
+        baseline=host_baseline_bytes(device_kind),
+        outside_tiers=outside_tiers_bytes(groups, scratch),
+        backends=backend_host_bytes(cfg),
+    )
+
+
 def tier_memory(cfg: TieredConfig, name: str, *, gpu_is_host: bool) -> str:
     """ "device", "host" or "disk": what tier `name` of `cfg` takes its bytes from."""
     spec = cfg.tiered.tiers.get(name)
@@ -197,7 +274,16 @@ class Prediction:
     groups: tuple[ShardGroup, ...]
     plans: tuple[GroupPlan, ...]
     outside_tiers_bytes: int
-    baseline_bytes: int = HOST_BASELINE_BYTES
+    baseline_bytes: int
+    """`host_baseline_bytes` of the device kind predicted for."""
+    backend_bytes: dict[str, int] = field(default_factory=dict)
+    """tier -> its backend's own host buffers (`backend_host_bytes`)."""
+
+    @property
+    def host_extra_bytes(self) -> int:
+        """Host memory the run takes beyond its tiers: the process, the transients outside the
+        tiers and the backends' buffers ([Note: one memory model])."""
+        return self.baseline_bytes + self.outside_tiers_bytes + sum(self.backend_bytes.values())
 
     def tier_bytes(self, memory: str) -> int:
         """The tiers' need on one kind of memory (no process baseline)."""
@@ -206,7 +292,7 @@ class Prediction:
     def peak_bytes(self, memory: str) -> int:
         """What the run takes of one kind of memory; host includes the process and what the
         engine holds outside the tiers."""
-        extra = self.baseline_bytes + self.outside_tiers_bytes if memory == "host" else 0
+        extra = self.host_extra_bytes if memory == "host" else 0
         return self.tier_bytes(memory) + extra
 
     @property
@@ -220,12 +306,14 @@ def predict(
     *,
     world_size: int = 1,
     gpu_is_host: bool = False,
+    device_kind: str | None = None,
     layouts: dict[tuple[object, ...], GroupLayout] | None = None,
 ) -> Prediction:
     """What `tiered.initialize(model, cfg)` would check, without creating a tier: the same
     group planning, placement and sums ([Note: one memory model]). `model` may be on the meta
     device. Raises what the engine raises when a module can never be gathered. `layouts` caches
-    the group layout across configs that plan the same groups (the search's)."""
+    the group layout across configs that plan the same groups (the search's). `device_kind`
+    ("cpu", "cuda") picks the process baseline; None: "cpu" when the gpu tier is host memory."""
     from tiered.zero.layout import plan_layout
 
     placement = choose_placement(cfg)
@@ -286,11 +374,18 @@ def predict(
     plans = plan_optimizer_placement(trainable, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
     needs = engine_needs(groups, plans, layout.gpu_need, cfg, dtype)
     memory = {t: tier_memory(cfg, t, gpu_is_host=gpu_is_host) for t in {*cfg.tiered.tiers, *needs}}
-    scratch = decode_scratch_numel(
-        trainable, plans, optimizer_tile_numel(cfg), FORMATS[cfg.tiered.optimizer_state_format]
+    kind = device_kind if device_kind is not None else ("cpu" if gpu_is_host else "cuda")
+    extra = host_extra(groups, plans, cfg, device_kind=kind)
+    return Prediction(
+        placement,
+        needs,
+        memory,
+        tuple(groups),
+        tuple(plans),
+        extra["outside_tiers"],
+        extra["baseline"],
+        extra["backends"],
     )
-    outside = outside_tiers_bytes(groups, scratch)
-    return Prediction(placement, needs, memory, tuple(groups), tuple(plans), outside)
 
 
 def _as_partition(p: _SizedPartition) -> Partition:

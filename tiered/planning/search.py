@@ -15,8 +15,8 @@ DeepSpeed-format config with a "tiered" section, resolved by the config loader a
 `tiered.planning.needs.predict` (the engine's pre-flight arithmetic): it fits when every tier's
 need is within its budget and the host's total ([Note: one memory model]) within ``cpu_mem``.
 Budgets are what the user gave: the gpu tier gets ``gpu_mem`` less the declared activations, the
-cpu tier ``cpu_mem`` less the process baseline and what the engine holds outside the tiers,
-never more. Fitting configs are ranked by predicted s/step: [Note: bytes per step] per link
+cpu tier ``cpu_mem`` less the process baseline (of the device kind the run will have: "cuda"
+unless told), what the engine holds outside the tiers and the backends' own buffers, never more. Fitting configs are ranked by predicted s/step: [Note: bytes per step] per link
 divided by the link's bandwidth, the links overlapped (the slowest one bounds the step; one
 drive's reads and writes share it) and the CPU Adam at its element rate; GPU compute is not
 modelled (it is the same for every candidate). A knob the user pins is never varied; pinned
@@ -39,7 +39,7 @@ from torch import nn
 
 from tiered.errors import CapacityError, ConfigError
 from tiered.optim.arrivals import grads_consumed_from_memory
-from tiered.planning.needs import HOST_BASELINE_BYTES, Prediction, predict
+from tiered.planning.needs import Prediction, predict
 from tiered.planning.traffic import bytes_per_step
 from tiered.units import format_bytes
 
@@ -346,8 +346,11 @@ def weigh(
     max_in_cpu: int | None = None,
     layouts: dict[tuple[object, ...], GroupLayout] | None = None,
     base: Mapping[str, Any] | None = None,
+    device_kind: str = "cuda",
 ) -> Candidate:
-    """One config: predicted by the engine's memory model, fit-checked, timed ([Note: config search])."""
+    """One config: predicted by the engine's memory model, fit-checked, timed ([Note: config search]).
+    `device_kind` ("cuda", "cpu") is the machine's that will run it: the process baseline's
+    ([Note: one memory model])."""
     from tiered.config.loader import load_config
 
     gpu_budget = None if mem.gpu is None else max(0, mem.gpu - mem.activations)
@@ -361,11 +364,10 @@ def weigh(
     )
     try:
         cfg = load_config(config, model=model, world_size=world_size)
-        pred = predict(model, cfg, world_size=world_size, layouts=layouts)
+        pred = predict(model, cfg, world_size=world_size, device_kind=device_kind, layouts=layouts)
     except (CapacityError, ConfigError) as exc:
         return Candidate(knobs, config, None, {}, refused=str(exc))
-    host_extra = HOST_BASELINE_BYTES + pred.outside_tiers_bytes
-    cpu_budget = None if mem.cpu is None else max(0, mem.cpu - host_extra)
+    cpu_budget = None if mem.cpu is None else max(0, mem.cpu - pred.host_extra_bytes)
     peaks = {m: pred.peak_bytes(m) for m in ("device", "host", "disk")}
     short: dict[str, int] = {}
     for memory, have in (("device", gpu_budget), ("host", mem.cpu), ("disk", mem.nvme)):

@@ -44,7 +44,7 @@ import abc
 import functools
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -194,6 +194,14 @@ class StorageBackend(abc.ABC):
     """Blocking calls this backend runs on its bridge at once at most (its own `CapacityLimiter`);
     a tier manager widens its bridge by this much, so the backend's share never starves the
     manager's own copies. 0: no calls of its own, or no bound declared."""
+
+    @classmethod
+    def host_buffer_bytes(cls, options: Mapping[str, Any]) -> int:
+        """Host memory a backend opened with `options` (its spec less "type") holds of its own at
+        most (bounce buffers, staging), outside what it stores; the memory model counts it
+        ([Note: one memory model], tiered/planning/needs.py). A classmethod, so a plan needs no
+        backend opened. 0: none, or only transient per-call buffers."""
+        return 0
 
     @property
     def capabilities(self) -> Capabilities:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
 from tiered.errors import ConfigError
 from tiered.storage.base import Capabilities, Capacity, StorageBackend
 from tiered.storage.bridge import IOBridge
-from tiered.storage.registry import open_backend
+from tiered.storage.registry import open_backend, spec_host_buffer_bytes
 
 
 def forwarded_options(options: dict[str, Any], own: Sequence[str], backend: str) -> dict[str, Any]:
@@ -86,6 +86,13 @@ class WrappingBackend(StorageBackend):
         that `open_backend` passes; any other keyword is a ConfigError (see `forwarded_options`)."""
         forward = forwarded_options(options, self.own_options, self.name)
         self.inner = open_nested(inner, forward, where=f"backend {self.name!r} option 'inner'")
+
+    @classmethod
+    def host_buffer_bytes(cls, options: Mapping[str, Any]) -> int:
+        """The inner backend's: a wrapper that sees every byte holds none of its own beyond
+        per-call copies."""
+        inner = options.get("inner")
+        return 0 if inner is None else spec_host_buffer_bytes(inner)
 
     @property
     def capabilities(self) -> Capabilities:

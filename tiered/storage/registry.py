@@ -199,6 +199,16 @@ def get_backend_class(name: str) -> type[StorageBackend]:
     return cls
 
 
+def spec_host_buffer_bytes(spec: dict[str, Any] | str | StorageBackend) -> int:
+    """The host buffers a backend opened from `spec` holds of its own
+    (`StorageBackend.host_buffer_bytes`); imports its plugin, as opening it would. An open
+    backend (a wrapper's adopted inner one) answers from its own spec."""
+    if isinstance(spec, StorageBackend):
+        return type(spec).host_buffer_bytes({k: v for k, v in spec.spec().items() if k != "type"})
+    options = _parse_spec(spec)
+    return get_backend_class(options.pop("type")).host_buffer_bytes(options)
+
+
 def _constructor_params(cls: type) -> tuple[list[str], list[str], bool]:
     """(accepted keyword names, required names, takes **kwargs) of ``cls.__init__``."""
     sig = inspect.signature(cls.__init__)  # type: ignore[misc]  # the class's own signature, self first
