@@ -534,9 +534,10 @@ class Engine(DeepSpeedEngineAPI):
             path,
         )
         groups = [GroupState(gs.group, scope.keep(gs.parts)) for gs in groups]
+        decode = None
         if any("exp_avg" in gs.parts for gs in groups):
-            check_state_format_loads(manifest, self.optimizer.fmt.name, path)
-        load_engine_state(self.tm, groups, path, manifest, comm=self._collective())
+            decode = check_state_format_loads(manifest, self.optimizer.fmt.name, path)
+        load_engine_state(self.tm, groups, path, manifest, comm=self._collective(), decode=decode)
         if scope.training_state:
             self._apply_training_state(manifest["training"], scope.optimizer_steps, scope.lr_scheduler)
         self.zero.params_updated()

@@ -37,6 +37,10 @@ class MomentCodec(abc.ABC):
     name: str
     lossless: bool = False
     """decode(encode(x)) == x bit for bit."""
+    block_numel: int = 1
+    """Elements encoded together: elements [start, stop) of an encoding, start a multiple of it,
+    decode on their own from the bytes `piece_bytes` names (a checkpoint load decodes a tile
+    chunk by chunk, [Note: compressed optimizer state])."""
 
     @abc.abstractmethod
     def encoded_bytes(self, numel: int) -> int:
@@ -46,6 +50,19 @@ class MomentCodec(abc.ABC):
         """(numel, dtype) of the partition holding the encoding of `numel` elements: the codec's
         own element type where it has one (so a checkpoint addresses it by element), else bytes."""
         return self.encoded_bytes(numel), torch.uint8
+
+    def decoded_numel(self, nbytes: int) -> int:
+        """The element count whose encoding is `nbytes` bytes (ValueError where none is)."""
+        per = self.encoded_bytes(1)
+        if nbytes % per:
+            raise ValueError(f"{self.name}: {nbytes} bytes are not an encoding ({per} bytes per element)")
+        return nbytes // per
+
+    def piece_bytes(self, numel: int, start: int, stop: int) -> list[tuple[int, int]]:
+        """(offset, length) of the byte ranges of an encoding of `numel` elements that, joined,
+        are the encoding of its elements [start, stop) (start a multiple of `block_numel`)."""
+        per = self.encoded_bytes(1)
+        return [(per * start, per * (stop - start))]
 
     @abc.abstractmethod
     def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
@@ -153,8 +170,23 @@ class BlockLogCodec(MomentCodec):
         self.low_fraction = 2.0 ** ((1 - self.levels) / steps_per_octave)
         """The smallest non-zero level, as a fraction of the block's maximum."""
 
+    block_numel = BLOCK
+
     def encoded_bytes(self, numel: int) -> int:
         return 4 * math.ceil(numel / BLOCK) + numel
+
+    def decoded_numel(self, nbytes: int) -> int:
+        # n = 256k + r (0 < r <= 256) takes 260k + r + 4 bytes: ceil(bytes / 260) is its block count
+        n = nbytes - 4 * math.ceil(nbytes / (BLOCK + 4))
+        if n < 0 or self.encoded_bytes(n) != nbytes:
+            raise ValueError(f"{self.name}: {nbytes} bytes are not an encoding of whole {BLOCK}-blocks")
+        return n
+
+    def piece_bytes(self, numel: int, start: int, stop: int) -> list[tuple[int, int]]:
+        if start % BLOCK or not 0 <= start <= stop <= numel:
+            raise ValueError(f"{self.name}: elements [{start}, {stop}) of {numel} do not start on a block")
+        first, last = start // BLOCK, math.ceil(stop / BLOCK)
+        return [(4 * first, 4 * (last - first)), (4 * math.ceil(numel / BLOCK) + start, stop - start)]
 
     def _split(self, buf: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         nb = math.ceil(numel / BLOCK)
