@@ -142,3 +142,48 @@ def test_a_compressed_run_resumed_in_fp32_trains_on(fmt: str, tmp_path) -> None:
     assert resumed[-1] < first[-1] < first[0]  # it goes on learning from where it stopped
     for x, y in zip(resumed, more, strict=True):
         assert abs(x - y) <= 0.02 * y, (resumed, more)  # the compressed run's path, within rounding
+
+
+def _two_rank_worker(rank: int, world: int, port: int, tmp: str, fmt: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        cfg = _config(fmt, os.path.join(tmp, f"nvme{rank}"), MIN_TILE_NUMEL)
+        cfg["train_batch_size"] = 32
+        with tiered.initialize(_model(), cfg) as e:
+            _train(e, 3)
+            e.save_checkpoint(os.path.join(tmp, "two"), tag="t")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fmt", ["int8"])
+def test_compressed_moments_of_two_ranks_load_into_one_fp32_rank(fmt: str, tmp_path) -> None:
+    """Another world size: each rank's int8 tiles decode into the one rank's fp32 shard."""
+    import torch.multiprocessing as mp
+    from test_equivalence_dist import _free_port
+
+    mp.start_processes(
+        _two_rank_worker,
+        args=(2, _free_port(), str(tmp_path), fmt),
+        nprocs=2,
+        start_method="spawn",
+        join=True,
+    )
+    ck = str(tmp_path / "two" / "t")
+    with tiered.initialize(_model(), _config("fp32", str(tmp_path / "b"))) as b:
+        b.load_checkpoint(str(tmp_path / "two"), tag="t")
+        b.save_checkpoint(str(tmp_path / "one"), tag="t")
+    from tiered.checkpoint import directory as d
+
+    saved = d.read_manifest(ck)
+    assert saved["world_size"] == 2
+    assert any({p["rank"] for p in info["pieces"]} == {0, 1} for info in saved["parameters"].values())
+    for kind in ("exp_avg", "exp_avg_sq"):
+        want = _decoded(ck, fmt, kind)
+        got = read_parameters(str(tmp_path / "one"), "t", kind=kind)
+        for name in want:
+            assert torch.equal(got[name].view(torch.int32), want[name].view(torch.int32)), (kind, name)
