@@ -7,6 +7,23 @@ Adam's moments move by a small fraction of themselves per step ((1 - beta2) = 0.
 exp_avg_sq), less than half a step of any 8- or 16-bit code, so round-to-nearest would freeze them
 (an exp_avg_sq that can only grow); rounding up with the probability of the remainder keeps each
 stored value unbiased (E[decode(encode(x))] = x) and lets the moments drift as they should.
+
+[Note: codec speed]
+The codecs run once per tile per step on the CPU, on every element of both moments, so they are
+written as few vectorised torch ops with few temporaries, and give the same bits as the first,
+plainer versions (tests/state_codecs_reference.py, the tests' oracle): no `torch.where` (not
+vectorised here: 2 ms per 1M elements, as much as ten arithmetic ops), no `clamp_min` (slow the
+same way; `clamp(0, inf)` gives the same values), and the 8-bit codes' levels are a table of
+2**((c - levels) / steps) looked up per code instead of an exp2 per element. The table holds
+what the vectorised exp2 computes; the per-element exp2 gave each thread's last few elements
+the scalar libm value instead, which differs in the last bit for 16 of the levels, so the old
+decode depended on torch's thread count (tiles cut where a thread's range ends) and the table's
+does not. Encode still takes the code below a value from a per-element log2 (a value within an
+ulp of a level can round to either neighbour with a different thread count, as before).
+The bf16 noise is drawn by `random_()` on int32 (the generator's 32-bit word mod 2**31), whose
+low 16 bits are the words `randint(0, 2**16)` took, without its per-element division. The
+random draws themselves (one 32-bit word per element, from one sequential generator) are now
+the largest part of an encode; fewer or other draws would change the rounding, so they stay.
 """
 
 from __future__ import annotations
@@ -29,6 +46,18 @@ def _flat_f32(x: torch.Tensor, what: str) -> torch.Tensor:
     if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
         raise ValueError(f"{what}: expected a flat contiguous float32 tensor, got {x.dtype} {tuple(x.shape)}")
     return x
+
+
+def _grid(levels: int, steps: int) -> torch.Tensor:
+    """2**((c - levels) / steps) for the codes c = 1..levels (code 0: 0.0), in fp32, computed by the
+    same fp32 ops the codes were defined with, each in the body of one vectorised kernel call
+    (the values of a tensor's last few elements can come from the scalar libm function instead,
+    which differs in the last bit for some codes; [Note: codec speed])."""
+    reps = 64  # 256 x 64 elements: one thread, no tail, and every code well inside the vector body
+    c = torch.arange(levels + 1, dtype=torch.int16).repeat_interleave(reps)
+    grid = torch.exp2((c.float() - levels) / steps)[reps // 2 :: reps].contiguous()
+    grid[0] = 0.0
+    return grid
 
 
 class MomentCodec(abc.ABC):
@@ -126,10 +155,11 @@ class Bf16StochasticCodec(MomentCodec):
 
     def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
         self._check(x, out, "encode")
-        bits = x.view(torch.int32)
-        noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=generator)
-        dst = out.view(torch.int16)
-        dst.copy_(bits.add(noise).bitwise_right_shift_(16))  # int32 -> int16 keeps the low half
+        # random_() draws the same 32-bit words as randint(0, 2**16) (one each, r mod 2**31) without
+        # its per-element division: the low 16 bits are the same noise ([Note: codec speed])
+        noise = torch.empty(x.shape, dtype=torch.int32).random_(generator=generator).bitwise_and_(0xFFFF)
+        noise.add_(x.view(torch.int32)).bitwise_right_shift_(16)
+        out.view(torch.int16).copy_(noise)  # int32 -> int16 keeps the low half
         if x.numel() and not float(x.abs().amax()) <= _BF16_SAFE:  # one reduction; NaN fails it too
             # non-finite values, and the largest finite ones (rounding up may reach inf): nearest
             odd = ~torch.isfinite(x) | (x.abs() > _BF16_SAFE)
@@ -169,6 +199,10 @@ class BlockLogCodec(MomentCodec):
         self.step_ratio = 2.0 ** (1.0 / steps_per_octave)
         self.low_fraction = 2.0 ** ((1 - self.levels) / steps_per_octave)
         """The smallest non-zero level, as a fraction of the block's maximum."""
+        self.grid = _grid(self.levels, steps_per_octave)
+        """Level of each code 0..levels as a fraction of the block's maximum, code 0 zero."""
+        self.signed_grid = torch.cat([self.grid, -self.grid])[:256] if signed else self.grid
+        """The same by signed code (the sign bit 128 set: negated; 128 itself is -0.0)."""
 
     block_numel = BLOCK
 
@@ -192,13 +226,9 @@ class BlockLogCodec(MomentCodec):
         nb = math.ceil(numel / BLOCK)
         return buf[: 4 * nb].view(torch.float32), buf[4 * nb :]
 
-    def _level(self, top: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-        """The magnitude of each code (code 0: zero), `top` broadcast per block."""
-        mag = top * torch.exp2((code.float() - self.levels) / self.steps)
-        return torch.where(code > 0, mag, top * 0.0)  # a NaN scale (non-finite block) stays NaN
-
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.clamp_min(0).sqrt() if self.sqrt_domain else x
+        # clamp(0, inf), not clamp_min(0): the same values, a vectorised kernel ([Note: codec speed])
+        y = x.clamp(0.0, math.inf).sqrt_() if self.sqrt_domain else x
         nb = math.ceil(x.numel() / BLOCK)
         if nb * BLOCK != x.numel():
             y = torch.nn.functional.pad(y, (0, nb * BLOCK - x.numel()))
@@ -216,17 +246,21 @@ class BlockLogCodec(MomentCodec):
         # a block holding inf or NaN decodes as NaN throughout: visible, as in the exact state
         scales.copy_(torch.where(torch.isfinite(top), top, math.nan).view(-1))
         safe = torch.where(top > 0, top, torch.ones_like(top))
-        pos = self.levels + self.steps * torch.log2(mag / safe)  # -inf for 0
-        lo_code = pos.floor().clamp_(0, self.levels).to(torch.int16)
+        pos = torch.div(mag, safe).log2_().mul_(self.steps).add_(self.levels)  # -inf for 0
+        lo_code = pos.floor_().clamp_(0, self.levels).to(torch.int16).clamp_(0, self.levels)
         hi_code = (lo_code + 1).clamp_(max=self.levels)
-        lo, hi = self._level(top, lo_code), self._level(top, hi_code)
-        width = hi - lo
-        up = torch.where(width > 0, (mag - lo) / torch.where(width > 0, width, torch.ones_like(width)), 0.0)
+        lo = self._grid(lo_code).mul_(top)  # grid[0] = 0: top * 0.0, as a zero code decodes
+        width = self._grid(hi_code).mul_(top).sub_(lo)
+        up = mag.sub_(lo).div_(width)  # where width > 0; else not used (below)
         u = torch.rand(y.shape, generator=generator)
-        code = torch.where(u < up, hi_code, lo_code)
+        code = lo_code.add_(torch.lt(u, up).logical_and_(width > 0))  # up one level with probability up
         if self.signed:
-            code = code | torch.where(y < 0, 128, 0).to(torch.int16)
-        codes.copy_(code.view(-1)[:n].to(torch.uint8))
+            code.bitwise_or_((y < 0).to(torch.int16).bitwise_left_shift_(7))
+        codes.copy_(code.view(-1)[:n])  # int16 -> uint8 keeps the low byte
+
+    def _grid(self, code: torch.Tensor) -> torch.Tensor:
+        """Each code's level as a fraction of its block's maximum (code 0: 0.0), a table look-up."""
+        return self.grid.index_select(0, code.view(-1).to(torch.int32)).view(code.shape)
 
     def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
         self._check(out, buf, "decode")
@@ -234,19 +268,17 @@ class BlockLogCodec(MomentCodec):
         if n == 0:
             return
         scales, codes = self._split(buf, n)
-        nb = scales.numel()
-        c = torch.zeros(nb * BLOCK, dtype=torch.int16)
-        c[:n] = codes.to(torch.int16)
-        c = c.view(nb, BLOCK)
-        top = scales.view(nb, 1)
-        if self.signed:
-            val = self._level(top, c & 127)
-            val = torch.where(c >= 128, -val, val)
-        else:
-            val = self._level(top, c)
+        table = self.signed_grid if self.signed else self.grid
+        torch.index_select(table, 0, codes.to(torch.int32), out=out)
+        full = n // BLOCK
+        out[: full * BLOCK].view(full, BLOCK).mul_(scales[:full].view(full, 1))
+        out[full * BLOCK :].mul_(scales[full:])  # the last, partial block (if any)
+        if self.signed and bool(scales.isnan().any()):
+            # NaN * -level keeps the NaN's sign; negating the product flips it: do as the latter
+            bad = scales.isnan().repeat_interleave(BLOCK)[:n] & (codes >= 128)
+            out[bad] = -out[bad]
         if self.sqrt_domain:
-            val = val * val
-        out.copy_(val.view(-1)[:n])
+            out.mul_(out)
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """On the stored value y (x, or sqrt(x)): below one grid step, (r - 1)|y| at or above the
