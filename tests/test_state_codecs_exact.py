@@ -9,6 +9,7 @@ import pytest
 import torch
 from state_codecs_reference import BlockLog, bf16_encode
 
+from tiered.optim.state_codecs import CHUNK
 from tiered.optim.state_format import FORMATS
 
 REFERENCE = {
@@ -21,7 +22,7 @@ REFERENCE = {
 
 def _inputs() -> Iterator[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    for n in (1, 7, 255, 256, 257, 1000, 65536 + 300):
+    for n in (1, 7, 255, 256, 257, 1000, 65536 + 300, 2 * CHUNK + 300):  # CHUNK: several passes
         m = torch.randn(n, generator=g) * 1e-3
         yield f"{n} exp_avg-like", m
         yield f"{n} exp_avg_sq-like", m * m + torch.rand(n, generator=g) * 1e-9
