@@ -26,6 +26,8 @@ def _inputs() -> Iterator[tuple[str, torch.Tensor]]:
         m = torch.randn(n, generator=g) * 1e-3
         yield f"{n} exp_avg-like", m
         yield f"{n} exp_avg_sq-like", m * m + torch.rand(n, generator=g) * 1e-9
+        if n > CHUNK:
+            continue  # the passes' seams: the two kinds above are enough
         exps = torch.randint(-140, 120, (n,), generator=g).float()
         yield f"{n} wide range", torch.randn(n, generator=g) * torch.exp2(exps)
         z = m.clone()
