@@ -39,6 +39,7 @@ are not stepped]) are re-encoded with their block: exact in bf16 (a bf16 value r
 itself), within the bound and unbiased in int8. Only CPU-stepped, offloaded state is compressed:
 a group whose state stays in "gpu" (offload_optimizer.device none, ratio < 1) is refused by name.
 
+The codecs' own time is kept small by [Note: codec speed] (tiered/optim/state_codecs.py).
 What this costs in training is measured, not assumed: `tests/test_state_format.py` bounds one
 step's parameter change against exact Adam from the codec bounds, and trains a small model both
 ways; tests/test_state_format_engine.py trains through the engine with each format.
