@@ -90,13 +90,11 @@ def saved_moment(
     """The encoded moment `name` of one saved group (its manifest `layout`, the file's header
     entry `stored`), checked: its dtype is the codec's, its tiles add up to its bytes."""
     what = f"checkpoint {path}, tensor {name}"
-    es = torch.empty(0, dtype=codec.storage(1)[1]).element_size()
     if stored is None:
         raise CheckpointCorruptError(f"{what}: not in its rank's file (the manifest names it)")
-    if stored.dtype != dtype_code(codec.storage(1)[1]):
-        raise CheckpointCorruptError(
-            f"{what} is {stored.dtype}, the {codec.name} code stores {es}-byte elements"
-        )
+    want = dtype_code(codec.storage(1)[1])
+    if stored.dtype != want:
+        raise CheckpointCorruptError(f"{what} is {stored.dtype}, expected {want} (the {codec.name} code)")
     nbytes = stored.end - stored.start
     tile_bytes = layout.get("tile_bytes") or [nbytes]
     if codec.block_numel == 1:
