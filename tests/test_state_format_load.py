@@ -16,8 +16,8 @@ from tiered.optim.state_format import FORMATS
 LOSSY = ("bf16", "int8")
 
 
-def _config(fmt: str, path: str, sub_group_size: int | None = None) -> dict:
-    off = {"device": "nvme", "nvme_path": path}
+def _config(fmt: str, path: str, sub_group_size: int | None = None, device: str = "nvme") -> dict:
+    off = {"device": device, "nvme_path": path}
     zero: dict = {"stage": 3, "offload_optimizer": off, "offload_param": off}
     if sub_group_size is not None:
         zero["sub_group_size"] = sub_group_size
@@ -83,8 +83,11 @@ def _decoded(path: str, fmt: str, kind: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("fmt", LOSSY)
-@pytest.mark.parametrize("tiling", ["same", "other"])
-def test_compressed_moments_load_into_fp32_decoded_bitwise(fmt: str, tiling: str, tmp_path) -> None:
+@pytest.mark.parametrize(("tiling", "home"), [("same", "nvme"), ("other", "nvme"), ("other", "cpu")])
+def test_compressed_moments_load_into_fp32_decoded_bitwise(
+    fmt: str, tiling: str, home: str, tmp_path
+) -> None:
+    """Into a file home (the tile's swap file rewritten) and a memory home (its resident copy)."""
     small = MIN_TILE_NUMEL  # the 512 x 300 weight in several tiles
     a = tiered.initialize(_model(), _config(fmt, str(tmp_path / "a"), small))
     try:
@@ -94,7 +97,7 @@ def test_compressed_moments_load_into_fp32_decoded_bitwise(fmt: str, tiling: str
         a.close()
     ck = str(tmp_path / "ck" / "t")
     b = tiered.initialize(
-        _model(), _config("fp32", str(tmp_path / "b"), small if tiling == "same" else 3 * small + 1000)
+        _model(), _config("fp32", str(tmp_path / "b"), small if tiling == "same" else 3 * small + 1000, home)
     )
     try:
         b.load_checkpoint(str(tmp_path / "ck"), tag="t")
