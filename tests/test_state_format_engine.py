@@ -83,7 +83,9 @@ def test_a_compressed_run_resumes_bitwise(fmt: str, tmp_path) -> None:
     assert got == want  # the same losses bit for bit: the same moments and the same rounding
 
 
-@pytest.mark.parametrize(("saved", "running"), [("fp32", "bf16"), ("bf16", "int8"), ("bf16", "fp32")])
+@pytest.mark.parametrize(
+    ("saved", "running"), [("fp32", "bf16"), ("fp32", "int8"), ("bf16", "int8"), ("int8", "bf16")]
+)
 def test_a_checkpoint_of_another_format_is_refused_by_name(saved: str, running: str, tmp_path) -> None:
     a = tiered.initialize(_model(), _config(saved, str(tmp_path / "a")))
     try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +32,8 @@ import torch
 
 from tiered.checkpoint import directory as d
 from tiered.checkpoint import rng
-from tiered.checkpoint.partition_io import Segment, load_partition, read_chunks
+from tiered.checkpoint.decode_load import MomentDecoder, SavedMoment, decoding_filler, saved_moment
+from tiered.checkpoint.partition_io import Segment, fill_partition, load_partition, read_chunks
 from tiered.checkpoint.pipeline import ChunkPipeline
 from tiered.checkpoint.stream import TensorSpec, dtype_code, file_bytes, tensor_ranges, verify_file
 from tiered.checkpoint.writer import DEFAULT_CHUNK_BYTES, CheckpointWriter
@@ -140,7 +141,8 @@ def _blob_copies(
             f"checkpoint {path}: the {kind} of group {g.name} is stored as block codes (int8), which "
             f"load only into the same world size, groups and sub_group_size tiles; this run's rank "
             f"{rank} has tiles of {mine} bytes, the checkpoint "
-            f"{None if saved is None else saved.get('tile_bytes')}. Resume with the saved layout"
+            f"{None if saved is None else saved.get('tile_bytes')}. Resume with the saved layout, or with "
+            "tiered.optimizer_state_format 'fp32' (the moments decoded exactly, on any layout)"
         )
     out, off = [], 0
     for _, t in tiles_of(part):
@@ -438,15 +440,24 @@ def open_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[
 
 
 def load_engine_state(
-    tm: Any, groups: Sequence[GroupState], path: str, manifest: dict[str, Any], *, comm: Collective
+    tm: Any,
+    groups: Sequence[GroupState],
+    path: str,
+    manifest: dict[str, Any],
+    *,
+    comm: Collective,
+    decode: Mapping[str, MomentDecoder] | None = None,
 ) -> None:
     """Fill every partition of `groups` from checkpoint `path` (checked compatible first) and
-    restore this rank's RNG states. See [Note: checkpoint layout]."""
+    restore this rank's RNG states. See [Note: checkpoint layout]. `decode`: the saved format's
+    codec of each moment ("exp_avg", "exp_avg_sq") where they load decoded into fp32
+    (tiered/checkpoint/decode_load.py)."""
     from safetensors import safe_open
 
     ranks = {lay["rank"]: lay for lay in manifest["ranks"]}
     tensors_of = {(lay["rank"], g["name"]): g["tensors"] for lay in manifest["ranks"] for g in lay["groups"]}
     layouts = {(lay["rank"], g["name"]): g for lay in manifest["ranks"] for g in lay["groups"]}
+    decode = decode or {}
     plan: list[tuple[Any, str, list[tuple[int, int, int, str, int]]]] = []
     need_files: set[int] = set()
     for gs in groups:
@@ -490,7 +501,18 @@ def load_engine_state(
             stack.callback(os.close, fds[r])
             os.posix_fadvise(fds[r], 0, 0, os.POSIX_FADV_SEQUENTIAL)
         pipe = stack.enter_context(ChunkPipeline(_buffer_bytes(CHUNK_BYTES, [p for p, _, _ in plan])))
-        for part, _kind, copies in plan:
+        sources: dict[tuple[int, str], SavedMoment] = {}
+        saved_groups = {(r, t): g for (r, _), g in layouts.items() for t in g["tensors"].values()}
+        for part, kind, copies in plan:
+            if kind in decode:
+                for c in copies:
+                    if (c[4], c[3]) not in sources:
+                        sources[(c[4], c[3])] = saved_moment(
+                            decode[kind], saved_groups[(c[4], c[3])],
+                            ranges[c[4]].get(c[3]), fds[c[4]], path, c[3],
+                        )  # fmt: skip
+                fill_partition(tm, part, decoding_filler(copies, sources), pipe)
+                continue
             segments = [_segment(path, ranks[c[4]]["file"], ranges[c[4]], part, c, fds[c[4]]) for c in copies]
             load_partition(tm, part, segments, pipe, f"checkpoint {path}, partition {part.name!r}")
         if manifest["world_size"] != comm.world_size:

@@ -191,8 +191,13 @@ def _filler(segments: Sequence[Segment], what: str) -> Fill:
 def load_partition(tm: Any, part: Any, segments: Sequence[Segment], pipe: ChunkPipeline, what: str) -> None:
     """Replace every byte of `part` with its `segments` (zero elsewhere), chunk by chunk. See
     [Note: checkpoint partition I/O]."""
+    fill_partition(tm, part, _filler(segments, what), pipe)
+
+
+def fill_partition(tm: Any, part: Any, fill: Fill, pipe: ChunkPipeline) -> None:
+    """Replace every byte of `part` with what `fill` puts into each chunk (`load_partition`, or
+    decoded moments: tiered/checkpoint/decode_load.py)."""
     home = part.home
-    fill = _filler(segments, what)
     if _memory_like(tm, home):
         t = tm.fetch(part, home).result()
         try:

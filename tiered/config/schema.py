@@ -434,8 +434,9 @@ class TieredSection:
         "codes, exp_avg_sq in the sqrt domain, 6.03 B) are opt-in codecs with stated error ([Note: "
         "compressed optimizer state] in `tiered/optim/state_format.py`), Adam/AdamW only; an unknown "
         "name is a `ConfigError` listing the formats. The compressed formats need the state offloaded "
-        "(offload_optimizer.device cpu or nvme, ratio 1); their checkpoints load only into a run of "
-        "the same format (int8: the same layout)",
+        "(offload_optimizer.device cpu or nvme, ratio 1); their checkpoints load into a run of the "
+        "same format (int8: the same layout) or into an fp32 one, decoded exactly on any layout; "
+        "fp32 into bf16/int8 and bf16 <-> int8 are refused (lossy)",
         auto="refused",
     )
     nonfinite_step: str | None = key(

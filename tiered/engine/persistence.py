@@ -140,9 +140,10 @@ class EnginePersistence:
             path,
         )
         groups = [GroupState(gs.group, scope.keep(gs.parts)) for gs in groups]
+        decode = None  # [Note: compressed optimizer state]: bf16/int8 moments decoded into an fp32 run
         if any("exp_avg" in gs.parts for gs in groups):
-            check_state_format_loads(manifest, self._optimizer.fmt.name, path)
-        load_engine_state(self._tm, groups, path, manifest, comm=self.collective())
+            decode = check_state_format_loads(manifest, self._optimizer.fmt.name, path)
+        load_engine_state(self._tm, groups, path, manifest, comm=self.collective(), decode=decode)
         saved = manifest.get("client_state")
         client = join_client_state(saved, read_rank_tensors(path, manifest, 0, tensor_names(saved)))
         return path, manifest, client

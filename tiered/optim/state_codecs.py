@@ -7,6 +7,28 @@ Adam's moments move by a small fraction of themselves per step ((1 - beta2) = 0.
 exp_avg_sq), less than half a step of any 8- or 16-bit code, so round-to-nearest would freeze them
 (an exp_avg_sq that can only grow); rounding up with the probability of the remainder keeps each
 stored value unbiased (E[decode(encode(x))] = x) and lets the moments drift as they should.
+
+[Note: codec speed]
+The codecs run once per tile per step on the CPU, on every element of both moments, so they are
+written as few vectorised torch ops with few temporaries, and give the same bits as the first,
+plainer versions (tests/state_codecs_reference.py, the tests' oracle): no `torch.where` (not
+vectorised here: 2 ms per 1M elements, as much as ten arithmetic ops), no `clamp_min` (slow the
+same way; `clamp(0, inf)` gives the same values), and the 8-bit codes' levels are a table of
+2**((c - levels) / steps) looked up per code instead of an exp2 per element. The table holds
+what the vectorised exp2 computes; the per-element exp2 gave each thread's last few elements
+the scalar libm value instead, which differs in the last bit for 16 of the levels, so the old
+decode depended on torch's thread count (tiles cut where a thread's range ends) and the table's
+does not. Encode still takes the code below a value from a per-element log2 (a value within an
+ulp of a level can round to either neighbour with a different thread count, as before).
+A tile is coded in passes of `CHUNK` elements (whole blocks, 1 MiB of fp32), so the dozen
+temporaries of a pass stay in the CPU's cache instead of streaming a tile's worth of memory
+each (int8 encode of a 4M-element tile: 18 -> 8 ms per 1M elements here); the random draws
+are taken pass after pass from the same generator, the same sequence as one draw for the tile.
+The 8-bit codes are int32 while they are computed (the table's index type: no conversion per
+look-up). The bf16 noise is drawn by `random_()` on int32 (the generator's 32-bit word mod 2**31), whose
+low 16 bits are the words `randint(0, 2**16)` took, without its per-element division. The
+random draws themselves (one 32-bit word per element, from one sequential generator) are now
+the largest part of an encode; fewer or other draws would change the rounding, so they stay.
 """
 
 from __future__ import annotations
@@ -17,6 +39,8 @@ import math
 import torch
 
 BLOCK = 256
+CHUNK = 1024 * BLOCK
+"""Elements per pass of a codec over a tile: its temporaries stay in cache ([Note: codec speed])."""
 """Elements per block of the 8-bit codes: one fp32 scale (the block's absolute maximum) each,
 1/64 B per element on top of the byte (as bitsandbytes' block-wise 8-bit optimizers)."""
 _FP32_SLACK = 1e-6
@@ -31,12 +55,28 @@ def _flat_f32(x: torch.Tensor, what: str) -> torch.Tensor:
     return x
 
 
+def _grid(levels: int, steps: int) -> torch.Tensor:
+    """2**((c - levels) / steps) for the codes c = 1..levels (code 0: 0.0), in fp32, computed by the
+    same fp32 ops the codes were defined with, each in the body of one vectorised kernel call
+    (the values of a tensor's last few elements can come from the scalar libm function instead,
+    which differs in the last bit for some codes; [Note: codec speed])."""
+    reps = 64  # 256 x 64 elements: one thread, no tail, and every code well inside the vector body
+    c = torch.arange(levels + 1, dtype=torch.int16).repeat_interleave(reps)
+    grid = torch.exp2((c.float() - levels) / steps)[reps // 2 :: reps].contiguous()
+    grid[0] = 0.0
+    return grid
+
+
 class MomentCodec(abc.ABC):
     """Encodes one moment tensor into bytes and back; see the module docstring."""
 
     name: str
     lossless: bool = False
     """decode(encode(x)) == x bit for bit."""
+    block_numel: int = 1
+    """Elements encoded together: elements [start, stop) of an encoding, start a multiple of it,
+    decode on their own from the bytes `piece_bytes` names (a checkpoint load decodes a tile
+    chunk by chunk, [Note: compressed optimizer state])."""
 
     @abc.abstractmethod
     def encoded_bytes(self, numel: int) -> int:
@@ -46,6 +86,19 @@ class MomentCodec(abc.ABC):
         """(numel, dtype) of the partition holding the encoding of `numel` elements: the codec's
         own element type where it has one (so a checkpoint addresses it by element), else bytes."""
         return self.encoded_bytes(numel), torch.uint8
+
+    def decoded_numel(self, nbytes: int) -> int:
+        """The element count whose encoding is `nbytes` bytes (ValueError where none is)."""
+        per = self.encoded_bytes(1)
+        if nbytes % per:
+            raise ValueError(f"{self.name}: {nbytes} bytes are not an encoding ({per} bytes per element)")
+        return nbytes // per
+
+    def piece_bytes(self, numel: int, start: int, stop: int) -> list[tuple[int, int]]:
+        """(offset, length) of the byte ranges of an encoding of `numel` elements that, joined,
+        are the encoding of its elements [start, stop) (start a multiple of `block_numel`)."""
+        per = self.encoded_bytes(1)
+        return [(per * start, per * (stop - start))]
 
     @abc.abstractmethod
     def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
@@ -109,14 +162,21 @@ class Bf16StochasticCodec(MomentCodec):
 
     def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
         self._check(x, out, "encode")
-        bits = x.view(torch.int32)
-        noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=generator)
         dst = out.view(torch.int16)
-        dst.copy_(bits.add(noise).bitwise_right_shift_(16))  # int32 -> int16 keeps the low half
-        if x.numel() and not float(x.abs().amax()) <= _BF16_SAFE:  # one reduction; NaN fails it too
+        for a in range(0, x.numel(), CHUNK):  # [Note: codec speed]
+            self._encode(x[a : a + CHUNK], dst[a : a + CHUNK], generator)
+
+    @staticmethod
+    def _encode(x: torch.Tensor, dst: torch.Tensor, generator: torch.Generator | None) -> None:
+        # random_() draws the same 32-bit words as randint(0, 2**16) (one each, r mod 2**31) without
+        # its per-element division: the low 16 bits are the same noise ([Note: codec speed])
+        noise = torch.empty(x.shape, dtype=torch.int32).random_(generator=generator).bitwise_and_(0xFFFF)
+        noise.add_(x.view(torch.int32)).bitwise_right_shift_(16)
+        dst.copy_(noise)  # int32 -> int16 keeps the low half
+        if not float(x.abs().amax()) <= _BF16_SAFE:  # one reduction; NaN fails it too
             # non-finite values, and the largest finite ones (rounding up may reach inf): nearest
             odd = ~torch.isfinite(x) | (x.abs() > _BF16_SAFE)
-            out.view(torch.bfloat16)[odd] = x[odd].to(torch.bfloat16)
+            dst.view(torch.bfloat16)[odd] = x[odd].to(torch.bfloat16)
 
     def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
         self._check(out, buf, "decode")
@@ -152,21 +212,36 @@ class BlockLogCodec(MomentCodec):
         self.step_ratio = 2.0 ** (1.0 / steps_per_octave)
         self.low_fraction = 2.0 ** ((1 - self.levels) / steps_per_octave)
         """The smallest non-zero level, as a fraction of the block's maximum."""
+        self.grid = _grid(self.levels, steps_per_octave)
+        """Level of each code 0..levels as a fraction of the block's maximum, code 0 zero."""
+        self.signed_grid = torch.cat([self.grid, -self.grid])[:256] if signed else self.grid
+        """The same by signed code (the sign bit 128 set: negated; 128 itself is -0.0)."""
+
+    block_numel = BLOCK
 
     def encoded_bytes(self, numel: int) -> int:
         return 4 * math.ceil(numel / BLOCK) + numel
+
+    def decoded_numel(self, nbytes: int) -> int:
+        # n = 256k + r (0 < r <= 256) takes 260k + r + 4 bytes: ceil(bytes / 260) is its block count
+        n = nbytes - 4 * math.ceil(nbytes / (BLOCK + 4))
+        if n < 0 or self.encoded_bytes(n) != nbytes:
+            raise ValueError(f"{self.name}: {nbytes} bytes are not an encoding of whole {BLOCK}-blocks")
+        return n
+
+    def piece_bytes(self, numel: int, start: int, stop: int) -> list[tuple[int, int]]:
+        if start % BLOCK or not 0 <= start <= stop <= numel:
+            raise ValueError(f"{self.name}: elements [{start}, {stop}) of {numel} do not start on a block")
+        first, last = start // BLOCK, math.ceil(stop / BLOCK)
+        return [(4 * first, 4 * (last - first)), (4 * math.ceil(numel / BLOCK) + start, stop - start)]
 
     def _split(self, buf: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         nb = math.ceil(numel / BLOCK)
         return buf[: 4 * nb].view(torch.float32), buf[4 * nb :]
 
-    def _level(self, top: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-        """The magnitude of each code (code 0: zero), `top` broadcast per block."""
-        mag = top * torch.exp2((code.float() - self.levels) / self.steps)
-        return torch.where(code > 0, mag, top * 0.0)  # a NaN scale (non-finite block) stays NaN
-
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.clamp_min(0).sqrt() if self.sqrt_domain else x
+        # clamp(0, inf), not clamp_min(0): the same values, a vectorised kernel ([Note: codec speed])
+        y = x.clamp(0.0, math.inf).sqrt_() if self.sqrt_domain else x
         nb = math.ceil(x.numel() / BLOCK)
         if nb * BLOCK != x.numel():
             y = torch.nn.functional.pad(y, (0, nb * BLOCK - x.numel()))
@@ -176,45 +251,58 @@ class BlockLogCodec(MomentCodec):
         self._check(x, out, "encode")
         n = x.numel()
         scales, codes = self._split(out, n)
-        if n == 0:
-            return
+        for a in range(0, n, CHUNK):  # [Note: codec speed]
+            b = min(n, a + CHUNK)
+            self._encode(x[a:b], scales[a // BLOCK : math.ceil(b / BLOCK)], codes[a:b], generator)
+
+    def _encode(
+        self, x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, generator: torch.Generator | None
+    ) -> None:
         y = self._blocks(x)
         mag = y.abs()
         top = mag.amax(dim=1, keepdim=True)
         # a block holding inf or NaN decodes as NaN throughout: visible, as in the exact state
         scales.copy_(torch.where(torch.isfinite(top), top, math.nan).view(-1))
         safe = torch.where(top > 0, top, torch.ones_like(top))
-        pos = self.levels + self.steps * torch.log2(mag / safe)  # -inf for 0
-        lo_code = pos.floor().clamp_(0, self.levels).to(torch.int16)
-        hi_code = (lo_code + 1).clamp_(max=self.levels)
-        lo, hi = self._level(top, lo_code), self._level(top, hi_code)
-        width = hi - lo
-        up = torch.where(width > 0, (mag - lo) / torch.where(width > 0, width, torch.ones_like(width)), 0.0)
+        pos = torch.div(mag, safe).log2_().mul_(self.steps).add_(self.levels)  # -inf for 0
+        # int32 codes: the table's index type, no conversion per look-up (NaN converts to int32's
+        # minimum, clamped to 0 as the int16 codes took it)
+        lo_code = pos.floor_().clamp_(0, self.levels).to(torch.int32).clamp_(0, self.levels)
+        hi_code = torch.add(lo_code, 1).clamp_(max=self.levels)
+        lo = self._grid(lo_code).mul_(top)  # grid[0] = 0: top * 0.0, as a zero code decodes
+        width = self._grid(hi_code).mul_(top).sub_(lo)
+        up = mag.sub_(lo).div_(width)  # where width > 0; else not used (below)
         u = torch.rand(y.shape, generator=generator)
-        code = torch.where(u < up, hi_code, lo_code)
+        code = lo_code.add_(torch.lt(u, up).logical_and_(width > 0))  # up one level with probability up
         if self.signed:
-            code = code | torch.where(y < 0, 128, 0).to(torch.int16)
-        codes.copy_(code.view(-1)[:n].to(torch.uint8))
+            code.add_(torch.lt(y, 0), alpha=128)  # the sign bit over codes 0..127
+        codes.copy_(code.view(-1)[: x.numel()])  # int32 -> uint8 keeps the low byte
+
+    def _grid(self, code: torch.Tensor) -> torch.Tensor:
+        """Each code's level as a fraction of its block's maximum (code 0: 0.0), a table look-up."""
+        return self.grid.index_select(0, code.view(-1)).view(code.shape)
 
     def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
         self._check(out, buf, "decode")
         n = out.numel()
-        if n == 0:
-            return
         scales, codes = self._split(buf, n)
-        nb = scales.numel()
-        c = torch.zeros(nb * BLOCK, dtype=torch.int16)
-        c[:n] = codes.to(torch.int16)
-        c = c.view(nb, BLOCK)
-        top = scales.view(nb, 1)
-        if self.signed:
-            val = self._level(top, c & 127)
-            val = torch.where(c >= 128, -val, val)
-        else:
-            val = self._level(top, c)
+        for a in range(0, n, CHUNK):  # [Note: codec speed]
+            b = min(n, a + CHUNK)
+            self._decode(scales[a // BLOCK : math.ceil(b / BLOCK)], codes[a:b], out[a:b])
+
+    def _decode(self, scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
+        n = out.numel()
+        table = self.signed_grid if self.signed else self.grid
+        torch.index_select(table, 0, codes.to(torch.int32), out=out)
+        full = n // BLOCK
+        out[: full * BLOCK].view(full, BLOCK).mul_(scales[:full].view(full, 1))
+        out[full * BLOCK :].mul_(scales[full:])  # the last, partial block (if any)
+        if self.signed and bool(scales.isnan().any()):
+            # NaN * -level keeps the NaN's sign; negating the product flips it: do as the latter
+            bad = scales.isnan().repeat_interleave(BLOCK)[:n] & (codes >= 128)
+            out[bad] = -out[bad]
         if self.sqrt_domain:
-            val = val * val
-        out.copy_(val.view(-1)[:n])
+            out.mul_(out)
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """On the stored value y (x, or sqrt(x)): below one grid step, (r - 1)|y| at or above the

@@ -39,19 +39,23 @@ are not stepped]) are re-encoded with their block: exact in bf16 (a bf16 value r
 itself), within the bound and unbiased in int8. Only CPU-stepped, offloaded state is compressed:
 a group whose state stays in "gpu" (offload_optimizer.device none, ratio < 1) is refused by name.
 
+The codecs' own time is kept small by [Note: codec speed] (tiered/optim/state_codecs.py).
 What this costs in training is measured, not assumed: `tests/test_state_format.py` bounds one
 step's parameter change against exact Adam from the codec bounds, and trains a small model both
 ways; tests/test_state_format_engine.py trains through the engine with each format.
 
 Checkpoints record the format (``optimizer_state_format`` in the manifest, and the resolved
-config). A run loads moments of its own format only (`check_state_format_loads`): bf16 ones
-reshard like fp32 ones (addressed by element); int8 ones are block codes whose scales belong to
-a tile, so they load only into the same ranks, groups and tiles (`tile_bytes` in the manifest),
-refused by name otherwise. `check_checkpoint_format` states the rule: converting is exact only
-decoding bf16 or int8 moments into an fp32 run (every decoded value is an fp32 value); anything
-else (fp32 into bf16 or int8, bf16 into int8, int8 into bf16) would round the saved moments and
-is refused by name. This version does not implement even the exact decode on load: it is refused
-too, saying so (load with load_optimizer_states=False, or in the saved format).
+config). `check_checkpoint_format` states the rule for loading them: a run loads moments of its
+own format as they are (bf16 ones reshard like fp32 ones, addressed by element; int8 ones are
+block codes whose scales belong to a tile, so they load only into the same ranks, groups and
+tiles, `tile_bytes` in the manifest, refused by name otherwise), and an fp32 run loads bf16 or
+int8 moments decoded, which is exact (every decoded value is an fp32 value: the fp32 run
+continues from exactly the moments the compressed run would have stepped on). The decode streams
+(tiered/checkpoint/decode_load.py): chunk by chunk of each fp32 tile, from the same per-element
+copies an fp32 checkpoint loads with, so any world size, groups and tiles; for int8 each chunk
+reads just the whole blocks it needs (their scales and codes) within the saved tile
+`tile_bytes` locates, and decodes them with this module's codec. Anything else (fp32 into bf16
+or int8, bf16 into int8, int8 into bf16) would round the saved moments and is refused by name.
 """
 
 from __future__ import annotations
@@ -154,19 +158,18 @@ def check_checkpoint_format(saved: str, running: str, *, path: str) -> Literal["
     )
 
 
-def check_state_format_loads(manifest: dict[str, Any], running: str, path: str) -> None:
-    """Refuse, by name, to load a checkpoint's moments (format `manifest` records; older ones hold
-    fp32) into a run of format `running`, unless they are the same format. The exact conversion
-    `check_checkpoint_format` allows (bf16 or int8 into fp32) is not implemented in this version,
-    so it is refused too, saying so."""
+def check_state_format_loads(
+    manifest: dict[str, Any], running: str, path: str
+) -> dict[str, MomentCodec] | None:
+    """How a checkpoint's moments (format `manifest` records; older ones hold fp32) load into a
+    run of format `running`: None, as they are (the same format); the saved format's codec of each
+    moment, to decode them exactly into this fp32 run; or a CheckpointMismatchError by name
+    (`check_checkpoint_format`: a conversion that would round them)."""
     saved = manifest.get("optimizer_state_format", "fp32")
-    if check_checkpoint_format(saved, running, path=path) == "decode":
-        raise CheckpointMismatchError(
-            f"checkpoint {path} holds the optimizer state in format {saved!r}, this run stores it as "
-            f"{running!r}: decoding it into fp32 would be exact, but this version does not convert "
-            f"moments on load; resume with tiered.optimizer_state_format {saved!r}, or load with "
-            "load_optimizer_states=False"
-        )
+    if check_checkpoint_format(saved, running, path=path) == "same":
+        return None
+    fmt = FORMATS[saved]
+    return {"exp_avg": fmt.exp_avg, "exp_avg_sq": fmt.exp_avg_sq}
 
 
 def adam_step_compressed(
