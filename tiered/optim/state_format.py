@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from typing_extensions import Unpack
 
 import tiered_ext
 from tiered.config.schema import OPTIMIZER_STATE_FORMATS
@@ -74,6 +75,7 @@ from tiered.optim.state_codecs import (
     Fp32Codec,
     MomentCodec,
 )
+from tiered_ext import AdamScalars
 
 ADAM_OPTIMIZERS = ("Adam", "AdamW")
 
@@ -180,25 +182,18 @@ def adam_step_compressed(
     fmt: StateFormat,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool = True,
     generator: torch.Generator | None = None,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **hyper: Unpack[AdamScalars],
 ) -> None:
     """One exact fp32 Adam/AdamW step of flat fp32 `param` whose moments are stored encoded in
-    `fmt` (uint8 `exp_avg` / `exp_avg_sq` buffers, updated in place). `scratch`: two fp32 tensors
-    of param's size for the decoded moments (allocated when not given)."""
+    `fmt` (uint8 `exp_avg` / `exp_avg_sq` buffers, updated in place); `hyper` as
+    `tiered_ext.adam_step`'s. `scratch`: two fp32 tensors of param's size for the decoded
+    moments (allocated when not given)."""
     n = param.numel()
     m, v = scratch if scratch is not None else (torch.empty(n), torch.empty(n))
     fmt.exp_avg.decode(exp_avg, m)
     fmt.exp_avg_sq.decode(exp_avg_sq, v)
-    tiered_ext.adam_step(
-        param, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, adamw_mode=adamw_mode,
-    )  # fmt: skip
+    tiered_ext.adam_step(param, grad, m, v, step=step, **hyper)
     fmt.exp_avg.encode(m, exp_avg, generator)
     fmt.exp_avg_sq.encode(v, exp_avg_sq, generator)
