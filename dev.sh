@@ -64,13 +64,14 @@ case "$cmd" in
     "$PY" -m ruff format --check --quiet . || { echo "unformatted files (above): run ruff format ." >&2; exit 1; }
     "$PY" -m mypy || { echo "mypy found type errors (above)" >&2; exit 1; }
     # Default run: everything except tests marked slow; cuda tests skip (with a reason) off-GPU.
-    exec "$PY" -m pytest -m "not slow" "$@"
+    # --durations: the slowest tests named in every run, so the 15-minute budget can be kept
+    exec "$PY" -m pytest -m "not slow" --durations=25 "$@"
     ;;
   slow)
     setup
     build_kernels
     # Minutes each: the 1,000-step fault soak and the kill -9 / SIGTERM runs resumed bit-exactly.
-    exec "$PY" -m pytest -m slow "$@"
+    exec "$PY" -m pytest -m slow --durations=15 "$@"
     ;;
   *)
     echo "usage: ./dev.sh demo | test [pytest args] | slow [pytest args]" >&2
