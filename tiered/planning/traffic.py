@@ -22,8 +22,10 @@ host/device moves are memory copies):
   read from host instead of disk. A backward that finds a parameter released re-reads it: the
   forward + backward trace replayed under the engine's rules (`backward_rereads`: what
   ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` keep in the gpu tier between
-  a group's forward and its backward use) says which groups are read twice per micro-batch;
-  with the default limits (1e9 elements each) a model up to ~1e9 parameters is read once;
+  a group's forward and its backward use) says which groups are read twice per micro-batch
+  (a group is kept when what is gathered between its two uses, about twice the elements after
+  it, is within ``stage3_max_reuse_distance``: at DeepSpeed's defaults of 1e9 elements, models
+  up to ~0.5e9 parameters are read once);
 * persistent groups stay on the GPU: 0 per step;
 * gradients leave the device as fp32 partitions: A x S_t x 4 device->host; homed on disk
   (``tiered.grad_tier``): every micro-batch writes (A x S_t x 4 host->disk), every micro-batch
