@@ -226,6 +226,24 @@ def _manifest_counter(wd: Path) -> Outcome:
     return _edited_engine_manifest(wd, bump)
 
 
+@case(
+    "manifest-rng-state",
+    "checkpoints",
+    "the RNG state changed without a word",
+    "clear",
+    "ranks[0].rng.numpy.pos moved by one in the manifest: CheckpointCorruptError on load",
+)
+def _manifest_rng(wd: Path) -> Outcome:
+    def move(m: dict[str, Any]) -> bool:
+        rng = m["ranks"][0].get("rng")
+        if not rng:
+            return False
+        rng["numpy"]["pos"] = (int(rng["numpy"]["pos"]) + 1) % 624
+        return True
+
+    return _edited_engine_manifest(wd, move)
+
+
 # ---- checkpoints: latest ---------------------------------------------------------------------
 def _latest_pointing(wd: Path, pointer: str) -> Outcome:
     from tiered.checkpoint import load_tensors, save_tensors
@@ -529,6 +547,31 @@ def _stale_kernel_lock(wd: Path) -> Outcome:
     )
 
 
+def _faults_engine(wd: Path, fault: dict[str, Any], timeout_s: float) -> tuple[Any, dict[str, Any]]:
+    """(model, config): the tiny MLP with params and optimizer state on a 'faults' tier 'flaky'
+    (over an nvme folder) that injects `fault`, under tiered.timeout_s `timeout_s`."""
+    from engine_support import CASES as MODELS
+    from engine_support import build, ds_config
+
+    (wd / "flaky").mkdir()
+    cfg = ds_config(param="nvme", opt="nvme", nvme_path=str(wd / "nvme"))
+    cfg["tiered"] = {
+        "tiers": {
+            "flaky": {
+                "backend": {
+                    "type": "faults",
+                    "inner": {"type": "nvme", "path": str(wd / "flaky")},
+                    "faults": [fault],
+                }
+            }
+        },
+        "param_tier": "flaky",
+        "optimizer_tier": "flaky",
+        "timeout_s": timeout_s,
+    }
+    return build(MODELS["mlp"]), cfg
+
+
 @case(
     "hung-backend-timeout",
     "offload",
@@ -540,28 +583,13 @@ def _stale_kernel_lock(wd: Path) -> Outcome:
 )
 def _hung_backend(wd: Path) -> Outcome:
     from engine_support import CASES as MODELS
-    from engine_support import build, ds_config, make_batches
+    from engine_support import make_batches
 
     import tiered
 
     t_s = 2.0
-    (wd / "flaky").mkdir()
-    cfg = ds_config(param="nvme", opt="nvme", nvme_path=str(wd / "nvme"))
-    cfg["tiered"] = {
-        "tiers": {
-            "flaky": {
-                "backend": {
-                    "type": "faults",
-                    "inner": {"type": "nvme", "path": str(wd / "flaky")},
-                    "faults": [{"kind": "hang", "op": "read", "key": "*.param", "after": 4, "nth": 1}],
-                }
-            }
-        },
-        "param_tier": "flaky",
-        "optimizer_tier": "flaky",
-        "timeout_s": t_s,
-    }
-    engine = tiered.initialize(build(MODELS["mlp"]), cfg)
+    fault = {"kind": "hang", "op": "read", "key": "*.param", "after": 4, "nth": 1}
+    engine = tiered.initialize(*_faults_engine(wd, fault, t_s))
     took = 0.0
     err: BaseException | None = None
     try:
@@ -589,6 +617,37 @@ def _hung_backend(wd: Path) -> Outcome:
     return also(
         ("clear", f"TierTimeoutError after {took:.1f} s: {_short(msg)}"),
         (took < 1.1 * t_s + 1.0, f"took {took:.1f} s for timeout_s {t_s}"),
+    )
+
+
+@case(
+    "hung-backend-close",
+    "offload",
+    "the issue asks timeout_s on every wait path, close included: a hung close was cut only at "
+    "60 s and logged, never raised",
+    "clear",
+    "the faults backend hangs its close under timeout_s 2: engine.close() raises TierTimeoutError "
+    "within 2.2 s + 1 s slack naming backend 'faults' of tier 'flaky' and tiered.timeout_s; the "
+    "other tiers' swap folders removed; the weights given back",
+    timeout_s=60,
+)
+def _hung_close(wd: Path) -> Outcome:
+    import tiered
+
+    t_s = 2.0
+    engine = tiered.initialize(*_faults_engine(wd, {"kind": "hang", "op": "close"}, t_s))
+    engine.backward(engine(**_batch()))
+    engine.step()
+    t0 = time.perf_counter()
+    out = raises(
+        engine.close, tiered.TierTimeoutError, "backend 'faults' of tier 'flaky'", "tiered.timeout_s"
+    )
+    took = time.perf_counter() - t0
+    return also(
+        (out[0], f"after {took:.1f} s: {out[1]}"),
+        (took < 1.1 * t_s + 1.0, f"took {took:.1f} s for timeout_s {t_s}"),
+        (list((wd / "nvme").iterdir()) == [], "the other tiers' swap folders were left"),
+        (all(p.numel() > 0 for p in engine.module.parameters()), "the weights were not given back"),
     )
 
 
