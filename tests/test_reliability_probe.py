@@ -27,3 +27,8 @@ def test_every_case_names_its_expectation_and_check() -> None:
     for c in probe.CASES:
         assert c.expected in ("clear", "fine") and c.old and c.check, c.id
     assert {c.id for c in probe.CASES if c.slow} == {"two-savers-one-tag", "partial-folders-after-kill-9"}
+
+
+def test_every_case_has_the_class_the_issue_gave_it() -> None:
+    assert set(probe.OLD_CLASS) == {c.id for c in probe.CASES}
+    assert set(probe.OLD_CLASS.values()) <= {"unclear", "wrong"}
