@@ -98,6 +98,20 @@ def raises(
     return "wrong", "accepted silently"
 
 
+class _Absent(Exception):
+    """An error class the code under test does not define (an older tree): never raised, so
+    whatever is raised instead is "unclear"."""
+
+
+def error_class(name: str) -> type[BaseException]:
+    """tiered.errors.`name`, or `_Absent` where this tree has none (the probe runs on old trees
+    too, to measure what they did)."""
+    import tiered.errors
+
+    found = getattr(tiered.errors, name, None)
+    return found if isinstance(found, type) and issubclass(found, BaseException) else _Absent
+
+
 def also(outcome: Outcome, *checks: tuple[bool, str]) -> Outcome:
     """`outcome` unless one of `checks` (ok, what it says when not ok) failed: then "wrong"."""
     bad = [why for ok, why in checks if not ok]
@@ -158,7 +172,7 @@ def _batch(n: int = 4) -> dict[str, Any]:
 def _edited_engine_manifest(wd: Path, edit: Callable[[dict[str, Any]], bool]) -> Outcome:
     import torch
 
-    from tiered.errors import CheckpointCorruptError
+    CheckpointCorruptError = error_class("CheckpointCorruptError")
 
     with _engine() as e:
         e.backward(e(**_batch()))
@@ -255,7 +269,8 @@ def _manifest_rng(wd: Path) -> Outcome:
 # ---- checkpoints: latest ---------------------------------------------------------------------
 def _latest_pointing(wd: Path, pointer: str) -> Outcome:
     from tiered.checkpoint import load_tensors, save_tensors
-    from tiered.errors import CheckpointCorruptError
+
+    CheckpointCorruptError = error_class("CheckpointCorruptError")
 
     save_tensors(wd / "ck", "s", _tensors(0))
     save_tensors(wd / "other", "s", _tensors(1))  # what the pointer would load instead
@@ -300,7 +315,8 @@ def _latest_dotdot(wd: Path) -> Outcome:
 )
 def _latest_fifo(wd: Path) -> Outcome:
     from tiered.checkpoint import load_tensors, save_tensors
-    from tiered.errors import CheckpointCorruptError
+
+    CheckpointCorruptError = error_class("CheckpointCorruptError")
 
     save_tensors(wd / "ck", "s", _tensors(0))
     latest = wd / "ck" / "latest"
@@ -377,7 +393,8 @@ def _symlinked_tag(wd: Path) -> Outcome:
     import torch
 
     from tiered.checkpoint import load_tensors, read_latest, save_tensors
-    from tiered.errors import CheckpointPathError
+
+    CheckpointPathError = error_class("CheckpointPathError")
 
     ck = wd / "ck"
     save_tensors(ck, "old", _tensors(0))
@@ -606,7 +623,7 @@ def _hung_backend(wd: Path) -> Outcome:
                 t0 = time.perf_counter()
                 try:
                     call()
-                except tiered.TierTimeoutError as e:
+                except error_class("TierTimeoutError") as e:
                     err, took = e, time.perf_counter() - t0
                     break
             if err is not None:
@@ -648,7 +665,7 @@ def _hung_close(wd: Path) -> Outcome:
     engine.step()
     t0 = time.perf_counter()
     out = raises(
-        engine.close, tiered.TierTimeoutError, "backend 'faults' of tier 'flaky'", "tiered.timeout_s"
+        engine.close, error_class("TierTimeoutError"), "backend 'faults' of tier 'flaky'", "tiered.timeout_s"
     )
     took = time.perf_counter() - t0
     return also(
@@ -671,7 +688,7 @@ def _truncated_swap(wd: Path) -> Outcome:
     import torch
     from tiered_nvme import NVMeBackend
 
-    from tiered.errors import StorageCorruptError
+    StorageCorruptError = error_class("StorageCorruptError")
     from tiered.storage import open_backend
     from tiered.tiers import Tier, TierManager
 
@@ -695,22 +712,56 @@ def _truncated_swap(wd: Path) -> Outcome:
 # ---- training input --------------------------------------------------------------------------
 def _nonfinite(where: str, dtype: str) -> Outcome:
     import torch
-
-    from tiered.errors import NonFiniteError
-
-    sys.path.insert(0, str(HERE))
-    from test_nonfinite_steps import _batches, _cfg, _poison
+    import torch.nn.functional as F
+    from engine_support import CASES as MODELS
+    from engine_support import build, ds_config, make_batches
+    from torch import nn
 
     import tiered
 
-    model, bs = _batches(where, dtype)
-    with tiered.initialize(model, _cfg(dtype, None)) as engine:
+    NonFiniteError = error_class("NonFiniteError")
+
+    class Masked(nn.Module):
+        """A finite loss whose gradient is NaN when `x` holds inf where `keep` is False: the
+        inf is masked out of the forward, but inf * 0 = NaN reaches `a.weight`'s gradient."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor, keep: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return F.mse_loss(self.b(torch.where(keep, h, torch.zeros_like(h))), y)
+
+    td = torch.bfloat16 if dtype == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(3)
+    model: nn.Module
+    if where == "grad":
+        torch.manual_seed(0)
+        model = Masked()
+        keep = torch.ones(4, 8, dtype=torch.bool)
+        keep[0] = False
+        bs = [
+            {
+                "x": torch.randn(4, 8, generator=g).to(td),
+                "keep": keep,
+                "y": torch.randn(4, 4, generator=g).to(td),
+            }
+            for _ in range(2)
+        ]
+    else:
+        model = build(MODELS["mlp"])
+        bs = [{k: v.to(td) for k, v in b.items()} for b in make_batches(MODELS["mlp"], 2, 4)]
+    bad = {k: v.clone() for k, v in bs[1].items()}
+    bad["x"][0, 0] = float("inf") if where == "grad" else float("nan")
+    with tiered.initialize(model, ds_config(dtype=dtype, param="cpu", opt="cpu")) as engine:
         engine.backward(engine(**bs[0]))
         engine.step()
         before = {k: v.clone() for k, v in engine.state_dict_fp32().items()}
 
         def poisoned() -> None:
-            engine.backward(engine(**_poison(bs[1], where)))
+            engine.backward(engine(**bad))
             engine.step()
 
         out = raises(poisoned, NonFiniteError, "optimizer step 2", "tiered.nonfinite_step")
@@ -750,7 +801,7 @@ for _where, _what in (
 def _empty(wd: Path) -> Outcome:
     import torch
 
-    from tiered.errors import InputError
+    InputError = error_class("InputError")
 
     with _engine() as e:
         out = raises(
@@ -770,7 +821,7 @@ def _empty(wd: Path) -> Outcome:
 def _lr(wd: Path) -> Outcome:
     import torch
 
-    from tiered.errors import NonFiniteError
+    NonFiniteError = error_class("NonFiniteError")
 
     with _engine(lr=1e30) as e:
         from engine_support import CASES as MODELS
@@ -809,11 +860,9 @@ def _foreign_loss(wd: Path) -> Outcome:
 def _bad_input(x: Any, dtype: str, exc_name: str, *subs: str) -> Outcome:
     import torch
 
-    import tiered.errors as errors
-
     want = torch.bfloat16 if dtype == "bf16" else torch.float32
     with _engine(dtype=dtype) as e:
-        return raises(lambda: e(x=x, y=torch.randn(4, 8, dtype=want)), getattr(errors, exc_name), *subs)
+        return raises(lambda: e(x=x, y=torch.randn(4, 8, dtype=want)), error_class(exc_name), *subs)
 
 
 @case(
@@ -909,7 +958,8 @@ def _no_params(wd: Path) -> Outcome:
     from torch import nn
 
     import tiered
-    from tiered.errors import ConfigError
+
+    ConfigError = error_class("ConfigError")
 
     class NoParams(nn.Module):
         def forward(self, x: Any) -> Any:
@@ -923,10 +973,9 @@ def _no_params(wd: Path) -> Outcome:
 
 # ---- config and data -------------------------------------------------------------------------
 def _config_error(cfg: Any, exc_name: str, *subs: str) -> Outcome:
-    import tiered.errors as errors
     from tiered.config.loader import load_config
 
-    return raises(lambda: load_config(cfg), getattr(errors, exc_name), *subs)
+    return raises(lambda: load_config(cfg), error_class(exc_name), *subs)
 
 
 @case(
@@ -937,7 +986,7 @@ def _config_error(cfg: Any, exc_name: str, *subs: str) -> Outcome:
     "a .jsonl whose line 2 is 100k-deep: ConfigError '<file>:2: JSON nested too deeply'",
 )
 def _deep_row(wd: Path) -> Outcome:
-    from tiered.errors import ConfigError
+    ConfigError = error_class("ConfigError")
     from tiered.finetune.data_sources import read_records
 
     p = wd / "rows.jsonl"
@@ -1031,7 +1080,8 @@ def _trace(wd: Path) -> Outcome:
     from engine_support import build, ds_config
 
     import tiered
-    from tiered.errors import ConfigError
+
+    ConfigError = error_class("ConfigError")
 
     cfg = ds_config()
     cfg["tiered"] = {"trace_path": str(wd / "gone" / "trace.json")}
@@ -1081,7 +1131,8 @@ def _tag_long(wd: Path) -> Outcome:
 )
 def _folder_file(wd: Path) -> Outcome:
     from tiered.checkpoint import save_tensors
-    from tiered.errors import CheckpointPathError
+
+    CheckpointPathError = error_class("CheckpointPathError")
 
     (wd / "ck").write_text("not a folder")
     out = raises(
@@ -1104,7 +1155,8 @@ def _folder_file(wd: Path) -> Outcome:
 )
 def _not_writable(wd: Path) -> Outcome:
     from tiered.checkpoint import save_tensors
-    from tiered.errors import CheckpointPathError
+
+    CheckpointPathError = error_class("CheckpointPathError")
 
     os.chmod(wd, 0o755)
     ck = wd / "ck"
