@@ -420,9 +420,9 @@ def _symlinked_tag(wd: Path) -> Outcome:
     "--keep-last 1 with a foreign symlink in checkpoints/ died at the next prune after deleting the "
     "two newest good checkpoints; no export",
     "fine",
-    "CheckpointPolicy(keep_last=1).prune(1) over global_step1..3 plus a linked-in foreign "
-    "global_step99: deletes only global_step1, global_step2; keeps global_step3 and the link; the "
-    "link's target intact",
+    "CheckpointPolicy(keep_last=1).prune(1) over global_step1..3 plus linked-in foreign "
+    "global_step0 and global_step99: deletes only global_step1, global_step2; keeps global_step3 "
+    "and both links; their targets intact and verifying",
 )
 def _keep_last(wd: Path) -> Outcome:
     from tiered.checkpoint import load_tensors, save_tensors
@@ -432,24 +432,34 @@ def _keep_last(wd: Path) -> Outcome:
     root = policy.checkpoints_dir
     for s in (1, 2, 3):
         save_tensors(root, f"global_step{s}", _tensors(s), manifest={"training": {"global_steps": s}})
-    save_tensors(wd / "foreign", "global_step99", _tensors(99), manifest={"training": {"global_steps": 99}})
-    (root / "global_step99").symlink_to(wd / "foreign" / "global_step99")
+    for s in (0, 99):  # someone else's checkpoints linked in: one "older", one "newer" than ours
+        save_tensors(
+            wd / "foreign", f"global_step{s}", _tensors(s), manifest={"training": {"global_steps": s}}
+        )
+        (root / f"global_step{s}").symlink_to(wd / "foreign" / f"global_step{s}")
     try:
         deleted = policy.prune(1)
     except Exception as e:  # noqa: BLE001
-        return "unclear", f"prune raised {type(e).__name__}: {_short(str(e))}"
+        gone = [f"global_step{s}" for s in (1, 2, 3) if not (root / f"global_step{s}").exists()]
+        cls = "wrong" if gone else "unclear"
+        return cls, f"prune raised {type(e).__name__}: {_short(str(e))}" + (
+            f" after deleting {gone}" if gone else ""
+        )
     names = sorted(Path(d).name for d in deleted)
-    ok_left = (root / "global_step3").is_dir() and (root / "global_step99").is_symlink()
+    ok_left = (root / "global_step3").is_dir() and all(
+        (root / f"global_step{s}").is_symlink() for s in (0, 99)
+    )
     try:
         load_tensors(root, "global_step3")
+        load_tensors(wd / "foreign", "global_step0")
         load_tensors(wd / "foreign", "global_step99")
         verified = True
     except Exception:  # noqa: BLE001
         verified = False
     return also(
-        ("fine", f"pruned {names}; kept global_step3 and the foreign link"),
+        ("fine", f"pruned {names}; kept global_step3 and both foreign links"),
         (names == ["global_step1", "global_step2"], f"deleted {names}"),
-        (ok_left, "the newest or the foreign link is gone"),
+        (ok_left, "the newest or a foreign link is gone"),
         (verified, "a kept checkpoint no longer verifies"),
     )
 
@@ -602,18 +612,34 @@ def _faults_engine(wd: Path, fault: dict[str, Any], timeout_s: float) -> tuple[A
     "offload",
     "a hung backend with timeout_s 20 errored after 63.7 s without naming the backend",
     "clear",
-    "the faults backend hangs the first param read under timeout_s 2: TierTimeoutError within "
-    "2.2 s + 1 s slack, naming 'faults', the tier and tiered.timeout_s",
+    "the faults backend hangs the first param read after set-up (a fetch) under timeout_s 2: "
+    "TierTimeoutError within 2.2 s + 1 s slack, naming 'faults', the tier and tiered.timeout_s",
     timeout_s=60,
 )
-def _hung_backend(wd: Path) -> Outcome:
+def _hung_fetch(wd: Path) -> Outcome:
+    return _hung_backend(wd, {"kind": "hang", "op": "read", "key": "*.param", "after": 4, "nth": 1})
+
+
+@case(
+    "hung-backend-prefetch",
+    "offload",
+    "a hung backend with timeout_s 20 errored after 63.7 s without naming the backend",
+    "clear",
+    "the faults backend hangs the first exp_avg read (a prefetch for the step) under timeout_s 2: "
+    "TierTimeoutError within 2.2 s + 1 s slack, naming 'faults', the tier and tiered.timeout_s",
+    timeout_s=60,
+)
+def _hung_prefetch(wd: Path) -> Outcome:
+    return _hung_backend(wd, {"kind": "hang", "op": "read", "key": "*.exp_avg", "nth": 1})
+
+
+def _hung_backend(wd: Path, fault: dict[str, Any]) -> Outcome:
     from engine_support import CASES as MODELS
     from engine_support import make_batches
 
     import tiered
 
     t_s = 2.0
-    fault = {"kind": "hang", "op": "read", "key": "*.param", "after": 4, "nth": 1}
     engine = tiered.initialize(*_faults_engine(wd, fault, t_s))
     took = 0.0
     err: BaseException | None = None
@@ -1207,6 +1233,7 @@ OLD_CLASS: dict[str, str] = {
             "fifo-lock-in-stale-swap-folder",
             "stale-kernel-build-lock",
             "hung-backend-timeout",
+            "hung-backend-prefetch",
             "hung-backend-close",
             "nonfinite-loss-fp32",
             "nonfinite-loss-bf16",
@@ -1352,18 +1379,27 @@ def counts(results: list[dict[str, Any]], key: str = "got") -> dict[str, int]:
     return {k: sum(r[key] == k for r in results) for k in CLASSES}
 
 
-def markdown(results: list[dict[str, Any]]) -> str:
-    """The table of docs/reliability.md: one section per group, a row per case."""
+def markdown(results: list[dict[str, Any]], measured: dict[str, Any] | None = None) -> str:
+    """The table of docs/reliability.md: one section per group, a row per case; with `measured`
+    (the --json of a run on an older tree, --old) a column of what that tree did."""
+    seen = {r["id"]: r for r in (measured or {}).get("cases", [])}
     out: list[str] = []
     for group in dict.fromkeys(r["group"] for r in results):
+        head = ["case", "old class: behaviour (issue 23)"]
+        head += [f"measured on {measured.get('tree', 'the old tree')}"] if measured else []
+        head += ["new behaviour (what the probe saw)", "class"]
         out += [
             f"\n### {group[0].upper()}{group[1:]}\n",
-            "| case | old class: behaviour (issue 23) | new behaviour (what the probe saw) | class |",
-            "|---|---|---|---|",
+            "| " + " | ".join(head) + " |",
+            "|---" * len(head) + "|",
         ]
         for r in (r for r in results if r["group"] == group):
             slow = " (slow)" if r["slow"] else ""
-            cells = [f"`{r['id']}`{slow}", f"{r['old_class']}: {r['old']}", r["observed"], f"**{r['got']}**"]
+            cells = [f"`{r['id']}`{slow}", f"{r['old_class']}: {r['old']}"]
+            if measured:
+                m = seen.get(r["id"])
+                cells.append(f"{m['got']}: {_short(m['observed'], 160)}" if m else "not run")
+            cells += [r["observed"], f"**{r['got']}**"]
             out.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     return "\n".join(out).lstrip("\n")
 
@@ -1375,6 +1411,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ap.add_argument("--markdown", action="store_true", help="print the table docs/reliability.md holds")
+    ap.add_argument(
+        "--old", metavar="FILE", help="with --markdown: the --json of a run on an older tree, as a column"
+    )
+    ap.add_argument("--tree", help="with --json: the name of the tree run (a commit), kept in the file")
     ap.add_argument("--only", metavar="IDS", help="comma-separated case ids")
     ap.add_argument("--list", action="store_true", help="list the cases")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -1408,11 +1448,18 @@ def main(argv: list[str] | None = None) -> int:
     if off:
         print("not as expected: " + ", ".join(off))
     if args.markdown:
-        print("\n" + markdown(results))
+        print("\n" + markdown(results, json.loads(Path(args.old).read_text()) if args.old else None))
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"counts": n, "old_counts": old, "seconds": round(took, 1), "cases": results}, indent=1
+                {
+                    "tree": args.tree,
+                    "counts": n,
+                    "old_counts": old,
+                    "seconds": round(took, 1),
+                    "cases": results,
+                },
+                indent=1,
             )
         )
     return 1 if any(r["got"] in ("unclear", "wrong") for r in results) else 0
