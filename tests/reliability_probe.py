@@ -347,7 +347,7 @@ sys.exit(1 if errors else 0)
     "10-11 of 15 saves failed with raw FileNotFoundError / JSONDecodeError / ENOTEMPTY; in 1 of 4 "
     "runs the tag latest named failed its checksum",
     "fine",
-    "two processes save tag 'same' 6 times each at once: both exit 0, latest loads and verifies, "
+    "three processes save tag 'same' 8 times each at once: all exit 0, latest loads and verifies, "
     "no .partial / .old / .tmp left",
     slow=True,
     timeout_s=150,
@@ -358,12 +358,12 @@ def _two_savers(wd: Path) -> Outcome:
     ck = wd / "ck"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _SAVER, str(ck), str(me), "6"],
+            [sys.executable, "-c", _SAVER, str(ck), str(me), "8"],
             env=_env(),
             stderr=subprocess.PIPE,
             text=True,
         )
-        for me in range(2)
+        for me in range(3)
     ]
     errs = [p.communicate(timeout=120)[1] for p in procs]
     if any(p.returncode for p in procs):
@@ -374,7 +374,7 @@ def _two_savers(wd: Path) -> Outcome:
         return "wrong", f"latest does not load: {type(e).__name__}: {_short(str(e))}"
     left = [p.name for p in ck.iterdir() if p.name.endswith((".partial", ".old", ".tmp"))]
     return also(
-        ("fine", f"12 saves of one tag by 2 processes all succeeded; latest = {Path(path).name} verifies"),
+        ("fine", f"24 saves of one tag by 3 processes all succeeded; latest = {Path(path).name} verifies"),
         (not left, f"left behind {left}"),
         (t["w"].numel() == 1 << 18, "the loaded tensor has the wrong size"),
     )
