@@ -1407,7 +1407,7 @@ def markdown(results: list[dict[str, Any]], measured: dict[str, Any] | None = No
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument(
-        "--quick", action="store_true", help="skip the slow cases (two processes racing, kill -9)"
+        "--quick", action="store_true", help="skip the slow cases (savers of one tag racing, kill -9)"
     )
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ap.add_argument("--markdown", action="store_true", help="print the table docs/reliability.md holds")

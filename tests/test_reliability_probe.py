@@ -1,7 +1,7 @@
 """Issue 23's cases, run by tests/reliability_probe.py (each in a worker subprocess with a time
 limit, so a hang is reported, not waited on): none of the quick ones may be "unclear" (a raw
 error) or "wrong" (silent bad result, hang, loss), and each gives the class it expects. The slow
-ones (two processes racing, kill -9) run with ``python tests/reliability_probe.py``."""
+ones (savers of one tag racing, kill -9) run with ``python tests/reliability_probe.py``."""
 
 from __future__ import annotations
 
