@@ -1286,11 +1286,19 @@ def run_one(c: Case, announce: Callable[[Path], None] | None = None) -> dict[str
     return {"id": c.id, "got": got, "observed": observed, "seconds": round(time.perf_counter() - t0, 2)}
 
 
+SELFTEST = ("selftest-hang", "selftest-crash")
+
+
 def _worker(ids: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     sys.path.insert(0, str(HERE))
     by_id = {c.id: c for c in CASES}
     for i in ids:
+        if i in SELFTEST:  # the runner's own test: a case that hangs, one that kills its worker
+            print(MARK + json.dumps({"start": i, "wd": ""}), flush=True)
+            if i == "selftest-hang":
+                time.sleep(3600)
+            os._exit(9)
         r = run_one(
             by_id[i], lambda wd, i=i: print(MARK + json.dumps({"start": i, "wd": str(wd)}), flush=True)
         )
@@ -1302,12 +1310,13 @@ def run_cases(cases: list[Case], log: Callable[[dict[str, Any]], None] | None = 
     case that passes its time limit kills the worker and is a hang."""
     results: dict[str, dict[str, Any]] = {}
     todo = list(cases)
+    errlog = tempfile.TemporaryFile("w+")  # the workers' stderr: its end says why one died
     while todo:
         proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--worker", ",".join(c.id for c in todo)],
             env=_env(),
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=errlog,
             text=True,
             cwd=str(ROOT),
         )
@@ -1337,7 +1346,7 @@ def run_cases(cases: list[Case], log: Callable[[dict[str, Any]], None] | None = 
                 what = (
                     f"hung: no result within {current.timeout_s:.0f} s (killed)"
                     if line == "TIMEOUT"
-                    else f"the worker died (exit {proc.returncode})"
+                    else f"the worker died (exit {proc.returncode}): {_tail(errlog)}"
                 )
                 r = {"id": current.id, "got": "wrong", "observed": what, "seconds": current.timeout_s}
             elif line.startswith(MARK):
@@ -1372,7 +1381,15 @@ def run_cases(cases: list[Case], log: Callable[[dict[str, Any]], None] | None = 
                 **r,
             }
         )
+    errlog.close()
     return out
+
+
+def _tail(f: Any, n: int = 300) -> str:
+    f.seek(0)
+    lines = [ln for ln in f.read().splitlines() if ln.strip()]
+    f.seek(0, os.SEEK_END)
+    return _short(lines[-1] if lines else "(nothing on stderr)", n)
 
 
 def counts(results: list[dict[str, Any]], key: str = "got") -> dict[str, int]:

@@ -32,3 +32,15 @@ def test_every_case_names_its_expectation_and_check() -> None:
 def test_every_case_has_the_class_the_issue_gave_it() -> None:
     assert set(probe.OLD_CLASS) == {c.id for c in probe.CASES}
     assert set(probe.OLD_CLASS.values()) <= {"unclear", "wrong"}
+
+
+def test_a_hang_or_a_dead_worker_is_wrong_and_the_next_case_still_runs() -> None:
+    def fake(id: str) -> probe.Case:
+        return probe.Case(id, "self", "-", "wrong", "-", lambda wd: ("fine", ""), timeout_s=3)
+
+    real = next(c for c in probe.CASES if c.id == "tag-nul")
+    got = {r["id"]: r for r in probe.run_cases([fake("selftest-hang"), fake("selftest-crash"), real])}
+    assert got["selftest-hang"]["got"] == "wrong" and "hung" in got["selftest-hang"]["observed"]
+    assert got["selftest-crash"]["got"] == "wrong" and "exit -9" not in got["selftest-crash"]["observed"]
+    assert "the worker died (exit 9)" in got["selftest-crash"]["observed"]
+    assert got["tag-nul"]["got"] == "clear"
