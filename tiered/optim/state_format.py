@@ -61,7 +61,7 @@ or int8, bf16 into int8, int8 into bf16) would round the saved moments and is re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from typing_extensions import Unpack
@@ -75,7 +75,9 @@ from tiered.optim.state_codecs import (
     Fp32Codec,
     MomentCodec,
 )
-from tiered_ext import AdamScalars
+
+if TYPE_CHECKING:  # (tiered_ext imports tiered while it initialises: the type only)
+    from tiered_ext import AdamScalars
 
 ADAM_OPTIMIZERS = ("Adam", "AdamW")
 
