@@ -109,6 +109,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="FILE",
         help="link bandwidths from `tiered bench --json FILE` to rank configs by (default: assumed, printed)",
     )
+    p.add_argument(
+        "--tokens-per-step",
+        metavar="COUNT",
+        help="tokens per optimizer step per rank: counts the compute in the predicted s/step "
+        "([Note: step time model]; default: --seq-len x --micro-batch x --accumulation, or not modelled)",
+    )
+    p.add_argument("--seq-len", type=int, metavar="T", help="sequence length (with --micro-batch)")
+    p.add_argument(
+        "--micro-batch", type=int, default=1, metavar="B", help="sequences per micro-batch (default 1)"
+    )
+    p.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing: one more forward counted"
+    )
     pin = p.add_argument_group(
         "pinned knobs (the search never varies a knob you give; see [Note: config search])"
     )
@@ -118,6 +131,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     pin.add_argument("--buffer-count", type=int, help="offload_optimizer.buffer_count")
     pin.add_argument("--max-in-cpu", metavar="COUNT", help="offload_param.max_in_cpu")
     pin.add_argument("--persistence-threshold", metavar="COUNT", help="stage3_param_persistence_threshold")
+    pin.add_argument("--max-live-parameters", metavar="COUNT", help="stage3_max_live_parameters")
+    pin.add_argument(
+        "--overlap-step",
+        choices=("on", "off"),
+        help="tiered.overlap_step_with_backward (default: on where it applies)",
+    )
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
     add_lora_argument(p)
     return p
@@ -245,6 +264,10 @@ def pinned_from_args(args: argparse.Namespace) -> Any:
         values["persistence_threshold"] = (
             0 if t in ("0", 0) else parse_count(t, what="--persistence-threshold")
         )
+    if getattr(args, "max_live_parameters", None) is not None:
+        values["max_live_parameters"] = parse_count(args.max_live_parameters, what="--max-live-parameters")
+    if getattr(args, "overlap_step", None) is not None:
+        values["overlap_step"] = args.overlap_step == "on"
     if values.get("buffer_count") is not None and values["buffer_count"] < 1:
         raise ConfigError(f"--buffer-count must be >= 1, got {values['buffer_count']}")
     return Pinned(values)
@@ -252,8 +275,11 @@ def pinned_from_args(args: argparse.Namespace) -> Any:
 
 def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
     """Fit, then fastest ([Note: config search]): the search result and what it assumed."""
+    import torch
+
     from tiered.planning.needs import host_baseline_bytes
-    from tiered.planning.search import DEFAULT_BANDWIDTH, Memories, read_bandwidth, search
+    from tiered.planning.search import Memories, search
+    from tiered.planning.timing import DEFAULT_BANDWIDTH, read_bandwidth
 
     model, said = meta_model_from_args(args)
     notes = list(said)
@@ -270,6 +296,23 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
     if args.accumulation < 1:
         raise ConfigError(f"--accumulation must be >= 1, got {args.accumulation}")
     kind = getattr(args, "device", "cuda")
+    tokens = tokens_from_args(args)
+    if tokens and "flops" not in bw:
+        from tiered.planning.timing import probe_flops
+
+        device = "cuda" if kind == "cuda" and torch.cuda.is_available() else "cpu"
+        dtype = torch.float32 if args.precision == "fp32" or device == "cpu" else torch.bfloat16
+        bw["flops"] = probe_flops(device, dtype)
+        notes.append(
+            f"compute {bw['flops'] / 1e12:.3f} TFLOP/s: a {dtype} matmul timed on this machine's {device} "
+            "([Note: step time model]; --bandwidth FILE with a compute entry to give it)"
+        )
+    if tokens:
+        notes.append(
+            f"compute: {tokens:,} tokens per step x {'8' if args.checkpointing else '6'} FLOPs per parameter"
+        )
+    else:
+        notes.append("compute: not modelled (give --tokens-per-step or --seq-len to count it)")
     notes.append(
         f"process baseline: {format_bytes(host_baseline_bytes(kind), binary=True)} of host memory for a "
         f"{kind} process, measured ([Note: one memory model]; --device cuda|cpu)"
@@ -290,8 +333,25 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
         nvme_path=args.nvme_path,
         bandwidth=bw,
         device_kind=kind,
+        tokens_per_step=tokens,
+        checkpointing=bool(getattr(args, "checkpointing", False)),
     )
     return result, notes
+
+
+def tokens_from_args(args: argparse.Namespace) -> int | None:
+    """Tokens per optimizer step per rank ([Note: step time model]); None: not given."""
+    from tiered.planning.model_shape import parse_count
+
+    if getattr(args, "tokens_per_step", None) is not None:
+        n = parse_count(args.tokens_per_step, what="--tokens-per-step")
+    elif getattr(args, "seq_len", None) is not None:
+        n = args.seq_len * args.micro_batch * args.accumulation
+    else:
+        return None
+    if n < 1:
+        raise ConfigError(f"tokens per step must be >= 1, got {n}")
+    return int(n)
 
 
 def _search_json(result: Any) -> dict[str, Any]:
@@ -351,7 +411,7 @@ def render_search(result: Any, notes: list[str], out: TextIO) -> None:
         + format_bytes(c.peaks["disk"], binary=True)
         + "\n"
     )
-    w(f"  predicted {c.seconds_per_step:.2f} s/step (the slowest link; GPU compute not modelled)\n")
+    w(f"  predicted {c.seconds_per_step:.2f} s/step (the slowest of compute, links and CPU Adam)\n")
     w(
         "  bytes per step ([Note: bytes per step]): "
         + ", ".join(f"{link} {format_bytes(b)}" for link, b in c.traffic.items())
