@@ -158,3 +158,13 @@ def test_search_counts_the_compute_when_tokens_are_given() -> None:
     assert without.seconds_per_step < 1
     assert small.seconds_per_step == pytest.approx(6 * params * 512 / 1e6)
     assert large.seconds_per_step == pytest.approx(2 * small.seconds_per_step)
+
+
+def test_a_step_that_runs_after_backward_adds_its_state_reads() -> None:
+    """[Note: step time model]: without the overlap (or pipeline_read) the step's state reads
+    run alone after the compute; with it they overlap."""
+    bw = {**DEFAULT_BANDWIDTH, "flops": 1e9, "disk_read": 1e9}
+    traffic = {"disk->host": 10**9, "host->disk": 0, "host->device": 0, "device->host": 0}
+    overlapped = seconds_per_step(traffic, 0, bw, compute_flops=2e9)
+    alone = seconds_per_step(traffic, 0, bw, compute_flops=2e9, step_disk_reads=10**9)
+    assert overlapped == pytest.approx(2.0) and alone == pytest.approx(3.0)

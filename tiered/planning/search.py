@@ -55,10 +55,9 @@ import torch
 from torch import nn
 
 from tiered.errors import CapacityError, ConfigError
-from tiered.optim.arrivals import grads_consumed_from_memory
 from tiered.planning.needs import Prediction, predict
-from tiered.planning.timing import DEFAULT_BANDWIDTH, seconds_per_step, training_flops
-from tiered.planning.traffic import bytes_per_step
+from tiered.planning.timing import DEFAULT_BANDWIDTH, seconds_per_step, step_runs_alone, training_flops
+from tiered.planning.traffic import config_bytes_per_step
 from tiered.units import format_bytes
 
 if TYPE_CHECKING:
@@ -409,17 +408,12 @@ def _weigh_at(
     budgets["cpu"] = cpu_budget
     config = candidate_config(knobs, budgets=budgets, **opts)
     knobs["max_live_parameters"] = cfg.zero.max_live_parameters_numel  # the value in force, shown
-    traffic = bytes_per_step(
-        [g for g in pred.groups],
-        list(pred.plans),
-        pred.memory,
-        compute_dtype=pred.placement.compute_dtype,
-        accumulation=accumulation,
-        max_in_cpu_numel=knobs["max_in_cpu"],
-        state_format=cfg.tiered.optimizer_state_format,
-        grads_from_memory=grads_consumed_from_memory(cfg),
-        max_live_numel=cfg.zero.max_live_parameters_numel,
-        max_reuse_numel=cfg.zero.max_reuse_distance_numel,
+    traffic = config_bytes_per_step(pred, cfg, max_in_cpu_numel=knobs["max_in_cpu"])
+    alone = step_runs_alone(cfg)
+    step_reads = (
+        config_bytes_per_step(pred, cfg, max_in_cpu_numel=knobs["max_in_cpu"], gathers=False)["disk->host"]
+        if alone
+        else 0
     )
     adam = sum(
         g.shard_numel
@@ -427,7 +421,12 @@ def _weigh_at(
         if p.side == "cpu"
     )
     seconds = seconds_per_step(
-        traffic, adam, bandwidth, compute_flops=compute_flops, shared_cores=device_kind == "cpu"
+        traffic,
+        adam,
+        bandwidth,
+        compute_flops=compute_flops,
+        shared_cores=device_kind == "cpu",
+        step_disk_reads=step_reads,
     )
     return Candidate(knobs, config, pred, short, peaks=peaks, traffic=traffic, seconds_per_step=seconds)
 

@@ -18,13 +18,17 @@ from a number the run can measure:
   Without the tokens, compute is not modelled (the same for every candidate: the ranking holds,
   the absolute s/step is a floor).
 
-The engine overlaps I/O with compute (prefetch ahead of the forward and backward, the step
-overlapped with backward, the writes behind), so the step is max(compute, I/O, CPU Adam); on a
-machine without a GPU the CPU Adam runs on the same cores as the compute, so there it adds to
-the compute instead of overlapping it (max(compute + Adam, I/O)). What is not overlapped and not
-counted: the first group's fetch before the forward can start and the last groups' step after
-backward ends, at most a few groups' worth; benchmarks/RESULTS.md (issue 21) compares the
-prediction with benchmarks/step.py's measured s/step.
+The engine overlaps I/O with compute (prefetch ahead of the forward and backward, the writes
+behind), so with the step overlapped with backward (``tiered.overlap_step_with_backward``) or
+its state prefetched (``offload_optimizer.pipeline_read``) the step is max(compute, I/O, CPU
+Adam); on a machine without a GPU the CPU Adam runs on the same cores as the compute, so there
+it adds to the compute instead of overlapping it (max(compute + Adam, I/O)). Otherwise the step
+starts after backward and first reads its state from disk: those reads (or the Adam, if
+slower) run alone, after the compute, and add to it: max(compute, the other I/O) + max(state
+reads, Adam). What is not counted: the first group's fetch before the forward can start, the
+last writes' wait, and the compute's own inefficiency at small shapes (the probe is one large
+matmul; attention, norms and the loss are not in 6 x params x tokens): benchmarks/RESULTS.md
+(issue 21) compares the prediction with benchmarks/step.py's measured s/step.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from pathlib import Path
 
 import torch
 
+from tiered.config.schema import TieredConfig
 from tiered.errors import ConfigError
+from tiered.optim.arrivals import overlap_blockers
 
 DEFAULT_BANDWIDTH = {"disk_read": 3.0e9, "disk_write": 2.0e9, "h2d": 20e9, "d2h": 20e9, "cpu_adam": 1.0e9}
 """Bytes/s per link and CPU Adam elements/s assumed without ``--bandwidth`` (one PCIe 4.0 NVMe
@@ -133,13 +139,29 @@ def seconds_per_step(
     *,
     compute_flops: float = 0.0,
     shared_cores: bool = False,
+    step_disk_reads: int = 0,
 ) -> float:
     """[Note: step time model]: the slowest of the overlapped links, the CPU Adam and the
-    compute bound the step; with `shared_cores` (no GPU) the Adam adds to the compute."""
-    disk = traffic["disk->host"] / bw["disk_read"] + traffic["host->disk"] / bw["disk_write"]
+    compute bound the step; with `shared_cores` (no GPU) the Adam adds to the compute.
+    `step_disk_reads`: bytes the optimizer step reads from disk after backward has ended (its
+    state, when the step is neither overlapped with backward nor ``pipeline_read``): that
+    read, or the Adam if slower, then runs alone and adds to the rest."""
     adam = adam_elements / bw["cpu_adam"]
     compute = compute_flops / bw["flops"] if compute_flops and bw.get("flops") else 0.0
+    tail = max(step_disk_reads / bw["disk_read"], adam) if step_disk_reads else 0.0
+    disk = (traffic["disk->host"] - step_disk_reads) / bw["disk_read"] + traffic["host->disk"] / bw[
+        "disk_write"
+    ]
     io = max(disk, traffic["host->device"] / bw["h2d"], traffic["device->host"] / bw["d2h"])
+    if tail:
+        return max(io, compute) + tail
     if shared_cores:
         return max(io, compute + adam)
     return max(io, adam, compute)
+
+
+def step_runs_alone(cfg: TieredConfig) -> bool:
+    """Whether the optimizer step starts after backward and reads its state then ([Note: step
+    time model]): neither overlapped with backward nor its state prefetched (pipeline_read)."""
+    overlapped = cfg.zero.overlap_step_with_backward and not overlap_blockers(cfg)
+    return not overlapped and not cfg.zero.offload_optimizer.pipeline_read
