@@ -168,3 +168,17 @@ def test_a_step_that_runs_after_backward_adds_its_state_reads() -> None:
     overlapped = seconds_per_step(traffic, 0, bw, compute_flops=2e9)
     alone = seconds_per_step(traffic, 0, bw, compute_flops=2e9, step_disk_reads=10**9)
     assert overlapped == pytest.approx(2.0) and alone == pytest.approx(3.0)
+
+
+def test_plan_cli_counts_compute_with_tokens_and_a_flop_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    from tiered.cli.main import main
+
+    args = ["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "64GB", "--nvme-mem", "1TB"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert "compute: not modelled (give --tokens-per-step or --seq-len" in plain
+    assert main([*args, "--seq-len", "4096", "--micro-batch", "4", "--flops", "1e12"]) == 0
+    out = capsys.readouterr().out
+    assert "compute 1.000 TFLOP/s (--flops)" in out and "16,384 tokens per step x 6 FLOPs" in out
+    seconds = float(out.split("predicted ")[1].split(" s/step")[0])
+    assert seconds >= 6 * 1e9 * 16384 / 1e12 * 0.95  # at least the compute (the shape model: ~1e9 params)

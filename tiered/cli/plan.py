@@ -122,6 +122,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing: one more forward counted"
     )
+    p.add_argument(
+        "--flops",
+        type=float,
+        metavar="RATE",
+        help="the compute device's FLOP/s for the compute term, e.g. 4e14 (default: a matmul probe here)",
+    )
     pin = p.add_argument_group(
         "pinned knobs (the search never varies a knob you give; see [Note: config search])"
     )
@@ -297,7 +303,16 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
         raise ConfigError(f"--accumulation must be >= 1, got {args.accumulation}")
     kind = getattr(args, "device", "cuda")
     tokens = tokens_from_args(args)
-    if tokens and "flops" not in bw:
+    if tokens and getattr(args, "flops", None) is not None:
+        bw["flops"] = float(args.flops)
+        notes.append(f"compute {bw['flops'] / 1e12:.3f} TFLOP/s (--flops)")
+    if tokens and "flops" not in bw and kind == "cuda" and not torch.cuda.is_available():
+        notes.append(
+            "compute: not modelled: planning for a GPU on a machine without one (give --flops, or "
+            "--bandwidth FILE with a compute entry)"
+        )
+        tokens = None
+    elif tokens and "flops" not in bw:
         from tiered.planning.timing import probe_flops
 
         device = "cuda" if kind == "cuda" and torch.cuda.is_available() else "cpu"
@@ -311,7 +326,7 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
         notes.append(
             f"compute: {tokens:,} tokens per step x {'8' if args.checkpointing else '6'} FLOPs per parameter"
         )
-    else:
+    elif not any(n.startswith("compute: not modelled") for n in notes):
         notes.append("compute: not modelled (give --tokens-per-step or --seq-len to count it)")
     notes.append(
         f"process baseline: {format_bytes(host_baseline_bytes(kind), binary=True)} of host memory for a "
