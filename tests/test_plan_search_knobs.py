@@ -182,3 +182,14 @@ def test_plan_cli_counts_compute_with_tokens_and_a_flop_rate(capsys: pytest.Capt
     assert "compute 1.000 TFLOP/s (--flops)" in out and "16,384 tokens per step x 6 FLOPs" in out
     seconds = float(out.split("predicted ")[1].split(" s/step")[0])
     assert seconds >= 6 * 1e9 * 16384 / 1e12 * 0.95  # at least the compute (the shape model: ~1e9 params)
+
+
+def test_read_bandwidth_takes_the_compute_rate(tmp_path: Path) -> None:
+    from tiered.planning.timing import read_bandwidth
+
+    path = tmp_path / "bench.json"
+    path.write_text('{"methods": [], "compute": {"flops_per_s": 2.5e12}}')
+    bw, said = read_bandwidth(path)
+    assert bw["flops"] == 2.5e12 and any("2.50 TFLOP/s" in s for s in said)
+    path.write_text('{"methods": []}')
+    assert "flops" not in read_bandwidth(path)[0]
