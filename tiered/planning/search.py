@@ -234,15 +234,17 @@ def weigh(
         return _weigh_at(model, knobs, mem, max_live, **kw)
     first = _weigh_at(model, knobs, mem, live_parameters(model), **kw)
     pred = first.prediction
-    if pred is None or mem.gpu is None or kw.get("world_size", 1) != 1 or knobs["offload_param"] == "none":
-        return first
+    ws = int(kw.get("world_size", 1))
+    if pred is None or mem.gpu is None or (ws == 1 and knobs["offload_param"] == "none"):
+        return first  # nothing gathered: the parameters are the GPU's own
     gpu_budget = max(0, mem.gpu - mem.activations)
     itemsize = torch.empty(0, dtype=pred.placement.compute_dtype).element_size()
+    per_element = itemsize * ((1 + 1 / ws) if ws > 1 else 1)  # as `live_gpu_bytes`
     gather = pred.needs["gpu"]["gather"] if "gpu" in pred.needs else 0
     room = gpu_budget - pred.tier_bytes("device")  # the gather's bytes again: the largest module's gradient
-    total = sum(g.full_numel for g in pred.groups if not g.persistent and g.param.home != "gpu")
-    fit = min(total, room // itemsize)
-    if fit * itemsize < gather:
+    total = sum(g.full_numel for g in pred.groups if not g.persistent and (g.param.home != "gpu" or ws > 1))
+    fit = min(total, int(room // per_element))
+    if fit * per_element < gather:
         return first  # too little room: the default or nothing
     second = _weigh_at(model, knobs, mem, int(fit), **kw)
     # ties (another link bounds the step): fewer bytes moved, the re-reads' PCIe time saved

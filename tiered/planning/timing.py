@@ -13,8 +13,10 @@ from a number the run can measure:
   backward 4 per parameter per token; a frozen parameter's backward still propagates the
   input gradient, 2 of the 4, which the formula keeps as a small overestimate) plus one
   forward more (2 x parameters x tokens) with activation checkpointing, over the compute
-  device's FLOP rate: a ``"compute": {"flops_per_s": ...}`` entry of the bandwidth file, or
-  `probe_flops`, a timed fp32/bf16 matmul of a fraction of a second on the device the run uses.
+  device's FLOP rate: ``--flops``, the ``"compute": {"flops_per_s": ...}`` entry ``tiered bench
+  --json`` writes into the bandwidth file, or `probe_flops` run by the plan itself, a timed
+  fp32/bf16 matmul of a fraction of a second on this machine's device (not run when planning
+  for a GPU on a machine without one: there compute stays unmodelled, and the plan says so).
   Without the tokens, compute is not modelled (the same for every candidate: the ranking holds,
   the absolute s/step is a floor).
 
