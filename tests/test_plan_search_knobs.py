@@ -102,6 +102,14 @@ def test_the_engine_preflight_accepts_the_sized_live_budget(tmp_path: Path) -> N
     real = transformers.AutoModelForCausalLM.from_config(model.config)
     with tiered.initialize(real, config) as engine:
         assert engine.capacity == best.prediction.needs
+        ids = torch.randint(0, 512, (1, 16))
+        for _ in range(2):  # it trains under that budget (the backward re-reads what was evicted)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+        assert torch.isfinite(loss)
+        zero = engine.stats()["zero"]
+        assert zero["max_live_numel"] == live and 0 < zero["live_numel_peak"] <= live
 
 
 def test_overlap_step_chosen_only_where_it_applies(tmp_path: Path) -> None:
