@@ -125,4 +125,6 @@ def _knob_text(k: dict[str, Any]) -> str:
         f"optimizer {k['offload_optimizer']}, params {k['offload_param']}, grads {k['grad_tier']}, "
         f"sub_group_size {k['sub_group_size']:,}, buffer_count {k['buffer_count']}, "
         f"persistence threshold {k['persistence_threshold']:,}, max_in_cpu {k['max_in_cpu']:,}"
+        + (f", live budget {k['max_live_parameters']:,}" if k.get("max_live_parameters") else "")
+        + (", step overlapped with backward" if k.get("overlap_step") else "")
     )
