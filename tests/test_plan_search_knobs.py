@@ -201,3 +201,10 @@ def test_read_bandwidth_takes_the_compute_rate(tmp_path: Path) -> None:
     assert bw["flops"] == 2.5e12 and any("2.50 TFLOP/s" in s for s in said)
     path.write_text('{"methods": []}')
     assert "flops" not in read_bandwidth(path)[0]
+
+
+def test_overlap_pinned_on_with_fp16_is_refused_by_name() -> None:
+    from tiered.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--overlap-step on.*fp16"):
+        search(_meta(), Memories(gpu=2**30), Pinned({**ALL_NVME, "overlap_step": True}), precision="fp16")

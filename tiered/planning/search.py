@@ -368,6 +368,11 @@ def search(
     """Every candidate of `knob_grid`, weighed; the fastest that fits (ties: less host memory).
     With `tokens_per_step` (per rank) the compute counts at ``kw["bandwidth"]["flops"]``
     ([Note: step time model])."""
+    if pinned.get("overlap_step") and kw.get("precision") == "fp16":  # `overlap_blockers`
+        raise ConfigError(
+            "contradictory pinned knobs: --overlap-step on, but fp16 needs the overflow check over every "
+            "gradient before the first update; use bf16 or --overlap-step off"
+        )
     weighed = []
     kw.setdefault("layouts", {})
     if tokens_per_step:
