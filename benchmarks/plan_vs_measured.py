@@ -35,7 +35,8 @@ _CHILD = r"""
 import json, os, resource, sys, time
 import torch, transformers
 import tiered
-from tiered.planning.search import Memories, search, DEFAULT_BANDWIDTH, read_bandwidth
+from tiered.planning.search import Memories, search
+from tiered.planning.timing import DEFAULT_BANDWIDTH, read_bandwidth
 shape, cpu_mem, gpu_mem, steps, nvme, bwfile = json.loads(sys.argv[1])
 kw = dict(shape)
 moe, lora = kw.pop("moe", False), kw.pop("lora", False)

@@ -216,6 +216,7 @@ def test_cli_bench_json_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert doc["size_bytes"] == 256 * 1024 and doc["rounds"] == 1
     assert [m["status"] for m in doc["methods"][:2]] == ["ok", "ok"]
     assert {"platform", "cpu_count", "torch"} <= set(doc["machine"])
+    assert doc["compute"]["flops_per_s"] > 0  # the FLOP rate tiered plan --bandwidth reads
 
 
 @pytest.mark.parametrize(

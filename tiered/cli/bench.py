@@ -222,6 +222,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         gpu = measure_gpu_link(min(result.size_bytes, 1 << 30), rounds=result.rounds)
         out.write("\n" + gpu.to_markdown())
         doc["gpu_link"] = gpu.to_json()
+    doc["compute"] = _compute_rate(out)  # tiered plan --bandwidth reads it ([Note: step time model])
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         out.write(f"\nJSON written to {args.json}\n")
@@ -232,3 +233,19 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"tiered bench: failed: {', '.join(failed) or 'no ceiling measured'}", file=sys.stderr)
         return 1
     return 0
+
+
+def _compute_rate(out: TextIO) -> dict[str, Any]:
+    """The matmul FLOP rate of the compute device here (`tiered.planning.timing.probe_flops`:
+    bf16 on a GPU, fp32 on the CPU), for the compute term of `tiered plan`'s s/step."""
+    import torch
+
+    from tiered.planning.timing import probe_flops
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rate = probe_flops(device, dtype)
+    out.write(
+        f"\ncompute: {rate / 1e12:.3f} TFLOP/s ({dtype} matmul on {device}, {torch.get_num_threads()} threads)\n"
+    )
+    return {"flops_per_s": rate, "device": device, "dtype": str(dtype).removeprefix("torch.")}

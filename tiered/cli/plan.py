@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any, TextIO
 
+from tiered.cli.plan_search import pinned_from_args, render_search, search_json, tokens_from_args
 from tiered.errors import ConfigError
 from tiered.planning.accounting import TIERS, Memories, PlanOptions, PrecisionBytes, gb
 from tiered.planning.verdict import Plan, make_plan
@@ -109,6 +110,25 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="FILE",
         help="link bandwidths from `tiered bench --json FILE` to rank configs by (default: assumed, printed)",
     )
+    p.add_argument(
+        "--tokens-per-step",
+        metavar="COUNT",
+        help="tokens per optimizer step per rank: counts the compute in the predicted s/step "
+        "([Note: step time model]; default: --seq-len x --micro-batch x --accumulation, or not modelled)",
+    )
+    p.add_argument("--seq-len", type=int, metavar="T", help="sequence length (with --micro-batch)")
+    p.add_argument(
+        "--micro-batch", type=int, default=1, metavar="B", help="sequences per micro-batch (default 1)"
+    )
+    p.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing: one more forward counted"
+    )
+    p.add_argument(
+        "--flops",
+        type=float,
+        metavar="RATE",
+        help="the compute device's FLOP/s for the compute term, e.g. 4e14 (default: a matmul probe here)",
+    )
     pin = p.add_argument_group(
         "pinned knobs (the search never varies a knob you give; see [Note: config search])"
     )
@@ -118,6 +138,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     pin.add_argument("--buffer-count", type=int, help="offload_optimizer.buffer_count")
     pin.add_argument("--max-in-cpu", metavar="COUNT", help="offload_param.max_in_cpu")
     pin.add_argument("--persistence-threshold", metavar="COUNT", help="stage3_param_persistence_threshold")
+    pin.add_argument("--max-live-parameters", metavar="COUNT", help="stage3_max_live_parameters")
+    pin.add_argument(
+        "--overlap-step",
+        choices=("on", "off"),
+        help="tiered.overlap_step_with_backward (default: on where it applies)",
+    )
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
     add_lora_argument(p)
     return p
@@ -226,34 +252,13 @@ def meta_model_from_args(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]
     return model, said
 
 
-def pinned_from_args(args: argparse.Namespace) -> Any:
-    from tiered.planning.model_shape import parse_count
-    from tiered.planning.search import Pinned
-
-    values: dict[str, Any] = {}
-    for name in ("offload_optimizer", "offload_param", "grad_tier", "buffer_count"):
-        if getattr(args, name, None) is not None:
-            values[name] = getattr(args, name)
-    if args.sub_group_size is not None:
-        values["sub_group_size"] = parse_count(args.sub_group_size, what="--sub-group-size")
-    if getattr(args, "max_in_cpu", None) is not None:
-        values["max_in_cpu"] = (
-            0 if args.max_in_cpu in ("0", 0) else parse_count(args.max_in_cpu, what="--max-in-cpu")
-        )
-    if getattr(args, "persistence_threshold", None) is not None:
-        t = args.persistence_threshold
-        values["persistence_threshold"] = (
-            0 if t in ("0", 0) else parse_count(t, what="--persistence-threshold")
-        )
-    if values.get("buffer_count") is not None and values["buffer_count"] < 1:
-        raise ConfigError(f"--buffer-count must be >= 1, got {values['buffer_count']}")
-    return Pinned(values)
-
-
 def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
     """Fit, then fastest ([Note: config search]): the search result and what it assumed."""
+    import torch
+
     from tiered.planning.needs import host_baseline_bytes
-    from tiered.planning.search import DEFAULT_BANDWIDTH, Memories, read_bandwidth, search
+    from tiered.planning.search import Memories, search
+    from tiered.planning.timing import DEFAULT_BANDWIDTH, read_bandwidth
 
     model, said = meta_model_from_args(args)
     notes = list(said)
@@ -270,6 +275,32 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
     if args.accumulation < 1:
         raise ConfigError(f"--accumulation must be >= 1, got {args.accumulation}")
     kind = getattr(args, "device", "cuda")
+    tokens = tokens_from_args(args)
+    if tokens and getattr(args, "flops", None) is not None:
+        bw["flops"] = float(args.flops)
+        notes.append(f"compute {bw['flops'] / 1e12:.3f} TFLOP/s (--flops)")
+    if tokens and "flops" not in bw and kind == "cuda" and not torch.cuda.is_available():
+        notes.append(
+            "compute: not modelled: planning for a GPU on a machine without one (give --flops, or "
+            "--bandwidth FILE with a compute entry)"
+        )
+        tokens = None
+    elif tokens and "flops" not in bw:
+        from tiered.planning.timing import probe_flops
+
+        device = "cuda" if kind == "cuda" and torch.cuda.is_available() else "cpu"
+        dtype = torch.float32 if args.precision == "fp32" or device == "cpu" else torch.bfloat16
+        bw["flops"] = probe_flops(device, dtype)
+        notes.append(
+            f"compute {bw['flops'] / 1e12:.3f} TFLOP/s: a {dtype} matmul timed on this machine's {device} "
+            "([Note: step time model]; --bandwidth FILE with a compute entry to give it)"
+        )
+    if tokens:
+        notes.append(
+            f"compute: {tokens:,} tokens per step x {'8' if args.checkpointing else '6'} FLOPs per parameter"
+        )
+    elif not any(n.startswith("compute: not modelled") for n in notes):
+        notes.append("compute: not modelled (give --tokens-per-step or --seq-len to count it)")
     notes.append(
         f"process baseline: {format_bytes(host_baseline_bytes(kind), binary=True)} of host memory for a "
         f"{kind} process, measured ([Note: one memory model]; --device cuda|cpu)"
@@ -290,83 +321,10 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
         nvme_path=args.nvme_path,
         bandwidth=bw,
         device_kind=kind,
+        tokens_per_step=tokens,
+        checkpointing=bool(getattr(args, "checkpointing", False)),
     )
     return result, notes
-
-
-def _search_json(result: Any) -> dict[str, Any]:
-    def one(c: Any) -> dict[str, Any] | None:
-        if c is None:
-            return None
-        return {
-            "knobs": c.knobs,
-            "config": c.config,
-            "peaks_bytes": c.peaks,
-            "shortfall_bytes": c.shortfalls,
-            "refused": c.refused,
-            "seconds_per_step": c.seconds_per_step,
-            "bytes_per_step": c.traffic,
-            "needs": None if c.prediction is None else c.prediction.needs,
-        }
-
-    return {
-        "best": one(result.best),
-        "closest": None if result.best is not None else one(result.closest),
-        "weighed": len(result.weighed),
-        "fit": sum(c.fits for c in result.weighed),
-    }
-
-
-def render_search(result: Any, notes: list[str], out: TextIO) -> None:
-    """The search's answer: the fastest config that fits, or the closest and what it lacks."""
-    from tiered.planning.search import shortfall_text
-    from tiered.units import format_bytes
-
-    w = out.write
-    w(
-        f"\nconfigs weighed by the engine's own memory model ([Note: one memory model]): {len(result.weighed)}, "
-        f"{sum(c.fits for c in result.weighed)} fit\n"
-    )
-    for n in notes:
-        w(f"  assumed: {n}\n")
-    c = result.best
-    if c is None:
-        near = result.closest
-        if near is None:
-            w("nothing fits, and no config could be counted:\n")
-            for r in sorted({x.refused for x in result.weighed if x.refused})[:3]:
-                w(f"  {r}\n")
-            return
-        w(f"nothing fits. closest: {_knob_text(near.knobs)}; {shortfall_text(near)}\n")
-        w("(add memory on those tiers, use more ranks (--world-size), or a smaller model)\n")
-        return
-    k = c.knobs
-    w(f"\nrecommended: {_knob_text(k)}\n")
-    w(
-        "  peaks: GPU "
-        + format_bytes(c.peaks["device"], binary=True)
-        + ", host "
-        + format_bytes(c.peaks["host"], binary=True)
-        + " (process, transient copies and backend buffers included), NVMe "
-        + format_bytes(c.peaks["disk"], binary=True)
-        + "\n"
-    )
-    w(f"  predicted {c.seconds_per_step:.2f} s/step (the slowest link; GPU compute not modelled)\n")
-    w(
-        "  bytes per step ([Note: bytes per step]): "
-        + ", ".join(f"{link} {format_bytes(b)}" for link, b in c.traffic.items())
-        + "\n"
-    )
-    w('\nrecommended config (DeepSpeed format + "tiered" tier budgets, never above the memory given):\n')
-    w(json.dumps(c.config, indent=2) + "\n")
-
-
-def _knob_text(k: dict[str, Any]) -> str:
-    return (
-        f"optimizer {k['offload_optimizer']}, params {k['offload_param']}, grads {k['grad_tier']}, "
-        f"sub_group_size {k['sub_group_size']:,}, buffer_count {k['buffer_count']}, "
-        f"persistence threshold {k['persistence_threshold']:,}, max_in_cpu {k['max_in_cpu']:,}"
-    )
 
 
 def render(plan: Plan, out: TextIO) -> None:
@@ -430,7 +388,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         doc = plan.to_json()
         doc["strategies"] = doc["strategies"][:4]  # the formulas; offload is the search's
         doc.update(
-            search=_search_json(result),
+            search=search_json(result),
             assumed=notes,
             recommended=None if result.best is None else result.best.knobs,
             config=None if result.best is None else result.best.config,

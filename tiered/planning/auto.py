@@ -28,7 +28,8 @@ from torch import nn
 
 from tiered.device import default_device
 from tiered.errors import CapacityError, ConfigError
-from tiered.planning.search import DEFAULT_BANDWIDTH, Memories, Pinned, read_bandwidth, search, shortfall_text
+from tiered.planning.search import Memories, Pinned, search, shortfall_text
+from tiered.planning.timing import DEFAULT_BANDWIDTH, read_bandwidth
 from tiered.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)

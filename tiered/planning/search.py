@@ -16,31 +16,48 @@ DeepSpeed-format config with a "tiered" section, resolved by the config loader a
 need is within its budget and the host's total ([Note: one memory model]) within ``cpu_mem``.
 Budgets are what the user gave: the gpu tier gets ``gpu_mem`` less the declared activations, the
 cpu tier ``cpu_mem`` less the process baseline (of the device kind the run will have: "cuda"
-unless told), what the engine holds outside the tiers and the backends' own buffers, never more. Fitting configs are ranked by predicted s/step: [Note: bytes per step] per link
-divided by the link's bandwidth, the links overlapped (the slowest one bounds the step; one
-drive's reads and writes share it) and the CPU Adam at its element rate; GPU compute is not
-modelled (it is the same for every candidate). A knob the user pins is never varied; pinned
-knobs that contradict each other (a grad tier on NVMe with the optimizer on the GPU, say) are
-refused by name.
+unless told), what the engine holds outside the tiers and the backends' own buffers, never more.
+Fitting configs are ranked by predicted s/step ([Note: step time model] in timing.py). A knob
+the user pins is never varied; pinned knobs that contradict each other (a grad tier on NVMe with
+the optimizer on the GPU, say) are refused by name. ``tiered.overlap_step_with_backward`` is
+set where gradients are homed on disk and it applies (`overlap_applies`): the step then takes
+each gradient from memory, the same values, without the disk round trip of [Note: bytes per
+step]; a value the user wrote is kept.
+
+[Note: the live budget searched]
+What the gpu tier keeps between a group's forward and its backward is decided by
+``stage3_max_live_parameters`` (and ``stage3_max_reuse_distance``, [Note: the live budget]); a
+group it cannot keep the backward reads again (`backward_rereads`). So the budget is a searched
+knob, weighed at two values per placement: the default (`live_parameters`: DeepSpeed's 1e9, or
+twice the largest module where that is more) and the largest the GPU has room for: the gpu
+budget less the gpu tier's need (homes, persistent groups, the largest module's gather, the
+optimizer's gpu staging) less the gather's bytes once more (the largest module's gradient,
+made on the device before it is reduced), at most every gathered element. The reuse distance
+is written as twice the live budget: a group's forward-to-backward distance counts the rest of
+the forward and the backward up to it, up to twice the model, and the live budget alone then
+decides what is evicted (furthest next use first). The engine's capacity check counts only the
+largest module's gather in the gpu tier (more live parameters than the budget has room for are
+evicted under pressure, not refused), so the search counts the live bytes itself on top of it
+(`live_gpu_bytes`): a recommended budget is one the gpu tier holds, and the re-reads the plan
+predicts are the ones the engine's rules make. A user's value (``--max-live-parameters``, or
+the base config's) is the only one weighed.
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from tiered.errors import CapacityError, ConfigError
-from tiered.optim.arrivals import grads_consumed_from_memory
+from tiered.planning.candidate import candidate_config, overlap_applies
 from tiered.planning.needs import Prediction, predict
-from tiered.planning.traffic import bytes_per_step
+from tiered.planning.timing import DEFAULT_BANDWIDTH, seconds_per_step, step_runs_alone, training_flops
+from tiered.planning.traffic import config_bytes_per_step
 from tiered.units import format_bytes
 
 if TYPE_CHECKING:
@@ -69,12 +86,12 @@ KNOBS = (
     "buffer_count",
     "persistence_threshold",
     "max_in_cpu",
+    "max_live_parameters",
+    "overlap_step",
 )
 """The knobs a user may pin (`Pinned`), by the names the plan's flags and errors use."""
-
-DEFAULT_BANDWIDTH = {"disk_read": 3.0e9, "disk_write": 2.0e9, "h2d": 20e9, "d2h": 20e9, "cpu_adam": 1.0e9}
-"""Bytes/s per link and CPU Adam elements/s assumed without ``--bandwidth`` (one PCIe 4.0 NVMe
-drive, PCIe 4.0 x16 pinned copies, the AVX2 fused Adam on a few cores): printed as assumptions."""
+GRID_KNOBS = KNOBS[:6]
+"""The knobs `knob_grid` enumerates; the others are sized per candidate (`weigh`)."""
 
 
 @dataclass(frozen=True)
@@ -139,149 +156,6 @@ class Candidate:
         return not self.shortfalls and not self.refused
 
 
-def read_bandwidth(path: str | Path) -> tuple[dict[str, float], list[str]]:
-    """Link bandwidths from `tiered bench --json FILE` output; what was taken from where."""
-    p = Path(path)
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(
-            f"--bandwidth {path}: no such file; write one with tiered bench --json FILE"
-        ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(
-            f"--bandwidth {path}: not a JSON file ({exc}); pass the file tiered bench --json wrote"
-        ) from None
-    methods = doc.get("methods") if isinstance(doc, dict) else None
-    if not isinstance(methods, list) or not all(isinstance(m, dict) for m in methods):
-        raise ConfigError(
-            f'--bandwidth {path}: not tiered bench\'s JSON (no "methods" list of results); pass the file '
-            "tiered bench --json FILE wrote"
-        )
-    bw = dict(DEFAULT_BANDWIDTH)
-    said: list[str] = []
-    ok = [m for m in methods if m.get("status") == "ok" and m.get("read_gbps") and m.get("write_gbps")]
-    disk = next((m for m in ok if m.get("name") == "nvme"), None) or max(
-        ok, key=lambda m: m["read_gbps"], default=None
-    )
-    if disk is not None:
-        bw["disk_read"], bw["disk_write"] = float(disk["read_gbps"]) * 1e9, float(disk["write_gbps"]) * 1e9
-        said.append(
-            f"disk {disk['read_gbps']:.2f} / {disk['write_gbps']:.2f} GB/s read / write ({disk.get('name')}, {path})"
-        )
-    else:
-        said.append(
-            f"disk: no successful method in {path}; assumed {_gbps(bw['disk_read'])} / {_gbps(bw['disk_write'])}"
-        )
-    link = doc.get("gpu_link")
-    if isinstance(link, dict) and link.get("available"):
-        bw["h2d"] = float(link["h2d_gbps"]["pinned"]) * 1e9
-        bw["d2h"] = float(link["d2h_gbps"]["pinned"]) * 1e9
-        said.append(f"host<->device {_gbps(bw['h2d'])} / {_gbps(bw['d2h'])} (pinned, {path})")
-    else:
-        said.append(f"host<->device: not in {path}; assumed {_gbps(bw['h2d'])}")
-    return bw, said
-
-
-def _gbps(b: float) -> str:
-    return f"{b / 1e9:.1f} GB/s"
-
-
-def seconds_per_step(traffic: Mapping[str, int], adam_elements: int, bw: Mapping[str, float]) -> float:
-    """[Note: config search]: the slowest of the overlapped links bounds the step."""
-    disk = traffic["disk->host"] / bw["disk_read"] + traffic["host->disk"] / bw["disk_write"]
-    return max(
-        disk,
-        traffic["host->device"] / bw["h2d"],
-        traffic["device->host"] / bw["d2h"],
-        adam_elements / bw["cpu_adam"],
-    )
-
-
-def candidate_config(
-    knobs: Mapping[str, Any],
-    *,
-    precision: str,
-    accumulation: int,
-    nvme_path: str,
-    budgets: Mapping[str, int | None],
-    base: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The DeepSpeed-format config (+ "tiered") for one set of knobs; with `base` (a user's
-    config, [Note: auto config]) its other keys are kept and the knobs' keys set."""
-    if base is not None:
-        own = candidate_config(
-            knobs, precision=precision, accumulation=accumulation, nvme_path=nvme_path, budgets=budgets
-        )
-        return _onto(base, own)
-    zero: dict[str, Any] = {
-        "stage": 3,
-        "sub_group_size": knobs["sub_group_size"],
-        "stage3_param_persistence_threshold": knobs["persistence_threshold"],
-        "overlap_comm": True,
-        "contiguous_gradients": True,
-    }
-    if knobs.get("max_live_parameters"):
-        zero["stage3_max_live_parameters"] = knobs["max_live_parameters"]
-    if knobs["offload_optimizer"] != "none":
-        off: dict[str, Any] = {
-            "device": knobs["offload_optimizer"],
-            "pin_memory": True,
-            "buffer_count": knobs["buffer_count"],
-        }
-        if knobs["offload_optimizer"] == "nvme":
-            off["nvme_path"] = nvme_path
-        zero["offload_optimizer"] = off
-    if knobs["offload_param"] != "none":
-        offp: dict[str, Any] = {"device": knobs["offload_param"], "pin_memory": True}
-        if knobs["offload_param"] == "nvme":
-            offp.update(nvme_path=nvme_path, max_in_cpu=knobs["max_in_cpu"])
-        zero["offload_param"] = offp
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": accumulation,
-    }
-    if precision in ("bf16", "fp16"):
-        config[precision] = {"enabled": True}
-    config["zero_optimization"] = zero
-    tiers = {t: {"budget": b} for t, b in budgets.items() if b is not None}
-    if "nvme" in tiers and "nvme" not in (
-        knobs["offload_optimizer"],
-        knobs["offload_param"],
-        knobs["grad_tier"],
-    ):
-        del tiers["nvme"]
-    tiered: dict[str, Any] = {"tiers": tiers}
-    if knobs["grad_tier"] not in ("cpu", "gpu"):
-        tiered["grad_tier"] = knobs["grad_tier"]  # [Note: gradients on nvme]
-    config["tiered"] = tiered
-    return config
-
-
-def _onto(base: Mapping[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:
-    """`base` with the chosen zero_optimization and tiered keys set (the rest of base kept)."""
-    out = copy.deepcopy(dict(base))
-    zero = out.setdefault("zero_optimization", {})
-    zero["stage"] = 3
-    for key, value in chosen["zero_optimization"].items():
-        if isinstance(value, dict):
-            zero[key] = {**(zero.get(key) or {}), **value}
-        elif key not in zero or key in ("sub_group_size", "stage3_param_persistence_threshold"):
-            zero[key] = value
-    for key in ("offload_optimizer", "offload_param"):
-        if key not in chosen["zero_optimization"] and key in zero:
-            del zero[key]  # the chosen placement keeps it on the GPU
-    tiered = out.setdefault("tiered", {})
-    tiered["tiers"] = chosen["tiered"]["tiers"]
-    tiered.pop("grad_tier", None)
-    if "grad_tier" in chosen["tiered"]:
-        tiered["grad_tier"] = chosen["tiered"]["grad_tier"]
-    for key in ("bf16", "fp16", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu"):
-        if key in chosen and key not in out:
-            out[key] = chosen[key]
-    return out
-
-
 def knob_grid(pinned: Pinned) -> Iterable[dict[str, Any]]:
     """Every combination of the searched knobs with the pinned ones fixed."""
     pinned.check()
@@ -297,7 +171,7 @@ def knob_grid(pinned: Pinned) -> Iterable[dict[str, Any]]:
             "persistence_threshold": thr,
             "max_in_cpu": 0,
         }
-        if any(pinned.get(k) is not None and pinned.get(k) != knobs[k] for k in KNOBS if k != "max_in_cpu"):
+        if any(pinned.get(k) is not None and pinned.get(k) != knobs[k] for k in GRID_KNOBS):
             continue
         if opt == "none" and bc != BUFFER_COUNTS[0]:
             continue  # no pipeline: buffer_count changes nothing
@@ -321,7 +195,7 @@ def knob_grid(pinned: Pinned) -> Iterable[dict[str, Any]]:
                 else extra["persistence_threshold"],
                 "max_in_cpu": 0,
             }
-            if all(pinned.get(k) is None or pinned.get(k) == knobs[k] for k in KNOBS if k != "max_in_cpu"):
+            if all(pinned.get(k) is None or pinned.get(k) == knobs[k] for k in GRID_KNOBS):
                 yield knobs
 
 
@@ -333,10 +207,63 @@ def live_parameters(model: nn.Module) -> int | None:
     return 2 * largest if 2 * largest > 1_000_000_000 else None
 
 
+def live_gpu_bytes(pred: Prediction, max_live: int, world_size: int) -> int:
+    """[Note: the live budget searched]: the gpu bytes ``stage3_max_live_parameters`` lets the
+    parameter schedule hold (gathered, prefetched, kept for the backward), at most every
+    gathered group at once; 0 where nothing is gathered (parameters homed on one rank's GPU)."""
+    gathered = [g for g in pred.groups if not g.persistent and (g.param.home != "gpu" or world_size > 1)]
+    per_full = (1 + 1 / world_size) if world_size > 1 else 1  # a gathered full buffer plus its shard
+    itemsize = torch.empty(0, dtype=pred.placement.compute_dtype).element_size()
+    return int(min(max_live, sum(g.full_numel for g in gathered)) * itemsize * per_full)
+
+
 def weigh(
     model: nn.Module,
     knobs: dict[str, Any],
     mem: Memories,
+    *,
+    max_live: int | None = None,
+    **kw: Any,
+) -> Candidate:
+    """One placement and its knobs, at the live budgets [Note: the live budget searched] weighs:
+    the default (`live_parameters`) and the largest the GPU has room for; the faster that fits
+    (a user's value, `max_live` or the base config's, is the only one weighed)."""
+    base = kw.get("base")
+    user = None if base is None else (base.get("zero_optimization") or {}).get("stage3_max_live_parameters")
+    if max_live is not None or user is not None:
+        return _weigh_at(model, knobs, mem, max_live, **kw)
+    first = _weigh_at(model, knobs, mem, live_parameters(model), **kw)
+    pred = first.prediction
+    ws = int(kw.get("world_size", 1))
+    if pred is None or mem.gpu is None or (ws == 1 and knobs["offload_param"] == "none"):
+        return first  # nothing gathered: the parameters are the GPU's own
+    gpu_budget = max(0, mem.gpu - mem.activations)
+    itemsize = torch.empty(0, dtype=pred.placement.compute_dtype).element_size()
+    per_element = itemsize * ((1 + 1 / ws) if ws > 1 else 1)  # as `live_gpu_bytes`
+    gather = pred.needs["gpu"]["gather"] if "gpu" in pred.needs else 0
+    room = gpu_budget - pred.tier_bytes("device")  # the gather's bytes again: the largest module's gradient
+    total = sum(g.full_numel for g in pred.groups if not g.persistent and (g.param.home != "gpu" or ws > 1))
+    fit = min(total, int(room // per_element))
+    if fit * per_element < gather:
+        return first  # too little room: the default or nothing
+    second = _weigh_at(model, knobs, mem, int(fit), **kw)
+    # ties (another link bounds the step): fewer bytes moved, the re-reads' PCIe time saved
+    return min(
+        (first, second),
+        key=lambda c: (
+            not c.fits,
+            round(c.seconds_per_step, 6),
+            sum(c.traffic.values()),
+            c.peaks.get("device", 0),
+        ),
+    )
+
+
+def _weigh_at(
+    model: nn.Module,
+    knobs: dict[str, Any],
+    mem: Memories,
+    live: int | None,
     *,
     precision: str = "bf16",
     accumulation: int = 1,
@@ -347,21 +274,25 @@ def weigh(
     layouts: dict[tuple[object, ...], GroupLayout] | None = None,
     base: Mapping[str, Any] | None = None,
     device_kind: str = "cuda",
+    compute_flops: float = 0.0,
 ) -> Candidate:
     """One config: predicted by the engine's memory model, fit-checked, timed ([Note: config search]).
     `device_kind` ("cuda", "cpu") is the machine's that will run it: the process baseline's
-    ([Note: one memory model])."""
+    ([Note: one memory model]); `live` the live budget written (None: the config's own);
+    `compute_flops` the training FLOPs of a step ([Note: step time model])."""
     from tiered.config.loader import load_config
 
     gpu_budget = None if mem.gpu is None else max(0, mem.gpu - mem.activations)
-    user_live = (
-        None if base is None else (base.get("zero_optimization") or {}).get("stage3_max_live_parameters")
-    )
-    knobs = {**knobs, "max_live_parameters": None if user_live is not None else live_parameters(model)}
+    knobs = {
+        **knobs,
+        "max_live_parameters": live,
+        "overlap_step": overlap_applies(knobs, precision, accumulation, base),
+    }
     budgets: dict[str, int | None] = {"gpu": gpu_budget, "cpu": mem.cpu, "nvme": mem.nvme}
-    config = candidate_config(
-        knobs, precision=precision, accumulation=accumulation, nvme_path=nvme_path, budgets=budgets, base=base
+    opts: dict[str, Any] = dict(
+        precision=precision, accumulation=accumulation, nvme_path=nvme_path, base=base
     )
+    config = candidate_config(knobs, budgets=budgets, **opts)
     try:
         cfg = load_config(config, model=model, world_size=world_size)
         pred = predict(model, cfg, world_size=world_size, device_kind=device_kind, layouts=layouts)
@@ -369,11 +300,15 @@ def weigh(
         return Candidate(knobs, config, None, {}, refused=str(exc))
     cpu_budget = None if mem.cpu is None else max(0, mem.cpu - pred.host_extra_bytes)
     peaks = {m: pred.peak_bytes(m) for m in ("device", "host", "disk")}
+    if pred.memory.get("gpu") == "device":  # [Note: the live budget searched]: held beyond the gather
+        gather = pred.needs["gpu"]["gather"] if "gpu" in pred.needs else 0
+        peaks["device"] += max(
+            0, live_gpu_bytes(pred, cfg.zero.max_live_parameters_numel, world_size) - gather
+        )
     short: dict[str, int] = {}
     for memory, have in (("device", gpu_budget), ("host", mem.cpu), ("disk", mem.nvme)):
         if have is not None and peaks[memory] > have:
             short[memory] = peaks[memory] - have
-    knobs = dict(knobs)
     if knobs["offload_param"] == "nvme":  # [Note: config search]: max_in_cpu from the room left
         room = None if cpu_budget is None else max(0, cpu_budget - pred.tier_bytes("host"))
         itemsize = torch.empty(0, dtype=pred.placement.compute_dtype).element_size()
@@ -384,35 +319,29 @@ def weigh(
         if cpu_budget is not None:  # the kept copies live in the cpu tier, within its budget
             peaks["host"] += min(knobs["max_in_cpu"] * itemsize, max(0, cpu_budget - pred.tier_bytes("host")))
     budgets["cpu"] = cpu_budget
-    config = candidate_config(
-        knobs, precision=precision, accumulation=accumulation, nvme_path=nvme_path, budgets=budgets, base=base
-    )
-    traffic = bytes_per_step(
-        [g for g in pred.groups],
-        list(pred.plans),
-        pred.memory,
-        compute_dtype=pred.placement.compute_dtype,
-        accumulation=accumulation,
-        max_in_cpu_numel=knobs["max_in_cpu"],
-        state_format=cfg.tiered.optimizer_state_format,
-        grads_from_memory=grads_consumed_from_memory(cfg),
-        max_live_numel=cfg.zero.max_live_parameters_numel,
-        max_reuse_numel=cfg.zero.max_reuse_distance_numel,
+    config = candidate_config(knobs, budgets=budgets, **opts)
+    knobs["max_live_parameters"] = cfg.zero.max_live_parameters_numel  # the value in force, shown
+    traffic = config_bytes_per_step(pred, cfg, max_in_cpu_numel=knobs["max_in_cpu"])
+    alone = step_runs_alone(cfg)
+    step_reads = (
+        config_bytes_per_step(pred, cfg, max_in_cpu_numel=knobs["max_in_cpu"], gathers=False)["disk->host"]
+        if alone
+        else 0
     )
     adam = sum(
         g.shard_numel
         for g, p in zip([g for g in pred.groups if g.trainable], pred.plans, strict=True)
         if p.side == "cpu"
     )
-    return Candidate(
-        knobs,
-        config,
-        pred,
-        short,
-        peaks=peaks,
-        traffic=traffic,
-        seconds_per_step=seconds_per_step(traffic, adam, bandwidth),
+    seconds = seconds_per_step(
+        traffic,
+        adam,
+        bandwidth,
+        compute_flops=compute_flops,
+        shared_cores=device_kind == "cpu",
+        step_disk_reads=step_reads,
     )
+    return Candidate(knobs, config, pred, short, peaks=peaks, traffic=traffic, seconds_per_step=seconds)
 
 
 @dataclass(frozen=True)
@@ -427,13 +356,33 @@ class SearchResult:
         return min(counted, key=lambda c: sum(c.shortfalls.values()), default=None)
 
 
-def search(model: nn.Module, mem: Memories, pinned: Pinned = Pinned(), **kw: Any) -> SearchResult:
-    """Every candidate of `knob_grid`, weighed; the fastest that fits (ties: less host memory)."""
+def search(
+    model: nn.Module,
+    mem: Memories,
+    pinned: Pinned = Pinned(),
+    *,
+    tokens_per_step: int | None = None,
+    checkpointing: bool = False,
+    **kw: Any,
+) -> SearchResult:
+    """Every candidate of `knob_grid`, weighed; the fastest that fits (ties: less host memory).
+    With `tokens_per_step` (per rank) the compute counts at ``kw["bandwidth"]["flops"]``
+    ([Note: step time model])."""
+    if pinned.get("overlap_step") and kw.get("precision") == "fp16":  # `overlap_blockers`
+        raise ConfigError(
+            "contradictory pinned knobs: --overlap-step on, but fp16 needs the overflow check over every "
+            "gradient before the first update; use bf16 or --overlap-step off"
+        )
     weighed = []
     kw.setdefault("layouts", {})
+    if tokens_per_step:
+        params = sum(p.numel() for p in model.parameters())
+        kw["compute_flops"] = training_flops(params, tokens_per_step, checkpointing=checkpointing)
+    for name in ("max_in_cpu", "max_live_parameters"):
+        if pinned.get(name) is not None:
+            kw["max_live" if name == "max_live_parameters" else name] = pinned.get(name)
     for knobs in knob_grid(pinned):
-        if pinned.get("max_in_cpu") is not None:
-            kw["max_in_cpu"] = pinned.get("max_in_cpu")
+        knobs["overlap_step"] = pinned.get("overlap_step")
         weighed.append(weigh(model, knobs, mem, **kw))
     fits = [c for c in weighed if c.fits]
     best = min(

@@ -55,6 +55,8 @@ from tiered.optim.placement import GroupPlan, kept_in_cpu, master_is_param
 from tiered.optim.state_format import FORMATS
 
 if TYPE_CHECKING:
+    from tiered.config.schema import TieredConfig
+    from tiered.planning.needs import Prediction
     from tiered.shards import ShardGroup
 
 LINKS = ("disk->host", "host->disk", "host->device", "device->host")
@@ -72,12 +74,15 @@ def bytes_per_step(
     grads_from_memory: bool = False,
     max_live_numel: int | None = None,
     max_reuse_numel: int | None = None,
+    gathers: bool = True,
 ) -> dict[str, int]:
     """The floor of [Note: bytes per step] per link; `memory` maps tier -> "device"/"host"/"disk";
     `state_format` the moments' ([Note: compressed optimizer state]); `grads_from_memory`: the
     step consumes each gradient from memory (`tiered.optim.arrivals.grads_consumed_from_memory`);
     `max_live_numel` / `max_reuse_numel`: ``stage3_max_live_parameters`` /
-    ``stage3_max_reuse_distance``, which decide the backward's re-reads (None: unbounded)."""
+    ``stage3_max_reuse_distance``, which decide the backward's re-reads (None: unbounded);
+    `gathers` False leaves out the parameter gathers (what the optimizer step alone moves:
+    [Note: step time model])."""
     fmt = FORMATS[state_format]
     p = torch.empty(0, dtype=compute_dtype).element_size()
     a = max(1, accumulation)
@@ -113,7 +118,7 @@ def bytes_per_step(
         else:
             out[f"{s}->{d}"] += n
 
-    for g in groups:
+    for g in groups if gathers else ():
         home = g.param.home
         if not g.persistent and home != "gpu":
             reads = a * (2 if g.index in reread else 1)
@@ -148,6 +153,28 @@ def bytes_per_step(
         if g.index not in kept:
             move(plan.stage_tier, g.param.home, n * p)
     return out
+
+
+def config_bytes_per_step(
+    pred: Prediction, cfg: TieredConfig, *, max_in_cpu_numel: int, gathers: bool = True
+) -> dict[str, int]:
+    """`bytes_per_step` of a predicted config, every setting read from `cfg` (the plan's and
+    the benchmarks' one call)."""
+    from tiered.optim.arrivals import grads_consumed_from_memory
+
+    return bytes_per_step(
+        list(pred.groups),
+        list(pred.plans),
+        pred.memory,
+        compute_dtype=pred.placement.compute_dtype,
+        accumulation=int(cfg.gradient_accumulation_steps),
+        max_in_cpu_numel=max_in_cpu_numel,
+        state_format=cfg.tiered.optimizer_state_format,
+        grads_from_memory=grads_consumed_from_memory(cfg),
+        max_live_numel=cfg.zero.max_live_parameters_numel,
+        max_reuse_numel=cfg.zero.max_reuse_distance_numel,
+        gathers=gathers,
+    )
 
 
 def measured_per_step(

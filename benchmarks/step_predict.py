@@ -1,0 +1,98 @@
+"""The plan's predicted s/step for benchmarks/step.py's tiered run, next to what step.py measured
+(issue 21: within 25%?). Same model, same config (`step.ds_json`), same tokens (4 x 128), the
+same time model as `tiered plan` ([Note: step time model] in tiered/planning/timing.py): the
+bytes of [Note: bytes per step] over the disk bandwidth of ``tiered bench --json`` (--bandwidth)
+or the defaults, the CPU Adam at its element rate, and the training FLOPs over a matmul probe
+on this machine's cores (CPU-only: the Adam shares the cores with the compute).
+
+    python benchmarks/step.py --steps 4 --no-deepspeed --json step.json
+    python benchmarks/step_predict.py --measured step.json [--bandwidth bench.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from step import build_model, ds_json  # noqa: E402
+
+from tiered.config.loader import load_config  # noqa: E402
+from tiered.planning.needs import predict  # noqa: E402
+from tiered.planning.timing import (  # noqa: E402
+    DEFAULT_BANDWIDTH,
+    probe_flops,
+    read_bandwidth,
+    seconds_per_step,
+    step_runs_alone,
+    training_flops,
+)
+from tiered.planning.traffic import config_bytes_per_step  # noqa: E402
+
+TOKENS = 4 * 128  # step.make_data: batch 4 x 128
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--measured", help="step.py --json output to compare with")
+    ap.add_argument("--bandwidth", help="tiered bench --json output (default: the plan's assumed bandwidths)")
+    ap.add_argument(
+        "--overlap", action="store_true", help="as step.py --overlap (compared with its overlap run)"
+    )
+    ap.add_argument("--probe-seconds", type=float, default=1.0, help="FLOP-rate probe length (default 1 s)")
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    bw = dict(DEFAULT_BANDWIDTH)
+    if args.bandwidth:
+        bw, _ = read_bandwidth(args.bandwidth)
+    bw["flops"] = probe_flops("cpu", torch.float32, seconds=args.probe_seconds)
+    model = build_model()
+    with tempfile.TemporaryDirectory() as d:
+        config = ds_json(d)
+        if args.overlap:
+            config["tiered"] = {"overlap_step_with_backward": True}
+        cfg = load_config(config, model=model)
+        pred = predict(model, cfg, gpu_is_host=True, device_kind="cpu")
+    mic = cfg.zero.offload_param.max_in_cpu_numel
+    traffic = config_bytes_per_step(pred, cfg, max_in_cpu_numel=mic)
+    reads = config_bytes_per_step(pred, cfg, max_in_cpu_numel=mic, gathers=False)["disk->host"]
+    step_reads = reads if step_runs_alone(cfg) else 0
+    params = sum(p.numel() for p in model.parameters())
+    adam = sum(
+        g.shard_numel
+        for g, p in zip([g for g in pred.groups if g.trainable], pred.plans, strict=True)
+        if p.side == "cpu"
+    )
+    flops = training_flops(params, TOKENS)
+    predicted = seconds_per_step(
+        traffic, adam, bw, compute_flops=flops, shared_cores=True, step_disk_reads=step_reads
+    )
+    io = traffic["disk->host"] / bw["disk_read"] + traffic["host->disk"] / bw["disk_write"]
+    out = {
+        "predicted_s": predicted,
+        "compute_s": flops / bw["flops"],
+        "adam_s": adam / bw["cpu_adam"],
+        "disk_s": io,
+        "step_state_reads_s": step_reads / bw["disk_read"],
+        "flops_per_s": bw["flops"],
+        "threads": torch.get_num_threads(),
+        "bytes_per_step": traffic,
+    }
+    if args.measured:
+        m = json.loads(Path(args.measured).read_text())["tiered_overlap" if args.overlap else "tiered"]
+        out["measured_s"] = m["step_s"]
+        out["predicted_over_measured"] = predicted / m["step_s"]
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

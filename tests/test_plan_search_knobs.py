@@ -1,0 +1,210 @@
+"""The search's sized knobs and its time model: [Note: the live budget searched] (what the gpu
+tier keeps between forward and backward), ``tiered.overlap_step_with_backward`` where it
+applies, and the compute term of [Note: step time model]."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiered
+from tiered.planning.search import Memories, Pinned, search, weigh
+from tiered.planning.timing import DEFAULT_BANDWIDTH, seconds_per_step, training_flops
+
+transformers = pytest.importorskip("transformers")
+
+ALL_NVME = {
+    "offload_optimizer": "nvme",
+    "offload_param": "nvme",
+    "grad_tier": "nvme",
+    "sub_group_size": 100_000_000,
+    "buffer_count": 2,
+    "persistence_threshold": 100_000,
+}
+
+
+def _meta(**kw: Any) -> torch.nn.Module:
+    base = dict(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{**base, **kw}))
+
+
+def test_search_keeps_parameters_for_the_backward_when_the_gpu_has_room() -> None:
+    """A 1.7B model, parameters on NVMe: on an 80 GB GPU the live budget grows to the whole model
+    and the backward reads nothing again; on a small GPU the default budget re-reads."""
+    model = _meta(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+    )
+    params = sum(p.numel() for p in model.parameters())
+    roomy = search(model, Memories(gpu=80 * 10**9, cpu=64 * 10**9), Pinned(ALL_NVME)).best
+    tight = search(model, Memories(gpu=25 * 10**8, cpu=64 * 10**9), Pinned(ALL_NVME)).best
+    assert roomy is not None and tight is not None
+    zero = roomy.config["zero_optimization"]
+    assert zero["stage3_max_live_parameters"] > 1_000_000_000  # above DeepSpeed's default
+    # read once per step (bf16): the forward's copy kept for the backward
+    persistent = sum(g.full_numel for g in roomy.prediction.groups if g.persistent)  # type: ignore[union-attr]
+    assert roomy.traffic["host->device"] == pytest.approx(2 * (params - persistent), rel=0.01)
+    assert tight.traffic["host->device"] > 1.2 * roomy.traffic["host->device"]  # what did not fit is re-read
+    # the live bytes are counted on the GPU, within what was given
+    assert roomy.peaks["device"] >= 2 * (params - persistent) and roomy.peaks["device"] <= 80 * 10**9
+    assert tight.peaks["device"] <= 25 * 10**8
+
+
+def test_a_pinned_live_budget_is_the_only_one_weighed() -> None:
+    model = _meta(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+    )
+    pinned = Pinned({**ALL_NVME, "max_live_parameters": 300_000_000})
+    best = search(model, Memories(gpu=80 * 10**9, cpu=64 * 10**9), pinned).best
+    assert best is not None
+    assert best.config["zero_optimization"]["stage3_max_live_parameters"] == 300_000_000
+    assert best.knobs["max_live_parameters"] == 300_000_000
+
+
+def test_the_engine_preflight_accepts_the_sized_live_budget(tmp_path: Path) -> None:
+    """A GPU smaller than the gathered model: the default live budget (1e9) is not counted as
+    fitting; the budget written is one the gpu tier holds, and the engine built from the
+    recommended config counts what the plan predicted ([Note: one memory model])."""
+    model = _meta(num_hidden_layers=4)
+    gathered = sum(p.numel() for p in model.parameters()) * 2  # bf16
+    gpu = gathered // 2
+    pinned = Pinned({**ALL_NVME, "persistence_threshold": 0})  # every group gathered
+    result = search(model, Memories(gpu=gpu, cpu=4 * 2**30), pinned, nvme_path=str(tmp_path))
+    best = result.best
+    assert best is not None and best.prediction is not None
+    live = best.config["zero_optimization"]["stage3_max_live_parameters"]
+    assert live * 2 <= gpu and best.peaks["device"] <= gpu
+    assert best.peaks["device"] >= best.prediction.tier_bytes("device") + live * 2 - gathered // 2
+    config = copy.deepcopy(best.config)
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    real = transformers.AutoModelForCausalLM.from_config(model.config)
+    with tiered.initialize(real, config) as engine:
+        assert engine.capacity == best.prediction.needs
+        ids = torch.randint(0, 512, (1, 16))
+        for _ in range(2):  # it trains under that budget (the backward re-reads what was evicted)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+        assert torch.isfinite(loss)
+        zero = engine.stats()["zero"]
+        assert zero["max_live_numel"] == live and 0 < zero["live_numel_peak"] <= live
+
+
+def test_overlap_step_chosen_only_where_it_applies(tmp_path: Path) -> None:
+    model = _meta()
+    mem = Memories(gpu=8 * 2**30, cpu=8 * 2**30)
+
+    def one(knobs: dict[str, Any], **kw: Any) -> Any:
+        return weigh(model, {**knobs, "max_in_cpu": 0}, mem, nvme_path=str(tmp_path), **kw)
+
+    on = one(ALL_NVME)
+    assert on.config["tiered"]["overlap_step_with_backward"] is True
+    assert on.knobs["overlap_step"] is True
+    off = one({**ALL_NVME, "overlap_step": False})  # the user's explicit false
+    assert "overlap_step_with_backward" not in off.config["tiered"]
+    # no gradient round trip through NVMe with it: the disk reads drop by the gradients' 4 B
+    assert on.traffic["disk->host"] < off.traffic["disk->host"]
+    for kw in ({"accumulation": 2}, {"precision": "fp16"}):
+        assert "overlap_step_with_backward" not in one(ALL_NVME, **kw).config["tiered"]
+    clipped = one(ALL_NVME, base={"gradient_clipping": 1.0})
+    assert "overlap_step_with_backward" not in clipped.config["tiered"]
+    said = one(ALL_NVME, base={"tiered": {"overlap_step_with_backward": False}})
+    assert said.config["tiered"]["overlap_step_with_backward"] is False
+    cpu_grads = one({**ALL_NVME, "grad_tier": "cpu"})
+    assert "overlap_step_with_backward" not in cpu_grads.config["tiered"]
+
+
+def test_compute_term_scales_with_tokens_and_the_flop_rate() -> None:
+    assert training_flops(1000, 10) == 60_000
+    assert training_flops(1000, 10, checkpointing=True) == 80_000
+    traffic = {"disk->host": 0, "host->disk": 0, "host->device": 0, "device->host": 0}
+    bw = {**DEFAULT_BANDWIDTH, "flops": 1e9}
+    one = seconds_per_step(traffic, 0, bw, compute_flops=training_flops(10**6, 1000))
+    assert one == pytest.approx(6.0)
+    assert seconds_per_step(traffic, 0, bw, compute_flops=training_flops(10**6, 2000)) == pytest.approx(12.0)
+    faster = {**bw, "flops": 2e9}
+    assert seconds_per_step(traffic, 0, faster, compute_flops=training_flops(10**6, 1000)) == pytest.approx(
+        3.0
+    )
+    # without a GPU the CPU Adam shares the cores: it adds to the compute
+    adam = int(bw["cpu_adam"])
+    assert seconds_per_step(traffic, adam, bw, compute_flops=6e9) == pytest.approx(6.0)
+    assert seconds_per_step(traffic, adam, bw, compute_flops=6e9, shared_cores=True) == pytest.approx(7.0)
+
+
+def test_search_counts_the_compute_when_tokens_are_given() -> None:
+    model = _meta()
+    params = sum(p.numel() for p in model.parameters())
+    bw = {**DEFAULT_BANDWIDTH, "flops": 1e6}  # slow enough that compute bounds every config
+    mem = Memories(gpu=8 * 2**30, cpu=8 * 2**30)
+    without = search(model, mem, Pinned(ALL_NVME), bandwidth=bw).best
+    small = search(model, mem, Pinned(ALL_NVME), bandwidth=bw, tokens_per_step=512).best
+    large = search(model, mem, Pinned(ALL_NVME), bandwidth=bw, tokens_per_step=1024).best
+    assert without is not None and small is not None and large is not None
+    assert without.seconds_per_step < 1
+    assert small.seconds_per_step == pytest.approx(6 * params * 512 / 1e6)
+    assert large.seconds_per_step == pytest.approx(2 * small.seconds_per_step)
+
+
+def test_a_step_that_runs_after_backward_adds_its_state_reads() -> None:
+    """[Note: step time model]: without the overlap (or pipeline_read) the step's state reads
+    run alone after the compute; with it they overlap."""
+    bw = {**DEFAULT_BANDWIDTH, "flops": 1e9, "disk_read": 1e9}
+    traffic = {"disk->host": 10**9, "host->disk": 0, "host->device": 0, "device->host": 0}
+    overlapped = seconds_per_step(traffic, 0, bw, compute_flops=2e9)
+    alone = seconds_per_step(traffic, 0, bw, compute_flops=2e9, step_disk_reads=10**9)
+    assert overlapped == pytest.approx(2.0) and alone == pytest.approx(3.0)
+
+
+def test_plan_cli_counts_compute_with_tokens_and_a_flop_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    from tiered.cli.main import main
+
+    args = ["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "64GB", "--nvme-mem", "1TB"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert "compute: not modelled (give --tokens-per-step or --seq-len" in plain
+    assert main([*args, "--seq-len", "4096", "--micro-batch", "4", "--flops", "1e12"]) == 0
+    out = capsys.readouterr().out
+    assert "compute 1.000 TFLOP/s (--flops)" in out and "16,384 tokens per step x 6 FLOPs" in out
+    seconds = float(out.split("predicted ")[1].split(" s/step")[0])
+    assert seconds >= 6 * 1e9 * 16384 / 1e12 * 0.95  # at least the compute (the shape model: ~1e9 params)
+
+
+def test_read_bandwidth_takes_the_compute_rate(tmp_path: Path) -> None:
+    from tiered.planning.timing import read_bandwidth
+
+    path = tmp_path / "bench.json"
+    path.write_text('{"methods": [], "compute": {"flops_per_s": 2.5e12}}')
+    bw, said = read_bandwidth(path)
+    assert bw["flops"] == 2.5e12 and any("2.50 TFLOP/s" in s for s in said)
+    path.write_text('{"methods": []}')
+    assert "flops" not in read_bandwidth(path)[0]
+
+
+def test_overlap_pinned_on_with_fp16_is_refused_by_name() -> None:
+    from tiered.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--overlap-step on.*fp16"):
+        search(_meta(), Memories(gpu=2**30), Pinned({**ALL_NVME, "overlap_step": True}), precision="fp16")

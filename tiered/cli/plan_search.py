@@ -1,0 +1,130 @@
+"""`tiered plan`'s search part ([Note: config search]): the pinned knobs and the tokens per step
+read from the options, and the chosen config printed as text or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, TextIO
+
+from tiered.errors import ConfigError
+
+
+def pinned_from_args(args: argparse.Namespace) -> Any:
+    from tiered.planning.model_shape import parse_count
+    from tiered.planning.search import Pinned
+
+    values: dict[str, Any] = {}
+    for name in ("offload_optimizer", "offload_param", "grad_tier", "buffer_count"):
+        if getattr(args, name, None) is not None:
+            values[name] = getattr(args, name)
+    if args.sub_group_size is not None:
+        values["sub_group_size"] = parse_count(args.sub_group_size, what="--sub-group-size")
+    if getattr(args, "max_in_cpu", None) is not None:
+        values["max_in_cpu"] = (
+            0 if args.max_in_cpu in ("0", 0) else parse_count(args.max_in_cpu, what="--max-in-cpu")
+        )
+    if getattr(args, "persistence_threshold", None) is not None:
+        t = args.persistence_threshold
+        values["persistence_threshold"] = (
+            0 if t in ("0", 0) else parse_count(t, what="--persistence-threshold")
+        )
+    if getattr(args, "max_live_parameters", None) is not None:
+        values["max_live_parameters"] = parse_count(args.max_live_parameters, what="--max-live-parameters")
+    if getattr(args, "overlap_step", None) is not None:
+        values["overlap_step"] = args.overlap_step == "on"
+    if values.get("buffer_count") is not None and values["buffer_count"] < 1:
+        raise ConfigError(f"--buffer-count must be >= 1, got {values['buffer_count']}")
+    return Pinned(values)
+
+
+def tokens_from_args(args: argparse.Namespace) -> int | None:
+    """Tokens per optimizer step per rank ([Note: step time model]); None: not given."""
+    from tiered.planning.model_shape import parse_count
+
+    if getattr(args, "tokens_per_step", None) is not None:
+        n = parse_count(args.tokens_per_step, what="--tokens-per-step")
+    elif getattr(args, "seq_len", None) is not None:
+        n = args.seq_len * args.micro_batch * args.accumulation
+    else:
+        return None
+    if n < 1:
+        raise ConfigError(f"tokens per step must be >= 1, got {n}")
+    return int(n)
+
+
+def search_json(result: Any) -> dict[str, Any]:
+    def one(c: Any) -> dict[str, Any] | None:
+        if c is None:
+            return None
+        return {
+            "knobs": c.knobs,
+            "config": c.config,
+            "peaks_bytes": c.peaks,
+            "shortfall_bytes": c.shortfalls,
+            "refused": c.refused,
+            "seconds_per_step": c.seconds_per_step,
+            "bytes_per_step": c.traffic,
+            "needs": None if c.prediction is None else c.prediction.needs,
+        }
+
+    return {
+        "best": one(result.best),
+        "closest": None if result.best is not None else one(result.closest),
+        "weighed": len(result.weighed),
+        "fit": sum(c.fits for c in result.weighed),
+    }
+
+
+def render_search(result: Any, notes: list[str], out: TextIO) -> None:
+    """The search's answer: the fastest config that fits, or the closest and what it lacks."""
+    from tiered.planning.search import shortfall_text
+    from tiered.units import format_bytes
+
+    w = out.write
+    w(
+        f"\nconfigs weighed by the engine's own memory model ([Note: one memory model]): {len(result.weighed)}, "
+        f"{sum(c.fits for c in result.weighed)} fit\n"
+    )
+    for n in notes:
+        w(f"  assumed: {n}\n")
+    c = result.best
+    if c is None:
+        near = result.closest
+        if near is None:
+            w("nothing fits, and no config could be counted:\n")
+            for r in sorted({x.refused for x in result.weighed if x.refused})[:3]:
+                w(f"  {r}\n")
+            return
+        w(f"nothing fits. closest: {_knob_text(near.knobs)}; {shortfall_text(near)}\n")
+        w("(add memory on those tiers, use more ranks (--world-size), or a smaller model)\n")
+        return
+    k = c.knobs
+    w(f"\nrecommended: {_knob_text(k)}\n")
+    w(
+        "  peaks: GPU "
+        + format_bytes(c.peaks["device"], binary=True)
+        + ", host "
+        + format_bytes(c.peaks["host"], binary=True)
+        + " (process, transient copies and backend buffers included), NVMe "
+        + format_bytes(c.peaks["disk"], binary=True)
+        + "\n"
+    )
+    w(f"  predicted {c.seconds_per_step:.2f} s/step (the slowest of compute, links and CPU Adam)\n")
+    w(
+        "  bytes per step ([Note: bytes per step]): "
+        + ", ".join(f"{link} {format_bytes(b)}" for link, b in c.traffic.items())
+        + "\n"
+    )
+    w('\nrecommended config (DeepSpeed format + "tiered" tier budgets, never above the memory given):\n')
+    w(json.dumps(c.config, indent=2) + "\n")
+
+
+def _knob_text(k: dict[str, Any]) -> str:
+    return (
+        f"optimizer {k['offload_optimizer']}, params {k['offload_param']}, grads {k['grad_tier']}, "
+        f"sub_group_size {k['sub_group_size']:,}, buffer_count {k['buffer_count']}, "
+        f"persistence threshold {k['persistence_threshold']:,}, max_in_cpu {k['max_in_cpu']:,}"
+        + (f", live budget {k['max_live_parameters']:,}" if k.get("max_live_parameters") else "")
+        + (", step overlapped with backward" if k.get("overlap_step") else "")
+    )

@@ -1,0 +1,169 @@
+"""Predicted seconds per step: link bytes over link bandwidths, the CPU Adam, and the compute.
+
+[Note: step time model]
+`tiered plan` ranks the configs that fit by a predicted s/step built from three terms, each
+from a number the run can measure:
+
+* I/O: [Note: bytes per step] per link over the link's bandwidth (``tiered bench --json``
+  output, or `DEFAULT_BANDWIDTH`); the links run concurrently (the tier manager's workers), so
+  the slowest bounds the step, one drive's reads and writes sharing it;
+* the CPU Adam: the trainable elements the CPU kernel steps over its element rate;
+* compute, when the tokens per step are given (``--tokens-per-step``, or ``--seq-len`` x
+  ``--micro-batch`` x accumulation): the training FLOPs, 6 x parameters x tokens (forward 2,
+  backward 4 per parameter per token; a frozen parameter's backward still propagates the
+  input gradient, 2 of the 4, which the formula keeps as a small overestimate) plus one
+  forward more (2 x parameters x tokens) with activation checkpointing, over the compute
+  device's FLOP rate: ``--flops``, the ``"compute": {"flops_per_s": ...}`` entry ``tiered bench
+  --json`` writes into the bandwidth file, or `probe_flops` run by the plan itself, a timed
+  fp32/bf16 matmul of a fraction of a second on this machine's device (not run when planning
+  for a GPU on a machine without one: there compute stays unmodelled, and the plan says so).
+  Without the tokens, compute is not modelled (the same for every candidate: the ranking holds,
+  the absolute s/step is a floor).
+
+The engine overlaps I/O with compute (prefetch ahead of the forward and backward, the writes
+behind), so with the step overlapped with backward (``tiered.overlap_step_with_backward``) or
+its state prefetched (``offload_optimizer.pipeline_read``) the step is max(compute, I/O, CPU
+Adam); on a machine without a GPU the CPU Adam runs on the same cores as the compute, so there
+it adds to the compute instead of overlapping it (max(compute + Adam, I/O)). Otherwise the step
+starts after backward and first reads its state from disk: those reads (or the Adam, if
+slower) run alone, after the compute, and add to it: max(compute, the other I/O) + max(state
+reads, Adam). What is not counted: the first group's fetch before the forward can start, the
+last writes' wait, and the compute's own inefficiency at small shapes (the probe is one large
+matmul; attention, norms and the loss are not in 6 x params x tokens): benchmarks/RESULTS.md
+(issue 21) compares the prediction with benchmarks/step.py's measured s/step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from tiered.config.schema import TieredConfig
+from tiered.errors import ConfigError
+from tiered.optim.arrivals import overlap_blockers
+
+DEFAULT_BANDWIDTH = {"disk_read": 3.0e9, "disk_write": 2.0e9, "h2d": 20e9, "d2h": 20e9, "cpu_adam": 1.0e9}
+"""Bytes/s per link and CPU Adam elements/s assumed without ``--bandwidth`` (one PCIe 4.0 NVMe
+drive, PCIe 4.0 x16 pinned copies, the AVX2 fused Adam on a few cores): printed as assumptions."""
+
+
+def read_bandwidth(path: str | Path) -> tuple[dict[str, float], list[str]]:
+    """Link bandwidths from `tiered bench --json FILE` output; what was taken from where. A
+    ``"compute": {"flops_per_s": F}`` entry, when present, is the FLOP rate ("flops")."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"--bandwidth {path}: no such file; write one with tiered bench --json FILE"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(
+            f"--bandwidth {path}: not a JSON file ({exc}); pass the file tiered bench --json wrote"
+        ) from None
+    methods = doc.get("methods") if isinstance(doc, dict) else None
+    if not isinstance(methods, list) or not all(isinstance(m, dict) for m in methods):
+        raise ConfigError(
+            f'--bandwidth {path}: not tiered bench\'s JSON (no "methods" list of results); pass the file '
+            "tiered bench --json FILE wrote"
+        )
+    bw = dict(DEFAULT_BANDWIDTH)
+    said: list[str] = []
+    ok = [m for m in methods if m.get("status") == "ok" and m.get("read_gbps") and m.get("write_gbps")]
+    disk = next((m for m in ok if m.get("name") == "nvme"), None) or max(
+        ok, key=lambda m: m["read_gbps"], default=None
+    )
+    if disk is not None:
+        bw["disk_read"], bw["disk_write"] = float(disk["read_gbps"]) * 1e9, float(disk["write_gbps"]) * 1e9
+        said.append(
+            f"disk {disk['read_gbps']:.2f} / {disk['write_gbps']:.2f} GB/s read / write ({disk.get('name')}, {path})"
+        )
+    else:
+        said.append(
+            f"disk: no successful method in {path}; assumed {_gbps(bw['disk_read'])} / {_gbps(bw['disk_write'])}"
+        )
+    link = doc.get("gpu_link")
+    if isinstance(link, dict) and link.get("available"):
+        bw["h2d"] = float(link["h2d_gbps"]["pinned"]) * 1e9
+        bw["d2h"] = float(link["d2h_gbps"]["pinned"]) * 1e9
+        said.append(f"host<->device {_gbps(bw['h2d'])} / {_gbps(bw['d2h'])} (pinned, {path})")
+    else:
+        said.append(f"host<->device: not in {path}; assumed {_gbps(bw['h2d'])}")
+    compute = doc.get("compute")
+    if isinstance(compute, dict) and isinstance(compute.get("flops_per_s"), (int, float)):
+        bw["flops"] = float(compute["flops_per_s"])
+        said.append(f"compute {bw['flops'] / 1e12:.2f} TFLOP/s ({path})")
+    return bw, said
+
+
+def _gbps(b: float) -> str:
+    return f"{b / 1e9:.1f} GB/s"
+
+
+def probe_flops(device: str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
+    """The device's matmul rate in FLOP/s: square products timed for about `seconds` (after one
+    untimed warm-up), the rate the forward and backward's linear layers run at ([Note: step
+    time model]). A measurement, not a constant: it varies with the load on a shared machine."""
+    n = 1024 if device == "cpu" else 4096
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    torch.mm(a, b)
+    sync()
+    done, t0 = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        done += 1
+        sync()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return 2.0 * n**3 * done / elapsed
+
+
+def training_flops(params: int, tokens: int, *, checkpointing: bool = False) -> float:
+    """FLOPs of one optimizer step over `tokens` tokens ([Note: step time model]): 6 x params x
+    tokens, plus a second forward (2 x params x tokens) with activation checkpointing."""
+    return float((8 if checkpointing else 6) * params * tokens)
+
+
+def seconds_per_step(
+    traffic: Mapping[str, int],
+    adam_elements: int,
+    bw: Mapping[str, float],
+    *,
+    compute_flops: float = 0.0,
+    shared_cores: bool = False,
+    step_disk_reads: int = 0,
+) -> float:
+    """[Note: step time model]: the slowest of the overlapped links, the CPU Adam and the
+    compute bound the step; with `shared_cores` (no GPU) the Adam adds to the compute.
+    `step_disk_reads`: bytes the optimizer step reads from disk after backward has ended (its
+    state, when the step is neither overlapped with backward nor ``pipeline_read``): that
+    read, or the Adam if slower, then runs alone and adds to the rest."""
+    adam = adam_elements / bw["cpu_adam"]
+    compute = compute_flops / bw["flops"] if compute_flops and bw.get("flops") else 0.0
+    tail = max(step_disk_reads / bw["disk_read"], adam) if step_disk_reads else 0.0
+    disk = (traffic["disk->host"] - step_disk_reads) / bw["disk_read"] + traffic["host->disk"] / bw[
+        "disk_write"
+    ]
+    io = max(disk, traffic["host->device"] / bw["h2d"], traffic["device->host"] / bw["d2h"])
+    if tail:
+        return max(io, compute) + tail
+    if shared_cores:
+        return max(io, compute + adam)
+    return max(io, adam, compute)
+
+
+def step_runs_alone(cfg: TieredConfig) -> bool:
+    """Whether the optimizer step starts after backward and reads its state then ([Note: step
+    time model]): neither overlapped with backward nor its state prefetched (pipeline_read)."""
+    overlapped = cfg.zero.overlap_step_with_backward and not overlap_blockers(cfg)
+    return not overlapped and not cfg.zero.offload_optimizer.pipeline_read
