@@ -53,9 +53,13 @@ def test_search_keeps_parameters_for_the_backward_when_the_gpu_has_room() -> Non
         vocab_size=32000,
     )
     params = sum(p.numel() for p in model.parameters())
-    roomy = search(model, Memories(gpu=80 * 10**9, cpu=64 * 10**9), Pinned(ALL_NVME)).best
-    tight = search(model, Memories(gpu=25 * 10**8, cpu=64 * 10**9), Pinned(ALL_NVME)).best
-    assert roomy is not None and tight is not None
+    # the activations' memory declared (here none): the GPU's room is the parameters' to take
+    roomy = search(model, Memories(gpu=80 * 10**9, cpu=64 * 10**9, activations=0), Pinned(ALL_NVME)).best
+    tight = search(model, Memories(gpu=25 * 10**8, cpu=64 * 10**9, activations=0), Pinned(ALL_NVME)).best
+    # not known: that room may be the activations', the default live budget is kept
+    unknown = search(model, Memories(gpu=80 * 10**9, cpu=64 * 10**9), Pinned(ALL_NVME)).best
+    assert roomy is not None and tight is not None and unknown is not None
+    assert unknown.config["zero_optimization"].get("stage3_max_live_parameters") is None
     zero = roomy.config["zero_optimization"]
     assert zero["stage3_max_live_parameters"] > 1_000_000_000  # above DeepSpeed's default
     # read once per step (bf16): the forward's copy kept for the backward
@@ -91,7 +95,7 @@ def test_the_engine_preflight_accepts_the_sized_live_budget(tmp_path: Path) -> N
     gathered = sum(p.numel() for p in model.parameters()) * 2  # bf16
     gpu = gathered // 2
     pinned = Pinned({**ALL_NVME, "persistence_threshold": 0})  # every group gathered
-    result = search(model, Memories(gpu=gpu, cpu=4 * 2**30), pinned, nvme_path=str(tmp_path))
+    result = search(model, Memories(gpu=gpu, cpu=4 * 2**30, activations=0), pinned, nvme_path=str(tmp_path))
     best = result.best
     assert best is not None and best.prediction is not None
     live = best.config["zero_optimization"]["stage3_max_live_parameters"]
@@ -208,3 +212,47 @@ def test_overlap_pinned_on_with_fp16_is_refused_by_name() -> None:
 
     with pytest.raises(ConfigError, match="--overlap-step on.*fp16"):
         search(_meta(), Memories(gpu=2**30), Pinned({**ALL_NVME, "overlap_step": True}), precision="fp16")
+
+
+def test_tiered_plan_estimates_the_activations_from_the_batch_and_leaves_them_the_room(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --activation-mem the plan does not fill the GPU with parameters it may need for
+    activations; with --seq-len it estimates them ([Note: activation estimate], as `tiered
+    finetune` checks) and sizes the live budget around them."""
+    import json
+
+    from tiered.cli.main import main
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    }  # 1.4B, fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    base = ["plan", "--model", str(folder), "--gpu-mem", "3GB", "--cpu-mem", "32GB", "--nvme-mem", "100GB"]
+    flags = ["--offload-optimizer", "nvme", "--offload-param", "nvme"]
+    lives = {}
+    for name, extra in (
+        ("unknown", []),
+        ("estimated", ["--seq-len", "2048", "--checkpointing"]),
+        ("declared", ["--activation-mem", "0"]),
+    ):
+        assert main([*base, *flags, *extra, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        lives[name] = doc["config"]["zero_optimization"].get("stage3_max_live_parameters")
+        notes = " ".join(doc.get("assumed", []))
+        if name == "unknown":
+            assert "activations: not known" in notes
+        if name == "estimated":
+            assert "activations: ~" in notes and "per layer" in notes
+    assert lives["unknown"] is None  # the default live budget: nothing gathered beyond ZeRO-3's need
+    assert lives["declared"] > lives["estimated"] > 0  # the room, less the activations estimated

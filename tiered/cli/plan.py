@@ -88,9 +88,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument(
         "--activation-mem",
-        default="0",
+        default=None,
         metavar="SIZE",
-        help="activation memory per rank to add to the GPU working set (default 0: not counted)",
+        help="activation memory per rank to add to the GPU working set (default: estimated from "
+        "--seq-len/--micro-batch/--checkpointing with the --model's config, else not counted and "
+        "the GPU's room left to them: no live budget beyond the default)",
     )
     p.add_argument(
         "--nvme-path", default="./tiered_offload", help="nvme_path written into the recommended config"
@@ -195,7 +197,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         precision=args.precision,
         prefetch_layers=args.prefetch_layers,
         sub_group_size=parse_count(args.sub_group_size or "1e8", what="--sub-group-size"),
-        activation_bytes=parse_bytes(args.activation_mem, what="--activation-mem"),
+        activation_bytes=parse_bytes(args.activation_mem or "0", what="--activation-mem"),
         nvme_path=args.nvme_path,
     )
     memories = Memories(
@@ -305,11 +307,12 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
         f"process baseline: {format_bytes(host_baseline_bytes(kind), binary=True)} of host memory for a "
         f"{kind} process, measured ([Note: one memory model]; --device cuda|cpu)"
     )
+    activations = _activations(args, model, notes)
     mem = Memories(
         gpu=_size(args.gpu_mem, "--gpu-mem"),
         cpu=_size(args.cpu_mem, "--cpu-mem"),
         nvme=_size(args.nvme_mem, "--nvme-mem"),
-        activations=parse_bytes(args.activation_mem, what="--activation-mem"),
+        activations=activations,
     )
     result = search(
         model,
@@ -325,6 +328,34 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
         checkpointing=bool(getattr(args, "checkpointing", False)),
     )
     return result, notes
+
+
+def _activations(args: argparse.Namespace, model: Any, notes: list[str]) -> int | None:
+    """--activation-mem; else [Note: activation estimate] for --seq-len x --micro-batch with the
+    model's config (what `tiered finetune` checks before training); else None (not known)."""
+    if args.activation_mem is not None:
+        return parse_bytes(args.activation_mem, what="--activation-mem")
+    hf_config = getattr(model, "config", None)
+    if getattr(args, "seq_len", None) is None or args.model is None or hf_config is None:
+        notes.append(
+            "activations: not known (--activation-mem, or --seq-len with --model): the GPU's room "
+            "beyond ZeRO-3's working set is left to them"
+        )
+        return None
+    import torch
+
+    from tiered.finetune.activations import estimate_activations
+
+    dtype = {"fp32": torch.float32}.get(args.precision, torch.bfloat16)
+    est = estimate_activations(
+        hf_config,
+        batch=int(args.micro_batch),
+        seq_len=int(args.seq_len),
+        dtype=dtype,
+        checkpointing=bool(getattr(args, "checkpointing", False)),
+    )
+    notes.append(f"activations: {est.describe()} ([Note: activation estimate]; --activation-mem to give it)")
+    return est.total_bytes
 
 
 def render(plan: Plan, out: TextIO) -> None:

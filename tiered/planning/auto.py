@@ -96,7 +96,7 @@ def resolve_auto_config(config: dict[str, Any], model: nn.Module, *, world_size:
         v = auto.get(key)
         return None if v is None else parse_bytes(v, what=f"tiered.auto_config.{key}")
 
-    mem = Memories(size("gpu_mem"), size("cpu_mem"), size("nvme_mem"), size("activation_mem") or 0)
+    mem = Memories(size("gpu_mem"), size("cpu_mem"), size("nvme_mem"), size("activation_mem"))
     bw = (
         dict(DEFAULT_BANDWIDTH)
         if auto.get("bandwidth") is None

@@ -40,7 +40,10 @@ largest module's gather in the gpu tier (more live parameters than the budget ha
 evicted under pressure, not refused), so the search counts the live bytes itself on top of it
 (`live_gpu_bytes`): a recommended budget is one the gpu tier holds, and the re-reads the plan
 predicts are the ones the engine's rules make. A user's value (``--max-live-parameters``, or
-the base config's) is the only one weighed.
+the base config's) is the only one weighed. The larger budget is weighed only where the
+activations' memory is known (``--activation-mem``, or estimated from ``--seq-len`` and
+``--micro-batch``): otherwise that room may be theirs (a 36B Llama at 4096 tokens needs ~13 GB
+even checkpointed), and filling it with parameters would trade re-reads for an out-of-memory.
 """
 
 from __future__ import annotations
@@ -101,7 +104,10 @@ class Memories:
     gpu: int | None = None
     cpu: int | None = None
     nvme: int | None = None
-    activations: int = 0
+    activations: int | None = None
+    """GPU memory the activations need (`--activation-mem`, or estimated from the batch). None:
+    not known, so the search leaves the GPU's room beyond ZeRO-3's working set to them: the live
+    budget stays at its default ([Note: the live budget searched])."""
 
 
 @dataclass(frozen=True)
@@ -237,6 +243,8 @@ def weigh(
     ws = int(kw.get("world_size", 1))
     if pred is None or mem.gpu is None or (ws == 1 and knobs["offload_param"] == "none"):
         return first  # nothing gathered: the parameters are the GPU's own
+    if mem.activations is None:
+        return first  # the room may be the activations': not filled with parameters unasked
     gpu_budget = max(0, mem.gpu - mem.activations)
     itemsize = torch.empty(0, dtype=pred.placement.compute_dtype).element_size()
     per_element = itemsize * ((1 + 1 / ws) if ws > 1 else 1)  # as `live_gpu_bytes`
@@ -282,7 +290,7 @@ def _weigh_at(
     `compute_flops` the training FLOPs of a step ([Note: step time model])."""
     from tiered.config.loader import load_config
 
-    gpu_budget = None if mem.gpu is None else max(0, mem.gpu - mem.activations)
+    gpu_budget = None if mem.gpu is None else max(0, mem.gpu - (mem.activations or 0))
     knobs = {
         **knobs,
         "max_live_parameters": live,
