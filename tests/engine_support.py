@@ -8,6 +8,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,6 +66,23 @@ def tiny_llama() -> nn.Module:
     )
     cfg._attn_implementation = "eager"
     return LlamaForCausalLM(cfg)
+
+
+def small_llama_config(**overrides: Any) -> Any:
+    """The planner tests' Llama (hidden 64, 2 layers, vocab 512, untied: 0.2M parameters), as a
+    transformers LlamaConfig with `overrides` applied."""
+    from transformers import LlamaConfig
+
+    base: dict[str, Any] = dict(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    )
+    return LlamaConfig(**{**base, **overrides})
 
 
 def tiny_llama_partly_frozen() -> nn.Module:
@@ -220,6 +238,22 @@ def ds_config(
 
 
 # ---- ground truth and the run under test ---------------------------------------------------
+def faults_tier_config(folder: Path, fault: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+    """ds_config with parameters and optimizer state on a tier "flaky": the faults backend over an
+    nvme folder (created in `folder`) injecting `fault`; `timeout_s` sets tiered.timeout_s."""
+    (folder / "flaky").mkdir()
+    cfg = ds_config(param="nvme", opt="nvme", nvme_path=str(folder / "nvme"))
+    backend = {"type": "faults", "inner": {"type": "nvme", "path": str(folder / "flaky")}, "faults": [fault]}
+    cfg["tiered"] = {
+        "tiers": {"flaky": {"backend": backend}},
+        "param_tier": "flaky",
+        "optimizer_tier": "flaky",
+    }
+    if timeout_s is not None:
+        cfg["tiered"]["timeout_s"] = timeout_s
+    return cfg
+
+
 def reference_train(
     model: nn.Module,
     case: Case,

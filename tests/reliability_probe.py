@@ -586,25 +586,9 @@ def _faults_engine(wd: Path, fault: dict[str, Any], timeout_s: float) -> tuple[A
     """(model, config): the tiny MLP with params and optimizer state on a 'faults' tier 'flaky'
     (over an nvme folder) that injects `fault`, under tiered.timeout_s `timeout_s`."""
     from engine_support import CASES as MODELS
-    from engine_support import build, ds_config
+    from engine_support import build, faults_tier_config
 
-    (wd / "flaky").mkdir()
-    cfg = ds_config(param="nvme", opt="nvme", nvme_path=str(wd / "nvme"))
-    cfg["tiered"] = {
-        "tiers": {
-            "flaky": {
-                "backend": {
-                    "type": "faults",
-                    "inner": {"type": "nvme", "path": str(wd / "flaky")},
-                    "faults": [fault],
-                }
-            }
-        },
-        "param_tier": "flaky",
-        "optimizer_tier": "flaky",
-        "timeout_s": timeout_s,
-    }
-    return build(MODELS["mlp"]), cfg
+    return build(MODELS["mlp"]), faults_tier_config(wd, fault, timeout_s)
 
 
 @case(

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_support import small_llama_config
 
 import tiered
 from tiered.errors import CapacityError, ConfigError
@@ -19,17 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(
-        transformers.LlamaConfig(
-            hidden_size=64,
-            intermediate_size=176,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            vocab_size=512,
-            tie_word_embeddings=False,
-        )
-    )
+    return transformers.AutoModelForCausalLM.from_config(small_llama_config())
 
 
 def _config(tmp_path: Path, **auto: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_support import small_llama_config
 
 import tiered
 from tiered.planning.search import candidate_config
@@ -46,17 +47,7 @@ def _engine(
     cfg.setdefault("tiered", {})["overlap_step_with_backward"] = overlap
     cfg["zero_optimization"].update(zero or {})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        transformers.LlamaConfig(
-            hidden_size=64,
-            intermediate_size=176,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            vocab_size=512,
-            tie_word_embeddings=False,
-        )
-    )
+    model = transformers.AutoModelForCausalLM.from_config(small_llama_config())
     return tiered.initialize(model, cfg)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_support import small_llama_config
 
 import tiered
 from tiered.config.loader import load_config
@@ -19,17 +20,7 @@ from tiered.planning.search import candidate_config
 transformers = pytest.importorskip("transformers")
 
 
-def _llama(**kw: Any) -> Any:
-    base = dict(
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=512,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaConfig(**{**base, **kw})
+_llama = small_llama_config
 
 
 ZOO = {

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_support import small_llama_config
 
 import tiered
 from tiered.planning.search import Memories, Pinned, search, weigh
@@ -28,17 +29,8 @@ ALL_NVME = {
 
 
 def _meta(**kw: Any) -> torch.nn.Module:
-    base = dict(
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=512,
-        tie_word_embeddings=False,
-    )
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{**base, **kw}))
+        return transformers.AutoModelForCausalLM.from_config(small_llama_config(**kw))
 
 
 def test_search_keeps_parameters_for_the_backward_when_the_gpu_has_room() -> None:

@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))  # the engine tests' helpers
 
-from engine_support import CASES, build, ds_config, make_batches
+from engine_support import CASES, build, faults_tier_config, make_batches
 
 import tiered
 
@@ -26,23 +26,7 @@ SLACK_S = 1.0  # the rest of the call that meets the hang: a tiny model's comput
 
 
 def _config(tmp_path: Path, fault: dict[str, Any]) -> dict[str, Any]:
-    (tmp_path / "flaky").mkdir()
-    cfg = ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme"))
-    cfg["tiered"] = {
-        "tiers": {
-            "flaky": {
-                "backend": {
-                    "type": "faults",
-                    "inner": {"type": "nvme", "path": str(tmp_path / "flaky")},
-                    "faults": [fault],
-                }
-            }
-        },
-        "param_tier": "flaky",
-        "optimizer_tier": "flaky",
-        "timeout_s": T,
-    }
-    return cfg
+    return faults_tier_config(tmp_path, fault, timeout_s=T)
 
 
 def _train_until_timeout(cfg: dict[str, Any], steps: int = 3) -> tuple[Any, BaseException | None, float]:

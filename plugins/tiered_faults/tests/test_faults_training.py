@@ -21,7 +21,7 @@ from engine_support import (
     assert_losses_close,
     assert_params_close,
     build,
-    ds_config,
+    faults_tier_config,
     make_batches,
     reference_train,
 )
@@ -31,22 +31,7 @@ from tiered.errors import StorageIOError
 
 
 def _config(tmp_path: Path, fault: dict[str, Any]) -> dict[str, Any]:
-    (tmp_path / "flaky").mkdir()
-    cfg = ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme"))
-    cfg["tiered"] = {
-        "tiers": {
-            "flaky": {
-                "backend": {
-                    "type": "faults",
-                    "inner": {"type": "nvme", "path": str(tmp_path / "flaky")},
-                    "faults": [fault],
-                }
-            }
-        },
-        "param_tier": "flaky",
-        "optimizer_tier": "flaky",
-    }
-    return cfg
+    return faults_tier_config(tmp_path, fault)
 
 
 def test_a_transient_read_error_is_retried_and_counted(tmp_path: Path) -> None:
