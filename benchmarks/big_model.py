@@ -56,10 +56,12 @@ DISK_MARGIN = 3 * GIB
 """Free space kept beyond the estimated peak (bandwidth samples, logs, others' files)."""
 
 
-def disk_plan(n: int, bw_size: int, drop_weights: bool) -> dict[str, int]:
+def disk_plan(n: int, bw_size: int, drop_weights: bool, train_only: bool = False) -> dict[str, int]:
     """Estimated bytes on disk: the peak is the swap with the checkpoint (the pretrained files
-    are deleted after the first step unless kept, and the checkpoint before the export)."""
-    swap, ckpt, weights = eng.STATE_BYTES_PER_PARAM * n, CHECKPOINT_BYTES_PER_PARAM * n, 2 * n
+    are deleted after the first step unless kept, and the checkpoint before the export; none with
+    --train-only)."""
+    swap, weights = eng.STATE_BYTES_PER_PARAM * n, 2 * n
+    ckpt = 0 if train_only else CHECKPOINT_BYTES_PER_PARAM * n
     peak = swap + ckpt + (0 if drop_weights else weights) + max(bw_size, 0)
     return {"weights": weights, "swap": swap, "checkpoint": ckpt, "export": 2 * n, "peak": peak + DISK_MARGIN}
 
@@ -130,10 +132,11 @@ def _sigterm(_sig: int, _frame: Any) -> None:
 
 def summarize(spec: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
     """The report: the step against its bound, traffic, stalls, RSS against the budgets."""
-    tr, rs = res["train"], res["resume"]
+    tr, rs = res["train"], res.get("resume")
     # the first step also records the trace and takes the fp32 master; the reference step (after
     # the checkpoint) is an ordinary one
-    timed = [*tr["steps"][1:], tr["reference"]]
+    ran = [*tr["steps"], *([tr["reference"]] if "reference" in tr else [])]
+    timed = ran[1:]
     step_s = statistics.median(s["s"] for s in timed)
     links: dict[str, dict[str, float]] = {}
     for st in timed:
@@ -150,8 +153,15 @@ def summarize(spec: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
     layer_s = statistics.median(c["layer_fwd_bwd_s"] for c in tr["compute"])
     bound = max(compute_s, io_s)
     budget = spec["gpu_budget"] + spec["cpu_budget"]
-    rss = {**({"weights": res["weights"]["rss"]} if res["weights"]["rss"] else {}), **tr["rss"], **rs["rss"]}
-    phases = {f"train:{k}": v for k, v in tr["s"].items()} | {f"resume:{k}": v for k, v in rs["s"].items()}
+    rss = {
+        **({"weights": res["weights"]["rss"]} if res["weights"]["rss"] else {}),
+        **tr["rss"],
+        **(rs["rss"] if rs else {}),
+    }
+    phases = {f"train:{k}": v for k, v in tr["s"].items()} | {
+        f"resume:{k}": v for k, v in (rs["s"] if rs else {}).items()
+    }
+    per_step = tr["stats"].get("bytes_per_step", {})
     return {
         "params": spec["params"],
         "layers": spec["layers"],
@@ -162,10 +172,12 @@ def summarize(spec: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
         "training_state_bytes": spec["state_bytes"],
         "budgets": {"gpu": spec["gpu_budget"], "cpu": spec["cpu_budget"], "rss_target": budget + HEADROOM},
         "step_s": step_s,
-        "steps_s": [s["s"] for s in [*tr["steps"], tr["reference"]]],
-        "step_phases_s": [s["timing"] for s in [*tr["steps"], tr["reference"]]],
-        "losses": [s["loss"] for s in [*tr["steps"], tr["reference"]]],
+        "state_format": spec.get("state_format", "fp32"),
+        "steps_s": [s["s"] for s in ran],
+        "step_phases_s": [s["timing"] for s in ran],
+        "losses": [s["loss"] for s in ran],
         "links_per_step": links,
+        "formula_per_step": per_step.get("formula"),
         "nvme_read_bytes_per_step": nvme_read,
         "nvme_write_bytes_per_step": nvme_write,
         "stall_s_per_step": statistics.median(s["stall_s"] for s in timed),
@@ -181,11 +193,11 @@ def summarize(spec: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
         "peak_rss": rss,
         "peak_rss_max": max(rss.values()),
         "rss_within_target": max(rss.values()) <= budget + HEADROOM,
-        "resume_loss_equal": rs["step"]["loss"] == tr["reference"]["loss"],
-        "resume_params_equal": rs["digest"] == tr["digest"],
-        "export": rs["export"],
+        "resume_loss_equal": rs["step"]["loss"] == tr["reference"]["loss"] if rs else None,
+        "resume_params_equal": rs["digest"] == tr["digest"] if rs else None,
+        "export": rs["export"] if rs else None,
         "phase_s": {"weights:write": res["weights"]["s"], **phases},
-        "checkpoint_bytes": tr["checkpoint_bytes"],
+        "checkpoint_bytes": tr.get("checkpoint_bytes"),
         "groups": tr["groups"],
         "disk": res["disk"],
     }
@@ -198,6 +210,7 @@ def report_text(r: dict[str, Any]) -> str:
         for k, v in sorted(r["links_per_step"].items())
     )
     rss = ", ".join(f"{k} {v / GIB:.2f}" for k, v in r["peak_rss"].items())
+    formula = ", ".join(f"{k} {v / gb:.2f} GB" for k, v in sorted((r["formula_per_step"] or {}).items()))
     verdict = "within" if r["rss_within_target"] else "ABOVE"
     return (
         "\n".join(
@@ -214,10 +227,15 @@ def report_text(r: dict[str, Any]) -> str:
                 f"raw O_DIRECT: read {r['raw_read_gbps']:.2f} GB/s, write {r['raw_write_gbps']:.2f} GB/s; "
                 f"stall {r['stall_s_per_step']:.2f} s/step",
                 f"per step: {links}",
+                f"formula per step ([Note: bytes per step]): {formula}; state format {r['state_format']}",
                 f"peak RSS (GiB): {rss}; max {r['peak_rss_max'] / GIB:.2f} GiB, {verdict} the target",
-                f"resume: loss equal {r['resume_loss_equal']}, parameters equal {r['resume_params_equal']}; "
-                f"export {r['export']['tensors']} tensors, {r['export']['bytes'] / gb:.2f} GB; checkpoint "
-                f"{r['checkpoint_bytes'] / gb:.2f} GB",
+                (
+                    f"resume: loss equal {r['resume_loss_equal']}, parameters equal {r['resume_params_equal']}; "
+                    f"export {r['export']['tensors']} tensors, {r['export']['bytes'] / gb:.2f} GB; checkpoint "
+                    f"{r['checkpoint_bytes'] / gb:.2f} GB"
+                    if r["export"]
+                    else "resume: not run (--train-only)"
+                ),
                 "phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in r["phase_s"].items()),
                 f"losses: {', '.join(f'{x:.4f}' for x in r['losses'])}",
             ]
@@ -246,6 +264,8 @@ def make_spec(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "lr": args.lr,
         "clip": args.clip,
         "overlap": not args.no_overlap,
+        "state_format": args.state_format,
+        "train_only": args.train_only,
         "attn": args.attn,
         "hf_config": cfg.to_dict(),
         "state_bytes": state,
@@ -275,7 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = make_spec(args, base / "tiered-big-XXXX")  # the sizes, before anything is written
     n, state = spec["params"], spec["state_bytes"]
     disk = disk_plan(
-        n, args.bw_size, spec["drop_weights"] or bool(args.weights)
+        n, args.bw_size, spec["drop_weights"] or bool(args.weights), args.train_only
     )  # a given folder is there already
     disk["free_at_start"] = free = shutil.disk_usage(base).free
     if free < disk["peak"]:
@@ -300,7 +320,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res["weights"] = _Child.run("weights", spec, workdir)
             eng._log(f"weights: {res['weights']['bytes'] / 1e9:.2f} GB in {res['weights']['s']:.1f} s")
         res["train"] = _Child.run("train", spec, workdir)
-        res["resume"] = _Child.run("resume", spec, workdir)
+        if not args.train_only:
+            res["resume"] = _Child.run("resume", spec, workdir)
     except BaseException:
         if args.json:  # what the phases that finished measured, for the write-up
             Path(args.json + ".partial").write_text(json.dumps(res, indent=1, default=float) + "\n")
@@ -317,8 +338,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "train_steps": res["train"]["steps"],
         "compute_samples": res["train"]["compute"],
         "bandwidth_samples": res["train"]["bandwidth"],
-        "reference_step": res["train"]["reference"],
-        "resume_step": res["resume"]["step"],
+        "reference_step": res["train"].get("reference"),
+        "resume_step": res["resume"]["step"] if "resume" in res else None,
         "capacity": res["train"]["capacity"],
         "engine_stats": res["train"]["stats"],
     }
@@ -346,6 +367,15 @@ def main(argv: list[str] | None = None) -> int:
         "--clip", type=float, default=0.0, help="gradient_clipping (default 0: the step overlaps backward)"
     )
     p.add_argument("--no-overlap", action="store_true", help="without tiered.overlap_step_with_backward")
+    p.add_argument(
+        "--state-format",
+        default="fp32",
+        choices=["fp32", "bf16", "int8"],
+        help="tiered.optimizer_state_format (default fp32: exact Adam state)",
+    )
+    p.add_argument(
+        "--train-only", action="store_true", help="the steps only: no checkpoint, resume or export phase"
+    )
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--gpu-frac", type=float, default=0.12, help="gpu tier budget / fp32 training state")
     p.add_argument("--cpu-frac", type=float, default=0.10, help="cpu tier budget / fp32 training state")
@@ -395,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(report_text(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=float) + "\n")
+    if args.train_only:
+        return 0
     return 0 if report["resume_loss_equal"] and report["resume_params_equal"] else 1
 
 

@@ -105,6 +105,12 @@ def engine_config(spec: dict[str, Any]) -> dict[str, Any]:
             },
             "grad_tier": "nvme",
             "overlap_step_with_backward": spec["overlap"],
+            # set only when compressed: the exact default stays the key's own (older trees lack it)
+            **(
+                {"optimizer_state_format": spec["state_format"]}
+                if spec.get("state_format", "fp32") != "fp32"
+                else {}
+            ),
         },
     }
 
@@ -320,6 +326,9 @@ def phase_train(spec: dict[str, Any]) -> dict[str, Any]:
             _log(f"  compute {out['compute'][-1]['compute_s']:.2f} s; raw {out['bandwidth'][-1]}")
         out["steps"] = steps
         out["rss"]["train"] = max(s["rss"] for s in steps)
+        if spec.get("train_only"):  # the steps measured; no checkpoint, no resume
+            out["stats"] = engine.stats()
+            return out
         reset_peak_rss()
         t0 = time.perf_counter()
         engine.save_checkpoint(spec["ckpt_dir"], tag="bench")
