@@ -11,8 +11,10 @@ gradient_accumulation_steps and, in fp16, times the loss scale: the bytes the ne
 zero after each step, as DeepSpeed's). One difference: ``safe_set_full_fp32_param`` also writes
 the compute-dtype parameter, so the next forward sees the new value (DeepSpeed's copies it at the
 next step). A parameter no engine manages, or a frozen one asked for optimizer state, gives None,
-as DeepSpeed's. Each call reads (and a setter rewrites) the whole partition of the parameter's
-group: these are for inspection and surgery, not for every step.
+as DeepSpeed's. Each call reads (and a setter rewrites) the whole partitions its slice of the
+group's shard touches (the group's, or its optimizer tiles'; moments decoded where the format
+encodes them: [Note: safe getters over tiles and formats]): these are for inspection and surgery,
+not for every step.
 """
 
 from __future__ import annotations
