@@ -113,20 +113,6 @@ def test_a_compressed_format_with_state_on_the_gpu_is_refused_by_name(fmt: str, 
         tiered.initialize(_model(), cfg)
 
 
-def test_int8_moments_are_not_read_as_elements_out_of_a_checkpoint(tmp_path) -> None:
-    from tiered.checkpoint.consolidate import read_parameters
-
-    e = tiered.initialize(_model(), _config("int8", str(tmp_path / "a")))
-    try:
-        _train(e, 1)
-        e.save_checkpoint(str(tmp_path / "ck"), tag="t")
-    finally:
-        e.close()
-    assert read_parameters(str(tmp_path / "ck"), "t", kind="master")  # the master is fp32 as ever
-    with pytest.raises(ValueError, match=r"holds exp_avg as int8 block codes"):
-        read_parameters(str(tmp_path / "ck"), "t", kind="exp_avg")
-
-
 @pytest.mark.parametrize("fmt", LOSSY)
 def test_decode_scratch_is_one_pair_for_every_tile_and_counted_by_the_plan(fmt: str, tmp_path) -> None:
     """The step decodes each tile's moments into one fp32 pair allocated with the optimizer (no

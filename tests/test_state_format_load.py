@@ -188,5 +188,7 @@ def test_compressed_moments_of_two_ranks_load_into_one_fp32_rank(fmt: str, tmp_p
     for kind in ("exp_avg", "exp_avg_sq"):
         want = _decoded(ck, fmt, kind)
         got = read_parameters(str(tmp_path / "one"), "t", kind=kind)
+        direct = read_parameters(str(tmp_path / "two"), "t", kind=kind)  # the two ranks' tiles, decoded
         for name in want:
             assert torch.equal(got[name].view(torch.int32), want[name].view(torch.int32)), (kind, name)
+            assert torch.equal(direct[name].view(torch.int32), want[name].view(torch.int32)), (kind, name)

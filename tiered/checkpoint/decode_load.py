@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,6 +24,8 @@ import torch
 from tiered.checkpoint.pipeline import Fill, pread_exact
 from tiered.checkpoint.stream import dtype_code
 from tiered.errors import CheckpointCorruptError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 Copy = tuple[int, int, int, str, int]
 """(destination element, source element in the saved shard, count, saved tensor, saved rank)."""
@@ -39,6 +41,33 @@ class MomentDecoder(Protocol):
     def decoded_numel(self, nbytes: int) -> int: ...
     def piece_bytes(self, numel: int, start: int, stop: int) -> list[tuple[int, int]]: ...
     def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None: ...
+
+
+# [Note: moment codecs registered from above]
+# A checkpoint names its moments' format (``optimizer_state_format``); the codecs of those formats
+# live in tiered.optim.state_format, a sibling layer this one may not import. The engine layer,
+# which imports both (and which `import tiered` always imports first), registers every format's
+# codecs here (tiered/engine/persistence.py), so reading a checkpoint without an engine
+# (tiered/checkpoint/consolidate.py) decodes compressed moments with the optimizer's own codecs.
+_FORMATS: dict[str, dict[str, MomentDecoder]] = {}
+
+
+def register_moment_format(name: str, codecs: Mapping[str, MomentDecoder]) -> None:
+    """Make format `name`'s codec of each moment ("exp_avg", "exp_avg_sq") known to checkpoint
+    reads ([Note: moment codecs registered from above])."""
+    _FORMATS[name] = {k: codecs[k] for k in MOMENTS}
+
+
+def moment_decoder(fmt: str, kind: str, path: str) -> MomentDecoder:
+    """The codec that decodes moment `kind` of format `fmt` (a checkpoint's), or a ValueError
+    naming the checkpoint, the moment and the format no codec is registered for."""
+    got = _FORMATS.get(fmt, {}).get(kind)
+    if got is None:
+        raise ValueError(
+            f"checkpoint {path} holds {kind} in optimizer-state format {fmt!r}, which this installation "
+            f"cannot decode (known: {', '.join(sorted(_FORMATS)) or 'none registered'})"
+        )
+    return got
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ gradient_accumulation_steps and, in fp16, times the loss scale: the bytes the ne
 zero after each step, as DeepSpeed's). One difference: ``safe_set_full_fp32_param`` also writes
 the compute-dtype parameter, so the next forward sees the new value (DeepSpeed's copies it at the
 next step). A parameter no engine manages, or a frozen one asked for optimizer state, gives None,
-as DeepSpeed's. Each call reads (and a setter rewrites) the whole partition of the parameter's
-group: these are for inspection and surgery, not for every step.
+as DeepSpeed's. Each call reads (and a setter rewrites) the whole partitions its slice of the
+group's shard touches (the group's, or its optimizer tiles'; moments decoded where the format
+encodes them: [Note: safe getters over tiles and formats]): these are for inspection and surgery,
+not for every step.
 """
 
 from __future__ import annotations
@@ -71,19 +73,49 @@ def _locate(param: torch.Tensor) -> tuple[Engine, Any, Any] | None:
     return None
 
 
-def _partition(engine: Engine, group: Any, kind: str) -> Any:
-    if kind == "param":
-        return group.param
-    if kind == "grad":
-        return group.grad
+def _tiles(engine: Engine, group: Any, kind: str) -> list[tuple[int, int, Any]] | None:
+    """(start, stop, partition) of each stretch of `group`'s shard that holds `kind`, in shard
+    order: one for the parameter and the gradient, one per optimizer tile for the master and
+    the moments ([Note: safe getters over tiles and formats]); None for a frozen group's state."""
+    if kind in ("param", "grad"):
+        return [(0, group.shard_numel, group.param if kind == "param" else group.grad)]
     if not group.trainable:
         return None
-    parts = engine.optimizer.checkpoint_partitions().get(group.name, {})
-    return parts.get(kind)
+    og = engine.optimizer.group(group)
+    if kind == "master" and og.param_is_master:
+        return [(0, group.shard_numel, group.param)]
+    return [(t.start, t.stop, getattr(t.states, kind)) for t in og.tiles]
+
+
+# [Note: safe getters over tiles and formats]
+# A group whose optimizer state is staged is stepped in tiles, each with its own master and moment
+# partitions ([Note: sub-group pipeline]), and a compressed optimizer-state format stores each
+# tile's moments encoded ([Note: compressed optimizer state]): bf16 values, or int8 block codes
+# whose scales belong to the tile. A read takes the tiles its slice of the shard overlaps and, for
+# an encoded moment, decodes each whole tile with the format's codec, as the step does before it
+# updates that tile: the values returned are exactly the fp32 moments the next step starts from.
+# A write into int8 moments would have to re-encode whole blocks, rounding their other elements
+# stochastically: refused by name; bf16 ones take the value rounded to bf16 (element by element).
+def _codec(engine: Engine, kind: str) -> Any:
+    """The codec of moment `kind` in this run's format (None for the master, param and grad)."""
+    return getattr(engine.optimizer.fmt, kind) if kind in _STATE_KEYS else None
 
 
 def _settle(engine: Engine) -> None:
     engine.optimizer.wait_writes()  # the last step's write-backs: their bytes are the newest
+
+
+def _read_tile(engine: Engine, part: Any, kind: str, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of one tile's partition `part`, as fp32 on the host (decoded where the
+    format encodes the moment: [Note: safe getters over tiles and formats])."""
+    codec = _codec(engine, kind)
+    with resident(engine.tm, part) as t:
+        if codec is None or codec.lossless:
+            return t[lo:hi].to("cpu", torch.float32, copy=True)
+        raw = t.to("cpu", copy=True).reshape(-1).view(torch.uint8)
+    whole = torch.empty(codec.decoded_numel(raw.numel()))
+    codec.decode(raw, whole)
+    return whole[lo:hi]
 
 
 def _read_local(param: torch.Tensor, kind: str) -> tuple[Engine, Any, Any, torch.Tensor] | None:
@@ -91,8 +123,8 @@ def _read_local(param: torch.Tensor, kind: str) -> tuple[Engine, Any, Any, torch
     if found is None:
         return None
     engine, g, e = found
-    part = _partition(engine, g, kind)
-    if part is None:
+    tiles = _tiles(engine, g, kind)
+    if tiles is None:
         return None
     _settle(engine)
     sl = g.shard_slice(e)
@@ -104,8 +136,11 @@ def _read_local(param: torch.Tensor, kind: str) -> tuple[Engine, Any, Any, torch
     ):  # the zero of a step is written lazily: the coordinator knows ([Note: lazy gradient zeroing])
         piece = engine.zero.read_grad_shard(g)[s_shard : s_shard + n].to(torch.float32)
         return engine, g, e, piece
-    with resident(engine.tm, part) as t:
-        piece = t[s_shard : s_shard + n].to("cpu", torch.float32, copy=True)
+    piece = torch.empty(n, dtype=torch.float32)
+    for a, b, part in tiles:
+        lo, hi = max(a, s_shard), min(b, s_shard + n)
+        if hi > lo:
+            piece[lo - s_shard : hi - s_shard] = _read_tile(engine, part, kind, lo - a, hi - a)
     return engine, g, e, piece
 
 
@@ -131,6 +166,15 @@ def _write(param: torch.Tensor, kinds: tuple[str, ...], value: torch.Tensor, *, 
     if found is None:
         return
     engine, g, e = found
+    for kind in kinds:  # [Note: safe getters over tiles and formats]
+        codec = _codec(engine, kind)
+        if codec is not None and codec.block_numel > 1:
+            raise ValueError(
+                f"{e.name}: cannot write {kind}: tiered.optimizer_state_format "
+                f"{engine.optimizer.fmt.name!r} stores it as block codes of {codec.block_numel} elements, "
+                "and re-encoding a block would round its other elements; read it (decoded) instead, "
+                "or train with tiered.optimizer_state_format 'fp32' or 'bf16' to set it"
+            )
     _settle(engine)
     sl = g.shard_slice(e)
     flat = value.detach().reshape(-1).to("cpu", torch.float32)
@@ -145,14 +189,15 @@ def _write(param: torch.Tensor, kinds: tuple[str, ...], value: torch.Tensor, *, 
     piece = flat if local else flat[s_param : s_param + n]
     written: set[int] = set()
     for kind in kinds:
-        part = _partition(engine, g, kind)
-        if part is None or id(part) in written:
-            continue
-        written.add(id(part))
-        with resident(engine.tm, part) as t:
-            whole = t.to("cpu", copy=True)
-        whole[s_shard : s_shard + n] = piece.to(whole.dtype)
-        write_partition(engine.tm, part, whole)
+        for a, b, part in _tiles(engine, g, kind) or []:
+            lo, hi = max(a, s_shard), min(b, s_shard + n)
+            if hi <= lo or id(part) in written:
+                continue
+            written.add(id(part))
+            with resident(engine.tm, part) as t:
+                whole = t.to("cpu", copy=True)
+            whole[lo - a : hi - a] = piece[lo - s_shard : hi - s_shard].to(whole.dtype)
+            write_partition(engine.tm, part, whole)
     engine.zero.params_updated()
 
 

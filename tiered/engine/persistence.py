@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiered.checkpoint.decode_load import register_moment_format
 from tiered.errors import ParameterNotGatheredError
+from tiered.optim.state_format import FORMATS
 from tiered.zero.full_params import gathered, iter_full_groups
 
 if TYPE_CHECKING:
@@ -29,6 +31,11 @@ if TYPE_CHECKING:
     from tiered.zero import ZeroParameters
 
 log = logging.getLogger(__name__)
+
+# [Note: moment codecs registered from above] in tiered/checkpoint/decode_load.py: checkpoint reads
+# without an engine (tiered.checkpoint.read_parameters) decode compressed moments with these.
+for _name, _fmt in FORMATS.items():
+    register_moment_format(_name, {"exp_avg": _fmt.exp_avg, "exp_avg_sq": _fmt.exp_avg_sq})
 
 
 class EnginePersistence:
