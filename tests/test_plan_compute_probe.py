@@ -82,6 +82,7 @@ def test_probe_times_the_layer_and_the_rest_at_the_shape_given() -> None:
     assert c.layer_forward_s > 0 and c.layer_backward_s > 0 and c.rest_s >= 0
     text = c.describe()
     assert "x 3 layers" in text and "2 x 8 tokens" in text and "float32 on cpu" in text
+    assert c.threads == torch.get_num_threads() and f"{c.threads} threads" in text
 
 
 def test_probe_runs_in_the_dtype_given() -> None:

@@ -88,6 +88,7 @@ def _model_probe(
             "probe instead (or give --flops)"
         )
         return False
+    replaces = " (instead of the bench file's matmul rate)" if "flops" in bw else ""
     probe = probe_model_compute(
         hf_config, micro_batch=args.micro_batch, seq_len=args.seq_len, dtype=dtype, device=device
     )
@@ -100,7 +101,7 @@ def _model_probe(
         f"compute {seconds:.3f} s/step measured on the model's own work ([Note: model compute probe]): "
         f"{probe.describe()}; {micro_batches:g} micro-batch(es) per step"
         + (", the layers' forward run twice (checkpointing)" if checkpointing else "")
-        + f" (= {bw['flops'] / 1e12:.3f} TFLOP/s effective)"
+        + f" (= {bw['flops'] / 1e12:.3f} TFLOP/s effective){replaces}"
     )
     return True
 

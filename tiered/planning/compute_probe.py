@@ -51,6 +51,9 @@ class ModelCompute:
     dtype: torch.dtype
     device: str
     passes: int
+    threads: int = 0
+    """torch's intra-op threads on a CPU (0: a GPU): on cores shared with other processes, two
+    threads waiting on each other can run slower than one (benchmarks/RESULTS.md)."""
 
     def step_seconds(self, micro_batches: int = 1, *, checkpointing: bool = False) -> float:
         """[Note: model compute probe]: the step's compute from the one-layer times."""
@@ -64,7 +67,9 @@ class ModelCompute:
             f"one decoder layer's forward {self.layer_forward_s * 1e3:.1f} ms + backward "
             f"{self.layer_backward_s * 1e3:.1f} ms x {self.layers} layers, embedding/head/loss "
             f"{self.rest_s * 1e3:.1f} ms, at {self.micro_batch} x {self.seq_len} tokens, "
-            f"{str(self.dtype).removeprefix('torch.')} on {self.device} (median of {self.passes} timed passes)"
+            f"{str(self.dtype).removeprefix('torch.')} on {self.device}"
+            + (f", {self.threads} threads" if self.threads else "")
+            + f" (median of {self.passes} timed passes)"
         )
 
 
@@ -186,4 +191,5 @@ def probe_model_compute(
         dtype=dtype,
         device=device,
         passes=len(timed),
+        threads=0 if device.startswith("cuda") else torch.get_num_threads(),
     )
