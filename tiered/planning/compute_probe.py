@@ -18,7 +18,9 @@ The pass is repeated (after one untimed warm-up) and the medians taken, for abou
 in all: a few seconds on a 2-core CPU at the 2B replica's shapes. On CUDA each hook
 synchronises, so the times are the device's. What it does not see: the engine's own work in the
 step (gathers, copies between tiers, hooks), which the link terms count, and a load that changes
-between the probe and the run (a shared machine's; benchmarks/RESULTS.md). A model whose one
+between the probe and the run (a shared machine's: on two oversubscribed cores two torch threads
+ran 3-4x slower than one, and the probe, run with the plan's own thread count, cannot know the
+run's; benchmarks/RESULTS.md, 2026-12-04). A model whose one
 layer would not fit `max_bytes` (the 36B headline's 128k-vocabulary head alone is 8 GB in fp32)
 is not built: the caller falls back to the matmul probe and says so.
 """
