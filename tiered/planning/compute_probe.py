@@ -132,8 +132,10 @@ def probe_model_compute(
     device: str = "cpu",
     seconds: float = 2.0,
     max_passes: int = 5,
+    warmups: int = 1,
 ) -> ModelCompute:
-    """Time the one-layer model's forward + loss + backward ([Note: model compute probe])."""
+    """Time the one-layer model's forward + loss + backward ([Note: model compute probe]):
+    `warmups` untimed passes, then up to `max_passes` timed ones within about `seconds`."""
     model = one_layer_model(hf_config, dtype, device)
     layer = decoder_layers(model)[0]
     vocab = int(hf_config.vocab_size)
@@ -170,7 +172,8 @@ def probe_model_compute(
         return fwd, bwd, (t1 - t0) - fwd - bwd
 
     try:
-        one_pass()  # warm-up: allocator, kernels' first-call costs
+        for _ in range(warmups):  # allocator, kernels' first-call costs
+            one_pass()
         start = time.perf_counter()
         timed = [one_pass()]
         # another pass while it is expected to end within `seconds` of the first timed one
