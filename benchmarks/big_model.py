@@ -347,7 +347,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
+    """The replica's options (also read by benchmarks/big_model_predict.py: the same defaults)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--dir", default=None, help="directory on the NVMe drive for every file (default: temp dir)"
@@ -407,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phase", choices=sorted(eng.PHASES), help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argument_parser()
     args = p.parse_args(argv)
     if args.phase:  # an engine process started by run()
         spec = json.loads(Path(args.spec).read_text())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import shutil
-import statistics
 import time
 import zlib
 from pathlib import Path
@@ -171,55 +170,26 @@ def raw_bandwidth(directory: Path, size: int, rounds: int, warmup: int = 1) -> d
 def time_compute(spec: dict[str, Any], repeats: int = 1, warmup: int = 1) -> dict[str, Any]:
     """One decoder layer's forward+backward (its weights requiring grad, as in training) on the
     run's batch shape, and the embedding + final norm + head + loss; medians of `repeats`. The
-    modules are built here and freed on return."""
+    library's probe (`tiered plan --model`'s compute term, [Note: model compute probe]): the
+    one-layer model is built there and freed on return."""
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import (
-        LlamaDecoderLayer,
-        LlamaRMSNorm,
-        LlamaRotaryEmbedding,
-    )
+
+    from tiered.planning.compute_probe import probe_model_compute
 
     cfg = LlamaConfig.from_dict(spec["hf_config"])
     cfg._attn_implementation = spec["attn"]
-    torch.manual_seed(0)
-    b, s, h, v = spec["batch"], spec["seq"], cfg.hidden_size, cfg.vocab_size
-    layer = LlamaDecoderLayer(cfg, layer_idx=0).train()
-    x0 = torch.randn(b, s, h) * 0.02
-    pos = torch.arange(s).unsqueeze(0).expand(b, s)
-    pe = LlamaRotaryEmbedding(cfg)(x0, pos)
-    emb, norm = torch.nn.Embedding(v, h), LlamaRMSNorm(h)
-    head = torch.nn.Linear(h, v, bias=False)
-    ids = batch_for(1, spec)["input_ids"]
-
-    def layer_pass() -> None:
-        x = x0.clone().requires_grad_(True)
-        out = layer(x, position_embeddings=pe, attention_mask=None, position_ids=pos)
-        out = out[0] if isinstance(out, tuple) else out
-        out.backward(torch.ones_like(out))
-        layer.zero_grad(set_to_none=True)
-
-    def head_pass() -> None:
-        logits = head(norm(emb(ids)))
-        torch.nn.functional.cross_entropy(logits.view(-1, v).float(), ids.view(-1)).backward()
-        for m in (emb, norm, head):
-            m.zero_grad(set_to_none=True)
-
-    def timed(fn: Any) -> list[float]:
-        for _ in range(warmup):
-            fn()
-        out = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return out
-
-    lt, ht = timed(layer_pass), timed(head_pass)
-    layer_s, head_s = statistics.median(lt), statistics.median(ht)
+    c = probe_model_compute(
+        cfg,
+        micro_batch=spec["batch"],
+        seq_len=spec["seq"],
+        seconds=float("inf"),
+        max_passes=repeats,
+        warmups=warmup,
+    )
     return {
-        "layer_fwd_bwd_s": layer_s,
-        "embed_head_fwd_bwd_s": head_s,
-        "compute_s": cfg.num_hidden_layers * layer_s + head_s,
+        "layer_fwd_bwd_s": c.layer_forward_s + c.layer_backward_s,
+        "embed_head_fwd_bwd_s": c.rest_s,
+        "compute_s": c.step_seconds(),
     }
 
 

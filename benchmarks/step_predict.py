@@ -2,8 +2,10 @@
 (issue 21: within 25%?). Same model, same config (`step.ds_json`), same tokens (4 x 128), the
 same time model as `tiered plan` ([Note: step time model] in tiered/planning/timing.py): the
 bytes of [Note: bytes per step] over the disk bandwidth of ``tiered bench --json`` (--bandwidth)
-or the defaults, the CPU Adam at its element rate, and the training FLOPs over a matmul probe
-on this machine's cores (CPU-only: the Adam shares the cores with the compute).
+or the defaults, the CPU Adam at its element rate, and the compute timed on the model's own
+layer (`tiered plan --model`'s probe, [Note: model compute probe]; ``--compute matmul``: the
+training FLOPs over a matmul probe, as before) on this machine's cores (CPU-only: the Adam shares
+the cores with the compute).
 
     python benchmarks/step.py --steps 4 --no-deepspeed --json step.json
     python benchmarks/step_predict.py --measured step.json [--bandwidth bench.json]
@@ -26,6 +28,7 @@ sys.path.insert(0, str(HERE))
 from step import build_model, ds_json  # noqa: E402
 
 from tiered.config.loader import load_config  # noqa: E402
+from tiered.planning.compute_probe import probe_model_compute  # noqa: E402
 from tiered.planning.needs import predict  # noqa: E402
 from tiered.planning.timing import (  # noqa: E402
     DEFAULT_BANDWIDTH,
@@ -37,7 +40,8 @@ from tiered.planning.timing import (  # noqa: E402
 )
 from tiered.planning.traffic import config_bytes_per_step  # noqa: E402
 
-TOKENS = 4 * 128  # step.make_data: batch 4 x 128
+BATCH, SEQ = 4, 128  # step.make_data
+TOKENS = BATCH * SEQ
 
 
 def main() -> int:
@@ -47,14 +51,28 @@ def main() -> int:
     ap.add_argument(
         "--overlap", action="store_true", help="as step.py --overlap (compared with its overlap run)"
     )
-    ap.add_argument("--probe-seconds", type=float, default=1.0, help="FLOP-rate probe length (default 1 s)")
+    ap.add_argument(
+        "--compute",
+        choices=("model", "matmul"),
+        default="model",
+        help="the compute term: the model's own layer timed (default; what tiered plan --model does) or "
+        "the FLOPs over a matmul probe (what tiered plan --params does)",
+    )
+    ap.add_argument("--probe-seconds", type=float, default=1.0, help="matmul probe length (default 1 s)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     bw = dict(DEFAULT_BANDWIDTH)
     if args.bandwidth:
         bw, _ = read_bandwidth(args.bandwidth)
-    bw["flops"] = probe_flops("cpu", torch.float32, seconds=args.probe_seconds)
     model = build_model()
+    flops = training_flops(sum(p.numel() for p in model.parameters()), TOKENS)
+    probe_said: dict[str, object] = {}
+    if args.compute == "model":
+        probe = probe_model_compute(model.config, micro_batch=BATCH, seq_len=SEQ)
+        bw["flops"] = flops / probe.step_seconds()  # the rate that makes the term the measured seconds
+        probe_said = {"probe": probe.describe(), "probe_passes": probe.passes}
+    else:
+        bw["flops"] = probe_flops("cpu", torch.float32, seconds=args.probe_seconds)
     with tempfile.TemporaryDirectory() as d:
         config = ds_json(d)
         if args.overlap:
@@ -65,13 +83,11 @@ def main() -> int:
     traffic = config_bytes_per_step(pred, cfg, max_in_cpu_numel=mic)
     reads = config_bytes_per_step(pred, cfg, max_in_cpu_numel=mic, gathers=False)["disk->host"]
     step_reads = reads if step_runs_alone(cfg) else 0
-    params = sum(p.numel() for p in model.parameters())
     adam = sum(
         g.shard_numel
         for g, p in zip([g for g in pred.groups if g.trainable], pred.plans, strict=True)
         if p.side == "cpu"
     )
-    flops = training_flops(params, TOKENS)
     predicted = seconds_per_step(
         traffic, adam, bw, compute_flops=flops, shared_cores=True, step_disk_reads=step_reads
     )
@@ -83,6 +99,8 @@ def main() -> int:
         "disk_s": io,
         "step_state_reads_s": step_reads / bw["disk_read"],
         "flops_per_s": bw["flops"],
+        "compute_from": args.compute,
+        **probe_said,
         "threads": torch.get_num_threads(),
         "bytes_per_step": traffic,
     }

@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any, TextIO
 
+from tiered.cli.plan_compute import compute_rate
 from tiered.cli.plan_search import pinned_from_args, render_search, search_json, tokens_from_args
 from tiered.errors import ConfigError
 from tiered.planning.accounting import TIERS, Memories, PlanOptions, PrecisionBytes, gb
@@ -129,7 +130,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--flops",
         type=float,
         metavar="RATE",
-        help="the compute device's FLOP/s for the compute term, e.g. 4e14 (default: a matmul probe here)",
+        help="the compute device's FLOP/s for the compute term, e.g. 4e14 (default: with --model and --seq-len, "
+        "one layer of the model timed here ([Note: model compute probe]); else a matmul probe here)",
     )
     pin = p.add_argument_group(
         "pinned knobs (the search never varies a knob you give; see [Note: config search])"
@@ -256,7 +258,6 @@ def meta_model_from_args(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]
 
 def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
     """Fit, then fastest ([Note: config search]): the search result and what it assumed."""
-    import torch
 
     from tiered.planning.needs import host_baseline_bytes
     from tiered.planning.search import Memories, search
@@ -277,32 +278,7 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
     if args.accumulation < 1:
         raise ConfigError(f"--accumulation must be >= 1, got {args.accumulation}")
     kind = getattr(args, "device", "cuda")
-    tokens = tokens_from_args(args)
-    if tokens and getattr(args, "flops", None) is not None:
-        bw["flops"] = float(args.flops)
-        notes.append(f"compute {bw['flops'] / 1e12:.3f} TFLOP/s (--flops)")
-    if tokens and "flops" not in bw and kind == "cuda" and not torch.cuda.is_available():
-        notes.append(
-            "compute: not modelled: planning for a GPU on a machine without one (give --flops, or "
-            "--bandwidth FILE with a compute entry)"
-        )
-        tokens = None
-    elif tokens and "flops" not in bw:
-        from tiered.planning.timing import probe_flops
-
-        device = "cuda" if kind == "cuda" and torch.cuda.is_available() else "cpu"
-        dtype = torch.float32 if args.precision == "fp32" or device == "cpu" else torch.bfloat16
-        bw["flops"] = probe_flops(device, dtype)
-        notes.append(
-            f"compute {bw['flops'] / 1e12:.3f} TFLOP/s: a {dtype} matmul timed on this machine's {device} "
-            "([Note: step time model]; --bandwidth FILE with a compute entry to give it)"
-        )
-    if tokens:
-        notes.append(
-            f"compute: {tokens:,} tokens per step x {'8' if args.checkpointing else '6'} FLOPs per parameter"
-        )
-    elif not any(n.startswith("compute: not modelled") for n in notes):
-        notes.append("compute: not modelled (give --tokens-per-step or --seq-len to count it)")
+    tokens = compute_rate(args, model, tokens_from_args(args), bw, notes, kind)
     notes.append(
         f"process baseline: {format_bytes(host_baseline_bytes(kind), binary=True)} of host memory for a "
         f"{kind} process, measured ([Note: one memory model]; --device cuda|cpu)"

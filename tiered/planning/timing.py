@@ -13,10 +13,13 @@ from a number the run can measure:
   backward 4 per parameter per token; a frozen parameter's backward still propagates the
   input gradient, 2 of the 4, which the formula keeps as a small overestimate) plus one
   forward more (2 x parameters x tokens) with activation checkpointing, over the compute
-  device's FLOP rate: ``--flops``, the ``"compute": {"flops_per_s": ...}`` entry ``tiered bench
-  --json`` writes into the bandwidth file, or `probe_flops` run by the plan itself, a timed
-  fp32/bf16 matmul of a fraction of a second on this machine's device (not run when planning
-  for a GPU on a machine without one: there compute stays unmodelled, and the plan says so).
+  device's FLOP rate: ``--flops``; with ``--model`` and ``--seq-len``, the rate at which the
+  model's own layer ran when timed by the plan ([Note: model compute probe] in
+  compute_probe.py: the measured seconds, whatever the FLOP count); else the ``"compute":
+  {"flops_per_s": ...}`` entry ``tiered bench --json`` writes into the bandwidth file, or
+  `probe_flops` run by the plan itself, a timed fp32/bf16 matmul of a fraction of a second on
+  this machine's device (neither probe is run when planning for a GPU on a machine without
+  one: there compute stays unmodelled, and the plan says so).
   Without the tokens, compute is not modelled (the same for every candidate: the ranking holds,
   the absolute s/step is a floor).
 
@@ -28,8 +31,9 @@ it adds to the compute instead of overlapping it (max(compute + Adam, I/O)). Oth
 starts after backward and first reads its state from disk: those reads (or the Adam, if
 slower) run alone, after the compute, and add to it: max(compute, the other I/O) + max(state
 reads, Adam). What is not counted: the first group's fetch before the forward can start, the
-last writes' wait, and the compute's own inefficiency at small shapes (the probe is one large
-matmul; attention, norms and the loss are not in 6 x params x tokens): benchmarks/RESULTS.md
+last writes' wait, and with the matmul probe, the compute's own inefficiency at small shapes
+(attention, norms and the loss are not in 6 x params x tokens, and run below one large matmul's
+rate; the model probe measures them): benchmarks/RESULTS.md
 (issue 21) compares the prediction with benchmarks/step.py's measured s/step.
 """
 
