@@ -109,6 +109,8 @@ def test_decode_is_the_first_codecs_bit_for_bit(fmt: str, kind: str, native: boo
 def test_native_encode_and_decode_are_the_torch_codecs_bit_for_bit(fmt: str, kind: str, isa: str) -> None:
     codec = _codec(fmt, kind)
     for what, x in _inputs():
+        if x.numel() > CHUNK and isa != "scalar":
+            continue  # the torch codec's pass seams: once (every CPU runs scalar), the slow part here
         for noise in NOISES if x.numel() <= CHUNK else NOISES[-1:]:
             native, torch_ = _encoded(codec, x, noise, True), _encoded(codec, x, noise, False)
             assert torch.equal(native, torch_), f"{isa} {fmt} {kind} encode of {what} with {noise}"
