@@ -12,6 +12,7 @@ import torch
 from tiered.config import dump_config, load_config
 from tiered.config.schema import OPTIMIZER_STATE_FORMATS
 from tiered.errors import CheckpointMismatchError, ConfigError, UnsupportedConfigError
+from tiered.optim.rounding_noise import RoundingNoise, noise_key
 from tiered.optim.state_codecs import BLOCK, MomentCodec
 from tiered.optim.state_format import (
     FORMATS,
@@ -25,7 +26,7 @@ LOSSY = ("bf16", "int8")
 
 def _roundtrip(codec: MomentCodec, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     buf = torch.empty(codec.encoded_bytes(x.numel()), dtype=torch.uint8)
-    codec.encode(x, buf, torch.Generator().manual_seed(seed))
+    codec.encode(x, buf, RoundingNoise(noise_key(seed)))
     out = torch.empty_like(x)
     codec.decode(buf, out)
     return out
@@ -129,10 +130,9 @@ def test_a_decaying_moment_decays(fmt: str) -> None:
     v[held] = 1.0
     start = v.clone()
     buf = torch.empty(codec.encoded_bytes(v.numel()), dtype=torch.uint8)
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(1000):
+    for it in range(1000):
         v.mul_(0.999).add_(held.float(), alpha=0.001)
-        codec.encode(v, buf, gen)
+        codec.encode(v, buf, RoundingNoise(noise_key(3, it)))
         codec.decode(buf, v)
     want = start[~held] * 0.999**1000
     assert abs(float(v[~held].mean() / want.mean()) - 1) < 0.05
@@ -156,7 +156,7 @@ HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 
 
 def _encoded(codec: MomentCodec, x: torch.Tensor, seed: int) -> torch.Tensor:
     buf = torch.empty(codec.encoded_bytes(x.numel()), dtype=torch.uint8)
-    codec.encode(x, buf, torch.Generator().manual_seed(seed))
+    codec.encode(x, buf, RoundingNoise(noise_key(seed)))
     return buf
 
 
@@ -182,9 +182,7 @@ def test_one_adam_step_stays_within_the_bound_from_the_codec_errors(fmt: str) ->
     tiered_ext.adam_step(exact_p, grad, em, ev, step=step, **HYPER)
     comp_p = p0.clone()
     mb, vb = _encoded(f.exp_avg, m, 2), _encoded(f.exp_avg_sq, v, 3)
-    adam_step_compressed(
-        comp_p, grad, mb, vb, f, step=step, generator=torch.Generator().manual_seed(4), **HYPER
-    )
+    adam_step_compressed(comp_p, grad, mb, vb, f, step=step, group=4, **HYPER)
 
     b1, b2, eps, lr = HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["lr"]
     bc1, bc2 = 1 - b1**step, 1 - b2**step
@@ -211,7 +209,6 @@ def _train(fmt: str | None, steps: int = 200) -> list[float]:
     f = FORMATS[fmt] if fmt else None
     mb = _encoded(f.exp_avg, m, 0) if f else None
     vb = _encoded(f.exp_avg_sq, v, 0) if f else None
-    rng = torch.Generator().manual_seed(11)
     losses = []
     hyper = dict(HYPER, lr=0.02, weight_decay=0.0)
     import tiered_ext
@@ -224,7 +221,7 @@ def _train(fmt: str | None, steps: int = 200) -> list[float]:
             if f is None:
                 tiered_ext.adam_step(w, grad, m, v, step=step, **hyper)
             else:
-                adam_step_compressed(w, grad, mb, vb, f, step=step, generator=rng, **hyper)
+                adam_step_compressed(w, grad, mb, vb, f, step=step, group=11, **hyper)
     return losses
 
 

@@ -43,11 +43,16 @@ CPU_SOURCES = [
         "cpu_adam_scalar.cpp",
         "cpu_adam_avx2.cpp",
         "cpu_adam_avx512.cpp",
+        "state_codecs_binding.cpp",
+        "state_codecs_scalar.cpp",
+        "state_codecs_avx2.cpp",
+        "state_codecs_avx512.cpp",
     )
 ]
 COMMON_HEADERS = [CSRC / "common" / "adam_hyper.h"]
 CPU_HEADERS = [
-    CSRC / "cpu_adam" / name for name in ("cpu_adam.h", "scalar_ops.h", "simd_kernel.h")
+    CSRC / "cpu_adam" / name
+    for name in ("cpu_adam.h", "scalar_ops.h", "simd_kernel.h", "state_codecs.h", "state_codecs_kernel.h")
 ] + COMMON_HEADERS
 GPU_SOURCES = [CSRC / "gpu_adam" / "binding.cpp", CSRC / "gpu_adam" / "gpu_adam.cu"]
 GPU_HEADERS = [CSRC / "gpu_adam" / "gpu_adam.h", *COMMON_HEADERS]

@@ -104,7 +104,7 @@ from tiered.optim.placement import (
     tier_is_host,
 )
 from tiered.optim.runs import ParamHyper, entry_hypers
-from tiered.optim.state_format import rounding_seed, state_format
+from tiered.optim.state_format import rounding_noise, state_format
 from tiered.optim.writebacks import WriteBacks
 from tiered.shards import ShardGroup
 
@@ -447,9 +447,10 @@ class OffloadedAdam:
             grad_scale=grad_scale,
         )
         if stored is not None:
-            gen = torch.Generator().manual_seed(rounding_seed(self.step_count, i, j))
-            self.fmt.exp_avg.encode(exp_avg, stored[0], gen)
-            self.fmt.exp_avg_sq.encode(exp_avg_sq, stored[1], gen)
+            # [Note: counter-based rounding noise]: keyed by the group and the tile's global offset
+            step, gi, first = self.step_count, og.group.index, og.group.shard_offset + og.tiles[j].start
+            self.fmt.exp_avg.encode(exp_avg, stored[0], rounding_noise(step, gi, "exp_avg", first))
+            self.fmt.exp_avg_sq.encode(exp_avg_sq, stored[1], rounding_noise(step, gi, "exp_avg_sq", first))
         if out is not None and not lowp:
             out.copy_(master)
 

@@ -10,25 +10,27 @@ stored value unbiased (E[decode(encode(x))] = x) and lets the moments drift as t
 
 [Note: codec speed]
 The codecs run once per tile per step on the CPU, on every element of both moments, so they are
-written as few vectorised torch ops with few temporaries, and give the same bits as the first,
-plainer versions (tests/state_codecs_reference.py, the tests' oracle): no `torch.where` (not
+written as few vectorised torch ops with few temporaries, and decode to the same bits as the
+first, plainer versions (tests/state_codecs_reference.py, the decode tests' oracle): no `torch.where` (not
 vectorised here: 2 ms per 1M elements, as much as ten arithmetic ops), no `clamp_min` (slow the
 same way; `clamp(0, inf)` gives the same values), and the 8-bit codes' levels are a table of
 2**((c - levels) / steps) looked up per code instead of an exp2 per element. The table holds
 what the vectorised exp2 computes; the per-element exp2 gave each thread's last few elements
 the scalar libm value instead, which differs in the last bit for 16 of the levels, so the old
 decode depended on torch's thread count (tiles cut where a thread's range ends) and the table's
-does not. Encode still takes the code below a value from a per-element log2 (a value within an
-ulp of a level can round to either neighbour with a different thread count, as before).
+does not. Decode is that table look-up times the block's scale; the native decode
+(tiered_ext, below) is the same product per element, bit for bit.
 A tile is coded in passes of `CHUNK` elements (whole blocks, 1 MiB of fp32), so the dozen
 temporaries of a pass stay in the CPU's cache instead of streaming a tile's worth of memory
-each (int8 encode of a 4M-element tile: 18 -> 8 ms per 1M elements here); the random draws
-are taken pass after pass from the same generator, the same sequence as one draw for the tile.
-The 8-bit codes are int32 while they are computed (the table's index type: no conversion per
-look-up). The bf16 noise is drawn by `random_()` on int32 (the generator's 32-bit word mod 2**31), whose
-low 16 bits are the words `randint(0, 2**16)` took, without its per-element division. The
-random draws themselves (one 32-bit word per element, from one sequential generator) are now
-the largest part of an encode; fewer or other draws would change the rounding, so they stay.
+each (int8 encode of a 4M-element tile: 18 -> 8 ms per 1M elements here). The 8-bit codes are
+int32 while they are computed (the table's index type: no conversion per look-up). Even so the
+torch ops cost 8 ms (int8) and 2.5 ms (bf16) per 1M elements to encode, ~35 s of CPU per step
+of a 2B-parameter model; the native kernels (tiered_ext/csrc/cpu_adam/state_codecs_kernel.h,
+built with the CPU Adam, same ISA dispatch and threads) do the same work in one pass per block,
+and these torch codecs are their fallback and their tests' oracle: the same bits, tested.
+
+The rounding noise and the 8-bit lower code are defined in [Note: counter-based rounding
+noise] (tiered/optim/rounding_noise.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import abc
 import math
 
 import torch
+
+from tiered.optim.rounding_noise import RoundingNoise, noise_words, use_native
 
 BLOCK = 256
 CHUNK = 1024 * BLOCK
@@ -47,6 +51,11 @@ _FP32_SLACK = 1e-6
 _BF16_SAFE = 3.38e38
 """Below this magnitude stochastic rounding to bf16 cannot reach inf (bf16's largest is 3.39e38)."""
 """Relative slack for the fp32 arithmetic of encode and decode (log2, exp2, the scale)."""
+
+
+def _i64(v: int) -> int:
+    """The int64 whose bits are the 64-bit `v` (the native kernels take keys as int64)."""
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 def _flat_f32(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -101,12 +110,23 @@ class MomentCodec(abc.ABC):
         return [(per * start, per * (stop - start))]
 
     @abc.abstractmethod
-    def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
-        """Write the encoding of flat fp32 `x` into flat uint8 `out` (`encoded_bytes(x.numel())`)."""
+    def encode(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        noise: RoundingNoise | None = None,
+        *,
+        native: bool | None = None,
+    ) -> None:
+        """Write the encoding of flat fp32 `x` into flat uint8 `out` (`encoded_bytes(x.numel())`),
+        rounding with `noise` (default RoundingNoise(): key 0, offset 0). `native`: None, the
+        native kernel when it is built, else the torch ops; False, the torch ops; True, the
+        native kernel (RuntimeError when it is not built). Both give the same bits."""
 
     @abc.abstractmethod
-    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the values `buf` encodes into flat fp32 `out` (deterministic: no randomness)."""
+    def decode(self, buf: torch.Tensor, out: torch.Tensor, *, native: bool | None = None) -> None:
+        """Write the values `buf` encodes into flat fp32 `out` (deterministic: no randomness);
+        `native` as for encode."""
 
     @abc.abstractmethod
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,11 +154,18 @@ class Fp32Codec(MomentCodec):
     def storage(self, numel: int) -> tuple[int, torch.dtype]:
         return numel, torch.float32
 
-    def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    def encode(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        noise: RoundingNoise | None = None,
+        *,
+        native: bool | None = None,
+    ) -> None:
         self._check(x, out, "encode")
         out.view(torch.float32).copy_(x)
 
-    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+    def decode(self, buf: torch.Tensor, out: torch.Tensor, *, native: bool | None = None) -> None:
         self._check(out, buf, "decode")
         out.copy_(buf.view(torch.float32))
 
@@ -160,27 +187,41 @@ class Bf16StochasticCodec(MomentCodec):
     def storage(self, numel: int) -> tuple[int, torch.dtype]:
         return numel, torch.bfloat16
 
-    def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    def encode(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        noise: RoundingNoise | None = None,
+        *,
+        native: bool | None = None,
+    ) -> None:
         self._check(x, out, "encode")
+        noise = noise if noise is not None else RoundingNoise()
         dst = out.view(torch.int16)
-        for a in range(0, x.numel(), CHUNK):  # [Note: codec speed]
-            self._encode(x[a : a + CHUNK], dst[a : a + CHUNK], generator)
+        if x.numel() == 0:
+            return
+        mod = use_native(native)
+        if mod is not None:
+            odd = bool(mod.bf16_encode(x, dst, _i64(noise.key), noise.offset))
+        else:
+            for a in range(0, x.numel(), CHUNK):  # [Note: codec speed]
+                self._encode(x[a : a + CHUNK], dst[a : a + CHUNK], noise.at(a))
+            odd = not float(x.abs().amax()) <= _BF16_SAFE  # one reduction; NaN fails it too
+        if odd:
+            # non-finite values, and the largest finite ones (rounding up may reach inf): nearest
+            bad = ~torch.isfinite(x) | (x.abs() > _BF16_SAFE)
+            dst.view(torch.bfloat16)[bad] = x[bad].to(torch.bfloat16)
 
     @staticmethod
-    def _encode(x: torch.Tensor, dst: torch.Tensor, generator: torch.Generator | None) -> None:
-        # random_() draws the same 32-bit words as randint(0, 2**16) (one each, r mod 2**31) without
-        # its per-element division: the low 16 bits are the same noise ([Note: codec speed])
-        noise = torch.empty(x.shape, dtype=torch.int32).random_(generator=generator).bitwise_and_(0xFFFF)
-        noise.add_(x.view(torch.int32)).bitwise_right_shift_(16)
-        dst.copy_(noise)  # int32 -> int16 keeps the low half
-        if not float(x.abs().amax()) <= _BF16_SAFE:  # one reduction; NaN fails it too
-            # non-finite values, and the largest finite ones (rounding up may reach inf): nearest
-            odd = ~torch.isfinite(x) | (x.abs() > _BF16_SAFE)
-            dst.view(torch.bfloat16)[odd] = x[odd].to(torch.bfloat16)
+    def _encode(x: torch.Tensor, dst: torch.Tensor, noise: RoundingNoise) -> None:
+        # the word's high 16 bits, carried into the kept half ([Note: counter-based rounding noise])
+        words = noise_words(noise, x.numel()).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
+        words.add_(x.view(torch.int32)).bitwise_right_shift_(16)
+        dst.copy_(words)  # int32 -> int16 keeps the low half
 
-    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+    def decode(self, buf: torch.Tensor, out: torch.Tensor, *, native: bool | None = None) -> None:
         self._check(out, buf, "decode")
-        out.copy_(buf.view(torch.bfloat16))
+        out.copy_(buf.view(torch.bfloat16))  # a shift per element: torch's copy is as fast as a kernel
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         # below one ulp: 2^(floor(log2|x|) - 7) <= 2^-7 |x|; fp32 subnormals keep a fixed ulp
@@ -241,51 +282,103 @@ class BlockLogCodec(MomentCodec):
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         # clamp(0, inf), not clamp_min(0): the same values, a vectorised kernel ([Note: codec speed])
-        y = x.clamp(0.0, math.inf).sqrt_() if self.sqrt_domain else x
+        # sqrt in float64, rounded to fp32: the correctly rounded sqrt the kernels compute; torch's
+        # vectorised fp32 sqrt is not always (1 ulp off seen here; [Note: counter-based rounding noise])
+        y = x.clamp(0.0, math.inf).double().sqrt_().float() if self.sqrt_domain else x
         nb = math.ceil(x.numel() / BLOCK)
         if nb * BLOCK != x.numel():
             y = torch.nn.functional.pad(y, (0, nb * BLOCK - x.numel()))
         return y.view(nb, BLOCK)
 
-    def encode(self, x: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    def encode(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        noise: RoundingNoise | None = None,
+        *,
+        native: bool | None = None,
+    ) -> None:
         self._check(x, out, "encode")
+        noise = noise if noise is not None else RoundingNoise()
         n = x.numel()
         scales, codes = self._split(out, n)
+        mod = use_native(native)
+        if mod is not None:
+            mod.log_encode(x, scales, codes, self.grid, self.levels, self.steps, self.signed, self.sqrt_domain,
+                           _i64(noise.key), noise.offset)  # fmt: skip
+            return
         for a in range(0, n, CHUNK):  # [Note: codec speed]
             b = min(n, a + CHUNK)
-            self._encode(x[a:b], scales[a // BLOCK : math.ceil(b / BLOCK)], codes[a:b], generator)
+            self._encode(x[a:b], scales[a // BLOCK : math.ceil(b / BLOCK)], codes[a:b], noise.at(a))
 
     def _encode(
-        self, x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, generator: torch.Generator | None
+        self, x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, noise: RoundingNoise
     ) -> None:
         y = self._blocks(x)
         mag = y.abs()
         top = mag.amax(dim=1, keepdim=True)
         # a block holding inf or NaN decodes as NaN throughout: visible, as in the exact state
-        scales.copy_(torch.where(torch.isfinite(top), top, math.nan).view(-1))
-        safe = torch.where(top > 0, top, torch.ones_like(top))
-        pos = torch.div(mag, safe).log2_().mul_(self.steps).add_(self.levels)  # -inf for 0
-        # int32 codes: the table's index type, no conversion per look-up (NaN converts to int32's
-        # minimum, clamped to 0 as the int16 codes took it)
-        lo_code = pos.floor_().clamp_(0, self.levels).to(torch.int32).clamp_(0, self.levels)
+        finite = torch.isfinite(top)
+        scales.copy_(torch.where(finite, top, math.nan).view(-1))
+        top = torch.where(finite, top, 0.0)  # such a block's codes are its signs only (below)
+        lo_code = self._lower_code(mag, top)
         hi_code = torch.add(lo_code, 1).clamp_(max=self.levels)
         lo = self._grid(lo_code).mul_(top)  # grid[0] = 0: top * 0.0, as a zero code decodes
         width = self._grid(hi_code).mul_(top).sub_(lo)
         up = mag.sub_(lo).div_(width)  # where width > 0; else not used (below)
-        u = torch.rand(y.shape, generator=generator)
+        words = noise_words(noise, y.numel()).view(y.shape)
+        u = words.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).float().mul_(2.0**-24)
         code = lo_code.add_(torch.lt(u, up).logical_and_(width > 0))  # up one level with probability up
+        code.mul_(finite)
         if self.signed:
             code.add_(torch.lt(y, 0), alpha=128)  # the sign bit over codes 0..127
         codes.copy_(code.view(-1)[: x.numel()])  # int32 -> uint8 keeps the low byte
+
+    def _lower_code(self, mag: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """The largest code c with grid[c] * top <= mag (0 where mag is 0), as int32: estimated by
+        log2, then corrected by comparing with the levels ([Note: counter-based rounding noise])."""
+        safe = torch.where(top > 0, top, 1.0)
+        pos = torch.div(mag, safe).log2_().mul_(self.steps).add_(self.levels)  # -inf for 0
+        # NaN converts to int32's minimum, clamped to 0 (mag is finite here: top is)
+        code = pos.floor_().clamp_(0, self.levels).to(torch.int32).clamp_(0, self.levels)
+        code.sub_(torch.gt(self._level(code, top), mag).to(torch.int32))
+        nxt = torch.add(code, 1).clamp_(max=self.levels)
+        code.add_(torch.le(self._level(nxt, top), mag).logical_and_(code < self.levels).to(torch.int32))
+        code.mul_(mag > 0)
+        nxt = torch.add(code, 1).clamp_(max=self.levels)
+        bad = torch.gt(self._level(code, top), mag)
+        bad.logical_or_(torch.le(self._level(nxt, top), mag).logical_and_(code < self.levels))
+        bad.logical_and_(mag > 0)
+        if bool(bad.any()):  # an estimate off by more than one (subnormal blocks): binary search
+            m = mag[bad]
+            t = top.expand_as(mag)[bad]
+            c = torch.zeros(m.shape, dtype=torch.int32)
+            for bit in (128, 64, 32, 16, 8, 4, 2, 1):
+                cand = torch.add(c, bit)
+                ok = cand.le(self.levels).logical_and_(
+                    torch.le(self._level(cand.clamp_(max=self.levels), t), m)
+                )
+                c.add_(ok.to(torch.int32), alpha=bit)
+            code[bad] = c
+        return code
+
+    def _level(self, code: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """Each code's level in its block: grid[code] * top, the fp32 product decode forms."""
+        return self._grid(code).mul_(top)
 
     def _grid(self, code: torch.Tensor) -> torch.Tensor:
         """Each code's level as a fraction of its block's maximum (code 0: 0.0), a table look-up."""
         return self.grid.index_select(0, code.view(-1)).view(code.shape)
 
-    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+    def decode(self, buf: torch.Tensor, out: torch.Tensor, *, native: bool | None = None) -> None:
         self._check(out, buf, "decode")
         n = out.numel()
         scales, codes = self._split(buf, n)
+        mod = use_native(native)
+        if mod is not None:
+            table = self.signed_grid if self.signed else self.grid
+            mod.log_decode(scales, codes, out, table, self.signed, self.sqrt_domain)
+            return
         for a in range(0, n, CHUNK):  # [Note: codec speed]
             b = min(n, a + CHUNK)
             self._decode(scales[a // BLOCK : math.ceil(b / BLOCK)], codes[a:b], out[a:b])

@@ -33,8 +33,13 @@ fetches them, decodes into one pair of fp32 tensors (allocated with the optimize
 tile's size, `decode_scratch_numel`, and counted by the memory model), runs the same
 tiered_ext Adam kernel on the fp32 master, and encodes back before the write-back, so NVMe
 moves the encoded bytes ([Note: bytes per step] counts them at the same size). The rounding's
-randomness is a generator seeded by (step, group, tile) (`rounding_seed`): a resumed run rounds
-exactly as the uninterrupted one. Elements a step skips ([Note: parameters without a gradient
+noise is a hash of (step, moment, group) and each element's index in its group's global flat
+buffer (`rounding_noise`, [Note: counter-based rounding noise] in rounding_noise.py): a resumed run
+rounds exactly as the uninterrupted one, and on any thread count, tile size or world size.
+Checkpoints never held rounding state (the first versions seeded a torch generator from (step,
+group, tile) per tile and step), so every checkpoint loads as before and decodes to the same
+fp32; a run resumed from one written before the noise changed continues from exactly those
+moments and only rounds its later steps with the new noise, as any run now does. Elements a step skips ([Note: parameters without a gradient
 are not stepped]) are re-encoded with their block: exact in bf16 (a bf16 value re-rounds to
 itself), within the bound and unbiased in int8. Only CPU-stepped, offloaded state is compressed:
 a group whose state stays in "gpu" (offload_optimizer.device none, ratio < 1) is refused by name.
@@ -69,6 +74,7 @@ from typing_extensions import Unpack
 import tiered_ext
 from tiered.config.schema import OPTIMIZER_STATE_FORMATS
 from tiered.errors import CheckpointMismatchError, ConfigError, UnsupportedConfigError
+from tiered.optim.rounding_noise import RoundingNoise, noise_key
 from tiered.optim.state_codecs import (
     Bf16StochasticCodec,
     BlockLogCodec,
@@ -135,11 +141,16 @@ def state_format(
     return fmt
 
 
-def rounding_seed(step: int, group: int, tile: int) -> int:
-    """The seed of the stochastic rounding of group `group`'s tile `tile` at optimizer step
-    `step`: a function of where and when only, so a resumed run (same step counter) rounds
-    exactly as the uninterrupted one, whatever thread or order the tiles are stepped in."""
-    return ((step * 1_000_003 + group) * 65_537 + tile) & 0x7FFF_FFFF_FFFF_FFFF
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def rounding_noise(step: int, group: int, moment: str, offset: int) -> RoundingNoise:
+    """The rounding noise of moment `moment` ("exp_avg" / "exp_avg_sq") of group `group` at
+    optimizer step `step`, for an encode whose first element is element `offset` of the group's
+    global flat buffer (a rank's shard offset plus the tile's start): a function of what a
+    checkpoint holds and where the element is, not of the tile, rank or thread that encodes it
+    ([Note: counter-based rounding noise])."""
+    return RoundingNoise(noise_key(step, MOMENTS.index(moment), group), offset)
 
 
 def check_checkpoint_format(saved: str, running: str, *, path: str) -> Literal["same", "decode"]:
@@ -184,18 +195,20 @@ def adam_step_compressed(
     fmt: StateFormat,
     *,
     step: int,
-    generator: torch.Generator | None = None,
+    group: int = 0,
+    offset: int = 0,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     **hyper: Unpack[AdamScalars],
 ) -> None:
     """One exact fp32 Adam/AdamW step of flat fp32 `param` whose moments are stored encoded in
     `fmt` (uint8 `exp_avg` / `exp_avg_sq` buffers, updated in place); `hyper` as
-    `tiered_ext.adam_step`'s. `scratch`: two fp32 tensors of param's size for the decoded
-    moments (allocated when not given)."""
+    `tiered_ext.adam_step`'s. `group` and `offset` place the elements for the rounding noise
+    (`rounding_noise`). `scratch`: two fp32 tensors of param's size for the decoded moments
+    (allocated when not given)."""
     n = param.numel()
     m, v = scratch if scratch is not None else (torch.empty(n), torch.empty(n))
     fmt.exp_avg.decode(exp_avg, m)
     fmt.exp_avg_sq.decode(exp_avg_sq, v)
     tiered_ext.adam_step(param, grad, m, v, step=step, **hyper)
-    fmt.exp_avg.encode(m, exp_avg, generator)
-    fmt.exp_avg_sq.encode(v, exp_avg_sq, generator)
+    fmt.exp_avg.encode(m, exp_avg, rounding_noise(step, group, "exp_avg", offset))
+    fmt.exp_avg_sq.encode(v, exp_avg_sq, rounding_noise(step, group, "exp_avg_sq", offset))

@@ -15,6 +15,9 @@
 
 namespace ca = tiered::cpu_adam;
 
+// state_codecs_binding.cpp: the native optimizer-state codecs, on the same ISA choice
+void bind_state_codecs(pybind11::module_& m, const std::atomic<int>& isa);
+
 namespace {
 
 std::atomic<int> g_isa{static_cast<int>(ca::best_isa())};
@@ -241,6 +244,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("out_lowp"), py::arg("steps"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("adamw_mode"), py::arg("grad_scale"), py::arg("check_finite"), py::arg("flat") = true);
+  bind_state_codecs(m, g_isa);
   m.def("supported_isas", &supported_isas);
   m.def("get_isa", [] { return std::string(ca::isa_name(static_cast<ca::Isa>(g_isa.load()))); });
   m.def("set_isa", &set_isa);
