@@ -226,7 +226,11 @@ def _build(
         check_capacity(tm, needs)
         memory = {t: tier_memory(cfg, t, gpu_is_host=tier_is_host(tm, "gpu")) for t in tm.tier_names}
         host = host_extra(  # [Note: one memory model]: what stats()["host_memory"] reports
-            zp.groups, plans, cfg, device_kind="cpu" if tier_is_host(tm, "gpu") else "cuda"
+            zp.groups,
+            plans,
+            cfg,
+            device_kind="cpu" if tier_is_host(tm, "gpu") else "cuda",
+            compute_dtype=placement.compute_dtype,
         )
         floor = bytes_per_step(  # [Note: bytes per step]
             zp.groups,

@@ -45,13 +45,13 @@ Host memory is more than the host tiers. Three more terms, all in `Prediction.ho
   counted whole, as a CUDA process pins them at first use (on the CPU their pages become
   resident as bounce pieces touch them, so there the count is an upper bound).
 
-Not modelled yet (measured in benchmarks/RESULTS.md, issue 21, by sampling VmHWM through a run):
-``close()`` with ``restore_weights`` (the default, and a ``with`` block's) gives the module the
-whole model in the compute dtype while the tiers still hold their bytes, so a run's host peak
-comes at its close, by up to the model's bf16 bytes (72.6 GB for the 36B headline, which
-therefore fits 64 GB only closed with ``restore_weights=False``); and the compute's own working
-memory (activations, autograd temporaries, the allocator's caches), device memory on a GPU
-(``--activation-mem``, taken off the gpu budget) but host memory on a CPU-only machine.
+At ``close()`` (``restore_weights``, the default) the module gets its weights back one group at
+a time while the tiers drop that group's partitions ([Note: restore at close group by group]), so
+close adds one group's weights in the compute dtype, counted with the transients above (it was
+the whole model's bf16 bytes, measured as the run's host peak before: benchmarks/RESULTS.md,
+issue 21). The compute's own working memory (activations, autograd temporaries) is device
+memory on a GPU (``--activation-mem``, taken off the gpu budget) but host memory on a CPU-only
+machine: there `predict`'s ``activation_bytes`` is added to the host figure.
 
 `tiered plan` adds all three to the host tiers' need before it compares with ``--cpu-mem`` and
 writes only what is left as the cpu tier's budget; the engine computes them with the same
@@ -211,12 +211,18 @@ def engine_needs(
     )
 
 
-def outside_tiers_bytes(groups: Sequence[ShardGroup], decode_scratch_numel: int = 0) -> int:
+def outside_tiers_bytes(
+    groups: Sequence[ShardGroup], decode_scratch_numel: int = 0, *, compute_itemsize: int = 4
+) -> int:
     """Host bytes the engine holds outside its tiers at its peak ([Note: one memory model]): the
-    largest group's fp32 shard, plus the two fp32 tensors a compressed optimizer-state format
-    decodes a tile's moments into (`decode_scratch_numel` elements each; they live for the
-    whole run, alongside the transient shard)."""
-    return max((g.shard_numel * 4 for g in groups), default=0) + 8 * decode_scratch_numel
+    largest of the transients one group brings (its fp32 shard while it is initialised or its
+    gradient reduced; its whole weights in the compute dtype, `compute_itemsize` bytes each, while
+    `close()` restores it: [Note: restore at close group by group]; never at once), plus the two
+    fp32 tensors a compressed optimizer-state format decodes a tile's moments into
+    (`decode_scratch_numel` elements each; they live for the whole run)."""
+    shard = max((g.shard_numel * 4 for g in groups), default=0)
+    restored = max((g.full_numel * compute_itemsize for g in groups), default=0)
+    return max(shard, restored) + 8 * decode_scratch_numel
 
 
 class HostExtra(TypedDict):
@@ -232,7 +238,12 @@ class HostExtra(TypedDict):
 
 
 def host_extra(
-    groups: Sequence[ShardGroup], plans: Sequence[GroupPlan], cfg: TieredConfig, *, device_kind: str
+    groups: Sequence[ShardGroup],
+    plans: Sequence[GroupPlan],
+    cfg: TieredConfig,
+    *,
+    device_kind: str,
+    compute_dtype: torch.dtype,
 ) -> HostExtra:
     """What `predict` and the engine (``stats()["host_memory"]``) add to the host tiers' need."""
     trainable = [g for g in groups if g.trainable]
@@ -241,7 +252,7 @@ def host_extra(
     )
     return HostExtra(
         baseline=host_baseline_bytes(device_kind),
-        outside_tiers=outside_tiers_bytes(groups, scratch),
+        outside_tiers=outside_tiers_bytes(groups, scratch, compute_itemsize=compute_dtype.itemsize),
         backends=backend_host_bytes(cfg),
     )
 
@@ -375,7 +386,7 @@ def predict(
     needs = engine_needs(groups, plans, layout.gpu_need, cfg, dtype)
     memory = {t: tier_memory(cfg, t, gpu_is_host=gpu_is_host) for t in {*cfg.tiered.tiers, *needs}}
     kind = device_kind if device_kind is not None else ("cpu" if gpu_is_host else "cuda")
-    extra = host_extra(groups, plans, cfg, device_kind=kind)
+    extra = host_extra(groups, plans, cfg, device_kind=kind, compute_dtype=dtype)
     return Prediction(
         placement,
         needs,
