@@ -32,7 +32,7 @@ from tiered.optim.arrivals import grads_consumed_from_memory
 from tiered.optim.offload import OffloadedAdam
 from tiered.optim.placement import plan_optimizer_placement, tier_is_host
 from tiered.optim.schedulers import build_scheduler
-from tiered.planning.needs import host_extra, tier_memory
+from tiered.planning.needs import host_extra, is_peft_model, tier_memory
 from tiered.planning.traffic import bytes_per_step
 from tiered.zero import ZeroParameters
 
@@ -231,6 +231,7 @@ def _build(
             cfg,
             device_kind="cpu" if tier_is_host(tm, "gpu") else "cuda",
             compute_dtype=placement.compute_dtype,
+            peft=is_peft_model(model),
         )
         floor = bytes_per_step(  # [Note: bytes per step]
             zp.groups,

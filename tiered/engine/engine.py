@@ -399,13 +399,13 @@ class Engine(DeepSpeedEngineAPI):
     def _host_memory(self) -> dict[str, Any]:
         """The host peak the memory model promises for this run ([Note: one memory model]: the
         host tiers' need, the process baseline, the transients outside the tiers, the backends'
-        buffers), next to the process's peak RSS so far (``ru_maxrss``)."""
+        buffers, the imports beyond the baseline), next to the process's peak RSS so far (``ru_maxrss``)."""
         import resource
 
         extra = self._host_extra
         tiers = sum(int(d["total"]) for t, d in self.capacity.items() if self._tier_memory.get(t) == "host")
         planned = tiers + int(extra.get("baseline", 0)) + int(extra.get("outside_tiers", 0))
-        planned += sum(extra.get("backends", {}).values())
+        planned += sum(extra.get("backends", {}).values()) + int(extra.get("imports", 0))
         rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
         return {**extra, "tiers": tiers, "planned_peak_bytes": planned, "peak_rss_bytes": rss_kib * 1024}
 
