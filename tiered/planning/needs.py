@@ -56,7 +56,13 @@ close adds one group's weights in the compute dtype, counted with the transients
 the whole model's bf16 bytes, measured as the run's host peak before: benchmarks/RESULTS.md,
 issue 21). The compute's own working memory (activations, autograd temporaries) is device
 memory on a GPU (``--activation-mem``, taken off the gpu budget) but host memory on a CPU-only
-machine: there `predict`'s ``activation_bytes`` is added to the host figure.
+machine: there the search adds the activations it is told about to the host figure ([Note:
+compute memory on a CPU-only machine]). Not counted: the search itself where it runs in the
+process that trains (``auto_config``; `tiered plan` is a process of its own): its configs and
+group stand-ins, 11 MiB for a 6-layer Llama and 25 MiB for a 24-layer one (VmHWM, 392 configs
+weighed, 2026-12-04); and on the CPU the oneDNN primitive cache and the other per-shape caches
+of the compute, which grow with every new matrix shape (an MoE's routing makes new ones each
+step: benchmarks/RESULTS.md, issue 21).
 
 `tiered plan` adds all four to the host tiers' need before it compares with ``--cpu-mem`` and
 writes only what is left as the cpu tier's budget; the engine computes them with the same
@@ -66,6 +72,7 @@ beside its peak RSS.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypedDict
@@ -97,6 +104,9 @@ HOST_BASELINE_BYTES = {"cpu": 376 * 2**20, "cuda": 1062 * 2**20}
 DEVICE_KINDS = tuple(HOST_BASELINE_BYTES)
 PEFT_IMPORT_BYTES = 13 * 2**20
 """What a peft (LoRA) run imports and builds beyond the baseline, measured: see [Note: one memory model]."""
+UNCHECKED_MAX_LIVE = (1_000_000_000, sys.maxsize)
+"""``stage3_max_live_parameters`` values the pre-flight leaves to eviction under pressure:
+DeepSpeed's default, and 0 read as no cap (`live_budget_shortfall`)."""
 MEMORY_BACKENDS = {"gpu": "device", "cpu": "host"}
 """Backend type -> the memory it takes; every other backend stores on disk (nvme, stripe, ...)."""
 
@@ -360,8 +370,14 @@ def live_extra_bytes(pred: Prediction, max_live: int, world_size: int) -> int:
 def live_budget_shortfall(pred: Prediction, max_live: int, world_size: int, gpu_budget: int | None) -> str:
     """The refusal when the gpu tier's need plus `live_extra_bytes` passes `gpu_budget`, naming
     ``zero_optimization.stage3_max_live_parameters`` and the largest value that fits; "" when it
-    fits, or when the tier's need alone is over (that shortfall is the tier's own refusal)."""
+    fits, or when the tier's need alone is over (that shortfall is the tier's own refusal). Only
+    a budget the config sets is checked: DeepSpeed's default (1e9) and 0 (no cap) stay caps the
+    gpu tier's budget enforces by evicting under pressure, as a config written for DeepSpeed
+    expects of a model larger than the GPU; the plan counts the default's bytes all the same, so
+    what it recommends is never refused here."""
     need = pred.needs["gpu"]["total"] if "gpu" in pred.needs else 0
+    if max_live in UNCHECKED_MAX_LIVE:
+        return ""
     extra = live_extra_bytes(pred, max_live, world_size)
     if gpu_budget is None or extra == 0 or need > gpu_budget or need + extra <= gpu_budget:
         return ""

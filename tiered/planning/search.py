@@ -35,11 +35,13 @@ optimizer's gpu staging) less the gather's bytes once more (the largest module's
 made on the device before it is reduced), at most every gathered element. The reuse distance
 is written as twice the live budget: a group's forward-to-backward distance counts the rest of
 the forward and the backward up to it, up to twice the model, and the live budget alone then
-decides what is evicted (furthest next use first). The engine's capacity check counts only the
-largest module's gather in the gpu tier (more live parameters than the budget has room for are
-evicted under pressure, not refused), so the search counts the live bytes itself on top of it
-(`live_gpu_bytes`): a recommended budget is one the gpu tier holds, and the re-reads the plan
-predicts are the ones the engine's rules make. A user's value (``--max-live-parameters``, or
+decides what is evicted (furthest next use first). The gpu tier's need counts only the largest
+module's gather, so the live bytes beyond it (`tiered.planning.needs.live_extra_bytes`) are
+added on top, by the search to the GPU peak and by the engine's pre-flight to what the gpu
+budget must hold (`live_budget_shortfall`: for a value the config sets, a refusal naming the
+key and the largest value that fits; DeepSpeed's default stays a cap enforced by eviction): a
+recommended budget is one the gpu tier holds, and the re-reads the plan predicts are
+the ones the engine's rules make. A user's value (``--max-live-parameters``, or
 the base config's) is the only one weighed. The larger budget is weighed only where the
 activations' memory is known (``--activation-mem``, or estimated from ``--seq-len`` and
 ``--micro-batch``): otherwise that room may be theirs (a 36B Llama at 4096 tokens needs ~13 GB
