@@ -223,6 +223,9 @@ class EnginePersistence:
                         f.result()
                 else:
                     self._tm.drop(p).result()
+            rt.forget_home_views()  # the last references to the dropped home tensors
+            for t in self._tm.tier_names:  # a pool would keep the dropped bytes for a reuse
+                self._tm.tier(t).backend.release_cached()
 
         try:
             restore_full_groups(self._zero, free)

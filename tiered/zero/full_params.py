@@ -14,7 +14,9 @@ peak came at close, by about the model's 16-bit bytes (measured in benchmarks/RE
 is gathered, copied out, and its partitions (parameter, gradient, optimizer states, the gathered
 buffer of several ranks) dropped from the tiers before the next group is gathered; a partition
 homed on a persistent tier of the user's keeps its (flushed) home and loses only its copies in
-memory. The copies therefore grow by one group while the tiers shrink by at least that group's
+memory. The bytes must leave the process, not only the tiers' accounting: the group's cached home
+tensors are forgotten and the memory backends give their pools' free buffers back
+(`StorageBackend.release_cached`), else the restored copies would come on top of them. The copies therefore grow by one group while the tiers shrink by at least that group's
 parameter bytes: close's peak is the tiers' at most plus one group's copy in the compute dtype,
 which the memory model counts (`tiered.planning.needs.outside_tiers_bytes`).
 """
