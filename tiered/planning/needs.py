@@ -255,7 +255,8 @@ class HostExtra(TypedDict):
     baseline: int
     """`host_baseline_bytes` of the device kind."""
     outside_tiers: int
-    """`outside_tiers_bytes`: the transient fp32 copies, a compressed format's decode scratch."""
+    """`outside_tiers_bytes`: the largest one-group transient (an fp32 shard, or close's copy of a group
+    in the compute dtype), a compressed format's decode scratch."""
     backends: dict[str, int]
     """tier -> its backend's own host buffers (`backend_host_bytes`)."""
     imports: int
