@@ -2,7 +2,9 @@
 
 Each measurement is a fresh interpreter that imports torch, transformers and tiered (the
 built-in nvme backend too, as a run that offloads to NVMe opens it), builds a small Llama
-skeleton on the meta device, and reads its own VmRSS and VmHWM from /proc/self/status. The
+skeleton on the meta device, runs one training step of a tiny real Llama (bf16 forward, backward
+and AdamW: the code pages and thread pools the compute brings in, as a run's first step does;
+on the device with --cuda) and reads its own VmRSS and VmHWM from /proc/self/status. The
 median of --runs is printed with the spread; `tiered.planning.needs.HOST_BASELINE_BYTES` holds
 that median, rounded to a MiB, per device kind ([Note: one memory model]). Run it under the venv the engine runs in, e.g.
 
@@ -32,6 +34,15 @@ hf = transformers.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidde
                               num_attention_heads=8, num_key_value_heads=8, vocab_size=4096)
 with torch.device("meta"):
     model = transformers.AutoModelForCausalLM.from_config(hf)
+# one step of a tiny real model (its tensors are a few hundred KiB): what the compute itself
+# loads, not what it holds ([Note: compute memory on a CPU-only machine])
+tiny = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=4, vocab_size=256)
+dev = "cuda" if CUDA else "cpu"
+step_model = transformers.AutoModelForCausalLM.from_config(tiny).to(dev, torch.bfloat16)
+ids = torch.randint(0, 256, (1, 64), device=dev)
+step_model(input_ids=ids, labels=ids).loss.backward()
+torch.optim.AdamW(step_model.parameters()).step()
 status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
 kib = lambda key: int(status[key].split()[0]) * 1024
 print("RESULT " + json.dumps({"rss": kib("VmRSS"), "hwm": kib("VmHWM")}))

@@ -1,15 +1,19 @@
 """issue 21, measured: the config the search chooses vs what the engine does with it.
 
-For each shape of the plan/engine test zoo (scaled small) at each host budget, a fresh process
-per config: the model on the meta device, `tiered.planning.search.search` (what `tiered plan` and
-``"auto_config"`` run) chooses the config, `tiered.initialize` trains it for --steps bf16 steps,
-and the process reports its peak RSS (``ru_maxrss``), the tiers' peaks, the NVMe bytes per step
-(link counters after the first step) and s/step next to the plan's figures. On a machine without
-CUDA the gpu tier is host memory, so RSS is compared with the plan's GPU + host peaks. The search
-is told the device kind of this machine (the process baseline of [Note: one memory model]).
+For each shape of the plan/engine test zoo (scaled small) at each host budget: a fresh process
+runs `tiered.planning.search.search` (what `tiered plan` and ``"auto_config"`` run) over the
+model on the meta device and writes the chosen config, as `tiered plan` does before a run; a
+second fresh process builds the same model, `tiered.initialize`s it with that config, trains
+--steps bf16 steps of --micro-batch x --seq-len tokens and reports its peak RSS (``ru_maxrss``),
+the tiers' peaks, the NVMe bytes per step (link counters after the first step) and s/step next to
+the plan's figures. On a machine without CUDA the gpu tier is host memory, so RSS is compared
+with the plan's GPU + host peaks. The search is told the device kind of this machine (the
+process baseline of [Note: one memory model]) and the activations of the batch it runs
+([Note: activation estimate]; host memory on a CPU-only machine, [Note: compute memory on a
+CPU-only machine]).
 
     python benchmarks/plan_vs_measured.py [--cpu-mem 1GiB 2GiB] [--gpu-mem 256MiB] [--steps 4]
-        [--dir DIR] [--bandwidth bench.json] [--json out.json]
+        [--dir DIR] [--seq-len 64] [--micro-batch 1] [--bandwidth bench.json] [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ import torch, transformers
 import tiered
 from tiered.planning.search import Memories, search
 from tiered.planning.timing import DEFAULT_BANDWIDTH, read_bandwidth
-shape, cpu_mem, gpu_mem, steps, nvme, bwfile = json.loads(sys.argv[1])
+from tiered.finetune.activations import estimate_activations
+mode, shape, cpu_mem, gpu_mem, steps, nvme, bwfile, seq, batch = json.loads(sys.argv[1])
 kw = dict(shape)
 moe, lora = kw.pop("moe", False), kw.pop("lora", False)
 base = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
@@ -53,24 +58,30 @@ with torch.device("meta"):
 if lora:
     from tiered.finetune.lora import apply_lora, parse_lora_spec
     model = apply_lora(model, parse_lora_spec("r=8,targets=q_proj,v_proj"))
-raw = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": True},
-       "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-       "zero_optimization": {"stage": 3, "offload_optimizer": {"nvme_path": nvme}}}
-bw = dict(DEFAULT_BANDWIDTH) if not bwfile else read_bandwidth(bwfile)[0]
-res = search(model, Memories(gpu_mem, cpu_mem, 10 * 2**30), precision="bf16", nvme_path=nvme,
-             bandwidth=bw, base=raw, device_kind="cuda" if torch.cuda.is_available() else "cpu")
-best = res.best
-if best is None:
-    print("RESULT " + json.dumps({"fits": False, "closest": res.closest.knobs if res.closest else None}))
+if mode == "plan":  # its own process, as `tiered plan` is before a run with its config
+    raw = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": True},
+           "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"nvme_path": nvme}}}
+    bw = dict(DEFAULT_BANDWIDTH) if not bwfile else read_bandwidth(bwfile)[0]
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    act = estimate_activations(hf, batch=batch, seq_len=seq, dtype=torch.bfloat16, checkpointing=False)
+    res = search(model, Memories(gpu_mem, cpu_mem, 10 * 2**30, act.total_bytes), precision="bf16",
+                 nvme_path=nvme, bandwidth=bw, base=raw, device_kind=kind)
+    best = res.best
+    if best is None:
+        print("RESULT " + json.dumps({"fits": False, "closest": res.closest.knobs if res.closest else None}))
+        sys.exit(0)
+    plan = {"knobs": best.knobs, "peaks": best.peaks, "traffic": best.traffic, "s_per_step": best.seconds_per_step,
+            "needs": {t: d["total"] for t, d in best.prediction.needs.items()}, "activations": act.total_bytes,
+            "budgets": {t: s["budget"] for t, s in best.config["tiered"]["tiers"].items()}}
+    print("RESULT " + json.dumps({"fits": True, "plan": plan, "config": best.config}))
     sys.exit(0)
-plan = {"knobs": best.knobs, "peaks": best.peaks, "traffic": best.traffic, "s_per_step": best.seconds_per_step,
-        "needs": {t: d["total"] for t, d in best.prediction.needs.items()},
-        "budgets": {t: s["budget"] for t, s in best.config["tiered"]["tiers"].items()}}
+config = json.loads(open(os.path.join(nvme, "config.json")).read())
 g = torch.Generator().manual_seed(1)
 times, before = [], None
-with tiered.initialize(model, best.config) as engine:
+with tiered.initialize(model, config) as engine:
     for i in range(steps):
-        ids = torch.randint(0, hf.vocab_size, (1, 64), generator=g)
+        ids = torch.randint(0, hf.vocab_size, (batch, seq), generator=g)
         if i == 1:
             before = engine.stats()["tiers"]["links"]
         t0 = time.perf_counter()
@@ -86,7 +97,7 @@ meas = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "tier_peaks": {t: d["peak_bytes"] for t, d in st["tiers"]["tiers"].items()},
         "nvme_read": nvme_rw[0], "nvme_write": nvme_rw[1], "s_per_step": sorted(times[1:])[len(times[1:]) // 2],
         "formula": st["bytes_per_step"]["formula"]}
-print("RESULT " + json.dumps({"fits": True, "plan": plan, "measured": meas}))
+print("RESULT " + json.dumps({"fits": True, "measured": meas}))
 """
 
 
@@ -96,6 +107,16 @@ def parse_size(s: str) -> int:
     return parse_bytes(s, what="size")
 
 
+def _child(arg: list[Any]) -> tuple[dict[str, Any] | None, str]:
+    """One fresh process: ("plan", ...) runs the search, ("run", ...) trains the config.json the
+    plan wrote; its RESULT line, or None and the end of its stderr."""
+    p = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(arg)], capture_output=True, text=True)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        return None, f"rc {p.returncode}: {p.stderr.strip()[-300:]}"
+    return json.loads(line[7:]), ""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-mem", nargs="+", default=["1GiB", "2GiB"])
@@ -103,29 +124,30 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence the run trains on")
+    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per step")
     ap.add_argument("--bandwidth", default=None, help="tiered bench --json output")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     rows = []
     print(f"load average at start: {os.getloadavg()}", flush=True)
     print("| shape | cpu given | chosen (opt/param/grad, sgs, bc) | plan GPU+host | measured RSS | RSS/plan | "
-          "plan NVMe r/w per step | measured NVMe r/w | plan s/step | measured s/step | load |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "RSS <= given (cpu+gpu) | plan NVMe r/w per step | measured NVMe r/w | plan s/step | measured s/step | load |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in a.shapes:
         for cpu in a.cpu_mem:
             with tempfile.TemporaryDirectory(dir=a.dir) as d:
-                arg = json.dumps(
-                    [SHAPES[name], parse_size(cpu), parse_size(a.gpu_mem), a.steps, d, a.bandwidth]
-                )
-                p = subprocess.run([sys.executable, "-c", _CHILD, arg], capture_output=True, text=True)
-            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+                args = [SHAPES[name], parse_size(cpu), parse_size(a.gpu_mem), a.steps, d, a.bandwidth]
+                r, err = _child(["plan", *args, a.seq_len, a.micro_batch])
+                if r is not None and r["fits"]:
+                    with open(os.path.join(d, "config.json"), "w") as f:
+                        json.dump(r.pop("config"), f)
+                    ran, err = _child(["run", *args, a.seq_len, a.micro_batch])
+                    r = None if ran is None else {**r, "measured": ran["measured"]}
             load = os.getloadavg()[0]
-            if line is None:
-                print(
-                    f"| {name} | {cpu} | FAILED rc {p.returncode}: {p.stderr.strip()[-300:]!r} |", flush=True
-                )
+            if r is None:
+                print(f"| {name} | {cpu} | FAILED: {err!r} |", flush=True)
                 continue
-            r = json.loads(line[7:])
             r.update(shape=name, cpu_mem=cpu, load1=load)
             rows.append(r)
             if not r["fits"]:
@@ -137,7 +159,7 @@ def main() -> int:
             gib = 2**30
             print(f"| {name} | {cpu} | {k['offload_optimizer']}/{k['offload_param']}/{k['grad_tier']}, "
                   f"{k['sub_group_size']:.0e}, {k['buffer_count']} | {want / gib:.3f} GiB | {m['rss'] / gib:.3f} GiB | "
-                  f"{m['rss'] / want:.2f} | {pl['traffic']['disk->host'] / 1e6:.1f} / {pl['traffic']['host->disk'] / 1e6:.1f} MB | "
+                  f"{m['rss'] / want:.2f} | {m['rss'] <= parse_size(cpu) + parse_size(a.gpu_mem)} | {pl['traffic']['disk->host'] / 1e6:.1f} / {pl['traffic']['host->disk'] / 1e6:.1f} MB | "
                   f"{m['nvme_read'] / 1e6:.1f} / {m['nvme_write'] / 1e6:.1f} MB | {pl['s_per_step']:.3f} | "
                   f"{m['s_per_step']:.3f} | {load:.2f} |", flush=True)  # fmt: skip
     if a.json:

@@ -55,6 +55,9 @@ class PinnedCPUBackend(ResidentMemoryBackend):
         in_use = self.pool.stats().in_use_bytes
         return Capacity(total_bytes=self.max_bytes, free_bytes=max(self.max_bytes - in_use, 0))
 
+    def release_cached(self) -> None:
+        self.pool.clear()
+
     def pool_stats(self) -> PoolStats:
         return self.pool.stats()
 

@@ -32,7 +32,7 @@ from tiered.optim.arrivals import grads_consumed_from_memory
 from tiered.optim.offload import OffloadedAdam
 from tiered.optim.placement import plan_optimizer_placement, tier_is_host
 from tiered.optim.schedulers import build_scheduler
-from tiered.planning.needs import host_extra, tier_memory
+from tiered.planning.needs import host_extra, is_peft_model, tier_memory
 from tiered.planning.traffic import bytes_per_step
 from tiered.zero import ZeroParameters
 
@@ -226,7 +226,12 @@ def _build(
         check_capacity(tm, needs)
         memory = {t: tier_memory(cfg, t, gpu_is_host=tier_is_host(tm, "gpu")) for t in tm.tier_names}
         host = host_extra(  # [Note: one memory model]: what stats()["host_memory"] reports
-            zp.groups, plans, cfg, device_kind="cpu" if tier_is_host(tm, "gpu") else "cuda"
+            zp.groups,
+            plans,
+            cfg,
+            device_kind="cpu" if tier_is_host(tm, "gpu") else "cuda",
+            compute_dtype=placement.compute_dtype,
+            peft=is_peft_model(model),
         )
         floor = bytes_per_step(  # [Note: bytes per step]
             zp.groups,
@@ -311,15 +316,18 @@ def preflight(model: torch.nn.Module, cfg: TieredConfig, tm: Any, *, world_size:
     short at once, then a config that fits the same budgets ([Note: one memory model],
     [Note: config search])."""
     from tiered.optim.placement import tier_is_host
-    from tiered.planning.needs import predict
+    from tiered.planning.needs import live_budget_shortfall, predict
 
     gpu_is_host = tier_is_host(tm, "gpu")
     try:
         pred = predict(model, cfg, world_size=world_size, gpu_is_host=gpu_is_host)
     except (ConfigError, CapacityError):
         return  # ZeroParameters raises the same, with its own words
+    gpu_budget = tm.tier("gpu").budget_bytes if "gpu" in tm.tier_names else None
+    # [Note: the live budget searched]: the gathered bytes the plan's GPU peak counts
+    live = live_budget_shortfall(pred, cfg.zero.max_live_parameters_numel, world_size, gpu_budget)
     try:
-        check_budgets(tm, pred.needs)
+        check_budgets(tm, pred.needs, more=[live] if live else [])
     except CapacityError as exc:
         raise CapacityError(f"{exc}. {_fitting_config(model, cfg, tm, world_size, pred)}") from None
 

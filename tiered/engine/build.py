@@ -19,8 +19,12 @@ that cannot work is reported at `initialize`, never mid-step. Per tier the need 
                  elements) + buffer_count x the largest groups' whole gradient and parameter
                  (4 B + param bytes) x shard_numel, of the bytes not at home in that tier
 
-and a budget below it raises CapacityError with the numbers and what to change. The check is a
-lower bound: prefetching more than one group is backpressured by the tier manager, never required.
+and a budget below it raises CapacityError with the numbers and what to change. The pre-flight
+(`tiered.engine.preflight`) adds to the gpu tier's what a ``stage3_max_live_parameters`` the
+config sets keeps gathered beyond the largest module's gather, as the plan's GPU peak does
+(`tiered.planning.needs.live_budget_shortfall`, [Note: the live budget searched]), and lists that
+shortfall with the tiers' own. Beyond that the check is a lower bound: prefetching more than one
+group is backpressured by the tier manager, never required.
 
 A tier without a budget is checked against its backend's free space *now*, when the parameter
 and gradient partitions exist already and hold their space: what it must still have free is the
@@ -250,10 +254,12 @@ def _close_backends(backends: Sequence[tuple[str, StorageBackend]], timeout_s: f
     t.join(timeout=1.05 * timeout_s + 0.5)  # close_all bounds itself; this only covers a blocked loop
 
 
-def check_budgets(tm: TierManager, needs: dict[str, TierNeed], *, fitting: str = "") -> None:
-    """Every tier with a budget below its need, in one CapacityError (each with the keys that
-    fix it, then `fitting`: a config that fits, from the planner). See [Note: capacity check
-    before training]."""
+def check_budgets(
+    tm: TierManager, needs: dict[str, TierNeed], *, fitting: str = "", more: Sequence[str] = ()
+) -> None:
+    """Every tier with a budget below its need, and the shortfalls in `more` found by the caller
+    (the live budget's), in one CapacityError (each with the keys that fix it, then `fitting`: a
+    config that fits, from the planner). See [Note: capacity check before training]."""
     over = [
         _over_budget(name, tm.tier(name).budget_bytes or 0, d)
         for name, d in needs.items()
@@ -261,6 +267,7 @@ def check_budgets(tm: TierManager, needs: dict[str, TierNeed], *, fitting: str =
         and tm.tier(name).budget_bytes is not None
         and d["total"] > (tm.tier(name).budget_bytes or 0)
     ]
+    over += more
     if over:
         raise CapacityError("; ".join(over) + (f". {fitting}" if fitting else ""))
 

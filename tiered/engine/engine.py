@@ -399,13 +399,13 @@ class Engine(DeepSpeedEngineAPI):
     def _host_memory(self) -> dict[str, Any]:
         """The host peak the memory model promises for this run ([Note: one memory model]: the
         host tiers' need, the process baseline, the transients outside the tiers, the backends'
-        buffers), next to the process's peak RSS so far (``ru_maxrss``)."""
+        buffers, the imports beyond the baseline), next to the process's peak RSS so far (``ru_maxrss``)."""
         import resource
 
         extra = self._host_extra
         tiers = sum(int(d["total"]) for t, d in self.capacity.items() if self._tier_memory.get(t) == "host")
         planned = tiers + int(extra.get("baseline", 0)) + int(extra.get("outside_tiers", 0))
-        planned += sum(extra.get("backends", {}).values())
+        planned += sum(extra.get("backends", {}).values()) + int(extra.get("imports", 0))
         rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
         return {**extra, "tiers": tiers, "planned_peak_bytes": planned, "peak_rss_bytes": rss_kib * 1024}
 
@@ -598,24 +598,29 @@ class Engine(DeepSpeedEngineAPI):
         With `restore_weights` every parameter becomes an ordinary CPU tensor again holding its
         trained values in the compute dtype (gathered group by group; with several ranks a
         collective), so ``generate``, ``save_pretrained`` and plain PyTorch use just work. That
-        needs the whole model in host memory once: pass ``restore_weights=False`` for a model
-        that does not fit (its parameters then stay empty; export with `save_pretrained` first).
+        is done group by group, each group's partitions leaving the tiers as its weights come back,
+        so it needs one group more than the tiers held ([Note: restore at close group by
+        group]); the module then holds the whole model in host memory: pass
+        ``restore_weights=False`` for a model that does not fit there (its parameters then stay
+        empty; export with `save_pretrained` first).
         A close from the garbage collector, or from a ``with`` block left by an exception,
         does not restore."""
         if self._closed:
             return
         self._closed = True
-        restored: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        restored = False
+        flushed = False
         flush_error: Exception | None = None
         close_error: Exception | None = None
         try:
             self.optimizer.close()
             flush_error = self._persistence.flush_persistent_tiers()
-            if restore_weights:
-                restored = self._persistence.full_weights()
+            flushed = True
         finally:
             try:
                 self.zero.remove_hooks()
+                if restore_weights and flushed:  # [Note: restore at close group by group]
+                    restored = self._persistence.restore_weights(flushed=flush_error is None)
             finally:
                 trace_path = self.config.tiered.trace_path
                 if trace_path:
@@ -631,8 +636,6 @@ class Engine(DeepSpeedEngineAPI):
                     unwatch_sigterm(self)  # [Note: SIGTERM from a library]
                     unmark_managed(self._module, self)
                     self._undo_zero_grad()
-        for p, t in restored:
-            p.data = t
         if not restored:
             refuse_use_while_empty(self._module)
         if flush_error is not None:  # raised once the engine is closed all the same

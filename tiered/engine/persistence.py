@@ -19,7 +19,7 @@ import torch
 from tiered.checkpoint.decode_load import register_moment_format
 from tiered.errors import ParameterNotGatheredError
 from tiered.optim.state_format import FORMATS
-from tiered.zero.full_params import gathered, iter_full_groups
+from tiered.zero.full_params import gathered, iter_full_groups, restore_full_groups
 
 if TYPE_CHECKING:
     from tiered.checkpoint.engine_state import Collective, GroupState
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from tiered.optim.offload import OffloadedAdam
     from tiered.tiers import TierManager
     from tiered.zero import ZeroParameters
+    from tiered.zero.group import GroupRuntime
 
 log = logging.getLogger(__name__)
 
@@ -209,23 +210,39 @@ class EnginePersistence:
         )
 
     # ---- at close ------------------------------------------------------------------------------
-    def full_weights(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """Every parameter of the module with its full value in the compute dtype, on the CPU
-        (gathered group by group; a collective with several ranks); [] (logged) when they cannot
-        be gathered (a broken model, a failed backward): the close goes on all the same."""
-        by_name = dict(self._module.named_parameters(remove_duplicate=False))
+    def restore_weights(self, *, flushed: bool = True) -> bool:
+        """Point every parameter of the module at its full value in the compute dtype, on the
+        CPU, group by group, each group's partitions dropped from the tiers as its weights come
+        back ([Note: restore at close group by group]; a collective with several ranks). False
+        (logged) when they cannot all be gathered (a broken model, a failed backward): the close
+        goes on all the same, the groups not restored left empty. Only at close: the engine
+        cannot run after it. `flushed`: the persistent tiers hold the final values (their copies
+        in memory may go; after a failed flush they stay)."""
+        own = {og.group.name: og.own_partitions() for og in self._optimizer.groups}
+
+        def free(rt: GroupRuntime) -> None:
+            g = rt.group
+            parts = [g.param, g.grad, rt.full_part, *own.get(g.name, ())]
+            for p in {id(p): p for p in parts if p is not None}.values():
+                if self._persists(p.home):  # its home keeps the final values, once flushed
+                    copies = [t for t in self._tm.tier_names if t != p.home and p.is_resident(t)]
+                    for f in [self._tm.evict(p, t) for t in copies] if flushed else []:
+                        f.result()
+                else:
+                    self._tm.drop(p).result()
+            rt.forget_home_views()  # the last references to the dropped home tensors
+            for t in self._tm.tier_names:  # a pool would keep the dropped bytes for a reuse
+                self._tm.tier(t).backend.release_cached()
+
         try:
-            return [
-                (by_name[name], t.to("cpu", copy=True))
-                for _, params in iter_full_groups(self._zero)
-                for name, t in params
-            ]
+            restore_full_groups(self._zero, free)
         except Exception as e:  # noqa: BLE001 - a broken model or a failed backward: still close
             log.warning(
-                "close(): the module's parameters stay empty, its weights could not be gathered back: %s",
+                "close(): some of the module's parameters stay empty, their weights could not be gathered back: %s",
                 e,
             )
-            return []
+            return False
+        return True
 
     def flush_persistent_tiers(self) -> Exception | None:
         """Write home the dirty copies of partitions whose home outlives the process (a tier the

@@ -19,25 +19,30 @@ The engine calls `engine_needs` with the groups it created; the planner calls `p
 stand-ins of the same groups (`ShardGroup`s whose partitions are only a home and a size): a
 test (tests/test_plan_engine_agree.py) holds the two equal on a zoo of shapes.
 
-Host memory is more than the host tiers. Three more terms, all in `Prediction.host_extra_bytes`:
+Host memory is more than the host tiers. Four more terms, all in `Prediction.host_extra_bytes`:
 
 * the process itself (the interpreter, torch, transformers and tiered imported, the model
   skeleton): `host_baseline_bytes`, per device kind. "cpu" (no CUDA: the "gpu" tier is host
   memory) was measured by benchmarks/host_baseline.py: a fresh interpreter imports torch,
   transformers, tiered and the nvme backend, builds a 6-layer hidden-512 Llama on the meta
-  device and reads VmHWM from /proc/self/status: 349 MiB, the same to 0.2 MiB over 3 runs
-  (torch 2.13.0+cpu, transformers 5.25.0, Linux x86-64, 2026-12-04), so 350 MiB. "cuda" was
-  measured the same way with the context created and cuBLAS loaded by one bf16 product
-  (``host_baseline.py --cuda``) on an H200 (torch 2.11.0+cu130, transformers 5.17.0, driver
-  580.159.04, tiered at b3098e7, 2026-12-04): 1062 MiB over 3 runs (to 0.4 MiB); importing a
-  CUDA build of torch alone took 804 MiB there (its CUDA libraries), the context and cuBLAS 258
-  MiB more. (It was 768 MiB, an estimate, before.)
+  device, runs one bf16 training step of a tiny real Llama (the code pages and thread pools the
+  compute brings in, ~22 MiB: [Note: compute memory on a CPU-only machine]) and reads VmHWM
+  from /proc/self/status: 375.4-377.2 MiB over 3 runs (torch 2.13.0+cpu, transformers 5.25.0,
+  Linux x86-64, 2026-12-04), so 376 MiB (350 MiB before the step was part of it). "cuda" was
+  measured the same way, before the step was added, with the context created and cuBLAS loaded
+  by one bf16 product (``host_baseline.py --cuda``) on an H200 (torch 2.11.0+cu130,
+  transformers 5.17.0, driver 580.159.04, tiered at b3098e7, 2026-12-04): 1062 MiB over 3 runs
+  (to 0.4 MiB); importing a CUDA build of torch alone took 804 MiB there (its CUDA libraries),
+  the context and cuBLAS 258 MiB more (not re-measured with the tiny step: no GPU since).
   The pre-flight takes the kind from the engine's own gpu tier, ``auto_config`` from the
   process's compute device, `tiered plan` from ``--device`` (default cuda: it plans for a GPU);
 * the transient fp32 copies the engine holds outside the tiers (a group's fp32 shard while it
   is initialised, a gradient while it is reduced and flushed: at most the largest group's, per
   [Note: host allocations and glibc's heap] freed whole), with a compressed optimizer-state
   format also its decode scratch: `outside_tiers_bytes`;
+* the modules a run imports beyond the baseline's: peft, for a LoRA run (`PEFT_IMPORT_BYTES`,
+  measured as the baseline was, its import and the LoRA wrapping of the meta skeleton: 12.9 MiB
+  over 3 runs, peft 0.21.2; the import alone 8.5 MiB), so 13 MiB;
 * each tier's backend's own host buffers, which no budget covers (the nvme backend's
   ``workers x chunk_bytes`` bounce buffers: 8 x 8 MiB at DeepSpeed's aio defaults), as the
   backend class states them from its spec (`tiered.storage.StorageBackend.host_buffer_bytes`,
@@ -45,15 +50,21 @@ Host memory is more than the host tiers. Three more terms, all in `Prediction.ho
   counted whole, as a CUDA process pins them at first use (on the CPU their pages become
   resident as bounce pieces touch them, so there the count is an upper bound).
 
-Not modelled yet (measured in benchmarks/RESULTS.md, issue 21, by sampling VmHWM through a run):
-``close()`` with ``restore_weights`` (the default, and a ``with`` block's) gives the module the
-whole model in the compute dtype while the tiers still hold their bytes, so a run's host peak
-comes at its close, by up to the model's bf16 bytes (72.6 GB for the 36B headline, which
-therefore fits 64 GB only closed with ``restore_weights=False``); and the compute's own working
-memory (activations, autograd temporaries, the allocator's caches), device memory on a GPU
-(``--activation-mem``, taken off the gpu budget) but host memory on a CPU-only machine.
+At ``close()`` (``restore_weights``, the default) the module gets its weights back one group at
+a time while the tiers drop that group's partitions ([Note: restore at close group by group]), so
+close adds one group's weights in the compute dtype, counted with the transients above (it was
+the whole model's bf16 bytes, measured as the run's host peak before: benchmarks/RESULTS.md,
+issue 21). The compute's own working memory (activations, autograd temporaries) is device
+memory on a GPU (``--activation-mem``, taken off the gpu budget) but host memory on a CPU-only
+machine: there the search adds the activations it is told about to the host figure ([Note:
+compute memory on a CPU-only machine]). Not counted: the search itself where it runs in the
+process that trains (``auto_config``; `tiered plan` is a process of its own): its configs and
+group stand-ins, 11 MiB for a 6-layer Llama and 25 MiB for a 24-layer one (VmHWM, 392 configs
+weighed, 2026-12-04); and on the CPU the oneDNN primitive cache and the other per-shape caches
+of the compute, which grow with every new matrix shape (an MoE's routing makes new ones each
+step: benchmarks/RESULTS.md, issue 21).
 
-`tiered plan` adds all three to the host tiers' need before it compares with ``--cpu-mem`` and
+`tiered plan` adds all four to the host tiers' need before it compares with ``--cpu-mem`` and
 writes only what is left as the cpu tier's budget; the engine computes them with the same
 `host_extra` and reports them, and their sum with its host tiers, in ``stats()["host_memory"]``
 beside its peak RSS.
@@ -61,6 +72,7 @@ beside its peak RSS.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypedDict
@@ -80,15 +92,21 @@ from tiered.optim.placement import (
 from tiered.optim.state_format import FORMATS
 from tiered.planning.homes import Placement, choose_placement
 from tiered.shards import ParamEntry, ShardGroup, group_name
+from tiered.units import format_bytes
 
 if TYPE_CHECKING:
     from tiered.tiers import Partition
     from tiered.zero.budget import GpuGatherNeed
     from tiered.zero.layout import GroupLayout
 
-HOST_BASELINE_BYTES = {"cpu": 350 * 2**20, "cuda": 1062 * 2**20}
+HOST_BASELINE_BYTES = {"cpu": 376 * 2**20, "cuda": 1062 * 2**20}
 """The process before any tier, per device kind, measured: see [Note: one memory model]."""
 DEVICE_KINDS = tuple(HOST_BASELINE_BYTES)
+PEFT_IMPORT_BYTES = 13 * 2**20
+"""What a peft (LoRA) run imports and builds beyond the baseline, measured: see [Note: one memory model]."""
+UNCHECKED_MAX_LIVE = (1_000_000_000, sys.maxsize)
+"""``stage3_max_live_parameters`` values the pre-flight leaves to eviction under pressure:
+DeepSpeed's default, and 0 read as no cap (`live_budget_shortfall`)."""
 MEMORY_BACKENDS = {"gpu": "device", "cpu": "host"}
 """Backend type -> the memory it takes; every other backend stores on disk (nvme, stripe, ...)."""
 
@@ -211,12 +229,23 @@ def engine_needs(
     )
 
 
-def outside_tiers_bytes(groups: Sequence[ShardGroup], decode_scratch_numel: int = 0) -> int:
+def outside_tiers_bytes(
+    groups: Sequence[ShardGroup], decode_scratch_numel: int = 0, *, compute_itemsize: int = 4
+) -> int:
     """Host bytes the engine holds outside its tiers at its peak ([Note: one memory model]): the
-    largest group's fp32 shard, plus the two fp32 tensors a compressed optimizer-state format
-    decodes a tile's moments into (`decode_scratch_numel` elements each; they live for the
-    whole run, alongside the transient shard)."""
-    return max((g.shard_numel * 4 for g in groups), default=0) + 8 * decode_scratch_numel
+    largest of the transients one group brings (its fp32 shard while it is initialised or its
+    gradient reduced; its whole weights in the compute dtype, `compute_itemsize` bytes each, while
+    `close()` restores it: [Note: restore at close group by group]; never at once), plus the two
+    fp32 tensors a compressed optimizer-state format decodes a tile's moments into
+    (`decode_scratch_numel` elements each; they live for the whole run)."""
+    shard = max((g.shard_numel * 4 for g in groups), default=0)
+    restored = max((g.full_numel * compute_itemsize for g in groups), default=0)
+    return max(shard, restored) + 8 * decode_scratch_numel
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """A peft PeftModel (duck-typed, as tiered.checkpoint.export's: peft is optional)."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
 
 
 class HostExtra(TypedDict):
@@ -226,13 +255,22 @@ class HostExtra(TypedDict):
     baseline: int
     """`host_baseline_bytes` of the device kind."""
     outside_tiers: int
-    """`outside_tiers_bytes`: the transient fp32 copies, a compressed format's decode scratch."""
+    """`outside_tiers_bytes`: the largest one-group transient (an fp32 shard, or close's copy of a group
+    in the compute dtype), a compressed format's decode scratch."""
     backends: dict[str, int]
     """tier -> its backend's own host buffers (`backend_host_bytes`)."""
+    imports: int
+    """Modules the run imports beyond the baseline's (peft: `PEFT_IMPORT_BYTES`)."""
 
 
 def host_extra(
-    groups: Sequence[ShardGroup], plans: Sequence[GroupPlan], cfg: TieredConfig, *, device_kind: str
+    groups: Sequence[ShardGroup],
+    plans: Sequence[GroupPlan],
+    cfg: TieredConfig,
+    *,
+    device_kind: str,
+    compute_dtype: torch.dtype,
+    peft: bool = False,
 ) -> HostExtra:
     """What `predict` and the engine (``stats()["host_memory"]``) add to the host tiers' need."""
     trainable = [g for g in groups if g.trainable]
@@ -241,8 +279,9 @@ def host_extra(
     )
     return HostExtra(
         baseline=host_baseline_bytes(device_kind),
-        outside_tiers=outside_tiers_bytes(groups, scratch),
+        outside_tiers=outside_tiers_bytes(groups, scratch, compute_itemsize=compute_dtype.itemsize),
         backends=backend_host_bytes(cfg),
+        imports=PEFT_IMPORT_BYTES if peft else 0,
     )
 
 
@@ -278,12 +317,19 @@ class Prediction:
     """`host_baseline_bytes` of the device kind predicted for."""
     backend_bytes: dict[str, int] = field(default_factory=dict)
     """tier -> its backend's own host buffers (`backend_host_bytes`)."""
+    imports_bytes: int = 0
+    """Modules the run imports beyond the baseline's (`HostExtra.imports`)."""
 
     @property
     def host_extra_bytes(self) -> int:
         """Host memory the run takes beyond its tiers: the process, the transients outside the
         tiers and the backends' buffers ([Note: one memory model])."""
-        return self.baseline_bytes + self.outside_tiers_bytes + sum(self.backend_bytes.values())
+        return (
+            self.baseline_bytes
+            + self.outside_tiers_bytes
+            + sum(self.backend_bytes.values())
+            + self.imports_bytes
+        )
 
     def tier_bytes(self, memory: str) -> int:
         """The tiers' need on one kind of memory (no process baseline)."""
@@ -300,6 +346,55 @@ class Prediction:
         return max((g.shard_numel for g in self.groups), default=0)
 
 
+def live_gpu_bytes(pred: Prediction, max_live: int, world_size: int) -> int:
+    """[Note: the live budget searched]: the gpu bytes ``stage3_max_live_parameters`` lets the
+    parameter schedule hold (gathered, prefetched, kept for the backward), at most every
+    gathered group at once; 0 where nothing is gathered (parameters homed on one rank's GPU)."""
+    gathered = [g for g in pred.groups if not g.persistent and (g.param.home != "gpu" or world_size > 1)]
+    itemsize = pred.placement.compute_dtype.itemsize
+    return int(min(max_live, sum(g.full_numel for g in gathered)) * _live_element_bytes(itemsize, world_size))
+
+
+def _live_element_bytes(itemsize: int, world_size: int) -> float:
+    # a gathered full buffer plus, with several ranks, its shard
+    return itemsize * ((1 + 1 / world_size) if world_size > 1 else 1)
+
+
+def live_extra_bytes(pred: Prediction, max_live: int, world_size: int) -> int:
+    """The gpu bytes the live budget holds beyond the largest module's gather (which the gpu
+    tier's need counts already): what the plan's GPU peak and the engine's pre-flight add
+    ([Note: the live budget searched])."""
+    gather = pred.needs["gpu"]["gather"] if "gpu" in pred.needs else 0
+    return max(0, live_gpu_bytes(pred, max_live, world_size) - gather)
+
+
+def live_budget_shortfall(pred: Prediction, max_live: int, world_size: int, gpu_budget: int | None) -> str:
+    """The refusal when the gpu tier's need plus `live_extra_bytes` passes `gpu_budget`, naming
+    ``zero_optimization.stage3_max_live_parameters`` and the largest value that fits; "" when it
+    fits, or when the tier's need alone is over (that shortfall is the tier's own refusal). Only
+    a budget the config sets is checked: DeepSpeed's default (1e9) and 0 (no cap) stay caps the
+    gpu tier's budget enforces by evicting under pressure, as a config written for DeepSpeed
+    expects of a model larger than the GPU; the plan counts the default's bytes all the same, so
+    what it recommends is never refused here."""
+    need = pred.needs["gpu"]["total"] if "gpu" in pred.needs else 0
+    if max_live in UNCHECKED_MAX_LIVE:
+        return ""
+    extra = live_extra_bytes(pred, max_live, world_size)
+    if gpu_budget is None or extra == 0 or need > gpu_budget or need + extra <= gpu_budget:
+        return ""
+    gather = pred.needs["gpu"]["gather"]
+    per = _live_element_bytes(pred.placement.compute_dtype.itemsize, world_size)
+    fits = int((gpu_budget - need + gather) // per)
+    return (
+        f"gpu budget {format_bytes(gpu_budget, binary=True)} < "
+        f"{format_bytes(need + extra, binary=True)} needed with "
+        f"zero_optimization.stage3_max_live_parameters={max_live} (the tier's "
+        f"{format_bytes(need, binary=True)} + {format_bytes(extra, binary=True)} of gathered parameters kept "
+        f"live beyond the largest module's gather); set zero_optimization.stage3_max_live_parameters to at "
+        f"most {fits} (what fits the budget), or raise tiered.tiers.gpu.budget"
+    )
+
+
 def predict(
     model: nn.Module,
     cfg: TieredConfig,
@@ -307,15 +402,13 @@ def predict(
     world_size: int = 1,
     gpu_is_host: bool = False,
     device_kind: str | None = None,
-    layouts: dict[tuple[object, ...], GroupLayout] | None = None,
+    layouts: dict[tuple[object, ...], tuple[GroupLayout, list[ShardGroup]]] | None = None,
 ) -> Prediction:
     """What `tiered.initialize(model, cfg)` would check, without creating a tier: the same
     group planning, placement and sums ([Note: one memory model]). `model` may be on the meta
     device. Raises what the engine raises when a module can never be gathered. `layouts` caches
     the group layout across configs that plan the same groups (the search's). `device_kind`
     ("cpu", "cuda") picks the process baseline; None: "cpu" when the gpu tier is host memory."""
-    from tiered.zero.layout import plan_layout
-
     placement = choose_placement(cfg)
     dtype = placement.compute_dtype
     gpu_spec = cfg.tiered.tiers.get("gpu")
@@ -333,19 +426,50 @@ def predict(
         placement.param_tier,
         placement.grad_tier,
     )
-    layout = None if layouts is None else layouts.get(key)
-    if layout is None:
-        layout = plan_layout(
-            model,
-            z,
-            gpu_budget_bytes=gpu_budget,
-            compute_dtype=dtype,
-            world_size=world_size,
-            param_tier=placement.param_tier,
-            grad_tier=placement.grad_tier,
-        )
+    cached = None if layouts is None else layouts.get(key)
+    if cached is None:
+        cached = _planned_groups(model, cfg, placement, gpu_budget, world_size)
         if layouts is not None:
-            layouts[key] = layout
+            layouts[key] = cached
+    layout, groups = cached
+    trainable = [g for g in groups if g.trainable]
+    plans = plan_optimizer_placement(trainable, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
+    needs = engine_needs(groups, plans, layout.gpu_need, cfg, dtype)
+    memory = {t: tier_memory(cfg, t, gpu_is_host=gpu_is_host) for t in {*cfg.tiered.tiers, *needs}}
+    kind = device_kind if device_kind is not None else ("cpu" if gpu_is_host else "cuda")
+    extra = host_extra(groups, plans, cfg, device_kind=kind, compute_dtype=dtype, peft=is_peft_model(model))
+    return Prediction(
+        placement,
+        needs,
+        memory,
+        tuple(groups),
+        tuple(plans),
+        extra["outside_tiers"],
+        extra["baseline"],
+        extra["backends"],
+        extra["imports"],
+    )
+
+
+def _planned_groups(
+    model: nn.Module, cfg: TieredConfig, placement: Placement, gpu_budget: int | None, world_size: int
+) -> tuple[GroupLayout, list[ShardGroup]]:
+    """`plan_layout`'s groups as `ShardGroup` stand-ins (a home and a size per partition). The
+    search keeps them per layout key and shares them between the configs that plan the same
+    groups: one copy per layout, not one per candidate, is what the search run in the process
+    holds ([Note: one memory model])."""
+    from tiered.zero.layout import plan_layout
+
+    dtype = placement.compute_dtype
+    layout = plan_layout(
+        model,
+        cfg.zero,
+        gpu_budget_bytes=gpu_budget,
+        compute_dtype=dtype,
+        world_size=world_size,
+        param_tier=placement.param_tier,
+        grad_tier=placement.grad_tier,
+    )
     itemsize = torch.empty(0, dtype=dtype).element_size()
     groups: list[ShardGroup] = []
     for i, pg in enumerate(layout.planned):
@@ -370,22 +494,7 @@ def predict(
                 pg.persistent,
             )
         )
-    trainable = [g for g in groups if g.trainable]
-    plans = plan_optimizer_placement(trainable, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
-    needs = engine_needs(groups, plans, layout.gpu_need, cfg, dtype)
-    memory = {t: tier_memory(cfg, t, gpu_is_host=gpu_is_host) for t in {*cfg.tiered.tiers, *needs}}
-    kind = device_kind if device_kind is not None else ("cpu" if gpu_is_host else "cuda")
-    extra = host_extra(groups, plans, cfg, device_kind=kind)
-    return Prediction(
-        placement,
-        needs,
-        memory,
-        tuple(groups),
-        tuple(plans),
-        extra["outside_tiers"],
-        extra["baseline"],
-        extra["backends"],
-    )
+    return layout, groups
 
 
 def _as_partition(p: _SizedPartition) -> Partition:

@@ -35,15 +35,37 @@ optimizer's gpu staging) less the gather's bytes once more (the largest module's
 made on the device before it is reduced), at most every gathered element. The reuse distance
 is written as twice the live budget: a group's forward-to-backward distance counts the rest of
 the forward and the backward up to it, up to twice the model, and the live budget alone then
-decides what is evicted (furthest next use first). The engine's capacity check counts only the
-largest module's gather in the gpu tier (more live parameters than the budget has room for are
-evicted under pressure, not refused), so the search counts the live bytes itself on top of it
-(`live_gpu_bytes`): a recommended budget is one the gpu tier holds, and the re-reads the plan
-predicts are the ones the engine's rules make. A user's value (``--max-live-parameters``, or
+decides what is evicted (furthest next use first). The gpu tier's need counts only the largest
+module's gather, so the live bytes beyond it (`tiered.planning.needs.live_extra_bytes`) are
+added on top, by the search to the GPU peak and by the engine's pre-flight to what the gpu
+budget must hold (`live_budget_shortfall`: for a value the config sets, a refusal naming the
+key and the largest value that fits; DeepSpeed's default stays a cap enforced by eviction): a
+recommended budget is one the gpu tier holds, and the re-reads the plan predicts are
+the ones the engine's rules make. A user's value (``--max-live-parameters``, or
 the base config's) is the only one weighed. The larger budget is weighed only where the
 activations' memory is known (``--activation-mem``, or estimated from ``--seq-len`` and
 ``--micro-batch``): otherwise that room may be theirs (a 36B Llama at 4096 tokens needs ~13 GB
 even checkpointed), and filling it with parameters would trade re-reads for an out-of-memory.
+
+[Note: a cpu tier caches up to its budget]
+The tier manager keeps a clean copy in memory of a partition homed on disk (a gradient, an
+optimizer state read for the step) for as long as the tier's budget has room, evicting only
+under pressure: a read it saves the next time. So where anything is homed on disk the cpu tier
+fills towards its budget, not only to its need: measured, the cpu tier peaked at 1.27-1.48x its
+need on the optimizer-on-NVMe rows of benchmarks/plan_vs_measured.py (issue 21). The host figure
+of such a config therefore counts the cpu tier at its budget (with ``offload_param.max_in_cpu``
+that room is already the kept parameters'); the budget is what ``cpu_mem`` leaves after the rest
+of the host figure, so the figure is then ``cpu_mem`` itself.
+
+[Note: compute memory on a CPU-only machine]
+Forward and backward keep their activations and autograd temporaries where the compute runs:
+device memory on a GPU, host memory on a machine without one (device kind "cpu", where the "gpu"
+tier is a budgeted region of host memory too). So with ``device_kind="cpu"`` the activations
+(``Memories.activations``: ``--activation-mem``, or [Note: activation estimate] from the batch)
+are not taken off the gpu tier's budget but added to the host figure, and the cpu tier's budget
+is what is left of ``cpu_mem`` after them. The compute's own runtime (the code pages and thread
+pools a first forward/backward brings in, ~22 MiB with torch 2.13+cpu) is in the "cpu" process
+baseline ([Note: one memory model], measured by benchmarks/host_baseline.py with one small step).
 """
 
 from __future__ import annotations
@@ -58,12 +80,13 @@ from torch import nn
 
 from tiered.errors import CapacityError, ConfigError
 from tiered.planning.candidate import candidate_config, overlap_applies
-from tiered.planning.needs import Prediction, predict
+from tiered.planning.needs import Prediction, live_extra_bytes, predict
 from tiered.planning.timing import DEFAULT_BANDWIDTH, seconds_per_step, step_runs_alone, training_flops
 from tiered.planning.traffic import config_bytes_per_step
 from tiered.units import format_bytes
 
 if TYPE_CHECKING:
+    from tiered.shards import ShardGroup
     from tiered.zero.layout import GroupLayout
 
 SUB_GROUP_SIZES = (1_000_000_000, 200_000_000, 100_000_000, 50_000_000, 20_000_000, 10_000_000, 5_000_000)
@@ -105,9 +128,17 @@ class Memories:
     cpu: int | None = None
     nvme: int | None = None
     activations: int | None = None
-    """GPU memory the activations need (`--activation-mem`, or estimated from the batch). None:
+    """Memory the activations need (`--activation-mem`, or estimated from the batch): the GPU's,
+    or host memory's on a CPU-only machine ([Note: compute memory on a CPU-only machine]). None:
     not known, so the search leaves the GPU's room beyond ZeRO-3's working set to them: the live
     budget stays at its default ([Note: the live budget searched])."""
+
+
+def activations_on(mem: Memories, device_kind: str, memory: str) -> int:
+    """The activations' bytes `memory` ("device" or "host") holds: the GPU's on a CUDA machine,
+    host memory's where the compute runs on the CPU ([Note: compute memory on a CPU-only machine])."""
+    where = "host" if device_kind == "cpu" else "device"
+    return (mem.activations or 0) if memory == where else 0
 
 
 @dataclass(frozen=True)
@@ -213,16 +244,6 @@ def live_parameters(model: nn.Module) -> int | None:
     return 2 * largest if 2 * largest > 1_000_000_000 else None
 
 
-def live_gpu_bytes(pred: Prediction, max_live: int, world_size: int) -> int:
-    """[Note: the live budget searched]: the gpu bytes ``stage3_max_live_parameters`` lets the
-    parameter schedule hold (gathered, prefetched, kept for the backward), at most every
-    gathered group at once; 0 where nothing is gathered (parameters homed on one rank's GPU)."""
-    gathered = [g for g in pred.groups if not g.persistent and (g.param.home != "gpu" or world_size > 1)]
-    per_full = (1 + 1 / world_size) if world_size > 1 else 1  # a gathered full buffer plus its shard
-    itemsize = torch.empty(0, dtype=pred.placement.compute_dtype).element_size()
-    return int(min(max_live, sum(g.full_numel for g in gathered)) * itemsize * per_full)
-
-
 def weigh(
     model: nn.Module,
     knobs: dict[str, Any],
@@ -245,7 +266,7 @@ def weigh(
         return first  # nothing gathered: the parameters are the GPU's own
     if mem.activations is None:
         return first  # the room may be the activations': not filled with parameters unasked
-    gpu_budget = max(0, mem.gpu - mem.activations)
+    gpu_budget = max(0, mem.gpu - activations_on(mem, kw.get("device_kind", "cuda"), "device"))
     itemsize = torch.empty(0, dtype=pred.placement.compute_dtype).element_size()
     per_element = itemsize * ((1 + 1 / ws) if ws > 1 else 1)  # as `live_gpu_bytes`
     gather = pred.needs["gpu"]["gather"] if "gpu" in pred.needs else 0
@@ -279,7 +300,7 @@ def _weigh_at(
     nvme_path: str = "./tiered_offload",
     bandwidth: Mapping[str, float] = DEFAULT_BANDWIDTH,
     max_in_cpu: int | None = None,
-    layouts: dict[tuple[object, ...], GroupLayout] | None = None,
+    layouts: dict[tuple[object, ...], tuple[GroupLayout, list[ShardGroup]]] | None = None,
     base: Mapping[str, Any] | None = None,
     device_kind: str = "cuda",
     compute_flops: float = 0.0,
@@ -290,7 +311,8 @@ def _weigh_at(
     `compute_flops` the training FLOPs of a step ([Note: step time model])."""
     from tiered.config.loader import load_config
 
-    gpu_budget = None if mem.gpu is None else max(0, mem.gpu - (mem.activations or 0))
+    gpu_budget = None if mem.gpu is None else max(0, mem.gpu - activations_on(mem, device_kind, "device"))
+    on_host = activations_on(mem, device_kind, "host")  # [Note: compute memory on a CPU-only machine]
     knobs = {
         **knobs,
         "max_live_parameters": live,
@@ -306,13 +328,11 @@ def _weigh_at(
         pred = predict(model, cfg, world_size=world_size, device_kind=device_kind, layouts=layouts)
     except (CapacityError, ConfigError) as exc:
         return Candidate(knobs, config, None, {}, refused=str(exc))
-    cpu_budget = None if mem.cpu is None else max(0, mem.cpu - pred.host_extra_bytes)
+    cpu_budget = None if mem.cpu is None else max(0, mem.cpu - pred.host_extra_bytes - on_host)
     peaks = {m: pred.peak_bytes(m) for m in ("device", "host", "disk")}
+    peaks["host"] += on_host
     if pred.memory.get("gpu") == "device":  # [Note: the live budget searched]: held beyond the gather
-        gather = pred.needs["gpu"]["gather"] if "gpu" in pred.needs else 0
-        peaks["device"] += max(
-            0, live_gpu_bytes(pred, cfg.zero.max_live_parameters_numel, world_size) - gather
-        )
+        peaks["device"] += live_extra_bytes(pred, cfg.zero.max_live_parameters_numel, world_size)
     short: dict[str, int] = {}
     for memory, have in (("device", gpu_budget), ("host", mem.cpu), ("disk", mem.nvme)):
         if have is not None and peaks[memory] > have:
@@ -326,6 +346,11 @@ def _weigh_at(
         knobs["max_in_cpu"] = int(chosen)
         if cpu_budget is not None:  # the kept copies live in the cpu tier, within its budget
             peaks["host"] += min(knobs["max_in_cpu"] * itemsize, max(0, cpu_budget - pred.tier_bytes("host")))
+    if cpu_budget is not None and any(
+        pred.memory.get(t) == "disk" and d["homes"] for t, d in pred.needs.items()
+    ):
+        # [Note: a cpu tier caches up to its budget]
+        peaks["host"] = max(peaks["host"], pred.host_extra_bytes + on_host + cpu_budget)
     budgets["cpu"] = cpu_budget
     config = candidate_config(knobs, budgets=budgets, **opts)
     knobs["max_live_parameters"] = cfg.zero.max_live_parameters_numel  # the value in force, shown

@@ -256,6 +256,12 @@ class StorageBackend(abc.ABC):
             )
         self._io_bridge = bridge
 
+    def release_cached(self) -> None:
+        """Give back memory the backend keeps for reuse after a delete (a buffer pool's free
+        lists); buffers in use stay. Called where deleted bytes must leave the process, not wait
+        for a reuse ([Note: restore at close group by group]). Default: nothing is cached."""
+        return
+
     async def close(self) -> None:
         """Release files, threads and memory. Idempotent. (Overrides need not call this: the
         close guard marks them closed too, see the Note.)"""

@@ -4,11 +4,26 @@
 These walk the coordinator's groups with its own gather and release (so the live budget, pins
 and counters stay exact) but are not part of the per-pass schedule: nothing is recorded in the
 trace, and what was gathered only for this is evicted again.
+
+[Note: restore at close group by group]
+``engine.close()`` (``restore_weights``, the default) gives every parameter its trained value
+back as a plain CPU tensor. Gathering all of them first and assigning them after would hold the
+whole model in the compute dtype on top of everything the tiers still hold: the process's host
+peak came at close, by about the model's 16-bit bytes (measured in benchmarks/RESULTS.md, issue
+21; 72.6 GB for the 36B headline, which would not fit 64 GB of host memory). Instead each group
+is gathered, copied out, and its partitions (parameter, gradient, optimizer states, the gathered
+buffer of several ranks) dropped from the tiers before the next group is gathered; a partition
+homed on a persistent tier of the user's keeps its (flushed) home and loses only its copies in
+memory. The bytes must leave the process, not only the tiers' accounting: the group's cached home
+tensors are forgotten and the memory backends give their pools' free buffers back
+(`StorageBackend.release_cached`), else the restored copies would come on top of them. The copies therefore grow by one group while the tiers shrink by at least that group's
+parameter bytes: close's peak is the tiers' at most plus one group's copy in the compute dtype,
+which the memory model counts (`tiered.planning.needs.outside_tiers_bytes`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -18,6 +33,7 @@ from torch import nn
 if TYPE_CHECKING:
     from tiered.shards import ShardGroup
     from tiered.zero.coordinator import ZeroParameters
+    from tiered.zero.group import GroupRuntime
 
 
 def iter_full_groups(zp: ZeroParameters) -> Iterator[tuple[ShardGroup, list[tuple[str, torch.Tensor]]]]:
@@ -68,3 +84,24 @@ def gathered(
     finally:
         for i in reversed(done):
             zp._release(i)
+
+
+def restore_full_groups(zp: ZeroParameters, free: Callable[[GroupRuntime], None]) -> None:
+    """Give each managed parameter its full value back as a plain CPU tensor, one group at a
+    time: gather the group, copy its parameters out, release it, let `free` drop that group's
+    partitions from the tiers, then point the parameters at the copies. So the copies and the
+    tiers together never hold more than the tiers did plus one group ([Note: restore at close
+    group by group]). Call it with the hooks removed (the parameters' ``.data`` is assigned);
+    a group whose gather fails raises, leaving the groups before it restored."""
+    for rt in zp.runtimes:
+        zp._gather(rt.index, record=False)
+        try:
+            copies = [p.detach().to("cpu", copy=True) for p in rt.params]
+        finally:
+            zp._release(rt.index)
+        rt.forget_prefetch()
+        rt.wait_evicted()  # (release may have started one; `free` drops every copy)
+        free(rt)
+        with torch.no_grad():
+            for p, t in zip(rt.params, copies, strict=True):
+                p.data = t

@@ -181,6 +181,11 @@ class GroupRuntime:
             self._home_views[part.name] = t
         return t
 
+    def forget_home_views(self) -> None:
+        """Drop the cached home tensors (their partitions were dropped at close: the bytes must
+        be able to leave, [Note: restore at close group by group])."""
+        self._home_views.clear()
+
     def _home_written(self, part: Partition, *, for_step: bool = False) -> None:
         """The home copy was modified in place: tell the manager if another copy went stale.
         `for_step`: a flushed gradient the optimizer step will read next (a staged one stays in
