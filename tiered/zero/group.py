@@ -167,8 +167,9 @@ class GroupRuntime:
             else None
         )
 
-    def set_grad_keeper(self, keeper: GradKeeper | None) -> None:
-        """Who admits and learns of this group's kept gradients (a staged home only)."""
+    def keep_grads_for_step(self, keeper: GradKeeper | None, *, enabled: bool) -> None:
+        """`keep_flushed_grads`, and who admits and learns of the kept gradients (a staged home)."""
+        self.keep_flushed_grads = enabled
         if self._staged_grad is not None:
             self._staged_grad.keeper = keeper
 
