@@ -26,12 +26,16 @@ def _engine(
     accumulation: int,
     overlap: bool,
     zero: dict[str, int] | None = None,
+    *,
+    cpu_budget: str | None = None,
+    sub_group_size: int = 20_000,
+    model: Any = None,
 ) -> Any:
     knobs = {
         "offload_optimizer": place[0],
         "offload_param": place[1],
         "grad_tier": place[2],
-        "sub_group_size": 20_000,
+        "sub_group_size": sub_group_size,
         "buffer_count": 2,
         "persistence_threshold": 100,
         "max_in_cpu": 0,
@@ -41,19 +45,22 @@ def _engine(
         precision=precision,
         accumulation=accumulation,
         nvme_path=str(tmp_path),
-        budgets={"gpu": None, "cpu": None},
+        budgets={"gpu": None, "cpu": cpu_budget},
     )
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
     cfg.setdefault("tiered", {})["overlap_step_with_backward"] = overlap
     cfg["zero_optimization"].update(zero or {})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(small_llama_config())
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_config(small_llama_config())
     return tiered.initialize(model, cfg)
 
 
-def _floor_and_measured(engine: Any, accumulation: int) -> tuple[dict[str, int], dict[str, float]]:
+def _floor_and_measured(
+    engine: Any, accumulation: int, vocab: int = 512
+) -> tuple[dict[str, int], dict[str, float]]:
     """The formula, and the links measured over steps 2 and 3 (after initialize's writes)."""
-    x = torch.randint(0, 512, (2, 16))
+    x = torch.randint(0, vocab, (2, 16))
     with engine:
         snaps = []
         for _ in range(3):
@@ -118,3 +125,30 @@ def test_the_formula_counts_the_backward_rereads_the_live_budget_causes(
     floor, measured = _floor_and_measured(_engine(tmp_path / "b", place, precision, 1, False, zero), 1)
     assert measured["disk->host"] > 1.05 * unbounded["disk->host"], "the limit caused no re-reads"
     _assert_at_the_formula(floor, measured)
+
+
+def test_a_cpu_tier_with_no_room_to_spare_still_consumes_every_gradient_from_memory(tmp_path: Path) -> None:
+    """[Note: backward waits instead of parking]: gradients on NVMe, the step overlapped with
+    backward, and a cpu tier of exactly the pipeline's staging bound: backward runs ahead of the
+    stepper, and the kept gradients used to be written home to make room and read back by their
+    step (on this model about a third of the group steps). Backward now waits for the stepper
+    instead: every group step takes its gradient from memory and the NVMe traffic is the formula's."""
+    from engine_support import tiny_llama
+
+    engine = _engine(
+        tmp_path,
+        ("nvme", "nvme", "nvme"),
+        "fp32",
+        1,
+        True,
+        cpu_budget="64KiB",  # the pipeline bound of this model: no room beyond it
+        sub_group_size=2000,
+        model=tiny_llama(),
+    )
+    floor, measured = _floor_and_measured(engine, 1, vocab=64)
+    opt = engine.stats()["optimizer"]
+    groups = opt["groups_cpu"]
+    assert groups > 1
+    assert opt["grad_consumed_from_memory"]["group_steps"] == 3 * groups, opt
+    _assert_at_the_formula(floor, measured)
+    assert opt["grad_parked"]["parked_group_steps"] == 0, opt["grad_parked"]

@@ -168,7 +168,7 @@ class Engine(DeepSpeedEngineAPI):
         if self.overlap_step:
             zp.on_group_grads_complete(self._group_grads_complete)
         if grads_consumed_from_memory(cfg):  # [Note: gradient consumed from memory] in tiered/optim/group.py
-            zp.keep_flushed_grads()
+            zp.keep_flushed_grads(keeper=optimizer.keep_grads_in_memory())
         # the model's own zero_grad reaches the engine: [Note: zero_grad of the model]
         self._undo_zero_grad = redirect_zero_grad(
             module, self, None if client is None else client.client_optimizer

@@ -27,12 +27,14 @@ fetch finds it resident, and after the update `OptimGroup.issue_writes` drops it
 `TierManager.discard` ([Note: discarded copies] in tiered/tiers/manager.py) instead of writing
 it home: the gradient is dead after the step (the next backward's first flush overwrites all of
 it, [Note: lazy gradient zeroing] in tiered/zero/group.py). Exactness is untouched (the same
-fp32 values, from memory instead of a round trip through a file). What must wait is parked by the
-tier manager itself: a kept gradient is an ordinary dirty copy, so if the cpu budget needs its
-room before the step reaches it (backward running far ahead of the stepper), the manager writes
-it home and the step reads it from there as before; only gradients still dirty when their step
-ends count as consumed. `stats()["grad_consumed_from_memory"]` gives the group steps and bytes
-saved (a write and a read of the gradient each). With clipping the global norm must be known
+fp32 values, from memory instead of a round trip through a file). A kept gradient is an ordinary
+dirty copy, so if the cpu budget needed its room before the step reached it (backward running
+far ahead of the stepper), the manager would write it home and the step read it back
+("parking"); backward therefore waits for the stepper instead, and the cpu tier evicts kept
+gradients last ([Note: backward waits instead of parking] in tiered/optim/kept_grads.py). Only
+gradients still dirty when their step ends count as consumed.
+`stats()["grad_consumed_from_memory"]` gives the group steps and bytes saved (a write and a read
+of the gradient each), ``stats()["grad_parked"]`` those parked anyway and backward's waits. With clipping the global norm must be known
 before any update, and with accumulation the gradient is read again by the next micro-batch's
 flush, so both keep the round trip.
 """
@@ -59,6 +61,7 @@ from tiered.optim.state_format import FORMATS, StateFormat
 from tiered.shards import ShardGroup
 
 if TYPE_CHECKING:
+    from tiered.optim.kept_grads import KeptGrads
     from tiered.tiers import Partition, TierFuture, TierManager
 
 
@@ -127,6 +130,8 @@ class OptimGroup:
         self.grad_bytes_saved = 0
         """Gradient bytes neither written home nor read back ([Note: gradient consumed from memory])."""
         self.grad_consumed_steps = 0
+        self.kept: KeptGrads | None = None
+        """Told when a kept gradient's step is over ([Note: backward waits instead of parking])."""
         self._received = False
         self._mask: torch.Tensor | None = None
         # this step's whole-group reads (the gradient; the parameter where it is the master) and
@@ -271,6 +276,8 @@ class OptimGroup:
             futs.append(tm.discard(self.grad, plan.compute_tier))
         elif plan.compute_tier != self.grad.home:
             futs.append(tm.evict(self.grad, plan.compute_tier))  # clean: free
+        if self.kept is not None:  # its room is being freed: a flush may be waiting for it
+            self.kept.stepped(self.grad, from_memory=consumed)
         # the new parameter: in the staging tier, or (alias) in the compute tier the master came to
         new_in = plan.compute_tier if self.param_is_master else plan.stage_tier
         if self.param_is_master and not (new_in == param.home and param.valid_in() == {new_in}):

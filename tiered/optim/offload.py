@@ -93,6 +93,7 @@ from tiered.config.schema import TieredConfig
 from tiered.errors import CheckpointCorruptError, UnsupportedConfigError
 from tiered.optim.arrivals import Arrivals
 from tiered.optim.group import OptimGroup, params_kept_in_cpu
+from tiered.optim.kept_grads import KeptGrads
 from tiered.optim.kernels import adam_update
 from tiered.optim.placement import (
     GroupPlan,
@@ -175,6 +176,8 @@ class OffloadedAdam:
         # The overlapped step's pipeline runs here while backward runs in the caller's thread.
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-opt-step")
         self._overlap: tuple[Arrivals, Future[dict[str, float]]] | None = None
+        self._kept: KeptGrads | None = None
+        """The gradients flushes keep in "cpu" for the overlapped step (`keep_grads_in_memory`)."""
         self._timeout_s = float(getattr(cfg.tiered, "timeout_s", 600.0))
         self.tile_numel = optimizer_tile_numel(cfg)
         """Elements per tile of a group whose states are staged ([Note: sub-group pipeline])."""
@@ -232,6 +235,18 @@ class OffloadedAdam:
             "overlapped_steps": 0,
         }
         self.last_step: dict[str, float] = {}
+
+    def keep_grads_in_memory(self) -> KeptGrads:
+        """The overlapped step will consume each gradient a flush keeps in "cpu" ([Note: gradient
+        consumed from memory] in tiered/optim/group.py); the returned keeper admits those flushes
+        and orders the tier's evictions: [Note: backward waits instead of parking]."""
+        if self._kept is None:
+            tier = "cpu"  # the stage tier of a gradient homed in storage (tiered/zero/grad_home.py)
+            staging = self.stage_bytes_needed().get(tier, 0)
+            self._kept = KeptGrads(self.tm, tier, staging, self._timeout_s)
+            for og in self.groups:
+                og.kept = self._kept
+        return self._kept
 
     def stage_bytes_needed(self) -> dict[str, int]:
         return pipeline_bytes(
@@ -307,8 +322,17 @@ class OffloadedAdam:
         self.wait_writes()
         self.step_count += 1
         arrivals = Arrivals(self._timeout_s)
-        fut = self._stepper.submit(self._pipeline, arrivals, lr, grad_scale)
+        if self._kept is not None:
+            self._kept.begin_step()
+        fut = self._stepper.submit(self._overlapped_pipeline, arrivals, lr, grad_scale)
         self._overlap = (arrivals, fut)
+
+    def _overlapped_pipeline(self, arrivals: Arrivals, lr: float, grad_scale: float) -> dict[str, float]:
+        try:
+            return self._pipeline(arrivals, lr, grad_scale)
+        finally:  # a flush waiting for room must not wait on a stepper that stopped
+            if self._kept is not None:
+                self._kept.end_step()
 
     def group_ready(self, group: ShardGroup) -> None:
         """`group`'s gradients for this step are complete: queue its update (non-blocking). A no-op
@@ -320,6 +344,8 @@ class OffloadedAdam:
         # complete here means complete on every rank; otherwise wait for the ranks' verdict
         if mask is None or bool(mask.all()):
             self.groups[i].receive(mask)
+            if self._kept is not None:  # before the stepper can take it
+                self._kept.queued(self.groups[i].grad)
             self._overlap[0].put(i)
 
     @property
@@ -533,6 +559,8 @@ class OffloadedAdam:
                 "group_steps": sum(og.grad_consumed_steps for og in self.groups),
                 "bytes_saved": sum(og.grad_bytes_saved for og in self.groups),
             },
+            # [Note: backward waits instead of parking]: kept gradients written home anyway
+            "grad_parked": {} if self._kept is None else self._kept.stats(),
             "step_count": self.step_count,
             "last_step": dict(self.last_step),
             "total": dict(self._totals),

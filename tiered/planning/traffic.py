@@ -32,9 +32,10 @@ host/device moves are memory copies):
   after the first reads the partial sum back ((A - 1) x S_t x 4) and the step reads it
   (S_c x 4 disk->host). Where the step consumes each gradient from memory (the step overlapped
   with backward and A = 1: `grads_consumed_from_memory`, [Note: gradient consumed from memory]
-  in tiered/optim/group.py) the disk sees none of it: 0 B, the floor the engine reaches when
-  the cpu tier has room for the gradients backward runs ahead with (otherwise the tier manager
-  parks some at home and the step reads them back: measured above the floor, never below);
+  in tiered/optim/group.py) the disk sees none of it: 0 B, the floor the engine reaches:
+  backward waits for the stepper rather than have the tier manager park kept gradients at home
+  ([Note: backward waits instead of parking] in tiered/optim/kept_grads.py; where nothing of
+  the cpu tier is left beyond that wait's bound, some may still be parked: above the floor);
 * optimizer state homed on disk: K x S_c read and K x S_c written;
 * the new parameters: S_c x p written to a disk home unless kept in cpu, or host->device to a
   GPU home; GPU-stepped groups move nothing.

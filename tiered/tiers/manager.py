@@ -34,7 +34,7 @@ from tiered.tiers.budget import TierBudget
 from tiered.tiers.future import TierFuture
 from tiered.tiers.io_policy import IOPolicy
 from tiered.tiers.loop import EventLoopThread
-from tiered.tiers.partition import Partition
+from tiered.tiers.partition import CopyState, Partition
 from tiered.tiers.policy import EvictionPolicy
 from tiered.tiers.state_machine import HomeClaim, TierStateMachine, check_managed
 from tiered.tiers.stats import ManagerStats, TierCounters
@@ -145,6 +145,14 @@ class TierManager:
         """Bytes reserved in `tier` now (resident copies, moves in flight, home partitions)."""
         self.tier(tier)
         return self._machine.tiers[tier].used
+
+    def clean_room_bytes(self, tier: str) -> int | None:
+        """Bytes a request could reserve in `tier` now without writing anything home: the free
+        budget plus the copies an eviction may drop for free (unpinned, not dirty); None for an
+        unbounded tier. The kept gradients' admission asks it ([Note: backward waits instead of
+        parking] in tiered/optim/kept_grads.py)."""
+        self.tier(tier)
+        return self._loop_call(_clean_room, self._machine, tier)
 
     def peak_bytes(self, tier: str) -> int:
         self.tier(tier)
@@ -381,6 +389,18 @@ def _checked_tiers(tiers: Sequence[Tier]) -> list[Tier]:
                 "separate backend for each tier"
             )
     return tiers
+
+
+def _clean_room(machine: TierStateMachine, tier: str) -> int | None:
+    ts = machine.tiers[tier]
+    if ts.budget is None:
+        return None
+    clean = (CopyState.VALID, CopyState.STALE)
+    return (
+        ts.budget
+        - ts.used
+        + sum(p.nbytes for p in machine.parts.values() if p.state(tier) in clean and p.can_free(tier))
+    )
 
 
 def _check_name(name: str) -> None:

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     from tiered.config.schema import TieredConfig
     from tiered.tiers import TierManager
+    from tiered.zero.grad_home import GradKeeper
     from tiered.zero.load import LoadPlan
 
 log = logging.getLogger(__name__)
@@ -251,13 +252,13 @@ class ZeroParameters:
         """Call `callback(group)` each time a group's gradients for this backward were flushed."""
         self._grad_callbacks.append(callback)
 
-    def keep_flushed_grads(self, enabled: bool = True) -> None:
+    def keep_flushed_grads(self, enabled: bool = True, keeper: GradKeeper | None = None) -> None:
         """Leave each flushed gradient homed in storage (``tiered.grad_tier: "nvme"``) in "cpu",
-        dirty, for the optimizer step to consume from memory instead of writing it home here and
-        reading it back there. For an engine whose step is overlapped with backward without
-        accumulation: see [Note: gradient consumed from memory] in tiered/optim/group.py."""
+        dirty, for the overlapped step to consume ([Note: gradient consumed from memory] in
+        tiered/optim/group.py), `keeper` admitting each such flush ([Note: backward waits instead
+        of parking] in tiered/optim/kept_grads.py)."""
         for rt in self.runtimes:
-            rt.keep_flushed_grads = enabled
+            rt.keep_grads_for_step(keeper if enabled else None, enabled=enabled)
 
     def seal_for_step(self, group: ShardGroup) -> None:
         """The optimizer is about to update `group` while backward continues (see [Note: step

@@ -16,7 +16,7 @@ home like its states (tiered/optim/offload.py already does so for any gradient h
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -50,6 +50,19 @@ def is_staged(tm: TierManager, part: Partition) -> bool:
     return not tm.tier(part.home).backend.capabilities.memory_like
 
 
+class GradKeeper(Protocol):
+    """Who consumes the gradients a flush keeps in "cpu" (the overlapped step's `KeptGrads`,
+    [Note: backward waits instead of parking] in tiered/optim/kept_grads.py)."""
+
+    def admit(self, part: Partition) -> None:
+        """Block until `part` may be staged and kept without parking another kept gradient."""
+        ...
+
+    def kept(self, part: Partition) -> None:
+        """`part` was left in "cpu", dirty, for its step."""
+        ...
+
+
 class StagedGradHome:
     """One group's gradient partition homed in a storage tier; see [Note: gradients on nvme]."""
 
@@ -60,11 +73,16 @@ class StagedGradHome:
         self.staged: torch.Tensor | None = None
         self.norms: list[tuple[str, torch.Tensor]] = []
         """Per-parameter norms of the values last written (`param_grad_norms`)."""
+        self.keeper: GradKeeper | None = None
+        """Set while flushes keep the gradient for the step (`ZeroParameters.keep_flushed_grads`)."""
 
-    def open(self, *, overwrite: bool = False) -> torch.Tensor:
+    def open(self, *, overwrite: bool = False, keeping: bool = False) -> torch.Tensor:
         """The partition's values in "cpu", to be modified in place and then `write_back()`;
-        with `overwrite` the caller writes every element, so nothing is read from home."""
+        with `overwrite` the caller writes every element, so nothing is read from home;
+        `keeping`: a flush that will keep it there, admitted by the keeper first."""
         if self.staged is None:
+            if keeping and self.keeper is not None:
+                self.keeper.admit(self.part)
             tm = self.tm
             fut = tm.allocate(self.part, STAGE_TIER) if overwrite else tm.fetch(self.part, STAGE_TIER)
             self.staged = fut.result()
@@ -83,6 +101,8 @@ class StagedGradHome:
         tm.release(self.part, STAGE_TIER)
         if not keep:
             tm.evict(self.part, STAGE_TIER).result()  # written home before the staged copy is freed
+        elif self.keeper is not None:
+            self.keeper.kept(self.part)
 
     def read_copy(self) -> torch.Tensor:
         tm = self.tm

@@ -57,7 +57,7 @@ from tiered.errors import ShapeMutationError
 from tiered.shards import ShardGroup
 from tiered.zero import comm
 from tiered.zero.budget import LiveBudget
-from tiered.zero.grad_home import StagedGradHome, is_staged, param_grad_norms
+from tiered.zero.grad_home import GradKeeper, StagedGradHome, is_staged, param_grad_norms
 from tiered.zero.order import GATHER, REDUCE, CollectiveOrder
 
 if TYPE_CHECKING:
@@ -167,12 +167,19 @@ class GroupRuntime:
             else None
         )
 
+    def keep_grads_for_step(self, keeper: GradKeeper | None, *, enabled: bool) -> None:
+        """`keep_flushed_grads`, and who admits and learns of the kept gradients (a staged home)."""
+        self.keep_flushed_grads = enabled
+        if self._staged_grad is not None:
+            self._staged_grad.keeper = keeper
+
     # ---- home copies -----------------------------------------------------------------------
-    def home_view(self, part: Partition, *, overwrite: bool = False) -> torch.Tensor:
+    def home_view(self, part: Partition, *, overwrite: bool = False, for_step: bool = False) -> torch.Tensor:
         """The stable resident home tensor of `part` (this group's param or grad). See [Note: home views].
-        `overwrite`: the caller writes all of it (a staged gradient is then not read first)."""
+        `overwrite`: the caller writes all of it (a staged gradient is then not read first);
+        `for_step`: a flush, whose staged gradient may be kept for the step."""
         if self._staged_grad is not None and part is self._staged_grad.part:
-            return self._staged_grad.open(overwrite=overwrite)
+            return self._staged_grad.open(overwrite=overwrite, keeping=for_step and self.keep_flushed_grads)
         t = self._home_views.get(part.name)
         if t is None:
             tm = self.ctx.tm
@@ -392,7 +399,9 @@ class GroupRuntime:
         fresh, self.grad_zero_pending = self.grad_zero_pending, False
         with torch.no_grad():
             if ctx.world_size == 1:
-                t = self.home_view(g.grad, overwrite=fresh)  # fresh: every element is written below
+                t = self.home_view(
+                    g.grad, overwrite=fresh, for_step=True
+                )  # fresh: every element is written below
                 for e, gr in grads:
                     dst = t[e.offset : e.offset + e.numel]
                     if gr is not None:
@@ -412,7 +421,7 @@ class GroupRuntime:
                 if ctx.order is not None:
                     ctx.order.agree(REDUCE, self.index)
                 shard = comm.reduce_scatter_mean(full, ctx.process_group)
-                t = self.home_view(g.grad, overwrite=fresh)
+                t = self.home_view(g.grad, overwrite=fresh, for_step=True)
                 t.copy_(shard) if fresh else t.add_(shard.to(t.device))
                 self._probe([shard], t)  # this rank's shard; the engine ORs the ranks
                 self._home_written(g.grad, for_step=True)
