@@ -199,3 +199,22 @@ def test_sweep_json_spread_and_plot(tmp_path: Path, capsys) -> None:
 def test_plot_without_sweep_is_an_error(tmp_path: Path, capsys) -> None:
     assert main([*_BASE, "--dir", str(tmp_path), "--plot", str(tmp_path / "x.png")]) == 2
     assert "add --sweep" in capsys.readouterr().err
+
+
+def test_a_4kib_sweep_s_spread_brackets_its_median_even_for_microsecond_rounds() -> None:
+    """Rounds of ~10 us at 4 KiB: the reported seconds and the figures must agree (CI once saw a
+    median of 0.4312 GB/s outside its spread's 0.4289, the spread taken from seconds rounded to
+    the microsecond)."""
+    from types import SimpleNamespace
+
+    from tiered.bench.sweep import spread_gbps
+
+    ceiling = SimpleNamespace(name="ceiling", kind="raw")
+    store = SimpleNamespace(name="store", kind="backend")
+    times = [9.6e-6, 9.8e-6]
+    samples = {"ceiling": (times, times), "store": (times, times)}
+    for m in br._summarise([ceiling, store], samples, {}, 4096):  # type: ignore[list-item]
+        for gbps, seconds in ((m.write_gbps, m.write_s), (m.read_gbps, m.read_s)):
+            spread = spread_gbps(4096, seconds)
+            assert gbps is not None and spread is not None
+            assert spread[0] <= gbps <= spread[1]

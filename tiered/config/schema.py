@@ -432,8 +432,13 @@ class TieredSection:
         'how Adam\'s exp_avg / exp_avg_sq are stored: `"fp32"` (exact); `"bf16"` (stochastic '
         'rounding, 8 B of state per parameter instead of 12) and `"int8"` (block-wise 8-bit log '
         "codes, exp_avg_sq in the sqrt domain, 6.03 B) are opt-in codecs with stated error ([Note: "
-        "compressed optimizer state] in `tiered/optim/state_format.py`), Adam/AdamW only; an unknown "
-        "name is a `ConfigError` listing the formats. The compressed formats need the state offloaded "
+        "compressed optimizer state] in `tiered/optim/state_format.py`), Adam/AdamW only; their "
+        "stochastic rounding draws no random stream: its noise is a hash of the step, the moment, the "
+        "group and each element's index ([Note: counter-based rounding noise] in "
+        "`tiered/optim/rounding_noise.py`), so a resumed run rounds as the uninterrupted one on any "
+        "thread count, tile size or world size; the codecs run as native kernels built with the CPU "
+        "Adam (the same bits in torch where the build is unavailable); an unknown name is a "
+        "`ConfigError` listing the formats. The compressed formats need the state offloaded "
         "(offload_optimizer.device cpu or nvme, ratio 1); their checkpoints load into a run of the "
         "same format (int8: the same layout) or into an fp32 one, decoded exactly on any layout; "
         "fp32 into bf16/int8 and bf16 <-> int8 are refused (lossy)",
