@@ -58,6 +58,7 @@ def test_quiet_prints_nothing() -> None:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")])
+    env["PYTHONFAULTHANDLER"] = "1"
     return env
 
 
@@ -80,8 +81,15 @@ def _interrupt_when(proc: subprocess.Popen[bytes], ready: Path, timeout_s: float
     try:
         return proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+        # Where it hangs: PYTHONFAULTHANDLER (set by _env) dumps every thread's stack on SIGABRT.
+        proc.send_signal(signal.SIGABRT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        tail = err.decode(errors="replace")[-6000:]
+        raise AssertionError(f"the bench did not end within 120 s of SIGINT; its threads:\n{tail}") from None
 
 
 def test_sigint_during_bandwidth_rounds_removes_the_files(tmp_path: Path) -> None:

@@ -349,6 +349,10 @@ def _summarise(
     def gbps(ts: list[float]) -> float | None:
         return size / statistics.median(ts) / 1e9 if ts else None
 
+    # The figures come from the seconds as reported (to the nanosecond), so a sweep's spread,
+    # derived from those, always brackets its median even at 4 KiB (~10 us rounds), and the
+    # ceiling's ratio to itself is exactly 1.
+    samples = {k: ([round(x, 9) for x in ws], [round(x, 9) for x in rs]) for k, (ws, rs) in samples.items()}
     ceiling = methods[0]
     cw = gbps(samples.get(ceiling.name, ([], []))[0]) if ceiling.name not in errors else None
     cr = gbps(samples.get(ceiling.name, ([], []))[1]) if ceiling.name not in errors else None
@@ -357,9 +361,7 @@ def _summarise(
         if m.name in errors:
             out.append(MethodResult(m.name, m.kind, "error", errors[m.name]))
             continue
-        # The figures come from the seconds as reported (to the nanosecond), so a sweep's
-        # spread, derived from those, always brackets its median even at 4 KiB (~10 us rounds).
-        ws, rs = ([round(x, 9) for x in xs] for xs in samples[m.name])
+        ws, rs = samples[m.name]
         w, r = gbps(ws), gbps(rs)
         cws, crs = (cpu or {}).get(m.name, ([], []))
 
