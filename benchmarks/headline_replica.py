@@ -33,6 +33,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiered.units import parse_bytes
+
 HEADLINE = {
     "hidden": 8192,
     "layers": 40,
@@ -154,6 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth", default=None, help="tiered bench --json output for the plan's time model")
     p.add_argument("--weights", default=None, help="a folder this script wrote before (not deleted)")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--gpu-mem",
+        default=None,
+        help="GPU memory instead of the headline's / --scale (e.g. 1GiB; small runs)",
+    )
+    p.add_argument(
+        "--cpu-mem",
+        default=None,
+        help="host memory instead of the headline's / --scale (e.g. 4GiB; small runs)",
+    )
     a = p.parse_args(argv)
     if a.steps < 2:
         p.error("--steps must be at least 2 (the first step is not timed)")
@@ -168,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = {
             "weights": str(weights),
             "nvme": str(work / "swap"),
-            "gpu": HEADLINE["gpu"] / a.scale,
-            "cpu": HEADLINE["cpu"] / a.scale,
+            "gpu": parse_bytes(a.gpu_mem) if a.gpu_mem else HEADLINE["gpu"] / a.scale,
+            "cpu": parse_bytes(a.cpu_mem) if a.cpu_mem else HEADLINE["cpu"] / a.scale,
             "nvme_mem": HEADLINE["nvme"] / a.scale,
             "steps": a.steps,
             "seq": a.seq,
@@ -190,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         a.scale,
         {k: spec[k] for k in ("gpu", "cpu", "nvme_mem")},
     )
-    print(report(result))
-    if a.json:
+    if a.json:  # before the report, so what was measured is kept whatever the report does
         Path(a.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(report(result))
     return 0
 
 
@@ -201,11 +214,11 @@ def report(r: dict[str, Any]) -> str:
     if not r["fits"]:
         return f"nothing fits; closest {r['closest']}"
     plan, m = r["plan"], r["measured"]
-    host_plan = plan["peaks"]["gpu"] + plan["peaks"]["host"]
+    host_plan = plan["peaks"]["device"] + plan["peaks"]["host"]
     given = r["memories"]["gpu"] + r["memories"]["cpu"]
     lines = [
         f"chosen: {plan['knobs']}",
-        f"plan peaks: GPU {plan['peaks']['gpu'] / gib:.2f} GiB, host {plan['peaks']['host'] / gib:.2f} GiB "
+        f"plan peaks: GPU {plan['peaks']['device'] / gib:.2f} GiB, host {plan['peaks']['host'] / gib:.2f} GiB "
         f"(GPU + host {host_plan / gib:.2f} GiB; given {given / gib:.2f} GiB)",
         f"measured peak RSS {m['rss'] / gib:.2f} GiB = {m['rss'] / host_plan:.3f} x the plan's GPU + host",
         "tier peak / need: "
