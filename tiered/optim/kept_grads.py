@@ -13,8 +13,11 @@ was not already costing: the stepper has work queued the whole time. So:
 
 * admission: before a flush stages a gradient it will keep, `KeptGrads.admit` waits until it
   fits without writing anything home: the kept gradients plus this one within the tier's budget
-  less its home partitions and the pipeline's own staging bound (`pipeline_bytes`: what the
-  stepper may reserve at once, so its reads never need a kept gradient's room either), and the
+  less its home partitions, the pipeline's own staging bound (`pipeline_bytes`: what the
+  stepper may reserve at once, so its reads never need a kept gradient's room either) and the
+  new parameters ``offload_param.max_in_cpu`` keeps there ([Note: max_in_cpu]: taking their
+  room wrote every one of them home and read it back each step, 2 GB each way on the 1/20
+  headline replica, bytes the plan's formula does not have), and the
   clean room of the tier (free budget plus unpinned clean copies, `TierManager.clean_room_bytes`)
   enough for this one. It waits only while some kept gradient has been handed to the stepper and
   not stepped yet, and the stepper runs: those steps will free room, so the wait ends; with none
@@ -56,7 +59,9 @@ class KeptGrads:
     """The kept gradients of the current overlapped step. See [Note: backward waits instead of parking]."""
 
     def __init__(self, tm: TierManager, tier: str, staging_bytes: int, timeout_s: float) -> None:
-        """`staging_bytes`: the pipeline's own staging bound in `tier` (`pipeline_bytes`)."""
+        """`staging_bytes`: what the kept gradients must leave free in `tier` besides its home
+        partitions: the pipeline's own staging bound (`pipeline_bytes`) and the parameters kept
+        there by max_in_cpu."""
         self.tm = tm
         self.tier = tier
         self.timeout_s = timeout_s

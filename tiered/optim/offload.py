@@ -243,7 +243,11 @@ class OffloadedAdam:
         if self._kept is None:
             tier = "cpu"  # the stage tier of a gradient homed in storage (tiered/zero/grad_home.py)
             staging = self.stage_bytes_needed().get(tier, 0)
-            self._kept = KeptGrads(self.tm, tier, staging, self._timeout_s)
+            # the new parameters max_in_cpu keeps there: room the kept gradients must not take,
+            # or each step writes them home and the forward reads them back ([Note: backward
+            # waits instead of parking])
+            kept_params = sum(og.group.param.nbytes for og in self.groups if og.keep_in_cpu)
+            self._kept = KeptGrads(self.tm, tier, staging + kept_params, self._timeout_s)
             for og in self.groups:
                 og.kept = self._kept
         return self._kept
