@@ -81,6 +81,18 @@ print("PLAN " + json.dumps(plan, default=str), flush=True)
 t0 = time.perf_counter()
 engine = tiered.from_pretrained(spec["weights"], best.config, attn_implementation="sdpa")
 load_s = time.perf_counter() - t0
+def vm_hwm():
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+load_peak = vm_hwm()
+try:  # Linux: reset the high-water mark, so the steps' own peak is seen apart from the load's
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
 g = torch.Generator().manual_seed(1)
 times, losses, before = [], [], None
 try:
@@ -107,7 +119,9 @@ meas = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "nvme_read": sum(v for k, v in per.items() if k.startswith("nvme->")),
         "nvme_write": sum(v for k, v in per.items() if k.endswith("->nvme")),
         "s_per_step": sorted(times[1:])[len(times[1:]) // 2], "steps_s": times, "losses": losses,
-        "formula": st["bytes_per_step"]["formula"], "host_memory": st.get("host_memory"), "load_s": load_s}
+        "formula": st["bytes_per_step"]["formula"], "host_memory": st.get("host_memory"), "load_s": load_s,
+        "load_peak_rss": load_peak, "steps_peak_rss": vm_hwm(), "optimizer": st.get("optimizer"),
+        "tier_counters": {k: v for k, v in st["tiers"].items() if k not in ("links", "tiers")}}
 print("RESULT " + json.dumps({"fits": True, "plan": plan, "measured": meas}, default=str))
 """
 
@@ -220,7 +234,13 @@ def report(r: dict[str, Any]) -> str:
         f"chosen: {plan['knobs']}",
         f"plan peaks: GPU {plan['peaks']['device'] / gib:.2f} GiB, host {plan['peaks']['host'] / gib:.2f} GiB "
         f"(GPU + host {host_plan / gib:.2f} GiB; given {given / gib:.2f} GiB)",
-        f"measured peak RSS {m['rss'] / gib:.2f} GiB = {m['rss'] / host_plan:.3f} x the plan's GPU + host",
+        f"measured peak RSS {m['rss'] / gib:.2f} GiB = {m['rss'] / host_plan:.3f} x the plan's GPU + host"
+        + (
+            f" (loading {m['load_peak_rss'] / gib:.2f} GiB, the steps {m['steps_peak_rss'] / gib:.2f} GiB:"
+            f" {m['steps_peak_rss'] / host_plan:.3f} x)"
+            if m.get("load_peak_rss") and m.get("steps_peak_rss")
+            else ""
+        ),
         "tier peak / need: "
         + ", ".join(f"{t} {m['tier_peaks'].get(t, 0) / max(n, 1):.3f}" for t, n in plan["needs"].items()),
         f"NVMe per step: read {m['nvme_read'] / 1e9:.2f} GB, write {m['nvme_write'] / 1e9:.2f} GB; "

@@ -36,4 +36,10 @@ def test_toy_replica_plans_trains_and_reports_plan_against_measured(tmp_path: Pa
     assert measured["rss"] > 0 and plan["peaks"]["device"] + plan["peaks"]["host"] > 0
     assert "measured peak RSS" in proc.stdout and "x the plan's GPU + host" in proc.stdout
     assert "predicted" in proc.stdout
+    if sys.platform == "linux":  # VmHWM read after loading, reset, read after the steps
+        assert (
+            0 < measured["load_peak_rss"] <= measured["rss"]
+            and 0 < measured["steps_peak_rss"] <= measured["rss"]
+        )
+        assert "loading" in proc.stdout
     assert list(tmp_path.iterdir()) == [out_json]  # the weights and the swap are removed
