@@ -1,0 +1,44 @@
+"""benchmarks/state_format.py --pretrain-steps: the compared formats fine-tune the pre-trained
+weights (not _model()'s initialisation) on the fine-tuning third of the text. Not timed."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "state_format_bench", ROOT / "benchmarks" / "state_format.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_fine_tune_starts_from_the_pretrained_weights_on_the_last_third() -> None:
+    bench = _bench()
+    state = bench.pretrained_state(2)
+    fresh = bench._model().state_dict()
+    assert any(not torch.equal(state[k], fresh[k]) for k in state)  # it did train
+    train, _ = bench._data()
+    pre, fine = bench._split(train, True)
+    assert pre.numel() + fine.numel() == train.numel() and torch.equal(fine, train[pre.numel() :])
+    # the first step's loss is the pre-trained model's on the fine-tuning text's first batch
+    model = bench._model()
+    model.load_state_dict(state)
+    b = bench._batch(fine, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = float(model(input_ids=b[:, :-1], labels=b[:, 1:].contiguous()).loss)
+    result = bench.run("fp32", 1, 1, state, lr=1e-4)
+    assert result["curve"][0] == (1, pytest.approx(expected, abs=1e-5))
