@@ -86,9 +86,9 @@ def test_plan_device_sets_the_process_baseline(capsys: pytest.CaptureFixture[str
         d: doc["search"]["best"]["config"]["tiered"]["tiers"]["cpu"]["budget"] for d, doc in docs.items()
     }
     host = {d: doc["search"]["best"]["peaks_bytes"]["host"] for d, doc in docs.items()}
-    assert budget["cpu"] - budget["cuda"] == (1062 - 376) * mib
-    assert host["cuda"] - host["cpu"] == (1062 - 376) * mib
-    assert any(n.startswith("process baseline: 376") and "cpu process" in n for n in docs["cpu"]["assumed"])
+    assert budget["cpu"] - budget["cuda"] == (1062 - 471) * mib
+    assert host["cuda"] - host["cpu"] == (1062 - 471) * mib
+    assert any(n.startswith("process baseline: 471") and "cpu process" in n for n in docs["cpu"]["assumed"])
     assert main(argv[:-1]) == 0  # the text, and cuda by default
     assert "process baseline: 1.04 GiB of host memory for a cuda process" in capsys.readouterr().out
 
