@@ -6,7 +6,7 @@ the final eval loss and its difference from exact, NVMe bytes per step (measured
 manager, and the formula) and s/step; saves a plot when matplotlib is installed.
 
     python benchmarks/state_format.py [--steps 300] [--formats fp32,bf16,int8] [--plot out.png]
-        [--pretrain-steps N] [--lr LR]
+        [--pretrain-steps N] [--lr LR] [--corpus examples|pydoc]
 
 With --pretrain-steps N the model is first trained N steps by plain torch AdamW (fp32, lr 1e-3)
 on the first two thirds of the training text, and each format fine-tunes those weights (fresh
@@ -30,8 +30,20 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEQ, BATCH = 64, 8
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    raw = torch.tensor(list((ROOT / "examples" / "corpus.txt").read_bytes()), dtype=torch.long)
+CORPORA = ("examples", "pydoc")
+"""examples/corpus.txt (6 KB), or the English of Python's own reference documentation
+(``pydoc_data.topics``, ~466 KB, shipped with every CPython): real text on any machine."""
+
+
+def _data(corpus: str = "examples") -> tuple[torch.Tensor, torch.Tensor]:
+    """(training bytes, held-out tenth) of `corpus` (one of CORPORA)."""
+    if corpus == "pydoc":
+        import pydoc_data.topics
+
+        data = "\n".join(pydoc_data.topics.topics.values()).encode()
+    else:
+        data = (ROOT / "examples" / "corpus.txt").read_bytes()
+    raw = torch.tensor(list(data), dtype=torch.long)
     cut = int(0.9 * raw.numel())
     return raw[:cut], raw[cut:]
 
@@ -44,11 +56,11 @@ def _split(train: torch.Tensor, pretrain: bool) -> tuple[torch.Tensor, torch.Ten
     return train[:cut], train[cut:]
 
 
-def pretrained_state(steps: int) -> dict[str, torch.Tensor]:
+def pretrained_state(steps: int, corpus: str = "examples") -> dict[str, torch.Tensor]:
     """The weights after `steps` of plain torch AdamW from _model()'s initialisation."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    text, _ = _split(_data()[0], True)
+    text, _ = _split(_data(corpus)[0], True)
     g = torch.Generator().manual_seed(3)
     for _ in range(steps):
         b = _batch(text, g)
@@ -76,10 +88,15 @@ def _loss(engine, batch: torch.Tensor) -> torch.Tensor:
 
 
 def run(
-    fmt: str, steps: int, every: int, start: dict[str, torch.Tensor] | None = None, lr: float = 1e-3
+    fmt: str,
+    steps: int,
+    every: int,
+    start: dict[str, torch.Tensor] | None = None,
+    lr: float = 1e-3,
+    corpus: str = "examples",
 ) -> dict:
     """`start`: the weights to fine-tune (pretrained_state), or None for _model()'s."""
-    train, held = _data()
+    train, held = _data(corpus)
     train = _split(train, start is not None)[1]
     with tempfile.TemporaryDirectory() as nvme:
         off = {"device": "nvme", "nvme_path": nvme}
@@ -128,13 +145,14 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="save the loss curves here (needs matplotlib)")
     ap.add_argument("--pretrain-steps", type=int, default=0, help="fine-tune weights pre-trained this long")
     ap.add_argument("--lr", type=float, default=1e-3, help="the compared runs' AdamW learning rate")
+    ap.add_argument("--corpus", choices=CORPORA, default="examples", help="the text (default examples)")
     args = ap.parse_args()
     start = None
     if args.pretrain_steps:
         t0 = time.perf_counter()
-        start = pretrained_state(args.pretrain_steps)
+        start = pretrained_state(args.pretrain_steps, args.corpus)
         print(f"pre-trained {args.pretrain_steps} steps (plain AdamW) in {time.perf_counter() - t0:.0f} s")
-    results = [run(f, args.steps, args.every, start, args.lr) for f in args.formats.split(",")]
+    results = [run(f, args.steps, args.every, start, args.lr, args.corpus) for f in args.formats.split(",")]
     base = results[0]
     print("step  " + "  ".join(f"{r['format']:>8}" for r in results))
     for i, (step, _) in enumerate(base["curve"]):

@@ -42,3 +42,9 @@ def test_the_fine_tune_starts_from_the_pretrained_weights_on_the_last_third() ->
         expected = float(model(input_ids=b[:, :-1], labels=b[:, 1:].contiguous()).loss)
     result = bench.run("fp32", 1, 1, state, lr=1e-4)
     assert result["curve"][0] == (1, pytest.approx(expected, abs=1e-5))
+
+
+def test_the_pydoc_corpus_is_real_text_of_bytes() -> None:
+    train, held = _bench()._data("pydoc")
+    assert train.numel() > 300_000 and held.numel() > 30_000  # ~466 KB of CPython's reference docs
+    assert int(train.max()) < 256 and bytes(train[:200].tolist()).isascii()
