@@ -1,6 +1,6 @@
 """The cost of a compressed optimizer-state format ([Note: compressed optimizer state]):
-the same 300-step fine-tune of the examples/tiny-llama shape (a Llama, byte vocabulary) on the
-examples' corpus with exact fp32 Adam and each compressed format, parameters + gradients + Adam
+the same 300-step run of the examples/tiny-llama shape (a Llama, byte vocabulary) on a corpus
+(--corpus) with exact fp32 Adam and each compressed format, parameters + gradients + Adam
 state on NVMe (a temporary directory), same data and seed. Prints the loss curves at intervals,
 the final eval loss and its difference from exact, NVMe bytes per step (measured by the tier
 manager, and the formula) and s/step; saves a plot when matplotlib is installed.
