@@ -5,6 +5,7 @@ GPU with 64 GB of host RAM: the gpu tier ~12% of the training state, the cpu tie
 
     python benchmarks/big_model.py --dir DIR --json big.json       # 2.07B parameters, ~58 GB of disk
     python benchmarks/big_model.py --dir DIR --params 200e6 --layers 8 --vocab 8192   # small, same path
+    python benchmarks/big_model.py --dir DIR --precision bf16 --accumulation 2   # bf16 mixed, 2 micro-batches
 
 Phases, each in a fresh process (timed, peak RSS = VmHWM per phase):
 1. the "pretrained" weights: sharded bf16 safetensors + index, seeded, written a shard at a time
@@ -167,12 +168,14 @@ def summarize(spec: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
         "layers": spec["layers"],
         "hidden": spec["hf_config"]["hidden_size"],
         "vocab": spec["vocab"],
-        "tokens_per_step": spec["batch"] * spec["seq"],
+        "tokens_per_step": spec["batch"] * spec["seq"] * spec.get("accumulation", 1),
         "threads": spec["threads"],
         "training_state_bytes": spec["state_bytes"],
         "budgets": {"gpu": spec["gpu_budget"], "cpu": spec["cpu_budget"], "rss_target": budget + HEADROOM},
         "step_s": step_s,
         "state_format": spec.get("state_format", "fp32"),
+        "precision": spec.get("precision", "fp32"),
+        "accumulation": spec.get("accumulation", 1),
         "steps_s": [s["s"] for s in ran],
         "step_phases_s": [s["timing"] for s in ran],
         "losses": [s["loss"] for s in ran],
@@ -227,7 +230,8 @@ def report_text(r: dict[str, Any]) -> str:
                 f"raw O_DIRECT: read {r['raw_read_gbps']:.2f} GB/s, write {r['raw_write_gbps']:.2f} GB/s; "
                 f"stall {r['stall_s_per_step']:.2f} s/step",
                 f"per step: {links}",
-                f"formula per step ([Note: bytes per step]): {formula}; state format {r['state_format']}",
+                f"formula per step ([Note: bytes per step]): {formula}; state format {r['state_format']}, "
+                f"precision {r['precision']}, accumulation {r['accumulation']}",
                 f"peak RSS (GiB): {rss}; max {r['peak_rss_max'] / GIB:.2f} GiB, {verdict} the target",
                 (
                     f"resume: loss equal {r['resume_loss_equal']}, parameters equal {r['resume_params_equal']}; "
@@ -265,6 +269,8 @@ def make_spec(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "clip": args.clip,
         "overlap": not args.no_overlap,
         "state_format": args.state_format,
+        "precision": args.precision,
+        "accumulation": args.accumulation,
         "train_only": args.train_only,
         "attn": args.attn,
         "hf_config": cfg.to_dict(),
@@ -359,7 +365,19 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=25, help="decoder layers (default 25)")
     p.add_argument("--vocab", type=int, default=16384, help="vocabulary (default 16384)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    p.add_argument(
+        "--accumulation",
+        type=int,
+        default=1,
+        help="gradient_accumulation_steps: micro-batches per step (default 1)",
+    )
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="compute precision (bf16: DeepSpeed's bf16.enabled, fp32 master and Adam state)",
+    )
     p.add_argument(
         "--steps", type=int, default=2, help="steps before the checkpoint, then one more (default 2; >= 2)"
     )

@@ -70,8 +70,10 @@ def engine_config(spec: dict[str, Any]) -> dict[str, Any]:
     nvme, gpu_b = spec["nvme_dir"], spec["gpu_budget"]
     return {
         "train_micro_batch_size_per_gpu": spec["batch"],
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": spec.get("accumulation", 1),
         "gradient_clipping": spec["clip"],
+        # bf16 mixed precision: bf16 compute copies, fp32 master and Adam state (DeepSpeed's meaning)
+        **({"bf16": {"enabled": True}} if spec.get("precision", "fp32") == "bf16" else {}),
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": spec["lr"], "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
@@ -114,9 +116,10 @@ def engine_config(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def batch_for(step: int, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Global step `step`'s batch (1-based), seeded by the step: a resumed run sees the same one."""
-    g = torch.Generator().manual_seed(1000 + step)
+def batch_for(step: int, spec: dict[str, Any], micro: int = 0) -> dict[str, torch.Tensor]:
+    """Global step `step`'s micro-batch `micro` (1-based step), seeded by both: a resumed run sees
+    the same ones (micro-batch 0 keeps the seed runs without accumulation had)."""
+    g = torch.Generator().manual_seed(1000 + step + 100_000 * micro)
     ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
 
@@ -178,10 +181,12 @@ def time_compute(spec: dict[str, Any], repeats: int = 1, warmup: int = 1) -> dic
 
     cfg = LlamaConfig.from_dict(spec["hf_config"])
     cfg._attn_implementation = spec["attn"]
+    micro = spec.get("accumulation", 1)  # a step is that many forward+backward passes
     c = probe_model_compute(
         cfg,
         micro_batch=spec["batch"],
         seq_len=spec["seq"],
+        dtype=torch.bfloat16 if spec.get("precision", "fp32") == "bf16" else torch.float32,
         seconds=float("inf"),
         max_passes=repeats,
         warmups=warmup,
@@ -189,7 +194,7 @@ def time_compute(spec: dict[str, Any], repeats: int = 1, warmup: int = 1) -> dic
     return {
         "layer_fwd_bwd_s": c.layer_forward_s + c.layer_backward_s,
         "embed_head_fwd_bwd_s": c.rest_s,
-        "compute_s": c.step_seconds(),
+        "compute_s": c.step_seconds() * micro,
     }
 
 
@@ -216,21 +221,26 @@ def params_digest(engine: Any) -> str:
 
 
 def train_step(engine: Any, step: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """One step, its wall time, loss, bytes per link, stall and peak RSS (its own window)."""
-    batch = batch_for(step, spec)
+    """One step (its `accumulation` micro-batches), its wall time, loss (the micro-batches' mean),
+    bytes per link, stall and peak RSS (its own window)."""
+    micros = spec.get("accumulation", 1)
+    batches = [batch_for(step, spec, m) for m in range(micros)]
     s0 = engine.stats()
     reset_peak_rss()
     t0 = time.perf_counter()
-    loss = engine(**batch).loss
-    engine.backward(loss)
-    engine.step()
+    losses = []
+    for batch in batches:  # DeepSpeed's loop: step() at every micro-batch, the update at the last
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
     dt = time.perf_counter() - t0
     rss = peak_rss()
     s1 = engine.stats()
     return {
         "step": step,
         "s": dt,
-        "loss": float(loss.detach()),
+        "loss": sum(losses) / len(losses),
         "links": _link_delta(s0["tiers"], s1["tiers"]),
         "stall_s": s1["tiers"]["stall_s"] - s0["tiers"]["stall_s"],
         "timing": s1["timing"]["last_step"],
