@@ -62,11 +62,15 @@ def make_data(steps: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def ds_json(nvme_dir: str, pipeline_read: bool = False) -> dict[str, Any]:
+def ds_json(
+    nvme_dir: str, pipeline_read: bool = False, precision: str = "fp32", accumulation: int = 1
+) -> dict[str, Any]:
+    """The JSON every runner trains with (fp32, one micro-batch per step unless asked)."""
     return {
         "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 0.0,
+        **({"bf16": {"enabled": True}} if precision == "bf16" else {}),
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
@@ -155,10 +159,14 @@ def run_tiered(
     overlap: bool = False,
     device: str = "cpu",
     verify: bool = True,
+    precision: str = "fp32",
+    accumulation: int = 1,
 ) -> dict[str, Any]:
+    """`data` holds `accumulation` micro-batches per step: step() is called after each (DeepSpeed's
+    loop) and the optimizer steps at the last; a step's figures span all of them."""
     import tiered
 
-    cfg = ds_json(nvme_dir, pipeline_read)
+    cfg = ds_json(nvme_dir, pipeline_read, precision, accumulation)
     if overlap:  # tiered's own key, next to the DeepSpeed ones (DeepSpeed does not get it)
         cfg["tiered"] = {"overlap_step_with_backward": True}
     if not verify:  # to measure what the per-partition checksums cost
@@ -166,16 +174,20 @@ def run_tiered(
     model = build_model()
     times, losses, per_step = [], [], []
     with tiered.initialize(model, cfg) as engine:
-        for b in _on(data, device):
+        batches = _on(data, device)
+        for first in range(0, len(batches) - accumulation + 1, accumulation):
             s0 = engine.stats()
             _sync(device)
             t0 = time.perf_counter()
-            loss = engine(**b).loss
-            engine.backward(loss)
-            engine.step()
+            step_losses = []
+            for b in batches[first : first + accumulation]:
+                loss = engine(**b).loss
+                engine.backward(loss)
+                engine.step()
+                step_losses.append(loss.detach())
             _sync(device)
             times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach()))
+            losses.append(float(sum(step_losses)) / accumulation)
             s1 = engine.stats()
             opt = s1["optimizer"]["last_step"]
             per_step.append(
