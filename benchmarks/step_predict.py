@@ -32,6 +32,7 @@ from tiered.planning.compute_probe import probe_model_compute  # noqa: E402
 from tiered.planning.needs import predict  # noqa: E402
 from tiered.planning.timing import (  # noqa: E402
     DEFAULT_BANDWIDTH,
+    compute_threads_beside_engine,
     probe_flops,
     read_bandwidth,
     seconds_per_step,
@@ -68,11 +69,16 @@ def main() -> int:
     flops = training_flops(sum(p.numel() for p in model.parameters()), TOKENS)
     probe_said: dict[str, object] = {}
     if args.compute == "model":
-        probe = probe_model_compute(model.config, micro_batch=BATCH, seq_len=SEQ)
+        # as tiered plan does on a CPU-only host: [Note: compute beside the engine's threads]
+        probe = probe_model_compute(
+            model.config, micro_batch=BATCH, seq_len=SEQ, threads=compute_threads_beside_engine()
+        )
         bw["flops"] = flops / probe.step_seconds()  # the rate that makes the term the measured seconds
         probe_said = {"probe": probe.describe(), "probe_passes": probe.passes}
     else:
-        bw["flops"] = probe_flops("cpu", torch.float32, seconds=args.probe_seconds)
+        bw["flops"] = probe_flops(
+            "cpu", torch.float32, seconds=args.probe_seconds, threads=compute_threads_beside_engine()
+        )
     with tempfile.TemporaryDirectory() as d:
         config = ds_json(d)
         if args.overlap:
@@ -102,6 +108,7 @@ def main() -> int:
         "compute_from": args.compute,
         **probe_said,
         "threads": torch.get_num_threads(),
+        "probe_threads": compute_threads_beside_engine(),
         "bytes_per_step": traffic,
     }
     if args.measured:

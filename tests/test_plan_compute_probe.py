@@ -4,6 +4,8 @@ s/step and its printed assumptions). No timing values are asserted: this machine
 
 from __future__ import annotations
 
+import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,12 @@ from tiered.planning.compute_probe import (
     one_layer_bytes,
     one_layer_config,
     probe_model_compute,
+)
+from tiered.planning.timing import (
+    compute_threads_beside_engine,
+    intra_op_threads,
+    probe_flops,
+    read_bandwidth,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -127,8 +135,9 @@ def test_plan_with_a_model_and_seq_len_counts_the_probed_seconds(
     monkeypatch.setattr(compute_probe, "probe_model_compute", fake)
     folder = _model_dir(tmp_path)
     argv = [*PLAN, "--model", str(folder), "--seq-len", "8", "--micro-batch", "2", *FAST_LINKS]
-    out = _plan_text([*argv, "--accumulation", "3"], capsys)
-    assert asked == [{"micro_batch": 2, "seq_len": 8, "dtype": torch.float32, "device": "cpu"}]
+    with intra_op_threads(3):  # [Note: compute beside the engine's threads]: timed with one fewer
+        out = _plan_text([*argv, "--accumulation", "3"], capsys)
+    assert asked == [{"micro_batch": 2, "seq_len": 8, "dtype": torch.float32, "device": "cpu", "threads": 2}]
     assert "measured on the model's own work" in out and "one decoder layer's forward" in out
     assert "3 micro-batch(es) per step" in out
     seconds = float(out.split("predicted ")[1].split(" s/step")[0])
@@ -177,3 +186,73 @@ def test_plan_for_a_gpu_without_one_does_not_probe(
         ["plan", "--model", str(folder), "--seq-len", "8", "--gpu-mem", "8GB", "--cpu-mem", "8GB"], capsys
     )
     assert "compute: not modelled: planning for a GPU on a machine without one" in out
+
+
+def test_compute_beside_the_engine_takes_one_core_from_the_run_at_least_one_left() -> None:
+    # [Note: compute beside the engine's threads]
+    assert [compute_threads_beside_engine(n) for n in (1, 2, 16)] == [1, 1, 15]
+    with intra_op_threads(3):
+        assert compute_threads_beside_engine() == 2
+
+
+def test_the_probes_run_with_the_threads_asked_and_give_torchs_back() -> None:
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    real = compute_probe.one_layer_model
+
+    def spy(cfg: Any, dtype: torch.dtype, device: str) -> Any:
+        seen.append(torch.get_num_threads())
+        return real(cfg, dtype, device)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(compute_probe, "one_layer_model", spy)
+    try:
+        with intra_op_threads(2):
+            c = probe_model_compute(small_llama_config(), micro_batch=1, seq_len=4, seconds=0.01, threads=1)
+            assert torch.get_num_threads() == 2
+    finally:
+        mp.undo()
+    assert seen == [1] and c.threads == 1 and "1 threads" in c.describe()
+    assert torch.get_num_threads() == before
+    with intra_op_threads(2):
+        assert probe_flops("cpu", seconds=0.01, threads=1) > 0 and torch.get_num_threads() == 2
+
+
+def test_the_matmul_probe_of_the_plan_and_the_bench_times_one_thread_fewer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asked: list[int | None] = []
+
+    def fake(device: str, dtype: torch.dtype, seconds: float = 0.3, threads: int | None = None) -> float:
+        asked.append(threads)
+        return 1e9
+
+    monkeypatch.setattr("tiered.planning.timing.probe_flops", fake)
+    with intra_op_threads(3):
+        out = _plan_text([*PLAN, "--params", "1e6", "--seq-len", "8", *FAST_LINKS], capsys)
+        from tiered.cli.bench import _compute_rate
+
+        said = io.StringIO()
+        entry = _compute_rate(said)
+    assert asked == [2, 2] and "with 2 thread(s), one fewer than the run's" in out
+    assert entry["threads"] == 2 and "2 of 3 threads" in said.getvalue()
+
+
+def test_the_bandwidth_file_gives_the_engines_nvme_backend_over_the_faster_ceiling(tmp_path: Path) -> None:
+    def method(name: str, kind: str, read: float, write: float) -> dict[str, Any]:
+        return {"name": name, "kind": kind, "status": "ok", "read_gbps": read, "write_gbps": write}
+
+    path = tmp_path / "bench.json"
+    path.write_text(
+        json.dumps(
+            {
+                "methods": [
+                    method("O_DIRECT pwritev/preadv 8 threads x 8 MiB", "ceiling", 3.0, 2.5),
+                    method("tiered backend: nvme", "backend", 1.5, 1.2),
+                ]
+            }
+        )
+    )
+    bw, said = read_bandwidth(path)
+    assert (bw["disk_read"], bw["disk_write"]) == (1.5e9, 1.2e9)
+    assert any("tiered backend: nvme" in s for s in said)

@@ -240,12 +240,19 @@ def _compute_rate(out: TextIO) -> dict[str, Any]:
     bf16 on a GPU, fp32 on the CPU), for the compute term of `tiered plan`'s s/step."""
     import torch
 
-    from tiered.planning.timing import probe_flops
+    from tiered.planning.timing import compute_threads_beside_engine, probe_flops
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    rate = probe_flops(device, dtype)
-    out.write(
-        f"\ncompute: {rate / 1e12:.3f} TFLOP/s ({dtype} matmul on {device}, {torch.get_num_threads()} threads)\n"
-    )
-    return {"flops_per_s": rate, "device": device, "dtype": str(dtype).removeprefix("torch.")}
+    # on a CPU the rate training gets beside the engine's threads ([Note: compute beside the
+    # engine's threads]): the plan reads this entry as the compute term's rate
+    threads = compute_threads_beside_engine() if device == "cpu" else None
+    rate = probe_flops(device, dtype, threads=threads)
+    on = f"{threads} of {torch.get_num_threads()} threads" if threads else "the GPU"
+    out.write(f"\ncompute: {rate / 1e12:.3f} TFLOP/s ({dtype} matmul on {device}, {on})\n")
+    return {
+        "flops_per_s": rate,
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        **({"threads": threads} if threads else {}),
+    }

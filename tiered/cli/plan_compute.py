@@ -88,9 +88,17 @@ def _model_probe(
             "probe instead (or give --flops)"
         )
         return False
+    from tiered.planning.timing import compute_threads_beside_engine
+
     replaces = " (instead of the bench file's matmul rate)" if "flops" in bw else ""
     probe = probe_model_compute(
-        hf_config, micro_batch=args.micro_batch, seq_len=args.seq_len, dtype=dtype, device=device
+        hf_config,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        dtype=dtype,
+        device=device,
+        # [Note: compute beside the engine's threads]
+        threads=compute_threads_beside_engine() if device == "cpu" else None,
     )
     micro_batches = tokens / (args.micro_batch * args.seq_len)
     seconds = probe.step_seconds(checkpointing=checkpointing) * micro_batches
@@ -110,10 +118,16 @@ def _matmul_probe(bw: MutableMapping[str, float], notes: list[str], device: str,
     """The bench file's compute entry if it had one, else a timed matmul here."""
     if "flops" in bw:
         return
-    from tiered.planning.timing import probe_flops
+    from tiered.planning.timing import compute_threads_beside_engine, probe_flops
 
-    bw["flops"] = probe_flops(device, dtype)
+    threads = compute_threads_beside_engine() if device == "cpu" else None
+    bw["flops"] = probe_flops(device, dtype, threads=threads)
     notes.append(
         f"compute {bw['flops'] / 1e12:.3f} TFLOP/s: a {dtype} matmul timed on this machine's {device} "
-        "([Note: step time model]; --bandwidth FILE with a compute entry to give it)"
+        + (
+            f"with {threads} thread(s), one fewer than the run's ([Note: compute beside the engine's threads]) "
+            if threads
+            else ""
+        )
+        + "([Note: step time model]; --bandwidth FILE with a compute entry to give it)"
     )

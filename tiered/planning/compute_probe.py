@@ -17,7 +17,9 @@ runs once per micro-batch whatever the depth), so one pass gives both parts and 
 The pass is repeated (after one untimed warm-up) and the medians taken, for about `seconds`
 in all: a few seconds on a 2-core CPU at the 2B replica's shapes. On CUDA each hook
 synchronises, so the times are the device's. What it does not see: the engine's own work in the
-step (gathers, copies between tiers, hooks), which the link terms count, and a load that changes
+step (gathers, copies between tiers, hooks), which the link terms count on a GPU host and the
+one-thread-fewer timing stands in for on a CPU-only one ([Note: compute beside the engine's
+threads] in timing.py), and a load that changes
 between the probe and the run (a shared machine's: on two oversubscribed cores two torch threads
 ran 3-4x slower than one, and the probe, run with the plan's own thread count, cannot know the
 run's; benchmarks/RESULTS.md, 2026-12-04). A model whose one
@@ -133,9 +135,26 @@ def probe_model_compute(
     seconds: float = 2.0,
     max_passes: int = 5,
     warmups: int = 1,
+    threads: int | None = None,
 ) -> ModelCompute:
     """Time the one-layer model's forward + loss + backward ([Note: model compute probe]):
-    `warmups` untimed passes, then up to `max_passes` timed ones within about `seconds`."""
+    `warmups` untimed passes, then up to `max_passes` timed ones within about `seconds`; on a
+    CPU with `threads` intra-op threads (None: torch's; the plan passes
+    `compute_threads_beside_engine`, [Note: compute beside the engine's threads])."""
+    if threads is not None and not device.startswith("cuda"):
+        from tiered.planning.timing import intra_op_threads
+
+        with intra_op_threads(threads):
+            return probe_model_compute(
+                hf_config,
+                micro_batch=micro_batch,
+                seq_len=seq_len,
+                dtype=dtype,
+                device=device,
+                seconds=seconds,
+                max_passes=max_passes,
+                warmups=warmups,
+            )
     model = one_layer_model(hf_config, dtype, device)
     layer = decoder_layers(model)[0]
     vocab = int(hf_config.vocab_size)

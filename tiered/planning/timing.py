@@ -35,13 +35,30 @@ last writes' wait, and with the matmul probe, the compute's own inefficiency at 
 (attention, norms and the loss are not in 6 x params x tokens, and run below one large matmul's
 rate; the model probe measures them): benchmarks/RESULTS.md
 (issue 21) compares the prediction with benchmarks/step.py's measured s/step.
+
+[Note: compute beside the engine's threads]
+On a machine without a GPU the forward and backward run on the cores the engine's own threads
+use: the tier manager's I/O workers (O_DIRECT submission, copies into aligned buffers,
+checksums), the prefetches, the write-backs and the optimizer's stepper. torch's intra-op pool
+is as large as the cores, and an OpenMP-style pool waits at every barrier for its slowest
+thread, so one busy engine thread slows every kernel, not only its own share. Measured on
+benchmarks/step.py (2 cores, quiet machine, benchmarks/RESULTS.md 2026-12-05): plain PyTorch's
+forward + backward 0.43 s with 2 threads and 0.80 s with 1; the same model through the engine
+with 2 threads 0.65 s, and its matmul kernels alone as slow as plain PyTorch's whole forward.
+So on a CPU-only host both probes (the model's own layer and the matmul) time the compute with
+one thread fewer than the process has (`compute_threads_beside_engine`: the engine's threads
+take a core), at least one: on 2 cores that is the 1-thread figure, an over-estimate of the
+compute that stands in for the engine's CPU work in the forward and backward (gathers into the
+"gpu" tier, hooks, I/O submission), which no link term counts there; on many cores it costs a
+core's share. A GPU's compute is not affected: its probes are the device's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -78,7 +95,9 @@ def read_bandwidth(path: str | Path) -> tuple[dict[str, float], list[str]]:
     bw = dict(DEFAULT_BANDWIDTH)
     said: list[str] = []
     ok = [m for m in methods if m.get("status") == "ok" and m.get("read_gbps") and m.get("write_gbps")]
-    disk = next((m for m in ok if m.get("name") == "nvme"), None) or max(
+    # the engine's own nvme backend where the bench ran it (its name: "tiered backend: nvme"),
+    # else the fastest method (the O_DIRECT ceiling)
+    disk = next((m for m in ok if m.get("name") in ("nvme", "tiered backend: nvme")), None) or max(
         ok, key=lambda m: m["read_gbps"], default=None
     )
     if disk is not None:
@@ -108,10 +127,34 @@ def _gbps(b: float) -> str:
     return f"{b / 1e9:.1f} GB/s"
 
 
-def probe_flops(device: str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
+def compute_threads_beside_engine(threads: int | None = None) -> int:
+    """[Note: compute beside the engine's threads]: the intra-op threads a CPU-only host's compute
+    is timed with, of the process's `threads` (default torch's): one fewer, at least one."""
+    n = torch.get_num_threads() if threads is None else threads
+    return max(1, n - 1)
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[int]:
+    """torch's intra-op thread count set to `threads` (None: left alone) for the block, restored
+    after; yields the count in force."""
+    before = torch.get_num_threads()
+    if threads is not None and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def probe_flops(
+    device: str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 0.3, threads: int | None = None
+) -> float:
     """The device's matmul rate in FLOP/s: square products timed for about `seconds` (after one
     untimed warm-up), the rate the forward and backward's linear layers run at ([Note: step
-    time model]). A measurement, not a constant: it varies with the load on a shared machine."""
+    time model]); on a CPU with `threads` intra-op threads (None: torch's). A measurement, not a
+    constant: it varies with the load on a shared machine."""
     n = 1024 if device == "cpu" else 4096
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
@@ -120,16 +163,17 @@ def probe_flops(device: str = "cpu", dtype: torch.dtype = torch.float32, seconds
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    torch.mm(a, b)
-    sync()
-    done, t0 = 0, time.perf_counter()
-    while True:
+    with intra_op_threads(threads if device == "cpu" else None):
         torch.mm(a, b)
-        done += 1
         sync()
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds:
-            return 2.0 * n**3 * done / elapsed
+        done, t0 = 0, time.perf_counter()
+        while True:
+            torch.mm(a, b)
+            done += 1
+            sync()
+            elapsed = time.perf_counter() - t0
+            if elapsed >= seconds:
+                return 2.0 * n**3 * done / elapsed
 
 
 def training_flops(params: int, tokens: int, *, checkpointing: bool = False) -> float:
