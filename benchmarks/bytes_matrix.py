@@ -9,8 +9,10 @@ them within 1.05x in each setting.
 The model, data and JSON are step.py's (35.7M-parameter Llama, micro-batch 4 x 128, parameters and
 AdamW state on NVMe); `--accumulation` micro-batches make one step (step() after each, as
 DeepSpeed's loop calls it). read = nvme->cpu + nvme->gpu against the formula's disk->host, write =
-cpu->nvme + gpu->nvme against host->disk, both the mean of the steps after --warmup. Bytes only:
-the times of a run are step.py's business.
+cpu->nvme + gpu->nvme against host->disk, both the mean of the steps after --warmup; each step's
+write-backs are waited for before its counters are read (without it a step's window holds the
+previous step's late writes, +-8% with one measured step). Bytes only: the times of a run are
+step.py's business.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def run_matrix(
                 overlap=overlap,
                 precision=precision,
                 accumulation=accumulation,
+                settle_writes=True,  # a step's write-backs in its own window
             )
         finally:
             shutil.rmtree(folder, ignore_errors=True)

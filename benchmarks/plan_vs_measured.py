@@ -82,13 +82,15 @@ times, before = [], None
 with tiered.initialize(model, config) as engine:
     for i in range(steps):
         ids = torch.randint(0, hf.vocab_size, (batch, seq), generator=g)
-        if i == 1:
+        if i == 1:  # steps 2..: each window holds its own write-backs (waited for), not the last's
+            engine.optimizer.wait_writes()
             before = engine.stats()["tiers"]["links"]
         t0 = time.perf_counter()
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - t0)
+    engine.optimizer.wait_writes()
     st = engine.stats()
 links = st["tiers"]["links"]
 per = {k: (v["bytes"] - before.get(k, {}).get("bytes", 0)) / (steps - 1) for k, v in links.items()}

@@ -161,9 +161,12 @@ def run_tiered(
     verify: bool = True,
     precision: str = "fp32",
     accumulation: int = 1,
+    settle_writes: bool = False,
 ) -> dict[str, Any]:
     """`data` holds `accumulation` micro-batches per step: step() is called after each (DeepSpeed's
-    loop) and the optimizer steps at the last; a step's figures span all of them."""
+    loop) and the optimizer steps at the last; a step's figures span all of them. `settle_writes`
+    (for byte counts, not times): each step's write-backs are waited for before its link counters
+    are read, so they count in that step and not in the next one's window."""
     import tiered
 
     cfg = ds_json(nvme_dir, pipeline_read, precision, accumulation)
@@ -188,6 +191,8 @@ def run_tiered(
             _sync(device)
             times.append(time.perf_counter() - t0)
             losses.append(float(sum(step_losses)) / accumulation)
+            if settle_writes:
+                engine.optimizer.wait_writes()
             s1 = engine.stats()
             opt = s1["optimizer"]["last_step"]
             per_step.append(
