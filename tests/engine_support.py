@@ -391,3 +391,18 @@ def no_leftover_process_group() -> Iterator[None]:
     yield
     if not had and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def load_benchmark(filename: str, module_name: str) -> Any:
+    """A script of benchmarks/ imported as module `module_name` (registered in sys.modules, so
+    its dataclasses resolve), without putting benchmarks/ on the path."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / filename
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -3,29 +3,14 @@ NVMe bytes next to the formula (issue 22 item 2); bad options refused before any
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from engine_support import load_benchmark
 
 pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "bytes_matrix_bench", ROOT / "benchmarks" / "bytes_matrix.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bytes_matrix = _load()
+bytes_matrix = load_benchmark("bytes_matrix.py", "bytes_matrix_bench")
 
 
 @pytest.mark.slow  # ~25 s: two engines of step.py's 35.7M model

@@ -3,27 +3,15 @@ weights (not _model()'s initialisation) on the fine-tuning third of the text. No
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from engine_support import load_benchmark
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "state_format_bench", ROOT / "benchmarks" / "state_format.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("state_format.py", "state_format_bench")
 
 
 def test_the_fine_tune_starts_from_the_pretrained_weights_on_the_last_third() -> None:
