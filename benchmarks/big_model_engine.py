@@ -194,7 +194,7 @@ def time_compute(spec: dict[str, Any], repeats: int = 1, warmup: int = 1) -> dic
     return {
         "layer_fwd_bwd_s": c.layer_forward_s + c.layer_backward_s,
         "embed_head_fwd_bwd_s": c.rest_s,
-        "compute_s": c.step_seconds() * micro,
+        "compute_s": c.step_seconds(micro),
     }
 
 

@@ -141,20 +141,23 @@ def probe_model_compute(
     `warmups` untimed passes, then up to `max_passes` timed ones within about `seconds`; on a
     CPU with `threads` intra-op threads (None: torch's; the plan passes
     `compute_threads_beside_engine`, [Note: compute beside the engine's threads])."""
-    if threads is not None and not device.startswith("cuda"):
-        from tiered.planning.timing import intra_op_threads
+    from tiered.planning.timing import intra_op_threads
 
-        with intra_op_threads(threads):
-            return probe_model_compute(
-                hf_config,
-                micro_batch=micro_batch,
-                seq_len=seq_len,
-                dtype=dtype,
-                device=device,
-                seconds=seconds,
-                max_passes=max_passes,
-                warmups=warmups,
-            )
+    with intra_op_threads(None if device.startswith("cuda") else threads):
+        return _probe(hf_config, micro_batch, seq_len, dtype, device, seconds, max_passes, warmups)
+
+
+def _probe(
+    hf_config: Any,
+    micro_batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    device: str,
+    seconds: float,
+    max_passes: int,
+    warmups: int,
+) -> ModelCompute:
+    """`probe_model_compute`'s passes, at torch's thread count in force."""
     model = one_layer_model(hf_config, dtype, device)
     layer = decoder_layers(model)[0]
     vocab = int(hf_config.vocab_size)
