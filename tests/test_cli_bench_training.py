@@ -47,17 +47,33 @@ def _write(tmp_path: Path, cfg: dict[str, Any]) -> Path:
     return p
 
 
+OVERLAPPED = {"gradient_clipping": 0.0}  # clipping needs the global norm: the step would wait
+
+
 @pytest.mark.parametrize(
-    "label, zero, tiered_keys",
+    "label, zero, tiered_keys, top",
     [
-        ("params kept in cpu by max_in_cpu", {}, {}),
-        ("params on nvme too", {"offload_param": {"max_in_cpu": 0}}, {}),
-        ("gradients on nvme", {}, {"grad_tier": "nvme"}),
-        ("optimizer only", {"offload_param": {"device": "none"}}, {}),
+        ("params kept in cpu by max_in_cpu", {}, {}, {}),
+        ("params on nvme too", {"offload_param": {"max_in_cpu": 0}}, {}, {}),
+        ("gradients on nvme", {}, {"grad_tier": "nvme"}, {}),
+        ("optimizer only", {"offload_param": {"device": "none"}}, {}, {}),
+        (
+            "gradients on nvme, the step overlapped: consumed from memory",
+            {"offload_param": {"max_in_cpu": 0}},
+            {"grad_tier": "nvme", "overlap_step_with_backward": True},
+            OVERLAPPED,
+        ),
+        (
+            "2 micro-batches a step, gradients on nvme",
+            {"offload_param": {"max_in_cpu": 0}},
+            {"grad_tier": "nvme"},
+            {"gradient_accumulation_steps": 2},
+        ),
+        ("int8 moments, tiled", {"sub_group_size": 20000}, {"optimizer_state_format": "int8"}, {}),
     ],
 )
 def test_replayed_bytes_per_link_equal_a_real_runs(
-    tmp_path: Path, label: str, zero: dict[str, Any], tiered_keys: dict[str, Any]
+    tmp_path: Path, label: str, zero: dict[str, Any], tiered_keys: dict[str, Any], top: dict[str, Any]
 ) -> None:
     """The pattern comes from the engine's grouping and placement: each storage link moves the
     bytes a real step moves (mean of 3 steps, within 5%: a step's last write-backs land in the
@@ -65,6 +81,7 @@ def test_replayed_bytes_per_link_equal_a_real_runs(
     raw = _config(tmp_path, **zero)
     if tiered_keys:
         raw["tiered"] = tiered_keys
+    raw.update(top)
     (tmp_path / "offload").mkdir()
     source = resolve_model(TINY)
     model = build_model(source, meta=True)
@@ -80,6 +97,55 @@ def test_replayed_bytes_per_link_equal_a_real_runs(
         assert p is not None and p.gbps is not None and m.gbps is not None
         assert m.bytes_per_step == pytest.approx(p.bytes_per_step, rel=0.05), (label, m.link)
     assert list((tmp_path / "offload").iterdir()) == [], "the replay left swap files"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(
+    "homes",
+    [
+        {"param": "nvme", "max_in_cpu": 0, "grad_tier": "nvme"},
+        {"param": "nvme", "max_in_cpu": None, "grad_tier": "cpu"},
+        {"param": "none", "max_in_cpu": None, "grad_tier": "nvme"},
+    ],
+    ids=["all-on-nvme", "params-kept-in-cpu", "optimizer-and-grads-on-nvme"],
+)
+@pytest.mark.parametrize("state_format", ["fp32", "int8"])
+def test_replayed_pattern_moves_the_formulas_bytes(
+    tmp_path: Path, precision: str, accumulation: int, overlap: bool, homes: dict[str, Any], state_format: str
+) -> None:
+    """One model of bytes: the replayed pattern's storage bytes per step are [Note: bytes per
+    step]'s, what `tiered plan` and `stats()` hold the engine to, with accumulation, the step
+    overlapped (gradients consumed from memory), compressed moments in their tiles, kept
+    parameters and fp32 masters taken from the gathered copy."""
+    from tiered.planning.needs import predict
+    from tiered.planning.traffic import config_bytes_per_step, measured_per_step
+
+    raw = _config(tmp_path, offload_param={"device": homes["param"]})
+    if homes["max_in_cpu"] is not None:
+        raw["zero_optimization"]["offload_param"]["max_in_cpu"] = homes["max_in_cpu"]
+    raw["zero_optimization"]["sub_group_size"] = 30000
+    raw["gradient_accumulation_steps"] = accumulation
+    raw["gradient_clipping"] = 0.0
+    if precision == "bf16":
+        raw["bf16"] = {"enabled": True}
+    raw["tiered"] = {
+        "grad_tier": homes["grad_tier"],
+        "overlap_step_with_backward": overlap,
+        "optimizer_state_format": state_format,
+    }
+    model = build_model(resolve_model(TINY), meta=True)
+    cfg = load_config(raw, model=model)
+    pattern = derive_pattern(model, cfg, gpu_budget_bytes=None, gpu_is_host=True)
+    pred = predict(model, cfg, gpu_is_host=True, device_kind="cpu")
+    formula = config_bytes_per_step(pred, cfg, max_in_cpu_numel=cfg.zero.offload_param.max_in_cpu_numel)
+    replayed = measured_per_step(
+        {k: {"bytes": v} for k, v in pattern.predicted_bytes().items()}, pred.memory, 1
+    )
+    assert formula["disk->host"] > 0 and formula["host->disk"] > 0
+    assert (replayed["disk->host"], replayed["host->disk"]) == (formula["disk->host"], formula["host->disk"])
+    assert pattern.micro_batches == accumulation
 
 
 def test_pattern_follows_the_engines_grouping(tmp_path: Path) -> None:
@@ -326,8 +392,16 @@ def test_the_pattern_prefetches_the_next_forward_after_the_step_as_the_engine_do
     first = [p for p in roomy.partitions if p.phase == "forward"][0]
     one = pattern(stage3_prefetch_bucket_size=1)
     assert one.after_step_prefetch == {first.name}  # the group that crosses the bucket is included
-    tight = pattern(stage3_max_live_parameters=first.numel - 1)
-    assert tight.after_step_prefetch == frozenset()
+    # a live budget the largest module's gather just fits (the engine refuses a smaller one):
+    # the prefix of the forward that fits it, not the whole bucket
+    numel = {p.name: p.numel for p in roomy.partitions if p.phase == "forward"}
+    budget = max(numel.values())
+    tight = pattern(stage3_max_live_parameters=budget)
+    k = len(tight.after_step_prefetch)
+    assert 0 < k < len(forward) and tight.after_step_prefetch == frozenset(forward[:k])
+    assert (
+        sum(numel[n] for n in tight.after_step_prefetch) <= budget < sum(numel[n] for n in forward[: k + 1])
+    )
     raw = _config(
         tmp_path,
         offload_param={"max_in_cpu": 0},

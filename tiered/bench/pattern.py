@@ -4,27 +4,34 @@ is read and written per step, and how many are in flight at once.
 
 [Note: training I/O pattern]
 The partitions come from the functions the engine calls at initialize, not from a formula of our
-own: `plan_model_groups` (which parameters form which flat group, blocks capped by the budgets),
-`padded_numel` with the engine's `ALIGNMENT_NUMEL` (each group's shard), `choose_placement` (the
-home tier of parameters, gradients and optimizer state) and `plan_optimizer_placement` (which
-groups step on the CPU and where their state lives). What each partition does per step follows
-the engine's step (tiered/optim/offload.py, tiered/zero/group.py, tiered/zero/grad_home.py):
+own: the groups `tiered.planning.needs.groups_and_plans` plans (`plan_layout`, the ZeRO-3
+scheduler's planner, with the gpu tier's budget; the stand-ins `tiered plan` weighs),
+`plan_optimizer_placement` (which groups step on the CPU and where their state lives) and
+`state_partition_specs` (the state partitions `OptimGroup` creates: one per ``sub_group_size``
+tile, the moments at their encoded size). How often each is read and written per step is
+[Note: bytes per step]'s rule, from the same helpers (`kept_and_reread`,
+`masters_live_into_step`, `grads_consumed_from_memory`), so the replay moves exactly the
+bytes `tiered plan` predicts and `stats()` holds the engine to (tests/test_cli_bench_training.py
+holds the two equal over precision x accumulation x overlap x homes x state format):
 
 * optimizer state homed in a storage tier: master (unless the fp32 parameter partition is the
-  master), exp_avg and exp_avg_sq are read into the compute tier and written back once per step,
-  `offload_optimizer.buffer_count` groups read ahead, write-backs bounded by the same window;
-* a gradient homed in a storage tier: written once by the flush in backward (one group at a
-  time; the first flush after zeroing overwrites it, so it is not read first), read by the
-  optimizer;
-* parameters homed in a storage tier: read for the forward, again for the backward where the
-  live budget evicted them in between (the engine's reuse-distance and live-budget rules replayed
-  on the forward + reversed trace, `tiered.planning.traffic.backward_rereads`), and the new values written back by the
-  step, except the groups kept in "cpu" by
-  ``offload_param.max_in_cpu`` ([Note: max_in_cpu]), which move no storage bytes after their
-  first step. Two reads are not where the forward would make them: the step prefetches the next
-  forward's first groups, up to ``stage3_prefetch_bucket_size`` within the live budget, once it
-  wrote them (`ZeroParameters.params_updated`; not when the step overlaps backward), and the
-  state prefetch at the start of backward reads the first groups' fp32 masters (the parameter
+  master), exp_avg and exp_avg_sq, tile by tile, are read into the compute tier and written
+  back once per step, `offload_optimizer.buffer_count` units read ahead, write-backs bounded by
+  the same window;
+* a gradient homed in a storage tier: written by every micro-batch's flush in backward (one
+  group at a time; the first flush after zeroing overwrites it, so it is not read first; each
+  later one reads it to add), read by the optimizer; none of it where the step overlaps
+  backward and consumes each gradient from memory;
+* parameters homed in a storage tier: read for every micro-batch's forward, again for its
+  backward where the live budget evicted them in between (the engine's reuse-distance and
+  live-budget rules replayed on the forward + reversed trace,
+  `tiered.planning.traffic.backward_rereads`), frozen ones too, and the new values written
+  back by the step, except the groups kept in "cpu" by ``offload_param.max_in_cpu`` ([Note:
+  max_in_cpu]), which move no storage bytes after their first step. Two reads are not where
+  the forward would make them: the step prefetches the next forward's first groups, up to
+  ``stage3_prefetch_bucket_size`` within the live budget, once it wrote them
+  (`ZeroParameters.params_updated`; not when the step overlaps backward), and the state
+  prefetch at the start of backward reads the first groups' fp32 masters (the parameter
   itself) from their copies still live in "gpu", not from storage (`after_step_prefetch`,
   `live_into_step`).
 
@@ -41,8 +48,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -108,6 +114,9 @@ class TrainingPattern:
     """Parameter partitions the step prefetches into "gpu" for the next forward once it wrote
     them (`ZeroParameters.params_updated`): those reads happen at the end of the step, not in
     the forward, which then finds them resident."""
+    micro_batches: int = 1
+    """``gradient_accumulation_steps``: forward + backward passes per step; each partition's
+    `reads` / `writes` count all of them."""
 
     def predicted_bytes(self) -> dict[str, int]:
         """Bytes per step per link ("nvme->cpu", ...)."""
@@ -161,92 +170,86 @@ def derive_pattern(
     `gpu_budget_bytes` is the "gpu" tier's budget as the tier manager reports it (the engine caps
     blocks by it); `gpu_is_host` whether that tier is host memory (no CUDA)."""
     from tiered.engine.build import choose_placement
-    from tiered.optim.placement import kept_in_cpu, plan_optimizer_placement
-    from tiered.planning.traffic import backward_rereads
-    from tiered.shards import padded_numel
-    from tiered.zero.sharding import ALIGNMENT_NUMEL, plan_model_groups
+    from tiered.optim.arrivals import grads_consumed_from_memory
+    from tiered.optim.placement import master_is_param, optimizer_tile_numel, state_partition_specs
+    from tiered.optim.state_format import FORMATS
+    from tiered.planning.needs import groups_and_plans
+    from tiered.planning.traffic import (
+        kept_and_reread,
+        masters_live_into_step,
+        masters_prefetch_groups,
+        state_prefetch_groups,
+    )
 
     placement = choose_placement(cfg)
     dtype = placement.compute_dtype
-    planned = plan_model_groups(
-        model, cfg.zero, gpu_budget_bytes=gpu_budget_bytes, compute_dtype=dtype, world_size=1
-    )
-    shards = [padded_numel(pg.numel, 1, ALIGNMENT_NUMEL) for pg in planned]
+    groups, plans = groups_and_plans(model, cfg, gpu_budget_bytes=gpu_budget_bytes, gpu_is_host=gpu_is_host)
     storage = {placement.param_tier, placement.grad_tier, placement.optimizer_tier} - set(MEMORY_TIERS)
-    trainable = [i for i, pg in enumerate(planned) if pg.trainable]
-    # plan_optimizer_placement reads only shard_numel and param.home of each group
-    standins = [
-        SimpleNamespace(shard_numel=shards[i], param=SimpleNamespace(home=placement.param_tier))
-        for i in trainable
-    ]
-    plans = plan_optimizer_placement(
-        cast("Sequence[ShardGroup]", standins), cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host
-    )
-    kept = kept_in_cpu(
-        [shards[i] for i in trainable],
-        [placement.param_tier] * len(trainable),
+    trainable = [g for g in groups if g.trainable]
+    plan_of = {g.index: plan for g, plan in zip(trainable, plans, strict=True)}
+    kept, reread = kept_and_reread(
+        groups,
         plans,
-        cfg.zero.offload_param.max_in_cpu_numel,
+        max_in_cpu_numel=cfg.zero.offload_param.max_in_cpu_numel,
+        max_live_numel=cfg.zero.max_live_parameters_numel,
+        max_reuse_numel=cfg.zero.max_reuse_distance_numel,
     )
-    moving = [j for j in range(len(trainable)) if placement.param_tier in storage and j not in kept]
-    reread = backward_rereads(
-        [shards[trainable[j]] for j in moving],
-        [planned[trainable[j]].persistent for j in moving],
-        cfg.zero.max_live_parameters_numel,
-        cfg.zero.max_reuse_distance_numel,
-    )
-    prefetched = _after_step_prefetch(cfg, planned, shards)
-    state_prefetch = (
-        len(trainable)
-        if cfg.zero.offload_optimizer.pipeline_read
-        else min(len(trainable), max(1, int(cfg.zero.offload_optimizer.buffer_count)))
+    micro = max(1, int(cfg.gradient_accumulation_steps))
+    grads_in_memory = grads_consumed_from_memory(cfg)
+    fmt = FORMATS[cfg.tiered.optimizer_state_format]
+    tile = optimizer_tile_numel(cfg)
+    prefetched = _after_step_prefetch(cfg, groups)
+    state_prefetch = state_prefetch_groups(cfg, len(trainable))
+    live_masters = masters_live_into_step(
+        groups, plans, dtype, kept, reread, masters_prefetch_groups(cfg, len(trainable)), storage
     )
     live_into_step: set[str] = set()
     after_step: set[str] = set()
     parts: list[PartitionIO] = []
     notes: list[str] = []
     fp32 = torch.float32
-    for j, (i, plan) in enumerate(zip(trainable, plans, strict=True)):
-        name, n = f"g{i:04d}", shards[i]
-        alias = dtype == fp32 and plan.side == "cpu" and placement.param_tier == plan.state_home
-        if plan.state_home in storage and plan.state_home != plan.compute_tier:
-            states = ("exp_avg", "exp_avg_sq") if alias else ("master", "exp_avg", "exp_avg_sq")
-            for s in states:
-                parts.append(
-                    PartitionIO(f"{name}.{s}", n, fp32, plan.state_home, plan.compute_tier, "step", 1, 1)
-                )
-        if placement.grad_tier in storage:
-            # one backward per step: its flush overwrites the zeroed gradient (allocated, not read)
-            parts.append(PartitionIO(f"{name}.grad", n, fp32, placement.grad_tier, "cpu", "backward", 0, 1))
-            parts.append(PartitionIO(f"{name}.grad", n, fp32, placement.grad_tier, "cpu", "step", 1, 0))
-        if placement.param_tier in storage and j not in kept:
-            parts.append(PartitionIO(f"{name}.param", n, dtype, placement.param_tier, "gpu", "forward", 1, 0))
-            if i in prefetched:
+    for g in groups:
+        name, n, home = g.name, g.shard_numel, g.param.home
+        plan = plan_of.get(g.index)
+        alias = plan is not None and master_is_param(g, plan, dtype)
+        if plan is not None and plan.state_home in storage and plan.state_home != plan.compute_tier:
+            # the partitions OptimGroup creates, tile by tile, the moments at their encoded size
+            for sname, numel, sdtype, shome in state_partition_specs(g, plan, dtype, tile, fmt):
+                parts.append(PartitionIO(sname, numel, sdtype, shome, plan.compute_tier, "step", 1, 1))
+        if plan is not None and g.grad is not None and g.grad.home in storage and not grads_in_memory:
+            # every micro-batch's flush writes it; the first after zeroing overwrites it (allocated,
+            # not read), each later one adds to it (read first); the step reads the sum
+            grad_stage = plan.compute_tier if plan.side == "cpu" else "gpu"
+            parts.append(
+                PartitionIO(f"{name}.grad", n, fp32, g.grad.home, "cpu", "backward", micro - 1, micro)
+            )
+            parts.append(PartitionIO(f"{name}.grad", n, fp32, g.grad.home, grad_stage, "step", 1, 0))
+        if home not in storage:
+            continue
+        if not g.persistent and g.index not in kept:  # a kept group's gathers read its cpu copy
+            parts.append(PartitionIO(f"{name}.param", n, dtype, home, "gpu", "forward", micro, 0))
+            if g.index in prefetched:
                 after_step.add(f"{name}.param")
-            if moving.index(j) in reread:
-                parts.append(
-                    PartitionIO(f"{name}.param", n, dtype, placement.param_tier, "gpu", "backward", 1, 0)
-                )
-            elif alias and j < state_prefetch and not planned[i].persistent:
+            if g.index in reread:
+                parts.append(PartitionIO(f"{name}.param", n, dtype, home, "gpu", "backward", micro, 0))
+            elif g.index in live_masters:
                 # still live in "gpu" when backward begins and the step's state prefetch reads the
                 # master (the parameter itself): from that copy, not from storage
                 live_into_step.add(f"{name}.param")
+        if plan is not None and plan.side == "cpu" and g.index not in kept:
             # the step writes the new values back; where the parameter is the master it reads it too
             stage = plan.compute_tier if alias else plan.stage_tier
-            parts.append(
-                PartitionIO(f"{name}.param", n, dtype, placement.param_tier, stage, "step", int(alias), 1)
-            )
-    frozen = len(planned) - len(trainable)
-    if frozen and placement.param_tier in storage:
-        notes.append(f"{frozen} frozen groups: their parameter reads are not replayed")
+            parts.append(PartitionIO(f"{name}.param", n, dtype, home, stage, "step", int(alias), 1))
     if kept and placement.param_tier in storage:
         notes.append(
             f"{len(kept)} of {len(trainable)} parameter groups stay in cpu (offload_param.max_in_cpu): "
             "no storage I/O after the first step"
         )
+    if grads_in_memory and placement.grad_tier in storage:
+        notes.append("the step overlaps backward: gradients are consumed from memory, none reach storage")
     return TrainingPattern(
         model_params=sum(p.numel() for p in model.parameters()),
-        groups=len(planned),
+        groups=len(groups),
         placement=placement.describe(cfg),
         partitions=tuple(parts),
         buffer_count=max(1, int(cfg.zero.offload_optimizer.buffer_count)),
@@ -256,10 +259,11 @@ def derive_pattern(
         prefetch_groups=state_prefetch,
         live_into_step=frozenset(live_into_step),
         after_step_prefetch=frozenset(after_step),
+        micro_batches=micro,
     )
 
 
-def _after_step_prefetch(cfg: TieredConfig, planned: Sequence[Any], shards: list[int]) -> set[int]:
+def _after_step_prefetch(cfg: TieredConfig, groups: Sequence[ShardGroup]) -> set[int]:
     """The groups (by index) the engine prefetches after a step for the next forward: the first
     ones of the forward until ``prefetch_bucket_size`` elements are covered (the trace's
     `upcoming`), as long as they fit the live budget (persistent groups do not count in it).
@@ -270,13 +274,13 @@ def _after_step_prefetch(cfg: TieredConfig, planned: Sequence[Any], shards: list
         return set()
     out: set[int] = set()
     total = live = 0
-    for i, pg in enumerate(planned):  # forward order: the groups are planned in module order
+    for g in groups:  # forward order: the groups are planned in module order
         if total >= cfg.zero.prefetch_bucket_size_numel:
             break
-        if not pg.persistent:
-            if live + shards[i] > cfg.zero.max_live_parameters_numel:
+        if not g.persistent:
+            if live + g.shard_numel > cfg.zero.max_live_parameters_numel:
                 break
-            live += shards[i]
-        out.add(i)
-        total += shards[i]
+            live += g.shard_numel
+        out.add(g.index)
+        total += g.shard_numel
     return out

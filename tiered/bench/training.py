@@ -297,6 +297,18 @@ def link_figures(
     return tuple(out)
 
 
+def _pipeline_units(moves: list[PartitionIO]) -> list[list[PartitionIO]]:
+    """The step's moves in the units its pipeline takes them: one tile of a group's state
+    (``g0003.exp_avg.t0001`` with ``g0003.exp_avg_sq.t0001``, ...), the group's gradient and
+    parameter as one more ([Note: sub-group pipeline]); in order of first appearance."""
+    units: dict[str, list[PartitionIO]] = {}
+    for p in moves:
+        parts = p.name.split(".")
+        key = parts[0] + ("." + parts[2] if len(parts) > 2 else "")
+        units.setdefault(key, []).append(p)
+    return list(units.values())
+
+
 class _Replay:
     """The partitions of a pattern in a TierManager, moved as one training step moves them."""
 
@@ -329,20 +341,24 @@ class _Replay:
         return [p for p in self.pattern.partitions if p.phase == phase]
 
     def step(self) -> None:
-        half = self.compute_s / 2  # forward ~ 1/3, backward ~ 2/3 of the FLOPs; the split hardly matters
-        self._pass(self._phase("forward"), half)
+        micro = self.pattern.micro_batches
+        # forward ~ 1/3, backward ~ 2/3 of the FLOPs; the split hardly matters
+        half = self.compute_s / 2 / micro
         backward = self._phase("backward")
-        self._prefetch_states()  # as the engine does when backward begins
-        self._pass([p for p in reversed(backward) if p.stage == "gpu"], half)
-        for p in reversed(backward):  # staged gradients: one group at a time, written back
-            if p.stage != "gpu":
-                part = self.parts[p.name]
-                # the first flush after zeroing overwrites all of it: allocated, not read
-                # ([Note: gradients on nvme]); a read-add-write only where the pattern reads it
-                (self.tm.fetch(part, p.stage) if p.reads else self.tm.allocate(part, p.stage)).result()
-                self.tm.mark_dirty(part, p.stage)
-                self.tm.release(part, p.stage)
-                self.tm.evict(part, p.stage).result()
+        for m in range(micro):
+            self._pass(self._phase("forward"), half)
+            if m == micro - 1:
+                self._prefetch_states()  # as the engine does when the step's backward begins
+            self._pass([p for p in reversed(backward) if p.stage == "gpu"], half)
+            for p in reversed(backward):  # staged gradients: one group at a time, written back
+                if p.stage != "gpu":
+                    part = self.parts[p.name]
+                    # the first flush after zeroing overwrites all of it: allocated, not read
+                    # ([Note: gradients on nvme]); each later micro-batch's adds to it: read first
+                    (self.tm.fetch(part, p.stage) if m else self.tm.allocate(part, p.stage)).result()
+                    self.tm.mark_dirty(part, p.stage)
+                    self.tm.release(part, p.stage)
+                    self.tm.evict(part, p.stage).result()
         self._optimizer(self._phase("step"))
         self._prefetch_next_forward()
 
@@ -359,10 +375,7 @@ class _Replay:
             f.result()
 
     def _step_groups(self) -> list[list[PartitionIO]]:
-        by_group: dict[str, list[PartitionIO]] = {}
-        for p in self._phase("step"):
-            by_group.setdefault(p.name.split(".")[0], []).append(p)
-        return list(by_group.values())
+        return _pipeline_units(self._phase("step"))
 
     def _prefetch_states(self) -> None:
         """The first groups' optimizer-state reads start with backward (unpinned), as
@@ -400,10 +413,7 @@ class _Replay:
         """The sub-group pipeline: buffer_count groups read ahead, then each group's write-backs;
         the window counts the write-backs in flight too ([Note: sub-group pipeline])."""
         tm = self.tm
-        by_group: dict[str, list[PartitionIO]] = {}
-        for p in moves:
-            by_group.setdefault(p.name.split(".")[0], []).append(p)
-        groups = list(by_group.values())
+        groups = _pipeline_units(moves)
         reads: dict[int, list[Any]] = {}
         pending: deque[list[Any]] = deque()
         window = self.pattern.buffer_count

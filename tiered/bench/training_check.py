@@ -164,13 +164,18 @@ def _real_step(engine: Any, model: nn.Module, cfg: TieredConfig, seq_len: int, s
     compute between the moves])."""
     import time
 
-    batch = random_batch(model, cfg, seq_len, seed=seed)
+    micro = max(1, int(cfg.gradient_accumulation_steps))
     before = engine.stats()["tiers"]
     t0 = time.perf_counter()
-    loss = engine(**batch).loss
-    engine.backward(loss)
-    t1 = time.perf_counter()
-    mid = engine.stats()["tiers"]
+    compute_s = 0.0
+    for m in range(micro):  # one optimizer step: the engine steps at the last micro-batch
+        batch = random_batch(model, cfg, seq_len, seed=seed * micro + m)
+        stall0, c0 = engine.stats()["tiers"]["stall_s"], time.perf_counter()
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        compute_s += max(0.0, (time.perf_counter() - c0) - (engine.stats()["tiers"]["stall_s"] - stall0))
+        if m < micro - 1:
+            engine.step()
     engine.step()
     # the moves the step started land in this step's window, not in the next step's (or in the
     # replayed step that follows, where no real figure counts them and they compete with its
@@ -181,7 +186,7 @@ def _real_step(engine: Any, model: nn.Module, cfg: TieredConfig, seq_len: int, s
     engine.zero.wait_prefetches()
     dt = time.perf_counter() - t0
     delta = _delta(before["links"], engine.stats()["tiers"]["links"])
-    return _StepSample(delta, dt, max(0.0, (t1 - t0) - (mid["stall_s"] - before["stall_s"])))
+    return _StepSample(delta, dt, compute_s)
 
 
 def _real_run(

@@ -33,7 +33,7 @@ from tiered.optim.offload import OffloadedAdam
 from tiered.optim.placement import plan_optimizer_placement, tier_is_host
 from tiered.optim.schedulers import build_scheduler
 from tiered.planning.needs import host_extra, is_peft_model, tier_memory
-from tiered.planning.traffic import bytes_per_step
+from tiered.planning.traffic import bytes_per_step, masters_prefetch_groups
 from tiered.zero import ZeroParameters
 
 log = logging.getLogger(__name__)
@@ -244,6 +244,7 @@ def _build(
             grads_from_memory=grads_consumed_from_memory(cfg),
             max_live_numel=cfg.zero.max_live_parameters_numel,
             max_reuse_numel=cfg.zero.max_reuse_distance_numel,
+            state_prefetch_groups=masters_prefetch_groups(cfg, len(plans)),
         )
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
         extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}

@@ -458,6 +458,18 @@ def predict(
     )
 
 
+def groups_and_plans(
+    model: nn.Module, cfg: TieredConfig, *, gpu_budget_bytes: int | None, gpu_is_host: bool
+) -> tuple[list[ShardGroup], list[GroupPlan]]:
+    """One rank's groups (stand-ins, as `predict` plans them) with the gpu tier's budget as the
+    tier manager reports it, and the optimizer's plan of each trainable one: what the bench's
+    replayed pattern is built from ([Note: training I/O pattern])."""
+    placement = choose_placement(cfg)
+    _, groups = _planned_groups(model, cfg, placement, gpu_budget_bytes, 1)
+    trainable = [g for g in groups if g.trainable]
+    return groups, plan_optimizer_placement(trainable, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
+
+
 def _planned_groups(
     model: nn.Module, cfg: TieredConfig, placement: Placement, gpu_budget: int | None, world_size: int
 ) -> tuple[GroupLayout, list[ShardGroup]]:

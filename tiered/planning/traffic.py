@@ -9,7 +9,9 @@ a disk home per element (12 B: master, exp_avg, exp_avg_sq; in fp32, where [Note
 is the parameter] makes the parameter the master, 8 B written, the master going home as the new
 parameter below, but still 12 B read: the forward's copy of the parameter is not kept until
 the step, so the step reads it again, except for the groups kept in cpu by ``max_in_cpu``,
-whose master is already there; with a compressed
+whose master is already there, and for the first groups the step's state prefetch takes the
+master from the copy still gathered in "gpu" (`masters_live_into_step`: a device->host copy);
+with a compressed
 ``tiered.optimizer_state_format`` the moments count at their encoded size, 2 + 2 B in bf16 and
 2 x (1 + 4/256) B in int8, [Note: compressed optimizer state]). Links are named by the memory at
 their ends: ``disk->host``, ``host->disk``, ``host->device``, ``device->host`` (disk is any
@@ -76,6 +78,7 @@ def bytes_per_step(
     max_live_numel: int | None = None,
     max_reuse_numel: int | None = None,
     gathers: bool = True,
+    state_prefetch_groups: int = 0,
 ) -> dict[str, int]:
     """The floor of [Note: bytes per step] per link; `memory` maps tier -> "device"/"host"/"disk";
     `state_format` the moments' ([Note: compressed optimizer state]); `grads_from_memory`: the
@@ -83,28 +86,26 @@ def bytes_per_step(
     `max_live_numel` / `max_reuse_numel`: ``stage3_max_live_parameters`` /
     ``stage3_max_reuse_distance``, which decide the backward's re-reads (None: unbounded);
     `gathers` False leaves out the parameter gathers (what the optimizer step alone moves:
-    [Note: step time model])."""
+    [Note: step time model]); `state_prefetch_groups`: the first groups whose fp32 master the
+    step may take from the copy still gathered (`masters_prefetch_groups`)."""
     fmt = FORMATS[state_format]
     p = torch.empty(0, dtype=compute_dtype).element_size()
     a = max(1, accumulation)
     out = dict.fromkeys(LINKS, 0)
     trainable = [g for g in groups if g.trainable]
-    kept = {
-        trainable[j].index
-        for j in kept_in_cpu(
-            [g.shard_numel for g in trainable], [g.param.home for g in trainable], plans, max_in_cpu_numel
-        )
+    kept, reread = kept_and_reread(
+        groups,
+        plans,
+        max_in_cpu_numel=max_in_cpu_numel,
+        max_live_numel=max_live_numel,
+        max_reuse_numel=max_reuse_numel,
+    )
+    disk = {t for t, m in memory.items() if m == "disk"} | {
+        g.param.home for g in groups if g.param.home not in memory
     }
-    gathered = [g for g in groups if not g.persistent and g.param.home != "gpu"]
-    reread = {
-        gathered[j].index
-        for j in backward_rereads(
-            [g.shard_numel for g in gathered],
-            [False] * len(gathered),
-            max_live_numel if max_live_numel is not None else sum(g.shard_numel for g in gathered),
-            max_reuse_numel if max_reuse_numel is not None else sum(g.shard_numel for g in gathered),
-        )
-    }
+    live_masters = masters_live_into_step(
+        groups, plans, compute_dtype, kept, reread, state_prefetch_groups, disk
+    )
 
     def move(src: str, dst: str, n: int) -> None:
         s, d = memory.get(src, "disk"), memory.get(dst, "disk")
@@ -145,8 +146,12 @@ def bytes_per_step(
             move(grad_home, plan.compute_tier, n * 4)
         moments = fmt.moment_bytes(n)
         if master_is_param(g, plan, compute_dtype):
-            # the master is read back unless kept in cpu; written once, as the parameter (below)
-            move(plan.state_home, plan.compute_tier, moments + (0 if g.index in kept else 4 * n))
+            # the master is read back unless kept in cpu (or still gathered when the state
+            # prefetch takes it); written once, as the parameter (below)
+            if g.index in live_masters:
+                move("gpu", plan.compute_tier, 4 * n)
+            master = 0 if g.index in kept or g.index in live_masters else 4 * n
+            move(plan.state_home, plan.compute_tier, moments + master)
             move(plan.compute_tier, plan.state_home, moments)
         else:
             move(plan.state_home, plan.compute_tier, moments + 4 * n)
@@ -154,6 +159,85 @@ def bytes_per_step(
         if g.index not in kept:
             move(plan.stage_tier, g.param.home, n * p)
     return out
+
+
+def kept_and_reread(
+    groups: Sequence[ShardGroup],
+    plans: Sequence[GroupPlan],
+    *,
+    max_in_cpu_numel: int,
+    max_live_numel: int | None,
+    max_reuse_numel: int | None,
+) -> tuple[set[int], set[int]]:
+    """(kept, reread): the indices of the trainable groups whose new parameters ``max_in_cpu``
+    keeps in cpu, and of the gathered groups the backward reads a second time (`backward_rereads`
+    over every non-persistent group not homed on the GPU; None: unbounded). The one answer
+    [Note: bytes per step] and the bench's replayed pattern ([Note: training I/O pattern]) use."""
+    trainable = [g for g in groups if g.trainable]
+    kept = {
+        trainable[j].index
+        for j in kept_in_cpu(
+            [g.shard_numel for g in trainable], [g.param.home for g in trainable], plans, max_in_cpu_numel
+        )
+    }
+    gathered = [g for g in groups if not g.persistent and g.param.home != "gpu"]
+    every = sum(g.shard_numel for g in gathered)
+    reread = {
+        gathered[j].index
+        for j in backward_rereads(
+            [g.shard_numel for g in gathered],
+            [False] * len(gathered),
+            max_live_numel if max_live_numel is not None else every,
+            max_reuse_numel if max_reuse_numel is not None else every,
+        )
+    }
+    return kept, reread
+
+
+def state_prefetch_groups(cfg: TieredConfig, trainable_groups: int) -> int:
+    """The groups whose optimizer state `OffloadedAdam.prefetch_states` starts reading when the
+    step's backward begins: ``buffer_count`` of them, every one with ``pipeline_read``."""
+    if cfg.zero.offload_optimizer.pipeline_read:
+        return trainable_groups
+    return min(trainable_groups, max(1, int(cfg.zero.offload_optimizer.buffer_count)))
+
+
+def masters_prefetch_groups(cfg: TieredConfig, trainable_groups: int) -> int:
+    """How many of the first trainable groups may have their fp32 master taken from the copy
+    still gathered when the step's backward begins (`masters_live_into_step`): the state
+    prefetch's (`state_prefetch_groups`), none where the step overlaps backward (each group's
+    state is read as its gradients arrive, after its gathered copy was released; measured:
+    tests/test_bytes_per_step.py)."""
+    from tiered.optim.arrivals import overlap_step_applies
+
+    return 0 if overlap_step_applies(cfg) else state_prefetch_groups(cfg, trainable_groups)
+
+
+def masters_live_into_step(
+    groups: Sequence[ShardGroup],
+    plans: Sequence[GroupPlan],
+    compute_dtype: torch.dtype,
+    kept: set[int],
+    reread: set[int],
+    prefetch_groups: int,
+    disk_tiers: set[str],
+) -> set[int]:
+    """The groups whose fp32 master (the parameter itself, [Note: fp32 master is the parameter])
+    the state prefetch at the start of the step's backward takes from the copy still gathered in
+    "gpu" rather than from its disk home: among the first `prefetch_groups` trainable ones,
+    gathered from disk (not persistent, not kept in cpu) and not released before their backward
+    use (not re-read). [Note: bytes per step] and the bench's replay both count them so."""
+    trainable = [g for g in groups if g.trainable]
+    return {
+        g.index
+        for j, (g, plan) in enumerate(zip(trainable, plans, strict=True))
+        if j < prefetch_groups
+        and master_is_param(g, plan, compute_dtype)
+        and not g.persistent
+        and g.param.home in disk_tiers
+        and g.index not in kept
+        and g.index not in reread
+    }
 
 
 def config_bytes_per_step(
@@ -175,6 +259,7 @@ def config_bytes_per_step(
         max_live_numel=cfg.zero.max_live_parameters_numel,
         max_reuse_numel=cfg.zero.max_reuse_distance_numel,
         gathers=gathers,
+        state_prefetch_groups=masters_prefetch_groups(cfg, len(pred.plans)),
     )
 
 
