@@ -94,7 +94,7 @@ try:  # Linux: reset the high-water mark, so the steps' own peak is seen apart f
 except OSError:
     pass
 g = torch.Generator().manual_seed(1)
-times, cpu_s, losses, before = [], [], [], None
+times, cpu_s, phases, losses, before = [], [], [], [], None
 try:
     vocab = engine.module.config.vocab_size
     for i in range(spec["steps"]):
@@ -103,9 +103,12 @@ try:
             before = engine.stats()["tiers"]["links"]
         t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         loss = engine(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
         engine.backward(loss)
+        t2 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+        phases.append({"forward": t1 - t0, "backward": t2 - t1, "step": t0 + times[-1] - t2})
         c1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu_s.append(c1.ru_utime - c0.ru_utime + c1.ru_stime - c0.ru_stime)
         losses.append(float(loss))
@@ -121,7 +124,7 @@ meas = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "nvme_read": sum(v for k, v in per.items() if k.startswith("nvme->")),
         "nvme_write": sum(v for k, v in per.items() if k.endswith("->nvme")),
         "s_per_step": sorted(times[1:])[len(times[1:]) // 2], "steps_s": times, "losses": losses,
-        "cpu_s_per_step": cpu_s, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_s_per_step": cpu_s, "phases_s": phases, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "formula": st["bytes_per_step"]["formula"], "host_memory": st.get("host_memory"), "load_s": load_s,
         "load_peak_rss": load_peak, "steps_peak_rss": vm_hwm(), "optimizer": st.get("optimizer"),
         "tier_counters": {k: v for k, v in st["tiers"].items() if k not in ("links", "tiers")}}
@@ -274,6 +277,11 @@ def report(r: dict[str, Any]) -> str:
     if m.get("cpu_s_per_step"):  # the process's CPU seconds (user + system) per step, all threads
         lines.append(
             f"CPU seconds per step {', '.join(f'{c:.1f}' for c in m['cpu_s_per_step'])} on {m['cores']} cores"
+        )
+    if m.get("phases_s"):  # engine(...) / engine.backward / engine.step, per step
+        lines.append(
+            "forward / backward / step s: "
+            + "; ".join(f"{p['forward']:.1f} / {p['backward']:.1f} / {p['step']:.1f}" for p in m["phases_s"])
         )
     return "\n".join(lines)
 

@@ -33,9 +33,9 @@ from tiered.planning.needs import predict  # noqa: E402
 from tiered.planning.timing import (  # noqa: E402
     DEFAULT_BANDWIDTH,
     compute_threads_beside_engine,
+    config_seconds_per_step,
     probe_flops,
     read_bandwidth,
-    seconds_per_step,
     step_runs_alone,
     training_flops,
 )
@@ -86,16 +86,15 @@ def main() -> int:
         cfg = load_config(config, model=model)
         pred = predict(model, cfg, gpu_is_host=True, device_kind="cpu")
     mic = cfg.zero.offload_param.max_in_cpu_numel
-    traffic = config_bytes_per_step(pred, cfg, max_in_cpu_numel=mic)
+    predicted, traffic = config_seconds_per_step(
+        pred, cfg, bw, max_in_cpu_numel=mic, compute_flops=flops, shared_cores=True
+    )
     reads = config_bytes_per_step(pred, cfg, max_in_cpu_numel=mic, gathers=False)["disk->host"]
     step_reads = reads if step_runs_alone(cfg) else 0
     adam = sum(
         g.shard_numel
         for g, p in zip([g for g in pred.groups if g.trainable], pred.plans, strict=True)
         if p.side == "cpu"
-    )
-    predicted = seconds_per_step(
-        traffic, adam, bw, compute_flops=flops, shared_cores=True, step_disk_reads=step_reads
     )
     io = traffic["disk->host"] / bw["disk_read"] + traffic["host->disk"] / bw["disk_write"]
     out = {

@@ -14,7 +14,7 @@ from engine_support import small_llama_config
 
 import tiered
 from tiered.planning.search import Memories, Pinned, search, weigh
-from tiered.planning.timing import DEFAULT_BANDWIDTH, seconds_per_step, training_flops
+from tiered.planning.timing import DEFAULT_BANDWIDTH, forward_fraction, seconds_per_step, training_flops
 
 transformers = pytest.importorskip("transformers")
 
@@ -172,6 +172,56 @@ def test_a_step_that_runs_after_backward_adds_its_state_reads() -> None:
     overlapped = seconds_per_step(traffic, 0, bw, compute_flops=2e9)
     alone = seconds_per_step(traffic, 0, bw, compute_flops=2e9, step_disk_reads=10**9)
     assert overlapped == pytest.approx(2.0) and alone == pytest.approx(3.0)
+
+
+def test_an_overlapped_step_moves_its_state_only_in_backward() -> None:
+    """[Note: the overlapped step's two phases]: the forward overlaps the parameter gathers, not
+    the optimizer state's I/O, which waits for backward's gradients; with buffer_count 1 each
+    tile's Adam sits between its read and its write."""
+    bw = {**DEFAULT_BANDWIDTH, "flops": 1e9, "disk_read": 1e9, "disk_write": 1e9, "cpu_adam": 1e9}
+    traffic = {"disk->host": 9 * 10**9, "host->disk": 0, "host->device": 0, "device->host": 0}
+    flops = 3e9  # 1 s of forward, 2 s of backward
+    single_max = seconds_per_step(traffic, 0, bw, compute_flops=flops)
+    assert single_max == pytest.approx(9.0)
+    two = seconds_per_step(
+        traffic, 0, bw, compute_flops=flops, state_in_backward=True, gather_disk_reads=10**8
+    )
+    assert two == pytest.approx(1.0 + 8.9)  # the forward's compute, then the rest of the I/O
+    io_bound_forward = seconds_per_step(
+        traffic, 0, bw, compute_flops=flops, state_in_backward=True, gather_disk_reads=2 * 10**9
+    )
+    assert io_bound_forward == pytest.approx(2.0 + 7.0)
+    adam = 10**9  # 1 s
+    kw = {"compute_flops": flops, "state_in_backward": True, "gather_disk_reads": 10**8}
+    assert seconds_per_step(traffic, adam, bw, **kw) == pytest.approx(1.0 + 8.9)
+    assert seconds_per_step(traffic, adam, bw, adam_in_io_chain=True, **kw) == pytest.approx(1.0 + 9.9)
+    # compute-bound: the two phases add up to the whole compute (+ the Adam on shared cores)
+    slow = {**bw, "flops": 1e8}
+    assert seconds_per_step(traffic, adam, slow, shared_cores=True, **kw) == pytest.approx(30.0 + 1.0)
+    assert forward_fraction() == pytest.approx(1 / 3)
+    assert forward_fraction(checkpointing=True) == pytest.approx(1 / 4)
+    assert forward_fraction(accumulation=2) == pytest.approx(1 - (2 / 3) / 2)
+
+
+def test_the_search_weighs_the_overlapped_steps_phases_and_the_chained_adam(tmp_path: Path) -> None:
+    """An I/O-bound overlapped step: buffer_count 1 costs its Adam on top of the I/O, 2 hides it,
+    and the forward's compute is added; the step's figure is what seconds_per_step says of the
+    candidate's own traffic."""
+    model = _meta()
+    mem = Memories(gpu=8 * 2**30, cpu=8 * 2**30, nvme=2**40)
+    bw = {**DEFAULT_BANDWIDTH, "flops": 1e12, "disk_read": 1e8, "disk_write": 1e8, "cpu_adam": 1e9}
+    kw = {"nvme_path": str(tmp_path), "bandwidth": bw, "device_kind": "cuda", "compute_flops": 3e6}
+    knobs = {**ALL_NVME, "sub_group_size": 1_000_000, "overlap_step": True, "max_in_cpu": 0}
+    one = weigh(model, {**knobs, "buffer_count": 1}, mem, **kw)
+    two = weigh(model, {**knobs, "buffer_count": 2}, mem, **kw)
+    assert one.config["tiered"]["overlap_step_with_backward"] is True
+    adam = sum(g.shard_numel for g in one.prediction.groups if g.trainable) / bw["cpu_adam"]
+    assert one.seconds_per_step == pytest.approx(two.seconds_per_step + adam)
+    # the search keeps the parameters in cpu (max_in_cpu from the room): no gather reads, so the
+    # forward's compute comes before all of the disk I/O
+    assert two.traffic["disk->host"] > 0 and two.knobs["max_in_cpu"] > 0
+    disk = two.traffic["disk->host"] / 1e8 + two.traffic["host->disk"] / 1e8
+    assert adam > 0 and two.seconds_per_step == pytest.approx(disk + 3e6 / 1e12 / 3, rel=1e-9)
 
 
 def test_plan_cli_counts_compute_with_tokens_and_a_flop_rate(capsys: pytest.CaptureFixture[str]) -> None:

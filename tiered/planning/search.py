@@ -81,8 +81,7 @@ from torch import nn
 from tiered.errors import CapacityError, ConfigError
 from tiered.planning.candidate import candidate_config, overlap_applies
 from tiered.planning.needs import Prediction, live_extra_bytes, predict
-from tiered.planning.timing import DEFAULT_BANDWIDTH, seconds_per_step, step_runs_alone, training_flops
-from tiered.planning.traffic import config_bytes_per_step
+from tiered.planning.timing import DEFAULT_BANDWIDTH, config_seconds_per_step, training_flops
 from tiered.units import format_bytes
 
 if TYPE_CHECKING:
@@ -304,6 +303,7 @@ def _weigh_at(
     base: Mapping[str, Any] | None = None,
     device_kind: str = "cuda",
     compute_flops: float = 0.0,
+    checkpointing: bool = False,
 ) -> Candidate:
     """One config: predicted by the engine's memory model, fit-checked, timed ([Note: config search]).
     `device_kind` ("cuda", "cpu") is the machine's that will run it: the process baseline's
@@ -354,25 +354,14 @@ def _weigh_at(
     budgets["cpu"] = cpu_budget
     config = candidate_config(knobs, budgets=budgets, **opts)
     knobs["max_live_parameters"] = cfg.zero.max_live_parameters_numel  # the value in force, shown
-    traffic = config_bytes_per_step(pred, cfg, max_in_cpu_numel=knobs["max_in_cpu"])
-    alone = step_runs_alone(cfg)
-    step_reads = (
-        config_bytes_per_step(pred, cfg, max_in_cpu_numel=knobs["max_in_cpu"], gathers=False)["disk->host"]
-        if alone
-        else 0
-    )
-    adam = sum(
-        g.shard_numel
-        for g, p in zip([g for g in pred.groups if g.trainable], pred.plans, strict=True)
-        if p.side == "cpu"
-    )
-    seconds = seconds_per_step(
-        traffic,
-        adam,
+    seconds, traffic = config_seconds_per_step(
+        pred,
+        cfg,
         bandwidth,
+        max_in_cpu_numel=knobs["max_in_cpu"],
         compute_flops=compute_flops,
         shared_cores=device_kind == "cpu",
-        step_disk_reads=step_reads,
+        checkpointing=checkpointing,
     )
     return Candidate(knobs, config, pred, short, peaks=peaks, traffic=traffic, seconds_per_step=seconds)
 
@@ -411,6 +400,7 @@ def search(
     if tokens_per_step:
         params = sum(p.numel() for p in model.parameters())
         kw["compute_flops"] = training_flops(params, tokens_per_step, checkpointing=checkpointing)
+    kw["checkpointing"] = checkpointing
     for name in ("max_in_cpu", "max_live_parameters"):
         if pinned.get(name) is not None:
             kw["max_live" if name == "max_live_parameters" else name] = pinned.get(name)

@@ -24,17 +24,34 @@ from a number the run can measure:
   the absolute s/step is a floor).
 
 The engine overlaps I/O with compute (prefetch ahead of the forward and backward, the writes
-behind), so with the step overlapped with backward (``tiered.overlap_step_with_backward``) or
-its state prefetched (``offload_optimizer.pipeline_read``) the step is max(compute, I/O, CPU
-Adam); on a machine without a GPU the CPU Adam runs on the same cores as the compute, so there
-it adds to the compute instead of overlapping it (max(compute + Adam, I/O)). Otherwise the step
-starts after backward and first reads its state from disk: those reads (or the Adam, if
-slower) run alone, after the compute, and add to it: max(compute, the other I/O) + max(state
+behind). With the optimizer's state prefetched (``offload_optimizer.pipeline_read``) the step
+is max(compute, I/O, CPU Adam); on a machine without a GPU the CPU Adam runs on the same cores
+as the compute, so there it adds to the compute instead of overlapping it (max(compute + Adam,
+I/O)). With the step overlapped with backward (``tiered.overlap_step_with_backward``) the
+state's I/O cannot start before backward: [Note: the overlapped step's two phases]. Otherwise
+the step starts after backward and first reads its state from disk: those reads (or the Adam,
+if slower) run alone, after the compute, and add to it: max(compute, the other I/O) + max(state
 reads, Adam). What is not counted: the first group's fetch before the forward can start, the
 last writes' wait, and with the matmul probe, the compute's own inefficiency at small shapes
 (attention, norms and the loss are not in 6 x params x tokens, and run below one large matmul's
 rate; the model probe measures them): benchmarks/RESULTS.md
 (issue 21) compares the prediction with benchmarks/step.py's measured s/step.
+
+[Note: the overlapped step's two phases]
+With the step overlapped with backward (``tiered.overlap_step_with_backward``) each group's
+optimizer step starts when its gradients arrive, so the optimizer state's reads and writes
+cannot begin before the (last micro-batch's) backward: the forward overlaps only the parameter
+gathers. The step is then forward + backward-with-the-step: max(the compute before the last
+backward (`forward_fraction`), the gathers' disk reads) + max(the rest of the disk I/O, the
+last backward's compute (+ the Adam on shared cores), the Adam). With ``buffer_count`` 1 the
+pipeline's one slot holds a tile from its read through its Adam to its write-back, so the Adam
+adds to that I/O instead of hiding under it (`adam_between_read_and_write`). Measured on the
+1/20 headline replica (benchmarks/RESULTS.md, 2026-12-05): forward 2.7-4.0 s, backward 31.3 s,
+step 1.1 s; the stepper's chain per step: 14.5 s waiting for reads, 2.0 s of Adam, 10.4 s
+waiting for write-backs. A single max over the whole step (25.5 s) missed the forward and the
+chained Adam, 0.69x of the measured 36.7 s; the two phases predict 28.5 s (0.78x) for it, and
+rank ``buffer_count`` 2 first, which the search then chose: measured 30.3 s against 26.9 s
+predicted (0.89x).
 
 [Note: compute beside the engine's threads]
 On a machine without a GPU the forward and backward run on the cores the engine's own threads
@@ -60,12 +77,16 @@ import json
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tiered.config.schema import TieredConfig
 from tiered.errors import ConfigError
 from tiered.optim.arrivals import overlap_blockers
+
+if TYPE_CHECKING:
+    from tiered.planning.needs import Prediction
 
 DEFAULT_BANDWIDTH = {"disk_read": 3.0e9, "disk_write": 2.0e9, "h2d": 20e9, "d2h": 20e9, "cpu_adam": 1.0e9}
 """Bytes/s per link and CPU Adam elements/s assumed without ``--bandwidth`` (one PCIe 4.0 NVMe
@@ -176,6 +197,15 @@ def probe_flops(
                 return 2.0 * n**3 * done / elapsed
 
 
+def forward_fraction(*, checkpointing: bool = False, accumulation: int = 1) -> float:
+    """The share of a step's compute done before its last backward begins ([Note: the overlapped
+    step's two phases]): every micro-batch's forward (2 of 6 x params x tokens; 2 of 8 with
+    checkpointing, whose recompute is the backward's) and every backward but the last."""
+    f = 2 / 8 if checkpointing else 2 / 6
+    a = max(1, int(accumulation))
+    return 1 - (1 - f) / a
+
+
 def training_flops(params: int, tokens: int, *, checkpointing: bool = False) -> float:
     """FLOPs of one optimizer step over `tokens` tokens ([Note: step time model]): 6 x params x
     tokens, plus a second forward (2 x params x tokens) with activation checkpointing."""
@@ -190,24 +220,52 @@ def seconds_per_step(
     compute_flops: float = 0.0,
     shared_cores: bool = False,
     step_disk_reads: int = 0,
+    state_in_backward: bool = False,
+    forward_fraction: float = 1 / 3,
+    gather_disk_reads: int = 0,
+    adam_in_io_chain: bool = False,
 ) -> float:
     """[Note: step time model]: the slowest of the overlapped links, the CPU Adam and the
     compute bound the step; with `shared_cores` (no GPU) the Adam adds to the compute.
     `step_disk_reads`: bytes the optimizer step reads from disk after backward has ended (its
     state, when the step is neither overlapped with backward nor ``pipeline_read``): that
-    read, or the Adam if slower, then runs alone and adds to the rest."""
+    read, or the Adam if slower, then runs alone and adds to the rest. `state_in_backward`:
+    the step is overlapped with backward, so its state moves start with backward's first
+    gradients ([Note: the overlapped step's two phases]); `forward_fraction` of the compute is
+    the forward's, `gather_disk_reads` of the disk reads the parameter gathers'.
+    `adam_in_io_chain`: ``buffer_count`` 1, each tile's Adam between its read and its write."""
     adam = adam_elements / bw["cpu_adam"]
     compute = compute_flops / bw["flops"] if compute_flops and bw.get("flops") else 0.0
+    chained = adam if adam_in_io_chain else 0.0
     tail = max(step_disk_reads / bw["disk_read"], adam) if step_disk_reads else 0.0
     disk = (traffic["disk->host"] - step_disk_reads) / bw["disk_read"] + traffic["host->disk"] / bw[
         "disk_write"
     ]
-    io = max(disk, traffic["host->device"] / bw["h2d"], traffic["device->host"] / bw["d2h"])
+    memory_links = max(traffic["host->device"] / bw["h2d"], traffic["device->host"] / bw["d2h"])
+    io = max(disk, memory_links)
     if tail:
         return max(io, compute) + tail
+    if state_in_backward:
+        forward_io = gather_disk_reads / bw["disk_read"]
+        forward = max(compute * forward_fraction, forward_io)
+        backward_compute = compute * (1 - forward_fraction) + (adam if shared_cores else 0.0)
+        return forward + max(disk - forward_io + chained, memory_links, backward_compute, adam)
     if shared_cores:
         return max(io, compute + adam)
     return max(io, adam, compute)
+
+
+def state_moves_in_backward(cfg: TieredConfig) -> bool:
+    """Whether the optimizer's state moves start only with the last backward's gradients: the
+    step overlapped with backward ([Note: the overlapped step's two phases])."""
+    return bool(cfg.zero.overlap_step_with_backward and not overlap_blockers(cfg))
+
+
+def adam_between_read_and_write(cfg: TieredConfig) -> bool:
+    """``buffer_count`` 1 without ``pipeline_read``: the pipeline's one slot holds a tile from
+    its read through its Adam to its write-back, so the Adam is in the I/O's chain."""
+    z = cfg.zero.offload_optimizer
+    return int(z.buffer_count) <= 1 and not z.pipeline_read
 
 
 def step_runs_alone(cfg: TieredConfig) -> bool:
@@ -215,3 +273,40 @@ def step_runs_alone(cfg: TieredConfig) -> bool:
     time model]): neither overlapped with backward nor its state prefetched (pipeline_read)."""
     overlapped = cfg.zero.overlap_step_with_backward and not overlap_blockers(cfg)
     return not overlapped and not cfg.zero.offload_optimizer.pipeline_read
+
+
+def config_seconds_per_step(
+    pred: Prediction,
+    cfg: TieredConfig,
+    bw: Mapping[str, float],
+    *,
+    max_in_cpu_numel: int,
+    compute_flops: float = 0.0,
+    shared_cores: bool = False,
+    checkpointing: bool = False,
+) -> tuple[float, dict[str, int]]:
+    """(`seconds_per_step`, [Note: bytes per step]) of a predicted config, every setting read
+    from `cfg`: the one call of `tiered plan`'s search and the benchmarks' predictions."""
+    from tiered.planning.traffic import config_bytes_per_step
+
+    traffic = config_bytes_per_step(pred, cfg, max_in_cpu_numel=max_in_cpu_numel)
+    state_reads = config_bytes_per_step(pred, cfg, max_in_cpu_numel=max_in_cpu_numel, gathers=False)[
+        "disk->host"
+    ]
+    trainable = [g for g in pred.groups if g.trainable]
+    adam = sum(g.shard_numel for g, p in zip(trainable, pred.plans, strict=True) if p.side == "cpu")
+    seconds = seconds_per_step(
+        traffic,
+        adam,
+        bw,
+        compute_flops=compute_flops,
+        shared_cores=shared_cores,
+        step_disk_reads=state_reads if step_runs_alone(cfg) else 0,
+        state_in_backward=state_moves_in_backward(cfg),
+        forward_fraction=forward_fraction(
+            checkpointing=checkpointing, accumulation=int(cfg.gradient_accumulation_steps)
+        ),
+        gather_disk_reads=traffic["disk->host"] - state_reads,
+        adam_in_io_chain=adam_between_read_and_write(cfg),
+    )
+    return seconds, traffic
