@@ -244,7 +244,7 @@ def _build(
             grads_from_memory=grads_consumed_from_memory(cfg),
             max_live_numel=cfg.zero.max_live_parameters_numel,
             max_reuse_numel=cfg.zero.max_reuse_distance_numel,
-            state_prefetch_groups=masters_prefetch_groups(cfg, len(plans)),
+            master_prefetch_groups=masters_prefetch_groups(cfg, len(plans)),
         )
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
         extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}

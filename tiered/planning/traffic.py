@@ -78,7 +78,7 @@ def bytes_per_step(
     max_live_numel: int | None = None,
     max_reuse_numel: int | None = None,
     gathers: bool = True,
-    state_prefetch_groups: int = 0,
+    master_prefetch_groups: int = 0,
 ) -> dict[str, int]:
     """The floor of [Note: bytes per step] per link; `memory` maps tier -> "device"/"host"/"disk";
     `state_format` the moments' ([Note: compressed optimizer state]); `grads_from_memory`: the
@@ -86,7 +86,7 @@ def bytes_per_step(
     `max_live_numel` / `max_reuse_numel`: ``stage3_max_live_parameters`` /
     ``stage3_max_reuse_distance``, which decide the backward's re-reads (None: unbounded);
     `gathers` False leaves out the parameter gathers (what the optimizer step alone moves:
-    [Note: step time model]); `state_prefetch_groups`: the first groups whose fp32 master the
+    [Note: step time model]); `master_prefetch_groups`: the first groups whose fp32 master the
     step may take from the copy still gathered (`masters_prefetch_groups`)."""
     fmt = FORMATS[state_format]
     p = torch.empty(0, dtype=compute_dtype).element_size()
@@ -104,7 +104,7 @@ def bytes_per_step(
         g.param.home for g in groups if g.param.home not in memory
     }
     live_masters = masters_live_into_step(
-        groups, plans, compute_dtype, kept, reread, state_prefetch_groups, disk
+        groups, plans, compute_dtype, kept, reread, master_prefetch_groups, disk
     )
 
     def move(src: str, dst: str, n: int) -> None:
@@ -259,7 +259,7 @@ def config_bytes_per_step(
         max_live_numel=cfg.zero.max_live_parameters_numel,
         max_reuse_numel=cfg.zero.max_reuse_distance_numel,
         gathers=gathers,
-        state_prefetch_groups=masters_prefetch_groups(cfg, len(pred.plans)),
+        master_prefetch_groups=masters_prefetch_groups(cfg, len(pred.plans)),
     )
 
 
