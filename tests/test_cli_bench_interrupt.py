@@ -127,3 +127,25 @@ def test_sigint_during_the_training_replay_removes_the_swap_files(tmp_path: Path
     err = proc.stderr.read().decode() if proc.stderr else ""
     assert rc == 130, err
     assert list(offload.iterdir()) == [], "Ctrl-C left the replay's swap folder or files"
+
+
+def test_closing_a_backend_method_cancels_the_move_a_ctrl_c_interrupted(tmp_path: Path) -> None:
+    """A Ctrl-C inside the method's run_until_complete leaves its write pending on the loop;
+    close() must not resume it (it would write after the delete and the folder's removal)."""
+    import asyncio
+
+    from tiered.bench.methods import BackendMethod
+
+    m = BackendMethod("nvme")
+    m.setup(tmp_path / "m0", timeout_s=30)
+    marker = tmp_path / "resumed"
+
+    async def interrupted_write() -> None:
+        await asyncio.sleep(0)  # where the interrupt found it: suspended mid-move
+        marker.write_text("the interrupted move ran on")
+
+    assert m.loop is not None
+    m.loop.create_task(interrupted_write())  # pending, as a KeyboardInterrupt leaves it
+    m.close()
+    assert not marker.exists()
+    assert not (tmp_path / "m0").exists()

@@ -99,6 +99,18 @@ def read_chunk(fd: int, mv: memoryview, off: int, n: int, base: int = 0) -> None
         done += got
 
 
+def remove_tree(path: Path, attempts: int = 50) -> None:
+    """Remove `path` and everything under it. An I/O worker thread an interrupt left running may
+    still finish a file inside while the tree is being removed (rmtree then finds a folder not
+    empty): retry briefly, and say so if it still stands."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        time.sleep(0.02)
+    log.warning("bench: could not remove %s; remove it by hand", path)
+
+
 class Method(abc.ABC):
     """One way of moving the buffer. See [Note: bandwidth methods]."""
 
@@ -135,7 +147,7 @@ class Method(abc.ABC):
 
     def close(self) -> None:
         if self.workdir is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            remove_tree(self.workdir)
 
 
 class ODirectMethod(Method):
@@ -299,6 +311,14 @@ class BackendMethod(Method):
     def close(self) -> None:
         if self.backend is not None and self.loop is not None:
             try:
+                # a Ctrl-C inside run_until_complete leaves the interrupted write or read pending
+                # on this loop: running the loop again (exists, delete) would resume it, and it
+                # could write its file after the delete and the folder's removal. Cancel it first.
+                pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
                 # a --spec backend writes outside the bench's folder: its object goes too (Ctrl-C too)
                 if self.loop.run_until_complete(self.backend.exists(self.KEY)):
                     self._await(self.backend.delete(self.KEY), "delete")

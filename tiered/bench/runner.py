@@ -24,7 +24,6 @@ import datetime as _dt
 import logging
 import os
 import platform
-import shutil
 import statistics
 import tempfile
 import time
@@ -45,6 +44,7 @@ from tiered.bench.methods import (
     drop_cache,
     find_deepspeed_aio,
     find_fio,
+    remove_tree,
     sync_files,
 )
 from tiered.bench.preflight import check_free_space, check_memory
@@ -325,7 +325,7 @@ def run_bandwidth(opts: BenchOptions, progress: Callable[[str], None] | None = N
                 m.close()
             except Exception as exc:  # noqa: BLE001 - closing must not hide the measurement
                 log.warning("bench: closing %s: %s", m.name, exc)
-        shutil.rmtree(workroot, ignore_errors=True)
+        remove_tree(workroot)
     results = _summarise(methods, samples, errors, size, cpu) + absent
     return BenchResult(
         size_bytes=size,
