@@ -83,6 +83,65 @@ def test_sigterm_to_a_python_api_script_removes_its_swap_folder_and_ends_as_kill
     assert list(nvme.iterdir()) == [], "SIGTERM left the swap folder behind"
 
 
+_BLOCKED_IN_LOGGING = """
+import logging, sys, time
+sys.path.insert(0, {tests!r})
+import torch, tiered
+from engine_support import MLP, ds_config
+
+class StuckStderr(logging.StreamHandler):
+    # a stderr pipe nobody drains: the write blocks while this handler's lock is held
+    def emit(self, record):
+        if record.getMessage() == "stuck":
+            print("stuck", flush=True)
+            time.sleep(300)
+        super().emit(record)
+
+logging.getLogger().addHandler(StuckStderr(sys.stderr))
+logging.getLogger().setLevel(logging.DEBUG)  # the tier manager's loop thread logs as it closes
+engine = tiered.initialize(MLP(), ds_config(param="nvme", opt="nvme", nvme_path={nvme!r}))
+for _ in range(2):
+    engine.backward(engine(x=torch.randn(4, 16), y=torch.randn(4, 8)))
+    engine.step()
+logging.getLogger("script").warning("stuck")
+"""
+
+
+def test_sigterm_while_the_main_thread_holds_a_lock_the_close_needs_still_ends_the_process(
+    tmp_path: Path,
+) -> None:
+    """The handler runs where the main thread was: here inside a logging handler whose write is
+    stuck, holding the lock the loop thread needs to log while it closes. The close waited
+    tiered.timeout_s (600 s) for that thread; now it is bounded ([Note: SIGTERM from a
+    library]) and the process ends as killed by SIGTERM."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    code = _BLOCKED_IN_LOGGING.format(tests=str(Path(__file__).parent), nvme=str(nvme))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("stuck"):
+            break
+    else:
+        proc.wait(timeout=30)
+        pytest.fail(f"the script never reached its stuck write: {proc.stderr.read() if proc.stderr else ''}")
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("SIGTERM did not end a process whose main thread held a lock the close needs")
+    assert proc.returncode == -signal.SIGTERM, err[-3000:]
+    assert "did not close within" in err, err[-3000:]  # said, not silent
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_ctrl_c_at_a_random_moment_ends_a_python_api_script_promptly_and_removes_its_swap(
     tmp_path: Path, seed: int

@@ -11,11 +11,19 @@ open, tiered handles SIGTERM, politely, as a library must:
   own (tiered finetune's checkpoint-on-SIGTERM, a framework's) or ``SIG_IGN`` is never replaced;
 * only from the main thread (Python runs handlers there, and only it may install them); an
   engine made elsewhere leaves SIGTERM alone;
-* the handler closes the tier manager of every open engine (its backends close: swap folders are
-  removed; the rest of ``close()`` is skipped, as the handler may run inside a hook or a step whose
-  state it would wait on, and the process is going anyway), restores the disposition it found
-  (the default) and sends SIGTERM to the process again, so it ends as killed by SIGTERM (status
-  -15 to a parent, 143 in a shell), as it would without tiered;
+* the handler first gives SIGTERM its default disposition back (a second SIGTERM ends the
+  process at once), then closes the tier manager of every open engine (its backends close: swap
+  folders are removed; the rest of ``close()`` is skipped, as the handler may run inside a hook or
+  a step whose state it would wait on, and the process is going anyway), then sends SIGTERM to the
+  process again, so it ends as killed by SIGTERM (status -15 to a parent, 143 in a shell), as it
+  would without tiered;
+* that close is bounded by ``SIGTERM_CLOSE_S`` for all engines together, not by
+  ``tiered.timeout_s`` (600 s): Python runs the handler wherever the main thread was, possibly
+  holding a lock the tier manager's loop thread then needs (a logging handler's, while a full
+  stderr pipe blocks its write; a condition the stepper notifies). The loop cannot finish the
+  close until the main thread returns, which it does not until the close ends: without a short
+  bound, ``kill`` left the process waiting minutes. At the bound the process ends anyway, with a
+  warning; a swap folder left behind then is reclaimed by the next run here (the owner is dead);
 * when the last engine closes, the disposition found is put back, unless someone replaced ours
   in the meantime (then theirs stays).
 
@@ -29,6 +37,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import weakref
 from types import FrameType
 from typing import Any, Protocol
@@ -37,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 class _Closable(Protocol):
-    def close(self) -> None: ...
+    def close(self, *, timeout_s: float | None = None) -> None: ...
 
 
 class _WithTiers(Protocol):
@@ -83,17 +92,41 @@ def sigterm_handled() -> bool:
     return signal.getsignal(signal.SIGTERM) is _on_sigterm
 
 
+SIGTERM_CLOSE_S = 10.0
+"""How long SIGTERM's handler waits for the open engines' tiers to close, all together, before the
+process ends regardless ([Note: SIGTERM from a library])."""
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     global _installed
-    engines = list(_open)
-    log.warning(
-        "SIGTERM: closing %d tiered engine(s) (their swap files are removed), then exiting", len(engines)
-    )
-    for e in engines:
-        try:  # only the tiers: the handler may run inside a hook or a step, whose state the
-            e.tm.close()  # rest of close() would wait on; closing the backends removes swap files
-        except Exception:  # the process is ending: close the others regardless
-            log.exception("closing a tiered engine's tiers on SIGTERM failed")
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM now ends the process at once
     _installed = False
+    engines = list(_open)
+    _say(
+        logging.WARNING,
+        "SIGTERM: closing %d tiered engine(s) (their swap files are removed), then exiting",
+        len(engines),
+    )
+    end = time.monotonic() + SIGTERM_CLOSE_S
+    for e in engines:
+        try:  # only the tiers: the handler may run inside a hook or a step, whose state the rest
+            # of close() would wait on; closing the backends removes swap files
+            e.tm.close(timeout_s=max(0.1, end - time.monotonic()))
+        except Exception as exc:  # noqa: BLE001 - the process is ending: close the others regardless
+            _say(
+                logging.WARNING,
+                "SIGTERM: a tiered engine's tiers did not close within %.0f s (%s); exiting anyway: "
+                "a swap folder left behind is reclaimed by the next run in its directory",
+                SIGTERM_CLOSE_S,
+                exc,
+            )
     os.kill(os.getpid(), signal.SIGTERM)  # now the default: the process ends as killed by SIGTERM
+
+
+def _say(level: int, msg: str, *args: object) -> None:
+    # The signal may have landed inside a logging handler's write: a reentrant write to the same
+    # stream raises here, and nothing may keep the handler from closing the tiers and exiting.
+    try:
+        log.log(level, msg, *args)
+    except Exception:  # noqa: BLE001
+        pass

@@ -319,11 +319,12 @@ class TierManager:
         self._trace.write(path)
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def close(self, *, close_backends: bool = True) -> None:
+    def close(self, *, close_backends: bool = True, timeout_s: float | None = None) -> None:
         """Cancel work in flight, close the tiers' backends (unless told not to) and stop the
         loop thread. Flushes nothing: call ``flush().result()`` first to keep dirty bytes.
-        Idempotent. Bounded by ``timeout_s``: a backend still closing then is a TierTimeoutError
-        naming it and its tier, the others closed ([Note: bounded close])."""
+        Idempotent. Bounded by ``timeout_s`` (the manager's own unless given a shorter one): a
+        backend still closing then is a TierTimeoutError naming it and its tier, the others
+        closed ([Note: bounded close])."""
         if self._loop.closed:
             return
         _OPEN.discard(self)
@@ -333,7 +334,9 @@ class TierManager:
             except Exception:  # noqa: BLE001 - already closing in another thread
                 pass
         self._loop.close(
-            timeout_s=self.timeout_s,  # [Note: bounded close]
+            timeout_s=self.timeout_s
+            if timeout_s is None
+            else min(timeout_s, self.timeout_s),  # [Note: bounded close]
             final=self._machine.close_backends if close_backends else None,
         )
 
