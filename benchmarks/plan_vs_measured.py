@@ -64,7 +64,8 @@ if mode == "plan":  # its own process, as `tiered plan` is before a run with its
            "zero_optimization": {"stage": 3, "offload_optimizer": {"nvme_path": nvme}}}
     bw = dict(DEFAULT_BANDWIDTH) if not bwfile else read_bandwidth(bwfile)[0]
     kind = "cuda" if torch.cuda.is_available() else "cpu"
-    act = estimate_activations(hf, batch=batch, seq_len=seq, dtype=torch.bfloat16, checkpointing=False)
+    act = estimate_activations(hf, batch=batch, seq_len=seq, dtype=torch.bfloat16, checkpointing=False,
+                               compute_on_cpu=kind == "cpu")
     res = search(model, Memories(gpu_mem, cpu_mem, 10 * 2**30, act.total_bytes), precision="bf16",
                  nvme_path=nvme, bandwidth=bw, base=raw, device_kind=kind)
     best = res.best
@@ -131,6 +132,8 @@ def main() -> int:
     ap.add_argument("--bandwidth", default=None, help="tiered bench --json output")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.dir is not None:
+        os.makedirs(a.dir, exist_ok=True)
     rows = []
     print(f"load average at start: {os.getloadavg()}", flush=True)
     print("| shape | cpu given | chosen (opt/param/grad, sgs, bc) | plan GPU+host | measured RSS | RSS/plan | "

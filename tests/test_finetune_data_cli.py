@@ -101,14 +101,58 @@ def test_activation_estimate_is_the_megatron_formula() -> None:
     cfg = LlamaConfig(
         hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=100, intermediate_size=128
     )
-    e = estimate_activations(cfg, batch=2, seq_len=32, dtype=torch.bfloat16, checkpointing=False)
+    e = estimate_activations(
+        cfg, batch=2, seq_len=32, dtype=torch.bfloat16, checkpointing=False, compute_on_cpu=False
+    )
     per_layer = 32 * 2 * 64 * (34 + 5 * 4 * 32 / 64)  # s b h (34 + 5 a s / h), 16-bit bytes
     assert e.per_layer_bytes == int(per_layer)
     assert e.total_bytes == 3 * int(per_layer) + 2 * 2 * 32 * 100 * 4
-    f = estimate_activations(cfg, batch=2, seq_len=32, dtype=torch.float32, checkpointing=False)
+    f = estimate_activations(
+        cfg, batch=2, seq_len=32, dtype=torch.float32, checkpointing=False, compute_on_cpu=False
+    )
     assert f.per_layer_bytes == 2 * e.per_layer_bytes
-    c = estimate_activations(cfg, batch=2, seq_len=32, dtype=torch.bfloat16, checkpointing=True)
+    c = estimate_activations(
+        cfg, batch=2, seq_len=32, dtype=torch.bfloat16, checkpointing=True, compute_on_cpu=False
+    )
     assert c.total_bytes == 3 * 32 * 2 * 64 * 2 + e.per_layer_bytes + e.logits_bytes < e.total_bytes
+
+
+def test_a_cpu_moe_estimate_holds_a_kernel_per_expert_token_count() -> None:
+    """[Note: per-shape kernels of a CPU MoE]: each token count an expert can get (1..batch x seq)
+    is a new oneDNN kernel set where a 16-bit MoE computes on the CPU; none for a dense model,
+    in fp32 or on a GPU; beyond the primitive cache a count costs less."""
+    from transformers import LlamaConfig, MixtralConfig, Qwen2MoeConfig
+
+    from tiered.finetune.activations import (
+        CPU_CACHED_COUNTS,
+        CPU_EXPERT_COUNT_BYTES,
+        CPU_UNCACHED_COUNT_BYTES,
+    )
+
+    small = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100, intermediate_size=128
+    )
+    moe = MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)
+
+    def est(cfg: object, *, seq: int = 32, dtype: torch.dtype = torch.bfloat16, cpu: bool = True) -> object:
+        return estimate_activations(
+            cfg, batch=2, seq_len=seq, dtype=dtype, checkpointing=False, compute_on_cpu=cpu
+        )
+
+    on_cpu = est(moe)
+    assert on_cpu.routed_experts == 4
+    assert on_cpu.expert_kernels_bytes == 64 * CPU_EXPERT_COUNT_BYTES
+    assert on_cpu.total_bytes == est(moe, cpu=False).total_bytes + 64 * CPU_EXPERT_COUNT_BYTES
+    assert "per-shape CPU kernels 256.00 MiB" in on_cpu.describe()
+    assert est(moe, cpu=False).expert_kernels_bytes == 0  # a GPU's compute: not host memory
+    assert est(moe, dtype=torch.float32).expert_kernels_bytes == 0  # fp32 builds no per-shape kernels
+    assert est(LlamaConfig(**small)).expert_kernels_bytes == 0  # dense: its few shapes are in the baseline
+    long = est(moe, seq=1000)  # 2000 counts: the cache holds CPU_CACHED_COUNTS of them
+    assert long.expert_kernels_bytes == (
+        CPU_CACHED_COUNTS * CPU_EXPERT_COUNT_BYTES + (2000 - CPU_CACHED_COUNTS) * CPU_UNCACHED_COUNT_BYTES
+    )
+    qwen = Qwen2MoeConfig(**small, num_experts=8, num_experts_per_tok=2)  # another family's key
+    assert est(qwen).expert_kernels_bytes == 64 * CPU_EXPERT_COUNT_BYTES
 
 
 def test_huge_batch_is_refused_before_training_leaving_nothing(

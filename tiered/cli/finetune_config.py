@@ -65,6 +65,7 @@ def load_checked(
             seq_len=o.seq_len,
             dtype=cfg.precision.dtype,
             checkpointing=o.gradient_checkpointing,
+            compute_on_cpu=not torch.cuda.is_available(),
         )
         check_activations(act, torch.device("cuda" if torch.cuda.is_available() else "cpu"), o.free_memory)
     except BaseException:

@@ -329,6 +329,7 @@ def _activations(args: argparse.Namespace, model: Any, notes: list[str]) -> int 
         seq_len=int(args.seq_len),
         dtype=dtype,
         checkpointing=bool(getattr(args, "checkpointing", False)),
+        compute_on_cpu=getattr(args, "device", "cuda") == "cpu",
     )
     notes.append(f"activations: {est.describe()} ([Note: activation estimate]; --activation-mem to give it)")
     return est.total_bytes

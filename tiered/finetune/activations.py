@@ -15,6 +15,25 @@ the loss). With gradient checkpointing each layer keeps only its input, 2 * s * 
 is for eager attention (the a * s^2 term); it is compared with the free memory of the compute
 device (the GPU; on a machine without one the "gpu" tier is host memory, and MemAvailable is
 used) plus nothing else, so it is a lower bound on the need: a batch refused by it can never fit.
+
+[Note: per-shape kernels of a CPU MoE]
+Where the compute runs on the CPU in 16-bit precision, torch multiplies through oneDNN, which
+builds (JIT-compiles) a kernel for every new matrix shape and keeps it. A dense model has a few
+shapes, paid once (in the measured process baseline, [Note: one memory model]). A routed MoE's
+experts do not: Hugging Face's expert loop multiplies each expert's tokens as they come, so every
+new token count is a new shape, for the expert's two weight shapes forward and backward (six
+products). The count of an expert's tokens lies in 1..batch x seq, and a run meets most of those
+values (the zoo's MoE, batch 1 x 64 tokens: 40 counts by step 3, all 64 by step 30), so the
+estimate counts batch x seq of them. Measured with torch 2.13.0+cpu (oneDNN 3.12, AVX-512) on a
+bf16 expert MLP, forward and backward, one new token count at a time (2026-12-06): 3.9-4.1 MiB
+per count while oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024 products,
+so ~170 counts) holds it, and 0.9-1.8 MiB per count more beyond it (the cache is not all of it:
+at capacity 0 a count still costs ~2.4 MiB); the same for matrices of 64x224 and 512x1024, so
+it does not scale with the model. So ``CPU_EXPERT_COUNT_BYTES`` per count, at most
+``CPU_CACHED_COUNTS`` of them, and ``CPU_UNCACHED_COUNT_BYTES`` per count beyond. fp32 builds no
+such kernels (+2.6 MiB over 100 shapes), nor does a GPU's compute (host memory is the point
+here: this is what the host of a CPU-only run holds). benchmarks/RESULTS.md has the zoo's MoE
+with and without it (issue 21).
 """
 
 from __future__ import annotations
@@ -31,6 +50,15 @@ from tiered.units import format_bytes
 
 log = logging.getLogger(__name__)
 
+CPU_EXPERT_COUNT_BYTES = 4 * 2**20
+"""Host memory of one new expert token count on a CPU, measured: [Note: per-shape kernels of a CPU MoE]."""
+CPU_CACHED_COUNTS = 1024 // 6
+"""Token counts oneDNN's primitive cache holds at its default capacity (six products each)."""
+CPU_UNCACHED_COUNT_BYTES = 2 * 2**20
+"""A count's cost beyond the cache's capacity (measured 0.9-1.8 MiB, ~2.4 MiB at capacity 0)."""
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""Where transformers configs name their routed experts (Mixtral; Qwen-MoE, OLMoE; DeepSeek; others)."""
+
 
 @dataclass(frozen=True)
 class ActivationEstimate:
@@ -44,6 +72,19 @@ class ActivationEstimate:
     seq_len: int
     bytes_per_value: int
     checkpointing: bool
+    routed_experts: int = 0
+    """Experts tokens are routed to (0: a dense model)."""
+    compute_on_cpu: bool = False
+    """The compute runs on the CPU (a machine without a GPU): its per-shape kernels are host memory."""
+
+    @property
+    def expert_kernels_bytes(self) -> int:
+        """[Note: per-shape kernels of a CPU MoE]: 0 unless a 16-bit MoE computes on the CPU."""
+        if not (self.compute_on_cpu and self.routed_experts > 1 and self.bytes_per_value == 2):
+            return 0
+        counts = self.batch * self.seq_len
+        cached = min(counts, CPU_CACHED_COUNTS)
+        return cached * CPU_EXPERT_COUNT_BYTES + (counts - cached) * CPU_UNCACHED_COUNT_BYTES
 
     @property
     def per_layer_bytes(self) -> int:
@@ -59,22 +100,29 @@ class ActivationEstimate:
     def total_bytes(self) -> int:
         if self.checkpointing:
             kept = self.layers * self.seq_len * self.batch * self.hidden * self.bytes_per_value
-            return kept + self.per_layer_bytes + self.logits_bytes
-        return self.layers * self.per_layer_bytes + self.logits_bytes
+            return kept + self.per_layer_bytes + self.logits_bytes + self.expert_kernels_bytes
+        return self.layers * self.per_layer_bytes + self.logits_bytes + self.expert_kernels_bytes
 
     def describe(self) -> str:
         how = "checkpointed: layer inputs + one layer" if self.checkpointing else f"{self.layers} layers"
         return (
             f"~{format_bytes(self.total_bytes, binary=True)} of activations for batch {self.batch} x seq "
             f"{self.seq_len} ({how}; {format_bytes(self.per_layer_bytes, binary=True)} per layer, logits "
-            f"{format_bytes(self.logits_bytes, binary=True)})"
+            f"{format_bytes(self.logits_bytes, binary=True)}"
+            + (
+                f"; the experts' per-shape CPU kernels {format_bytes(self.expert_kernels_bytes, binary=True)}"
+                if self.expert_kernels_bytes
+                else ""
+            )
+            + ")"
         )
 
 
 def estimate_activations(
-    hf_config: Any, *, batch: int, seq_len: int, dtype: torch.dtype, checkpointing: bool
+    hf_config: Any, *, batch: int, seq_len: int, dtype: torch.dtype, checkpointing: bool, compute_on_cpu: bool
 ) -> ActivationEstimate:
-    """[Note: activation estimate] from a transformers config (Llama-style or GPT-2 names)."""
+    """[Note: activation estimate] from a transformers config (Llama-style or GPT-2 names), with
+    an MoE's per-shape kernels where `compute_on_cpu` ([Note: per-shape kernels of a CPU MoE])."""
 
     def get(*names: str) -> int:
         for n in names:
@@ -92,6 +140,10 @@ def estimate_activations(
         seq_len=seq_len,
         bytes_per_value=4 if dtype == torch.float32 else 2,
         checkpointing=checkpointing,
+        routed_experts=next(
+            (v for k in EXPERT_COUNT_KEYS if isinstance(v := getattr(hf_config, k, None), int)), 0
+        ),
+        compute_on_cpu=compute_on_cpu,
     )
 
 

@@ -67,13 +67,10 @@ machine: there the search adds the activations it is told about to the host figu
 compute memory on a CPU-only machine]). Not counted: the search itself where it runs in the
 process that trains (``auto_config``; `tiered plan` is a process of its own): its configs and
 group stand-ins, 11 MiB for a 6-layer Llama and 25 MiB for a 24-layer one (VmHWM, 392 configs
-weighed, 2026-12-04); and on the CPU the oneDNN primitive cache and the other per-shape caches
-of the compute, which grow with every new matrix shape (an MoE's routing makes new ones each
-step). Measured on the zoo's MoE (benchmarks/RESULTS.md, issue 21): +190 MiB over the plan,
-reached by ~30 steps and level to 300; 0.5-1 MiB per cached primitive, so the cache's capacity
-(``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024) bounds it only loosely (600+ MiB), and the number of
-distinct shapes depends on the tokens routed: not modelled. ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``
-removes it at twice the step time.
+weighed, 2026-12-04). On the CPU an MoE's compute also builds a kernel for each token count
+its experts get, host memory that grows for ~30 steps and then levels off: the activation
+estimate counts it ([Note: per-shape kernels of a CPU MoE] in tiered/finetune/activations.py),
+so it is in the host figure wherever the activations are.
 
 `tiered plan` adds all four to the host tiers' need before it compares with ``--cpu-mem`` and
 writes only what is left as the cpu tier's budget; the engine computes them with the same

@@ -61,7 +61,8 @@ of the host figure, so the figure is then ``cpu_mem`` itself.
 Forward and backward keep their activations and autograd temporaries where the compute runs:
 device memory on a GPU, host memory on a machine without one (device kind "cpu", where the "gpu"
 tier is a budgeted region of host memory too). So with ``device_kind="cpu"`` the activations
-(``Memories.activations``: ``--activation-mem``, or [Note: activation estimate] from the batch)
+(``Memories.activations``: ``--activation-mem``, or [Note: activation estimate] from the batch,
+with an MoE's per-shape kernels: [Note: per-shape kernels of a CPU MoE])
 are not taken off the gpu tier's budget but added to the host figure, and the cpu tier's budget
 is what is left of ``cpu_mem`` after them. The compute's own runtime (the code pages and thread
 pools a first forward/backward brings in, ~22 MiB with torch 2.13+cpu) is in the "cpu" process
