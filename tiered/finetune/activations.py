@@ -24,14 +24,15 @@ experts do not: Hugging Face's expert loop multiplies each expert's tokens as th
 new token count is a new shape, for the expert's two weight shapes forward and backward (six
 products). The count of an expert's tokens lies in 1..batch x seq, and a run meets most of those
 values (the zoo's MoE, batch 1 x 64 tokens: 40 counts by step 3, all 64 by step 30), so the
-estimate counts batch x seq of them. Measured with torch 2.13.0+cpu (oneDNN 3.12, AVX-512) on a
-bf16 expert MLP, forward and backward, one new token count at a time (2026-12-06): 3.9-4.1 MiB
-per count while oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024 products,
-so ~170 counts) holds it, and 0.9-1.8 MiB per count more beyond it (the cache is not all of it:
-at capacity 0 a count still costs ~2.4 MiB); the same for matrices of 64x224 and 512x1024, so
-it does not scale with the model. So ``CPU_EXPERT_COUNT_BYTES`` per count, at most
-``CPU_CACHED_COUNTS`` of them, and ``CPU_UNCACHED_COUNT_BYTES`` per count beyond. fp32 builds no
-such kernels (+2.6 MiB over 100 shapes), nor does a GPU's compute (host memory is the point
+estimate counts batch x seq of them. Measured by benchmarks/cpu_shape_kernels.py (torch
+2.13.0+cpu, oneDNN 3.12, AVX-512; bf16 expert MLPs forward and backward, one new token count at a
+time; 2026-12-06): 3.95-4.07 MiB per count while oneDNN's primitive cache
+(``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024 products, so ~170 counts) holds it, and 1.0-1.6 MiB per
+count beyond it (the cache is not all of it: at capacity 0 a count still costs 2.2-2.5 MiB); the
+same for matrices of 64x224 and 512x1024, so it does not scale with the model. So
+``CPU_EXPERT_COUNT_BYTES`` per count, at most ``CPU_CACHED_COUNTS`` of them, and
+``CPU_UNCACHED_COUNT_BYTES`` per count beyond (the upper figure). fp32 builds no such kernels
+(0.06-0.11 MiB per count), nor does a GPU's compute (host memory is the point
 here: this is what the host of a CPU-only run holds). benchmarks/RESULTS.md has the zoo's MoE
 with and without it (issue 21).
 """
@@ -55,7 +56,7 @@ CPU_EXPERT_COUNT_BYTES = 4 * 2**20
 CPU_CACHED_COUNTS = 1024 // 6
 """Token counts oneDNN's primitive cache holds at its default capacity (six products each)."""
 CPU_UNCACHED_COUNT_BYTES = 2 * 2**20
-"""A count's cost beyond the cache's capacity (measured 0.9-1.8 MiB, ~2.4 MiB at capacity 0)."""
+"""A count's cost beyond the cache's capacity (measured 1.0-1.6 MiB; 2.2-2.5 MiB at capacity 0)."""
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 """Where transformers configs name their routed experts (Mixtral; Qwen-MoE, OLMoE; DeepSeek; others)."""
 
