@@ -36,10 +36,8 @@ from tiered.planning.timing import (  # noqa: E402
     config_seconds_per_step,
     probe_flops,
     read_bandwidth,
-    step_runs_alone,
     training_flops,
 )
-from tiered.planning.traffic import config_bytes_per_step  # noqa: E402
 
 BATCH, SEQ = 4, 128  # step.make_data
 TOKENS = BATCH * SEQ
@@ -86,15 +84,8 @@ def main() -> int:
         cfg = load_config(config, model=model)
         pred = predict(model, cfg, gpu_is_host=True, device_kind="cpu")
     mic = cfg.zero.offload_param.max_in_cpu_numel
-    predicted, traffic = config_seconds_per_step(
+    predicted, traffic, adam, step_reads = config_seconds_per_step(
         pred, cfg, bw, max_in_cpu_numel=mic, compute_flops=flops, shared_cores=True
-    )
-    reads = config_bytes_per_step(pred, cfg, max_in_cpu_numel=mic, gathers=False)["disk->host"]
-    step_reads = reads if step_runs_alone(cfg) else 0
-    adam = sum(
-        g.shard_numel
-        for g, p in zip([g for g in pred.groups if g.trainable], pred.plans, strict=True)
-        if p.side == "cpu"
     )
     io = traffic["disk->host"] / bw["disk_read"] + traffic["host->disk"] / bw["disk_write"]
     out = {

@@ -355,7 +355,7 @@ def _weigh_at(
     budgets["cpu"] = cpu_budget
     config = candidate_config(knobs, budgets=budgets, **opts)
     knobs["max_live_parameters"] = cfg.zero.max_live_parameters_numel  # the value in force, shown
-    seconds, traffic = config_seconds_per_step(
+    seconds, traffic, _, _ = config_seconds_per_step(
         pred,
         cfg,
         bandwidth,

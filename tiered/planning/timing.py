@@ -77,7 +77,7 @@ import json
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -275,6 +275,18 @@ def step_runs_alone(cfg: TieredConfig) -> bool:
     return not overlapped and not cfg.zero.offload_optimizer.pipeline_read
 
 
+class StepPrediction(NamedTuple):
+    """What `config_seconds_per_step` predicts for one step, with the inputs of its terms."""
+
+    seconds: float
+    traffic: dict[str, int]
+    """[Note: bytes per step] per link."""
+    adam_elements: int
+    """Elements the CPU Adam steps."""
+    step_state_reads: int
+    """Disk bytes the step reads alone after backward (0 where they are prefetched or overlapped)."""
+
+
 def config_seconds_per_step(
     pred: Prediction,
     cfg: TieredConfig,
@@ -284,9 +296,9 @@ def config_seconds_per_step(
     compute_flops: float = 0.0,
     shared_cores: bool = False,
     checkpointing: bool = False,
-) -> tuple[float, dict[str, int]]:
-    """(`seconds_per_step`, [Note: bytes per step]) of a predicted config, every setting read
-    from `cfg`: the one call of `tiered plan`'s search and the benchmarks' predictions."""
+) -> StepPrediction:
+    """`seconds_per_step` of a predicted config with its [Note: bytes per step], every setting
+    read from `cfg`: the one call of `tiered plan`'s search and the benchmarks' predictions."""
     from tiered.planning.traffic import config_bytes_per_step
 
     traffic = config_bytes_per_step(pred, cfg, max_in_cpu_numel=max_in_cpu_numel)
@@ -295,13 +307,14 @@ def config_seconds_per_step(
     ]
     trainable = [g for g in pred.groups if g.trainable]
     adam = sum(g.shard_numel for g, p in zip(trainable, pred.plans, strict=True) if p.side == "cpu")
+    step_reads = state_reads if step_runs_alone(cfg) else 0
     seconds = seconds_per_step(
         traffic,
         adam,
         bw,
         compute_flops=compute_flops,
         shared_cores=shared_cores,
-        step_disk_reads=state_reads if step_runs_alone(cfg) else 0,
+        step_disk_reads=step_reads,
         state_in_backward=state_moves_in_backward(cfg),
         forward_fraction=forward_fraction(
             checkpointing=checkpointing, accumulation=int(cfg.gradient_accumulation_steps)
@@ -309,4 +322,4 @@ def config_seconds_per_step(
         gather_disk_reads=traffic["disk->host"] - state_reads,
         adam_in_io_chain=adam_between_read_and_write(cfg),
     )
-    return seconds, traffic
+    return StepPrediction(seconds, traffic, adam, step_reads)
