@@ -47,3 +47,27 @@ def test_memories_too_small_name_the_closest_config_and_each_shortfall(
     out = capsys.readouterr().out
     assert "nothing fits. closest:" in out and "short by" in out
     assert "nvme_path" in out or "offload" in out  # each shortfall with the key that fixes it
+
+
+def test_unknown_model_type_is_named_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "xyz_unknown", "hidden_size": 64}')
+    err = _err(capsys, ["plan", "--model", str(tmp_path)])
+    assert "unknown or invalid model_type 'xyz_unknown'" in err and "does not know it" in err
+    assert len(err) < 500, "transformers' list of every model type it knows was passed on"
+
+
+def test_a_config_whose_layer_cannot_run_is_an_error_naming_the_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import LlamaConfig
+
+    # 16 key/value heads for 4 query heads: builds on the meta device, fails when a layer runs
+    LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=16, vocab_size=100, bos_token_id=1, eos_token_id=2,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    err = _err(
+        capsys, ["plan", "--model", str(tmp_path), "--seq-len", "16", "--device", "cpu", "--cpu-mem", "2GiB"]
+    )
+    assert f"--model {tmp_path}: one layer of the model" in err and "fails to run" in err
+    assert "Traceback" not in err

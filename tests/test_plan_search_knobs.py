@@ -298,3 +298,24 @@ def test_tiered_plan_estimates_the_activations_from_the_batch_and_leaves_them_th
             assert "activations: ~" in notes and "per layer" in notes
     assert lives["unknown"] is None  # the default live budget: nothing gathered beyond ZeRO-3's need
     assert lives["declared"] > lives["estimated"] > 0  # the room, less the activations estimated
+
+
+def test_the_text_plan_does_not_say_activations_are_not_counted_when_it_estimated_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from tiered.cli.main import main
+
+    config = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    base = ["plan", "--model", str(tmp_path), "--gpu-mem", "1GiB", "--cpu-mem", "4GiB", "--flops", "1e12"]
+    main([*base, "--seq-len", "16"])
+    out = capsys.readouterr().out
+    assert "activations: NOT counted" not in out and "count their estimate" in out
+    assert "activations: ~" in out  # the estimate itself, among the assumptions
+    main(base)
+    assert "activations: NOT counted" in capsys.readouterr().out  # no batch given: nothing to estimate

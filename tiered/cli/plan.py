@@ -306,13 +306,20 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
     return result, notes
 
 
+def _estimates_activations(args: argparse.Namespace) -> bool:
+    """Whether the search counts [Note: activation estimate]: --seq-len with --model, no --activation-mem."""
+    return (
+        args.activation_mem is None and getattr(args, "seq_len", None) is not None and args.model is not None
+    )
+
+
 def _activations(args: argparse.Namespace, model: Any, notes: list[str]) -> int | None:
     """--activation-mem; else [Note: activation estimate] for --seq-len x --micro-batch with the
     model's config (what `tiered finetune` checks before training); else None (not known)."""
     if args.activation_mem is not None:
         return parse_bytes(args.activation_mem, what="--activation-mem")
     hf_config = getattr(model, "config", None)
-    if getattr(args, "seq_len", None) is None or args.model is None or hf_config is None:
+    if not _estimates_activations(args) or hf_config is None:
         notes.append(
             "activations: not known (--activation-mem, or --seq-len with --model): the GPU's room "
             "beyond ZeRO-3's working set is left to them"
@@ -335,8 +342,9 @@ def _activations(args: argparse.Namespace, model: Any, notes: list[str]) -> int 
     return est.total_bytes
 
 
-def render(plan: Plan, out: TextIO) -> None:
-    """The human form: header, strategy table, working set, recommendation and config."""
+def render(plan: Plan, out: TextIO, *, activations_estimated: bool = False) -> None:
+    """The human form: header, strategy table, working set, recommendation and config.
+    `activations_estimated`: the search below counts [Note: activation estimate] (--seq-len)."""
     sh, o, m = plan.shape, plan.options, plan.memories
     b = PrecisionBytes.of(o.precision)
     w = out.write
@@ -378,7 +386,11 @@ def render(plan: Plan, out: TextIO) -> None:
     for t in z3.terms:
         if t.what.startswith("working:"):
             w(f"  {gb(t.bytes):>8.1f} GB  {t.what.removeprefix('working: ')}\n")
-    if not o.activation_bytes:
+    if activations_estimated:
+        w(
+            "  activations: not in this table; the configs weighed below count their estimate (see 'assumed')\n"
+        )
+    elif not o.activation_bytes:
         w(
             "  activations: NOT counted (depend on batch, sequence length, checkpointing); add --activation-mem\n"
         )
@@ -404,6 +416,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         doc["message"] = "fits" if result.best is not None else "nothing fits"
         out.write(json.dumps(doc, indent=2, default=str) + "\n")
     else:
-        render(plan, out)
+        render(plan, out, activations_estimated=_estimates_activations(args))
         render_search(result, notes, out)
     return 0 if result.best is not None else 1

@@ -91,15 +91,25 @@ def _model_probe(
     from tiered.planning.timing import compute_threads_beside_engine
 
     replaces = " (instead of the bench file's matmul rate)" if "flops" in bw else ""
-    probe = probe_model_compute(
-        hf_config,
-        micro_batch=args.micro_batch,
-        seq_len=args.seq_len,
-        dtype=dtype,
-        device=device,
-        # [Note: compute beside the engine's threads]
-        threads=compute_threads_beside_engine() if device == "cpu" else None,
-    )
+    try:
+        probe = probe_model_compute(
+            hf_config,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            dtype=dtype,
+            device=device,
+            # [Note: compute beside the engine's threads]
+            threads=compute_threads_beside_engine() if device == "cpu" else None,
+        )
+    except Exception as exc:  # noqa: BLE001 - a config the model cannot run with is the user's to fix
+        from tiered.errors import ConfigError
+
+        raise ConfigError(
+            f"--model {args.model}: one layer of the model, built from its config.json, fails to run "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); training it would fail "
+            "the same way: check the sizes in its config.json, or "
+            "give --flops to plan without running it"
+        ) from None
     micro_batches = tokens / (args.micro_batch * args.seq_len)
     seconds = probe.step_seconds(checkpointing=checkpointing) * micro_batches
     params = sum(p.numel() for p in model.parameters())

@@ -59,8 +59,16 @@ def load_hf_config(source: ModelSource) -> Any:
     try:
         return AutoConfig.for_model(model_type, **data)
     except (ValueError, KeyError, TypeError) as exc:
+        import transformers
+
+        why = str(exc)
+        if "Unrecognized model identifier" in why:  # its next sentence lists every model type known
+            why = (
+                f"transformers {transformers.__version__} does not know it (a newer transformers, or a "
+                "model whose code ships with it, which tiered does not run)"
+            )
         raise ConfigError(
-            f"--model {source.config_path}: unknown or invalid model_type {model_type!r}: {exc}"
+            f"--model {source.config_path}: unknown or invalid model_type {model_type!r}: {why}"
         ) from None
 
 
