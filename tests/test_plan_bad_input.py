@@ -71,3 +71,21 @@ def test_a_config_whose_layer_cannot_run_is_an_error_naming_the_folder(
     )
     assert f"--model {tmp_path}: one layer of the model" in err and "fails to run" in err
     assert "Traceback" not in err
+
+
+def test_a_config_naming_its_own_code_is_built_as_transformers_class_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+
+    from tiered.planning.hf_config import load_hf_config, resolve_model
+
+    config = {
+        "model_type": "llama", "architectures": ["MyLlama"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
+        "auto_map": {"AutoModelForCausalLM": "modeling_my.MyLlama"},
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="tiered.planning.hf_config"):
+        load_hf_config(resolve_model(tmp_path))
+    assert "modeling_my.MyLlama" in caplog.text and "never runs a model folder's code" in caplog.text

@@ -6,11 +6,14 @@ means the same model to each (no download: [Note: local models only] in tiered/f
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tiered.errors import ConfigError, TieredError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,16 @@ def load_hf_config(source: ModelSource) -> Any:
             f'--model {source.config_path}: config has no "model_type" key; is it a Hugging Face config.json?'
         )
     model_type = data.pop("model_type")
+    auto_map = data.get("auto_map")
+    if isinstance(auto_map, dict) and auto_map:
+        log.warning(
+            "--model %s: config.json's auto_map names the folder's own code (%s); tiered never runs a "
+            "model folder's code ([Note: local models only]): it builds transformers' own class for "
+            "model_type %r, which must have the same parameters (a weight it lacks is an error at load)",
+            source.config_path,
+            ", ".join(sorted(str(v) for v in auto_map.values())),
+            model_type,
+        )
     try:
         return AutoConfig.for_model(model_type, **data)
     except (ValueError, KeyError, TypeError) as exc:
