@@ -14,6 +14,7 @@ from typing import Any
 from tiered.errors import ConfigError, TieredError
 
 log = logging.getLogger(__name__)
+_said_own_code: set[Path] = set()  # each folder's auto_map warning once per process
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ def load_hf_config(source: ModelSource) -> Any:
         )
     model_type = data.pop("model_type")
     auto_map = data.get("auto_map")
-    if isinstance(auto_map, dict) and auto_map:
+    if isinstance(auto_map, dict) and auto_map and source.config_path not in _said_own_code:
+        _said_own_code.add(source.config_path)
         log.warning(
             "--model %s: config.json's auto_map names the folder's own code (%s); tiered never runs a "
             "model folder's code ([Note: local models only]): it builds transformers' own class for "
