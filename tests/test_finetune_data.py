@@ -122,6 +122,38 @@ def test_resolve_model_errors(tmp_path: Path) -> None:
         build_model(resolve_model(cfg))
 
 
+def test_a_folder_whose_weights_tiered_cannot_read_is_refused_not_trained_from_random(tmp_path: Path) -> None:
+    """A folder as people have them: PyTorch .bin weights only, or an index whose shards never
+    arrived. Either used to build a randomly initialised model and train it without a word."""
+    from tiered.errors import WeightsError
+    from tiered.zero.load import WeightSource
+
+    config = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    (bins / "config.json").write_text(json.dumps(config))
+    (bins / "pytorch_model-00001-of-00002.bin").write_bytes(b"pickle")
+    (bins / "pytorch_model-00002-of-00002.bin").write_bytes(b"pickle")
+    (bins / "pytorch_model.bin.index.json").write_text("{}")
+    with pytest.raises(
+        ConfigError, match=r"pytorch_model-00001-of-00002\.bin.*does not read.*random weights"
+    ) as e:
+        resolve_model(bins)
+    assert "save_pretrained" in str(e.value)  # how to convert it
+    with pytest.raises(WeightsError, match=r"no \*\.safetensors.*pytorch_model-00001-of-00002\.bin"):
+        WeightSource(bins)  # the Python API's streamed load says the same
+    shardless = tmp_path / "shardless"
+    shardless.mkdir()
+    (shardless / "config.json").write_text(json.dumps(config))
+    (shardless / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(ConfigError, match="none of its \\*\\.safetensors shards: the download is incomplete"):
+        resolve_model(shardless)
+    bare = tmp_path / "bare"  # config.json alone: a model initialised from the seed, as documented
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps(config))
+    assert resolve_model(bare).weight_files == ()
+
+
 def test_build_model_from_config_is_seeded_fp32(tmp_path: Path) -> None:
     src = resolve_model(write_model(tmp_path / "m"))
     a, b, c = build_model(src, seed=1), build_model(src, seed=1), build_model(src, seed=2)

@@ -27,6 +27,30 @@ class ModelSource:
     weight_files: tuple[Path, ...]
 
 
+def _weights_or_none(folder: Path) -> tuple[Path, ...]:
+    """The folder's safetensors; none only where it holds no weights at all (the model is then
+    initialised): an index without its shards, or weights in a format tiered does not read, are
+    refused rather than trained from random weights."""
+    from tiered.zero.load import INDEX_NAME, convert_hint, unread_weight_files
+
+    found = tuple(sorted(folder.glob("*.safetensors")))
+    if found:
+        return found
+    if (folder / INDEX_NAME).is_file():
+        raise ConfigError(
+            f"--model {folder}: {INDEX_NAME} is there but none of its *.safetensors shards: the download "
+            "is incomplete; fetch the shards (or remove the index to train from random weights)"
+        )
+    other = unread_weight_files(folder)
+    if other:
+        raise ConfigError(
+            f"--model {folder}: its weights are {', '.join(other)}, which tiered does not read (safetensors "
+            f"only: no pickle is ever loaded), and training would start from random weights instead; "
+            f"{convert_hint(folder)}"
+        )
+    return ()
+
+
 def resolve_model(path: str | Path) -> ModelSource:
     p = Path(path)
     if not p.exists():
@@ -38,7 +62,7 @@ def resolve_model(path: str | Path) -> ModelSource:
         cfg = p / "config.json"
         if not cfg.is_file():
             raise ConfigError(f"--model {path}: folder has no config.json; pass a Hugging Face model folder")
-        return ModelSource(cfg, p, tuple(sorted(p.glob("*.safetensors"))))
+        return ModelSource(cfg, p, _weights_or_none(p))
     return ModelSource(p, None, ())
 
 

@@ -53,6 +53,22 @@ INDEX_NAME = "model.safetensors.index.json"
 CHUNK_BYTES = 16 << 20
 """fp32 bytes converted at a time while streaming one tensor's slice."""
 _HF_SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+_UNREAD_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf", "*.bin.index.json")
+"""Weight files of other formats, which tiered does not read: safetensors only, never a pickle."""
+
+
+def unread_weight_files(folder: Path) -> list[str]:
+    """Names of the weight files in `folder` that are not safetensors (PyTorch pickles, TF/Flax,
+    GGUF): a folder holding only these must be refused, not trained from random weights."""
+    return sorted({p.name for pattern in _UNREAD_WEIGHTS for p in folder.glob(pattern) if p.is_file()})
+
+
+def convert_hint(folder: Path) -> str:
+    """How to turn a folder of PyTorch .bin weights into safetensors once, with transformers."""
+    return (
+        'convert it once with transformers: python -c "from transformers import AutoModelForCausalLM as M; '
+        f"M.from_pretrained('{folder}').save_pretrained('{folder}-safetensors')\" and pass that folder"
+    )
 
 
 def _weight_files(folder: Path) -> tuple[list[Path], Path | None]:
@@ -102,7 +118,16 @@ class WeightSource:
             raise WeightsError(f"weights={folder}: not a folder; pass a Hugging Face model folder")
         files, index = _weight_files(self.folder)
         if not files:
-            raise WeightsError(f"weights={folder}: no *.safetensors files in the folder")
+            other = unread_weight_files(self.folder)
+            raise WeightsError(
+                f"weights={folder}: no *.safetensors files in the folder"
+                + (
+                    f"; it holds {', '.join(other)}, which tiered does not read (safetensors only, no "
+                    f"pickle is ever loaded): {convert_hint(self.folder)}"
+                    if other
+                    else ""
+                )
+            )
         from safetensors import safe_open
 
         self.file_of: dict[str, Path] = {}
