@@ -140,6 +140,7 @@ def test_a_folder_whose_weights_tiered_cannot_read_is_refused_not_trained_from_r
     ) as e:
         resolve_model(bins)
     assert "save_pretrained" in str(e.value)  # how to convert it
+    assert resolve_model(bins, weights=False).weight_files == ()  # tiered plan reads the shapes only
     with pytest.raises(WeightsError, match=r"no \*\.safetensors.*pytorch_model-00001-of-00002\.bin"):
         WeightSource(bins)  # the Python API's streamed load says the same
     shardless = tmp_path / "shardless"

@@ -174,7 +174,7 @@ def lora_shape(shape: Any, model_path: str, spec_text: str) -> Any:
 
     spec = parse_lora_spec(spec_text)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(load_hf_config(resolve_model(model_path)))
+        model = AutoModelForCausalLM.from_config(load_hf_config(resolve_model(model_path, weights=False)))
     adapters = adapter_params(model, spec)
     return replace(
         shape,
@@ -242,7 +242,7 @@ def meta_model_from_args(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]
     if args.model is not None:
         from tiered.planning.hf_config import build_meta_model, resolve_model
 
-        model = build_meta_model(resolve_model(args.model))
+        model = build_meta_model(resolve_model(args.model, weights=False))
         said: tuple[str, ...] = ()
     else:
         from tiered.planning.shape_model import shape_model

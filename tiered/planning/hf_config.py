@@ -51,7 +51,9 @@ def _weights_or_none(folder: Path) -> tuple[Path, ...]:
     return ()
 
 
-def resolve_model(path: str | Path) -> ModelSource:
+def resolve_model(path: str | Path, *, weights: bool = True) -> ModelSource:
+    """The config and weights of `path`; with ``weights=False`` (a plan: shapes only) the
+    weights are not looked at."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(
@@ -62,7 +64,7 @@ def resolve_model(path: str | Path) -> ModelSource:
         cfg = p / "config.json"
         if not cfg.is_file():
             raise ConfigError(f"--model {path}: folder has no config.json; pass a Hugging Face model folder")
-        return ModelSource(cfg, p, _weights_or_none(p))
+        return ModelSource(cfg, p, _weights_or_none(p) if weights else ())
     return ModelSource(p, None, ())
 
 

@@ -95,7 +95,7 @@ def shape_from_model(path: str | Path, *, persistence_threshold: int = 100_000) 
     """
     from tiered.planning.hf_config import build_meta_model, resolve_model
 
-    model = build_meta_model(resolve_model(path))
+    model = build_meta_model(resolve_model(path, weights=False))
     return shape_of_module(model, f"model {path} ({type(model).__name__})", persistence_threshold)
 
 
