@@ -149,6 +149,14 @@ def test_a_folder_whose_weights_tiered_cannot_read_is_refused_not_trained_from_r
     (shardless / "model.safetensors.index.json").write_text('{"weight_map": {}}')
     with pytest.raises(ConfigError, match="none of its \\*\\.safetensors shards: the download is incomplete"):
         resolve_model(shardless)
+    quantized = tmp_path / "gptq"
+    quantized.mkdir()
+    (quantized / "config.json").write_text(
+        json.dumps({**config, "quantization_config": {"quant_method": "gptq"}})
+    )
+    (quantized / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="a quantized checkpoint .*'gptq'.*original"):
+        resolve_model(quantized)
     bare = tmp_path / "bare"  # config.json alone: a model initialised from the seed, as documented
     bare.mkdir()
     (bare / "config.json").write_text(json.dumps(config))

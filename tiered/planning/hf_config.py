@@ -34,6 +34,13 @@ def _weights_or_none(folder: Path) -> tuple[Path, ...]:
     from tiered.zero.load import INDEX_NAME, convert_hint, unread_weight_files
 
     found = tuple(sorted(folder.glob("*.safetensors")))
+    quant = _quantization(folder / "config.json")
+    if found and quant is not None:
+        raise ConfigError(
+            f"--model {folder}: a quantized checkpoint (config.json's quantization_config, quant_method "
+            f"{quant!r}): its files hold packed integers and scales, not the weights tiered trains; pass "
+            "the original (unquantized) model folder"
+        )
     if found:
         return found
     if (folder / INDEX_NAME).is_file():
@@ -49,6 +56,19 @@ def _weights_or_none(folder: Path) -> tuple[Path, ...]:
             f"{convert_hint(folder)}"
         )
     return ()
+
+
+def _quantization(config_path: Path) -> str | None:
+    """config.json's quantization method, None where it has none (or cannot be read: that is
+    load_hf_config's error to give)."""
+    try:
+        data = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    quant = data.get("quantization_config") if isinstance(data, dict) else None
+    if not isinstance(quant, dict):
+        return None
+    return str(quant.get("quant_method", "unknown"))
 
 
 def resolve_model(path: str | Path, *, weights: bool = True) -> ModelSource:
