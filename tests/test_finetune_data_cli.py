@@ -155,6 +155,23 @@ def test_a_cpu_moe_estimate_holds_a_kernel_per_expert_token_count() -> None:
     assert est(qwen).expert_kernels_bytes == 64 * CPU_EXPERT_COUNT_BYTES
 
 
+def test_auto_config_leaves_the_estimated_activations_their_room(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """--auto-config fits a config around the run's own activations ([Note: activation estimate]
+    for --batch-size x --seq-len): a batch whose activations leave too little of --auto-config's
+    memory is refused naming them, the same memory with a small batch trains."""
+    auto = ["--auto-config", "cpu_mem=700MiB,gpu_mem=1GiB", "--steps", "1"]
+    assert main(cli(files, "--batch-size", "2048", *auto)) == 2  # ~251 MiB of activations
+    err = capsys.readouterr().err
+    assert "tiered.auto_config: nothing fits cpu_mem 700.00 MiB" in err
+    assert "the activations take 251.00 MiB of the memory given" in err and "--batch-size" in err
+    with caplog.at_level("INFO"):
+        assert main(cli(files, "--batch-size", "2", *auto)) == 0
+    assert "activation_mem from the estimate: ~251.00 KiB" in caplog.text
+    assert "tiered.auto_config chose" in caplog.text
+
+
 def test_huge_batch_is_refused_before_training_leaving_nothing(
     files: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

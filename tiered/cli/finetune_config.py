@@ -4,11 +4,14 @@ it supplies, and the refusals of what nobody supplied, named as a command-line u
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
 from tiered.cli.finetune_options import FinetuneOptions
 from tiered.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def with_auto_config(raw: dict[str, Any], spec: str) -> dict[str, Any]:
@@ -47,6 +50,8 @@ def load_checked(
     if has_auto_config(raw):  # [Note: auto config]: chosen over the model being trained
         import torch.distributed as dist
 
+        raw = _with_activation_estimate(raw, o, hf)
+
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         raw = resolve_auto_config(raw, model, world_size=world)
     new_dirs = _missing_dirs(raw)
@@ -72,6 +77,42 @@ def load_checked(
         _remove_empty(new_dirs)
         raise
     return cfg, micro, act
+
+
+def _with_activation_estimate(raw: dict[str, Any], o: FinetuneOptions, hf: Any) -> dict[str, Any]:
+    """`raw` whose ``auto_config`` has ``activation_mem``: the user's, else [Note: activation
+    estimate] for this run's micro-batch, sequence length, precision and checkpointing, so the
+    search leaves the activations their room (on a CPU-only machine, in host memory: [Note:
+    compute memory on a CPU-only machine])."""
+    import torch
+
+    from tiered.finetune.activations import estimate_activations
+
+    auto = dict(raw["tiered"]["auto_config"]) if isinstance(raw["tiered"]["auto_config"], dict) else None
+    if auto is None or auto.get("activation_mem") is not None:
+        return raw
+    given = raw.get("train_micro_batch_size_per_gpu")
+    micro = (
+        o.batch_size if o.batch_size is not None else (given if isinstance(given, int) and given > 0 else 1)
+    )
+    dtype = (
+        torch.bfloat16
+        if (raw.get("bf16") or {}).get("enabled") is True
+        else torch.float16
+        if (raw.get("fp16") or {}).get("enabled") is True
+        else torch.float32
+    )
+    est = estimate_activations(
+        hf,
+        batch=micro,
+        seq_len=o.seq_len,
+        dtype=dtype,
+        checkpointing=o.gradient_checkpointing,
+        compute_on_cpu=not torch.cuda.is_available(),
+    )
+    auto["activation_mem"] = str(est.total_bytes)
+    log.info("tiered.auto_config: activation_mem from the estimate: %s", est.describe())
+    return {**raw, "tiered": {**raw["tiered"], "auto_config": auto}}
 
 
 def _missing_dirs(raw: dict[str, Any]) -> list[Path]:

@@ -13,7 +13,9 @@ being trained (its real module tree), every knob the config sets itself is pinne
 devices, ``sub_group_size``, ``offload_optimizer.buffer_count``, ``offload_param.max_in_cpu``,
 ``stage3_param_persistence_threshold``, ``tiered.grad_tier``), and the chosen knobs and tier
 budgets are written into the config, which is then read as if the user had written them. What
-was chosen is logged at INFO. A config with tiers of its own (``tiered.tiers``) is refused: the
+was chosen is logged at INFO. `tiered finetune` fills ``activation_mem``, where the config leaves it
+out, with [Note: activation estimate] for its micro-batch and sequence length (a run's
+activations need their room as much as its state does). A config with tiers of its own (``tiered.tiers``) is refused: the
 budgets are what the planner chooses. When nothing fits, CapacityError names the closest
 config and every memory it is short of, each with the keys that would fix it.
 """
@@ -121,7 +123,17 @@ def resolve_auto_config(config: dict[str, Any], model: nn.Module, *, world_size:
         near = result.closest
         detail = shortfall_text(near) if near is not None else "no config could be counted"
         knobs = "" if near is None else f"closest: {near.knobs}; "
-        raise CapacityError(f"tiered.auto_config: nothing fits {auto}: {knobs}{detail}")
+        given = ", ".join(
+            f"{k} {format_bytes(v, binary=True) if k.endswith('_mem') and (v := size(k)) is not None else auto[k]}"
+            for k in auto
+        )
+        if mem.activations:
+            detail += (
+                f"; the activations take {format_bytes(mem.activations, binary=True)} of the memory given "
+                "(tiered.auto_config.activation_mem; tiered finetune estimates it from --batch-size, "
+                "--seq-len and --gradient-checkpointing)"
+            )
+        raise CapacityError(f"tiered.auto_config: nothing fits {given}: {knobs}{detail}")
     raw = best.config
     log.info(
         "tiered.auto_config chose %s (peaks: GPU %s, host %s, NVMe %s; predicted %.3g s/step)",
