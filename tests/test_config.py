@@ -321,6 +321,28 @@ def test_adam_l2_mode_and_disabled_unsupported_section_accepted():
     assert cfg.optimizer.type == "Adam" and cfg.optimizer.adamw_mode is False
 
 
+@pytest.mark.parametrize(
+    ("optimizer", "weight_decay"),
+    [
+        ({"type": "Adam", "params": {"lr": 0.1, "torch_adam": True}}, 0.01),  # torch.optim.AdamW(**params)
+        ({"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}}, 0.01),
+        (
+            {"type": "Adam", "params": {"lr": 0.1, "torch_adam": True, "adam_w_mode": False}},
+            0.0,
+        ),  # torch Adam
+        ({"type": "Adam", "params": {"lr": 0.1, "torch_adam": True, "weight_decay": 0.2}}, 0.2),
+        ({"type": "Adam", "params": {"lr": 0.1, "torch_adam": False}}, 0.0),  # FusedAdam / CPUAdam
+        ({"type": "AdamW", "params": {"lr": 0.1}}, 0.0),
+    ],
+)
+def test_weight_decay_left_out_is_the_default_of_the_adam_deepspeed_builds(
+    optimizer: dict[str, object], weight_decay: float
+) -> None:
+    """A config from a public project (InternVL's adam_fp16.json) sets torch_adam and no
+    weight_decay: DeepSpeed builds torch.optim.AdamW from the params, whose default is 0.01."""
+    assert load_config({"optimizer": optimizer}).optimizer.weight_decay == weight_decay
+
+
 def test_batch_rules():
     assert (
         load_config(

@@ -221,7 +221,12 @@ UNDECLARED_RULES: tuple[KeyRule, ...] = (
     # --- optimizer ---------------------------------------------------------------------------
     KeyRule("optimizer.legacy_fusion", _I, "chooses between implementations of the same Adam math"),
     KeyRule("optimizer.params", _SEC, "Adam's parameters"),
-    KeyRule("optimizer.params.torch_adam", _I, "chooses between implementations of the same Adam math"),
+    KeyRule(
+        "optimizer.params.torch_adam",
+        _I,
+        "chooses between implementations of the same Adam math; DeepSpeed then builds torch.optim.AdamW, "
+        "so a weight_decay left out is its 0.01 (read so)",
+    ),
     KeyRule("optimizer.params.fused", _I, "chooses between implementations of the same Adam math"),
     KeyRule("optimizer.params.foreach", _I, "chooses between implementations of the same Adam math"),
     KeyRule(

@@ -282,7 +282,8 @@ class OptimizerConfig:
         0.0,
         f"{_OPT}.weight_decay",
         "decoupled (AdamW) or L2 (Adam, adam_w_mode false); DeepSpeed's FusedAdam and CPUAdam default "
-        'to 0 as well; "auto": weight_decay=',
+        "to 0 as well (with torch_adam true, torch.optim.AdamW's 0.01); "
+        '"auto": weight_decay=',
         auto="caller",
         minimum=0.0,
     )

@@ -10,6 +10,7 @@ silently ignores the old name; tiered honours both spellings (one setting, error
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -44,6 +45,8 @@ from tiered.errors import ConfigError, UnsupportedConfigError
 log = logging.getLogger(__name__)
 
 ZP = "zero_optimization"
+TORCH_ADAMW_WEIGHT_DECAY = 0.01
+"""torch.optim.AdamW's default weight_decay: what DeepSpeed's optimizer.params.torch_adam runs with."""
 _DEVICES = ("none", "cpu", "nvme")
 _DS_OPTIMIZERS = (
     "OneBitAdam",
@@ -320,12 +323,21 @@ def parse_optimizer(raw: Any) -> OptimizerConfig:
         )
     o = OptimizerConfig
     betas = value("betas")
+    torch_adam = value("torch_adam")
+    # With torch_adam DeepSpeed builds torch.optim.AdamW (Adam with adam_w_mode false: torch.optim.Adam)
+    # from the params as given, so a weight_decay left out is torch AdamW's default, not FusedAdam's 0.
+    torch_adamw = adam_w_mode and torch_adam is not None and as_bool(torch_adam, f"{p}.torch_adam")
     return OptimizerConfig(
         type=type_,
         lr=read_key(params, o, "lr"),
         betas=defaults.betas if betas is None else as_betas(betas, f"{p}.betas"),
         eps=read_key(params, o, "eps"),
-        weight_decay=read_key(params, o, "weight_decay"),
+        weight_decay=read_key(
+            params,
+            o,
+            "weight_decay",
+            default=TORCH_ADAMW_WEIGHT_DECAY if torch_adamw else dataclasses.MISSING,
+        ),
         # DeepSpeed: effective adam_w_mode = (type == AdamW) or adam_w_mode (default True).
         adamw_mode=adam_w_mode,
     )
