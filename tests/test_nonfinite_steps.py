@@ -281,3 +281,23 @@ def test_skip_on_every_step_is_not_exit_0_from_finetune(
     assert main(cli(files)) == 3
     err = capsys.readouterr().err
     assert "3 of 3 optimizer steps were skipped" in err and "no optimizer step was applied" in err, err
+
+
+def test_deepspeeds_bf16_check_grad_overflow_skips_the_step(caplog: pytest.LogCaptureFixture) -> None:
+    """`bf16.check_grad_overflow: true` (DeepSpeed's switch to skip a bf16 step whose gradients
+    overflowed) was refused as if tiered had no such check: it is `tiered.nonfinite_step`
+    "skip"; where that key is set it wins; and a `"bf16": null` section is absent, as in
+    DeepSpeed (it was refused)."""
+    model, bs = _batches("grad", "bf16")
+    cfg = _cfg("bf16", None)
+    cfg["bf16"]["check_grad_overflow"] = True
+    with caplog.at_level(logging.WARNING, logger="tiered"):
+        engine, _ = _train(model, cfg, [bs[0], _poison(bs[1], "grad"), bs[2]])
+    assert "step skipped" in caplog.text and engine.stats()["nonfinite_steps"] == 1
+    explicit = _cfg("bf16", "raise")
+    explicit["bf16"]["check_grad_overflow"] = True
+    model, bs = _batches("grad", "bf16")
+    with pytest.raises(NonFiniteError):
+        _train(model, explicit, [bs[0], _poison(bs[1], "grad")])
+    assert load_config({**_cfg("fp32", None), "bf16": None}).precision.dtype == torch.float32
+    assert load_config({**_cfg("fp32", None), "bfloat16": None}).precision.dtype == torch.float32

@@ -252,9 +252,6 @@ UNDECLARED_RULES: tuple[KeyRule, ...] = (
         "tiered accumulates bf16 gradients into fp32 as they arrive either way",
     ),
     KeyRule(
-        "bf16.check_grad_overflow", _D, "bf16 runs without overflow checks in tiered; set false", (False,)
-    ),
-    KeyRule(
         "fp16.enabled", _S, 'fp16 compute with dynamic (or static) loss scaling; "auto": mixed_precision='
     ),
     KeyRule(

@@ -319,6 +319,13 @@ class PrecisionConfig:
     auto_cast: bool = key(
         False, "fp16.auto_cast", "cast the forward's floating-point inputs to fp16, as DeepSpeed does"
     )
+    check_grad_overflow: bool = key(
+        False,
+        "bf16.check_grad_overflow",
+        "true: a bf16 step whose loss or gradients hold NaN or inf is skipped, as DeepSpeed does "
+        '(`tiered.nonfinite_step` "skip", which takes precedence where set); false: tiered\'s own '
+        "default, `tiered.nonfinite_step` ([Note: non-finite steps])",
+    )
 
 
 @dataclass(frozen=True)

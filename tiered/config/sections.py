@@ -346,11 +346,13 @@ def parse_optimizer(raw: Any) -> OptimizerConfig:
 def parse_precision(config: dict[str, Any]) -> PrecisionConfig:
     bf16_found = pick(config, "", ("bf16", "bfloat16"))
     bf16_on = False
-    if bf16_found is not None:
+    check_grad_overflow = False
+    if bf16_found is not None and bf16_found[1] is not None:  # null: absent, as DeepSpeed reads it
         key, raw = bf16_found
         section = as_section(raw, key)
         check_section(section, "bf16")
         bf16_on = _flag(section, key, "enabled", False)
+        check_grad_overflow = read_key(section, PrecisionConfig, "check_grad_overflow")
     fp16 = as_section(config.get("fp16") or {}, "fp16")
     check_section(fp16, "fp16")
     fp16_on = _flag(fp16, "fp16", "enabled", False)
@@ -370,4 +372,5 @@ def parse_precision(config: dict[str, Any]) -> PrecisionConfig:
             "consecutive_hysteresis",
             "auto_cast",
         ),
+        check_grad_overflow=check_grad_overflow,
     )

@@ -10,9 +10,10 @@ chooses:
 - ``"raise"`` (the default): `NonFiniteError` at the step, naming it, what was not finite (the
   loss of which micro-batch, or the first group whose gradient was) and this key. The step's
   gradients are dropped first, so an engine whose caller catches it goes on from clean state.
-- ``"skip"``: the step is skipped as an fp16 overflow is (``global_steps`` counts it, the
-  optimizer and the lr schedule do not advance), with a WARNING, counted in
-  ``stats()["nonfinite_steps"]`` (and in ``skipped_steps``).
+- ``"skip"`` (the default where a DeepSpeed config sets ``bf16.check_grad_overflow: true``,
+  DeepSpeed's switch for the same skip): the step is skipped as an fp16 overflow is
+  (``global_steps`` counts it, the optimizer and the lr schedule do not advance), with a
+  WARNING, counted in ``stats()["nonfinite_steps"]`` (and in ``skipped_steps``).
 - ``"apply"``: plain PyTorch's behaviour, nothing checked: the exact oracle of the equivalence
   tests, at no cost at all.
 
@@ -67,6 +68,8 @@ def nonfinite_policy(cfg: TieredConfig) -> str:
                 f"remove {KEY} or train in bf16"
             )
         return "scaler"
+    if chosen is None and cfg.precision.dtype == torch.bfloat16 and cfg.precision.check_grad_overflow:
+        return "skip"  # DeepSpeed's bf16.check_grad_overflow: the step is skipped
     return chosen or "raise"
 
 
