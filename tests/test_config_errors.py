@@ -444,3 +444,35 @@ def test_deeply_nested_config_is_a_config_error_not_recursion(tmp_path):
     _raises(str(path), str(path), "deeper")
     _raises(_deep(100_000), "tiered.tiers.custom.backend.spec.a", "deeper than 64")
     load_config(_deep(8))  # a backend spec some levels deep is fine
+
+
+@pytest.mark.parametrize(
+    ("section", "off", "on", "named"),
+    [
+        (
+            "bf16",
+            {"bf16_master_weights_and_grads": False},
+            {"bf16_master_weights_and_grads": True},
+            "fp32 master",
+        ),
+        ("bf16", {"bf16_optimizer_states": False}, {"bf16_optimizer_states": True}, "optimizer_state_format"),
+        ("zero_optimization", {"zeropp_loco_param": None}, {"zeropp_loco_param": {"err_beta": 0.8}}, "LoCo"),
+    ],
+)
+def test_recent_deepspeed_keys_are_recognised_at_their_off_value(
+    section: str, off: dict[str, object], on: dict[str, object], named: str
+) -> None:
+    """Keys of DeepSpeed releases before the API tiered follows, written by real configs at
+    their defaults: accepted off, refused on with what to use instead (they were 'unknown')."""
+    base = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    load_config({**base, section: {**base[section], **off}})
+    with pytest.raises(ConfigError, match=f"recognised but not supported.*{named}"):
+        load_config({**base, section: {**base[section], **on}})
+
+
+def test_cpu_adams_fp32_optimizer_states_is_recognised() -> None:
+    opt = {"type": "AdamW", "params": {"lr": 1e-3, "fp32_optimizer_states": True}}
+    load_config({"optimizer": opt})
+    opt["params"]["fp32_optimizer_states"] = False  # type: ignore[index]
+    with pytest.raises(ConfigError, match="fp32_optimizer_states.*tiered.optimizer_state_format"):
+        load_config({"optimizer": opt})

@@ -227,6 +227,13 @@ UNDECLARED_RULES: tuple[KeyRule, ...] = (
         "chooses between implementations of the same Adam math; DeepSpeed then builds torch.optim.AdamW, "
         "so a weight_decay left out is its 0.01 (read so)",
     ),
+    KeyRule(
+        "optimizer.params.fp32_optimizer_states",
+        _D,
+        "DeepSpeedCPUAdam's state precision: tiered's is tiered.optimizer_state_format (fp32 by default); "
+        "set true here and use that key",
+        (True,),
+    ),
     KeyRule("optimizer.params.fused", _I, "chooses between implementations of the same Adam math"),
     KeyRule("optimizer.params.foreach", _I, "chooses between implementations of the same Adam math"),
     KeyRule(
@@ -246,6 +253,18 @@ UNDECLARED_RULES: tuple[KeyRule, ...] = (
     ),
     # --- precision ---------------------------------------------------------------------------
     KeyRule("bf16.enabled", _S, 'bf16 compute, fp32 master weights; "auto": mixed_precision='),
+    KeyRule(
+        "bf16.bf16_master_weights_and_grads",
+        _D,
+        "tiered keeps fp32 master weights and accumulates gradients in fp32; set false",
+        (False,),
+    ),
+    KeyRule(
+        "bf16.bf16_optimizer_states",
+        _D,
+        'Adam moments in bf16 are tiered.optimizer_state_format "bf16"; set false here and use that key',
+        (False,),
+    ),
     KeyRule(
         "bf16.immediate_grad_update",
         _I,
@@ -366,6 +385,12 @@ UNDECLARED_RULES: tuple[KeyRule, ...] = (
         _D,
         "ZeRO++ hierarchical partitioning (hpZ) is not supported; set 1",
         (1,),
+    ),
+    KeyRule(
+        "zero_optimization.zeropp_loco_param",
+        _D,
+        "ZeRO++ LoCo gradient compression is not supported; remove it or set null",
+        (None,),
     ),
     KeyRule(
         "zero_optimization.zero_quantized_weights",
