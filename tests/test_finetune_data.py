@@ -163,6 +163,43 @@ def test_a_folder_whose_weights_tiered_cannot_read_is_refused_not_trained_from_r
     assert resolve_model(bare).weight_files == ()
 
 
+def test_a_loaded_model_reads_the_files_the_streamed_load_reads(tmp_path: Path) -> None:
+    """--lora and --compare-torch load the weights into a real model: they read every
+    *.safetensors of the folder, so a stale model.safetensors beside an index and its shards
+    overrode the shards without a word, and a Mistral-style consolidated.safetensors was refused.
+    They follow the index now, as [Note: streaming load] does; a tensor in two unindexed files
+    is an error naming both."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    hf = LlamaConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    want = AutoModelForCausalLM.from_config(hf)
+    folder = tmp_path / "m"
+    want.save_pretrained(folder, max_shard_size="8KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    save_file(
+        {k: torch.ones_like(v) for k, v in want.state_dict().items()}, str(folder / "model.safetensors")
+    )
+    save_file({"tok_embeddings.weight": torch.zeros(4)}, str(folder / "consolidated.safetensors"))
+    source = resolve_model(folder)
+    assert "model.safetensors" not in {f.name for f in source.weight_files}
+    got = build_model(source)
+    for k, v in want.state_dict().items():
+        assert torch.equal(got.state_dict()[k], v.float()), k
+    twice = tmp_path / "twice"  # no index, no Hugging Face names: every file is read
+    twice.mkdir()
+    (twice / "config.json").write_text((folder / "config.json").read_text())
+    sd = {k: v.contiguous() for k, v in want.state_dict().items()}
+    save_file(sd, str(twice / "a.safetensors"))
+    save_file({"lm_head.weight": sd["lm_head.weight"]}, str(twice / "b.safetensors"))
+    with pytest.raises(ConfigError, match=r"lm_head\.weight is in both a\.safetensors and b\.safetensors"):
+        build_model(resolve_model(twice))
+
+
 def test_build_model_from_config_is_seeded_fp32(tmp_path: Path) -> None:
     src = resolve_model(write_model(tmp_path / "m"))
     a, b, c = build_model(src, seed=1), build_model(src, seed=1), build_model(src, seed=2)

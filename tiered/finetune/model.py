@@ -28,11 +28,20 @@ def _load_weights(model: torch.nn.Module, files: tuple[Path, ...]) -> None:
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
-    for f in files:
+    found_in: dict[str, Path] = {}
+    for f in files:  # the streamed load's files ([Note: streaming load]: resolve_model chose them)
         try:
-            state.update(load_file(str(f)))
+            tensors = load_file(str(f))
         except Exception as exc:  # noqa: BLE001 - a corrupt file is the user's to fix
             raise ConfigError(f"--model {f}: cannot read safetensors weights: {exc}") from None
+        for k, t in tensors.items():
+            if k in found_in:  # never one file silently overriding another
+                raise ConfigError(
+                    f"--model {f.parent}: tensor {k} is in both {found_in[k].name} and {f.name}; remove "
+                    "the stale file (or add model.safetensors.index.json naming the right one)"
+                )
+            found_in[k] = f
+            state[k] = t
     names = {f.name for f in files}
     own: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     own.update(dict(model.named_buffers()))

@@ -31,9 +31,13 @@ def _weights_or_none(folder: Path) -> tuple[Path, ...]:
     """The folder's safetensors; none only where it holds no weights at all (the model is then
     initialised): an index without its shards, or weights in a format tiered does not read, are
     refused rather than trained from random weights."""
-    from tiered.zero.load import INDEX_NAME, convert_hint, unread_weight_files
+    from tiered.errors import WeightsError
+    from tiered.zero.load import INDEX_NAME, convert_hint, unread_weight_files, weight_files
 
-    found = tuple(sorted(folder.glob("*.safetensors")))
+    try:  # the files the streamed load reads, by the same rules ([Note: streaming load])
+        found = tuple(weight_files(folder)[0])
+    except WeightsError as exc:
+        raise ConfigError(f"--model {folder}: {exc}") from None
     quant = _quantization(folder / "config.json")
     if found and quant is not None:
         raise ConfigError(

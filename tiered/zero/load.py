@@ -71,7 +71,7 @@ def convert_hint(folder: Path) -> str:
     )
 
 
-def _weight_files(folder: Path) -> tuple[list[Path], Path | None]:
+def weight_files(folder: Path) -> tuple[list[Path], Path | None]:
     """The files to read ([Note: streaming load]) and the index they came from (None: no index)."""
     present = sorted(folder.glob("*.safetensors"))
     index = folder / INDEX_NAME
@@ -116,7 +116,7 @@ class WeightSource:
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise WeightsError(f"weights={folder}: not a folder; pass a Hugging Face model folder")
-        files, index = _weight_files(self.folder)
+        files, index = weight_files(self.folder)
         if not files:
             other = unread_weight_files(self.folder)
             raise WeightsError(
