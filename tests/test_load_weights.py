@@ -309,3 +309,25 @@ def test_finetune_cli_streams_the_folder_weights(tmp_path, caplog):
         assert any("tensors in" in r.getMessage() for r in caplog.records) == streamed
         docs.append(json.loads(stats.read_text()))
     assert docs[0]["losses"] == pytest.approx(docs[1]["losses"], rel=1e-5)
+
+
+def test_a_gemma_folder_streams_and_its_embedding_buffer_is_computed(tmp_path):
+    """Gemma's embedding module also holds a buffer (embed_scale), computed by transformers' init
+    of the whole module, which also zeroes the weight's padding row: run after the weight had
+    become a storage-less placeholder, that init raised IndexError. The buffers are computed
+    while the parameters are still meta now, and the first loss is transformers' own."""
+    from transformers import AutoModelForCausalLM, GemmaConfig
+
+    torch.manual_seed(0)
+    hf = GemmaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    assert hf.pad_token_id == 0  # as real Gemma configs have it
+    ref = AutoModelForCausalLM.from_config(hf, attn_implementation="eager")
+    folder = tmp_path / "gemma"
+    ref.save_pretrained(folder)
+    want = float(ref(**_batch()).loss)
+    with tiered.from_pretrained(folder, _cfg(tmp_path)) as engine:
+        got = float(engine(**_batch()).loss)
+    assert got == pytest.approx(want, rel=1e-5)

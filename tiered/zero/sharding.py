@@ -106,6 +106,11 @@ def write_group_partitions(
     """Create each group's param (and grad) partition from the model's values, one group at a
     time (a meta model is materialised group by group: see [Note: meta materialisation]); with
     `weights`, from the files instead ([Note: streaming load])."""
+    if is_meta:
+        # Buffers first, while every parameter is still meta: a module's init computes its buffers
+        # (Gemma's embed_scale) and also writes its parameters (zeroes the padding row), which on a
+        # meta parameter is a no-op; later the parameters are placeholders without their shape.
+        materialize_buffers(model, torch.device("cpu"))
     sizes = []
     for pg in planned:
         full = padded_numel(sum(p.numel() for _, p in pg.params), world_size, ALIGNMENT_NUMEL)
