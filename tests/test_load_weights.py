@@ -331,3 +331,65 @@ def test_a_gemma_folder_streams_and_its_embedding_buffer_is_computed(tmp_path):
     with tiered.from_pretrained(folder, _cfg(tmp_path)) as engine:
         got = float(engine(**_batch()).loss)
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def _saved(folder, model) -> float:
+    model.save_pretrained(folder)
+    return float(model(**_batch()).loss)
+
+
+def test_files_in_the_names_transformers_reads_stream_in(tmp_path):
+    """Folders transformers loads without a missing or unexpected key: a GPT-2 saved from the
+    base model (no "transformer." prefix) with the old attn.bias masks it ignores, and a
+    GPT-NeoX whose head is embed_out on disk (transformers renames it lm_head). Both were
+    refused as "weights of another config.json"; the first loss is transformers' own now."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2Model, GPTNeoXConfig
+
+    torch.manual_seed(0)
+    gpt2 = GPT2Config(
+        vocab_size=64,
+        n_embd=32,
+        n_layer=1,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    base = GPT2Model(gpt2)
+    folder = tmp_path / "gpt2"
+    base.save_pretrained(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert not any(k.startswith("transformer.") for k in tensors)
+    tensors["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 64, 64))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    want = float(ref(**_batch()).loss)
+    with tiered.from_pretrained(folder, _cfg(tmp_path)) as engine:
+        assert float(engine(**_batch()).loss) == pytest.approx(want, rel=1e-5)
+
+    neox = GPTNeoXConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+    )
+    model = AutoModelForCausalLM.from_config(neox, attn_implementation="eager")
+    folder = tmp_path / "neox"
+    want = _saved(folder, model)
+    assert "embed_out.weight" in load_file(str(folder / "model.safetensors"))
+    with tiered.from_pretrained(folder, _cfg(tmp_path)) as engine:
+        assert float(engine(**_batch()).loss) == pytest.approx(want, rel=1e-5)
+
+
+def test_a_family_whose_files_transformers_merges_is_refused_as_such(tmp_path):
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    hf = MixtralConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=32, num_local_experts=2, num_experts_per_tok=1,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(hf).save_pretrained(tmp_path / "mixtral")
+    with pytest.raises(tiered.errors.WeightsError) as info:
+        tiered.from_pretrained(tmp_path / "mixtral", _cfg(tmp_path))
+    msg = str(info.value)
+    assert "transformers merges this family's file tensors" in msg and "not supported" in msg
+    assert "belong to this config.json" not in msg  # they do

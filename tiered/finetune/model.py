@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from tiered.errors import ConfigError
+from tiered.errors import ConfigError, WeightsError
 from tiered.planning.hf_config import ModelSource, load_hf_config, resolve_model
+from tiered.zero.load import match_file_keys
 
 __all__ = ["ModelSource", "build_model", "load_hf_config", "resolve_model"]
 
@@ -45,12 +46,11 @@ def _load_weights(model: torch.nn.Module, files: tuple[Path, ...]) -> None:
     names = {f.name for f in files}
     own: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     own.update(dict(model.named_buffers()))
-    unexpected = sorted(k for k in state if k not in own)
-    if unexpected:
-        raise ConfigError(
-            f"--model {', '.join(sorted(names))}: {len(unexpected)} tensors the model does not have, "
-            f"e.g. {unexpected[:3]}; do the weights belong to this config.json?"
-        )
+    try:  # the streamed load's matching: the base model's prefix, the keys transformers ignores
+        name_of = match_file_keys(model, list(state), ", ".join(sorted(names)))
+    except WeightsError as exc:
+        raise ConfigError(f"--model {exc}") from None
+    state = {name_of[k]: t for k, t in state.items() if k in name_of}
     for k, t in state.items():
         if tuple(t.shape) != tuple(own[k].shape):
             raise ConfigError(

@@ -109,6 +109,95 @@ def weight_files(folder: Path) -> tuple[list[Path], Path | None]:
     return present, None
 
 
+def match_file_keys(model: nn.Module, file_keys: Sequence[str], where: str) -> dict[str, str]:
+    """Each file tensor's name in `model` ([Note: streaming load], which names match), as
+    transformers matches them: the name itself, or with the model's ``base_model_prefix`` in front
+    (files saved from the base model, e.g. GPT-2's ``h.0...`` for ``transformer.h.0...``); a key
+    the class tells transformers to ignore on load (``_keys_to_ignore_on_load_unexpected``, e.g.
+    GPT-2's old ``attn.bias`` masks) is left out with one log line. Anything else is a
+    WeightsError: a family whose files transformers converts when it loads them (renamed or fused
+    experts) is named as such, not as weights of another config."""
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {
+        n for n, _ in model.named_buffers()
+    }
+    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    renames = _renames(model)
+    mapped: dict[str, str] = {}
+    claimed: dict[str, str] = {}
+    unexpected: list[str] = []
+    ignored: list[str] = []
+    for k in file_keys:
+        name = k if k in names else f"{prefix}.{k}" if prefix and f"{prefix}.{k}" in names else None
+        if name is None and renames:  # transformers' load-time renames (GPT-NeoX's embed_out -> lm_head)
+            renamed = k
+            for pattern, target in renames:
+                renamed = pattern.sub(target, renamed)
+            name = renamed if renamed in names else None
+        if name is None:
+            (ignored if any(r.search(k) for r in ignore) else unexpected).append(k)
+            continue
+        if name in claimed:  # "x" and "model.x" both in the files: which is meant is not ours to guess
+            raise WeightsError(f"weights in {where}: {claimed[name]} and {k} are both the model's {name}")
+        claimed[name] = k
+        mapped[k] = name
+    if ignored:
+        log.info(
+            "weights: %d tensors transformers ignores on load left out, e.g. %s", len(ignored), ignored[:3]
+        )
+    if unexpected:
+        raise WeightsError(
+            f"weights in {where}: {len(unexpected)} tensors the model does not have, e.g. {sorted(unexpected)[:5]}; "
+            + _converted_layout(model)
+        )
+    return mapped
+
+
+def _conversions(model: nn.Module) -> list[Any]:
+    """transformers' load-time conversions of `model`'s files (renames, merges); none where it has none."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import extract_weight_conversions_for_model
+
+        if not isinstance(model, PreTrainedModel):
+            return []
+        return list(extract_weight_conversions_for_model(model) or [])
+    except Exception:  # noqa: BLE001 - no transformers, or one without the mapping
+        return []
+
+
+def _renames(model: nn.Module) -> list[tuple[re.Pattern[str], str]]:
+    """The plain renames among `_conversions` (a merge of several tensors into one is not a rename)."""
+    out: list[tuple[re.Pattern[str], str]] = []
+    for c in _conversions(model):
+        if type(c).__name__ != "WeightRenaming":
+            continue
+        sources, targets = c.source_patterns, c.target_patterns
+        sources = [sources] if isinstance(sources, str) else list(sources)
+        targets = [targets] if isinstance(targets, str) else list(targets)
+        if len(sources) == 1 and len(targets) == 1:
+            try:
+                out.append((re.compile(sources[0]), targets[0]))
+            except (re.error, TypeError):
+                continue
+    return out
+
+
+def _converted_layout(model: nn.Module) -> str:
+    """Why file names may not be the model's: transformers' load-time merges, where it has them."""
+    merges = [c for c in _conversions(model) if type(c).__name__ != "WeightRenaming"]
+    if not merges:
+        return "do the weights belong to this config.json?"
+    first = merges[0]
+    return (
+        f"transformers merges this family's file tensors when it loads them ({len(merges)} merges for "
+        f"{type(model).__name__}, e.g. {getattr(first, 'source_patterns', first)} -> "
+        f"{getattr(first, 'target_patterns', '')}: per-expert weights into fused ones), and tiered's loader "
+        "does not merge tensors yet: loading this family's weights is not supported (a model built "
+        "from config.json alone trains)"
+    )
+
+
 class WeightSource:
     """The tensors of one model folder: which file holds each, its shape and dtype (headers only)."""
 
@@ -154,23 +243,19 @@ class WeightSource:
         """Match the files against `model` (names, shapes, coverage): see [Note: streaming load]."""
         params = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers())
-        unexpected = sorted(k for k in self.file_of if k not in params and k not in buffers)
-        if unexpected:
-            raise WeightsError(
-                f"weights in {self.folder}: {len(unexpected)} tensors the model does not have, e.g. "
-                f"{unexpected[:5]}; do the weights belong to this config.json?"
-            )
-        for k, shape in self.shapes.items():
-            own = params[k] if k in params else buffers[k]
-            if shape != tuple(own.shape):
+        name_of = match_file_keys(model, list(self.file_of), str(self.folder))
+        file_key = {name: k for k, name in name_of.items()}
+        for k, name in name_of.items():
+            own = params[name] if name in params else buffers[name]
+            if self.shapes[k] != tuple(own.shape):
                 raise WeightsError(
-                    f"tensor {k} in {self.file_of[k].name} has shape {shape}, the model (config.json) "
+                    f"tensor {k} in {self.file_of[k].name} has shape {self.shapes[k]}, the model (config.json) "
                     f"expects {tuple(own.shape)}; do the weights belong to this config.json?"
                 )
         key_of: dict[int, str] = {}
         for name, p in params.items():
-            if name in self.file_of:
-                key_of.setdefault(id(p), name)  # tied: the first name the files hold
+            if name in file_key:
+                key_of.setdefault(id(p), file_key[name])  # tied: the first name the files hold
         missing = sorted({n for n, p in params.items() if id(p) not in key_of})
         if missing and not init_missing:
             raise WeightsError(
@@ -181,17 +266,24 @@ class WeightSource:
             log.info(
                 "weights: %d parameters not in the files are initialised: %s", len(missing), missing[:10]
             )
-        return LoadPlan(self, key_of, sorted(k for k in self.file_of if k in buffers and k not in params))
+        return LoadPlan(
+            self,
+            key_of,
+            sorted((k, name) for k, name in name_of.items() if name in buffers and name not in params),
+        )
 
 
 class LoadPlan:
     """Which file tensor fills each parameter (by id); reads slices of them. One per initialize."""
 
-    def __init__(self, source: WeightSource, key_of: dict[int, str], buffer_keys: list[str]) -> None:
+    def __init__(
+        self, source: WeightSource, key_of: dict[int, str], buffer_keys: list[tuple[str, str]]
+    ) -> None:
         self.source = source
         self.key_of = key_of
         """id(param) -> the file tensor holding it; absent: initialised (init_missing)."""
         self.buffer_keys = buffer_keys
+        """(file tensor, the model's buffer name) of each buffer the files hold."""
         self.pin = False
         """Shard buffers in page-locked memory (the gpu tier is a CUDA device: the copy to it is a DMA)."""
 
@@ -292,11 +384,11 @@ class LoadPlan:
         if not self.buffer_keys:
             return
         buffers = dict(model.named_buffers())
-        with self._opened(self.buffer_keys) as handles, torch.no_grad():
-            for k in self.buffer_keys:
+        with self._opened([k for k, _ in self.buffer_keys]) as handles, torch.no_grad():
+            for k, name in self.buffer_keys:
                 t = handles[self.source.file_of[k]].get_tensor(k)
                 self._finite(k, t)
-                buffers[k].copy_(t.to(buffers[k].dtype))
+                buffers[name].copy_(t.to(buffers[name].dtype))
 
     def initial_fp32(
         self, params: Sequence[tuple[str, nn.Parameter]], lo: int, numel: int
