@@ -116,9 +116,12 @@ def test_tied_weights_are_covered_and_missing_ones_listed(tmp_path):
     from safetensors.torch import load_file, save_file
 
     name = "model.layers.1.mlp.up_proj.weight"
-    shard = folder / idx["weight_map"].pop(name)
+    shard = folder / idx["weight_map"][name]
     rest = {k: v for k, v in load_file(str(shard)).items() if k != name}
     save_file(rest, str(shard))
+    with pytest.raises(tiered.WeightsError, match=rf"puts {name} in {shard.name}, which lacks it"):
+        tiered.from_pretrained(folder, _cfg(tmp_path))  # the index still names it: a stale shard, named
+    idx["weight_map"].pop(name)
     (folder / "model.safetensors.index.json").write_text(json.dumps(idx))
     with pytest.raises(tiered.WeightsError, match=r"do not cover 1 parameters.*up_proj.*init_missing"):
         tiered.from_pretrained(folder, _cfg(tmp_path))
@@ -393,3 +396,21 @@ def test_a_family_whose_files_transformers_merges_is_refused_as_such(tmp_path):
     msg = str(info.value)
     assert "transformers merges this family's file tensors" in msg and "not supported" in msg
     assert "belong to this config.json" not in msg  # they do
+
+
+def test_a_tied_model_whose_files_hold_both_names_says_which_one_it_takes(tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    folder = _folder(tmp_path, tie=True)
+    files = sorted(folder.glob("model-*.safetensors"))
+    last = load_file(str(files[-1]))
+    last["lm_head.weight"] = torch.zeros_like(_file_tensors(folder)["model.embed_tokens.weight"])
+    save_file(last, str(files[-1]))
+    idx = json.loads((folder / "model.safetensors.index.json").read_text())
+    idx["weight_map"]["lm_head.weight"] = files[-1].name
+    (folder / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with caplog.at_level(logging.WARNING, logger="tiered"):
+        with tiered.from_pretrained(folder, _cfg(tmp_path)):
+            pass
+    assert "ties lm_head.weight to model.embed_tokens.weight" in caplog.text
+    assert "tie_word_embeddings false" in caplog.text

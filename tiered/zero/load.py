@@ -239,6 +239,19 @@ class WeightSource:
         self.index = index
         log.info("weights: %d tensors in %d files under %s", len(self.file_of), len(files), self.folder)
 
+    def _listed_where(self, names: Sequence[str]) -> str:
+        """Where the index says the first of `names` is, when it says so: that shard lacks it."""
+        if self.index is None:
+            return ""
+        try:
+            weight_map = json.loads(self.index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""
+        for n in names:
+            if n in weight_map:
+                return f" ({INDEX_NAME} puts {n} in {weight_map[n]}, which lacks it: an incomplete or stale shard)"
+        return ""
+
     def plan(self, model: nn.Module, *, init_missing: bool) -> LoadPlan:
         """Match the files against `model` (names, shapes, coverage): see [Note: streaming load]."""
         params = dict(model.named_parameters(remove_duplicate=False))
@@ -255,12 +268,23 @@ class WeightSource:
         key_of: dict[int, str] = {}
         for name, p in params.items():
             if name in file_key:
-                key_of.setdefault(id(p), file_key[name])  # tied: the first name the files hold
+                first = key_of.setdefault(id(p), file_key[name])  # tied: the first name the files hold
+                if first != file_key[name]:
+                    log.warning(
+                        "weights: the model ties %s to %s (config.json), but the files hold both; the tied "
+                        "parameter takes %s's values and the file's %s is unused: if they differ, set "
+                        "tie_word_embeddings false in config.json to train them apart (transformers unties them)",
+                        name,
+                        first,
+                        first,
+                        file_key[name],
+                    )
         missing = sorted({n for n, p in params.items() if id(p) not in key_of})
         if missing and not init_missing:
             raise WeightsError(
                 f"weights in {self.folder} do not cover {len(missing)} parameters: {missing[:10]}"
-                f"{' ...' if len(missing) > 10 else ''}; pass init_missing=True to initialise them"
+                f"{' ...' if len(missing) > 10 else ''}{self._listed_where(missing)}; complete the folder "
+                "(in the Python API, init_missing=True initialises them with the model's own init)"
             )
         if missing:
             log.info(
