@@ -87,6 +87,7 @@ def _with_activation_estimate(raw: dict[str, Any], o: FinetuneOptions, hf: Any) 
     import torch
 
     from tiered.finetune.activations import estimate_activations
+    from tiered.planning.auto import raw_precision
 
     auto = dict(raw["tiered"]["auto_config"]) if isinstance(raw["tiered"]["auto_config"], dict) else None
     if auto is None or auto.get("activation_mem") is not None:
@@ -95,13 +96,7 @@ def _with_activation_estimate(raw: dict[str, Any], o: FinetuneOptions, hf: Any) 
     micro = (
         o.batch_size if o.batch_size is not None else (given if isinstance(given, int) and given > 0 else 1)
     )
-    dtype = (
-        torch.bfloat16
-        if (raw.get("bf16") or {}).get("enabled") is True
-        else torch.float16
-        if (raw.get("fp16") or {}).get("enabled") is True
-        else torch.float32
-    )
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(raw_precision(raw), torch.float32)
     est = estimate_activations(
         hf,
         batch=micro,

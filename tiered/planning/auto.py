@@ -77,6 +77,11 @@ def _nvme_path(config: dict[str, Any]) -> str:
     return "./tiered_offload"
 
 
+def raw_precision(raw: dict[str, Any]) -> str:
+    """ "bf16", "fp16" or "fp32": what a raw config's sections enable, before it is read."""
+    return next((p for p in ("bf16", "fp16") if (raw.get(p) or {}).get("enabled") is True), "fp32")
+
+
 def resolve_auto_config(config: dict[str, Any], model: nn.Module, *, world_size: int = 1) -> dict[str, Any]:
     """`config` with ``tiered.auto_config`` replaced by the chosen knobs ([Note: auto config])."""
     raw = copy.deepcopy(config)
@@ -104,7 +109,7 @@ def resolve_auto_config(config: dict[str, Any], model: nn.Module, *, world_size:
         if auto.get("bandwidth") is None
         else read_bandwidth(str(auto["bandwidth"]))[0]
     )
-    precision = next((p for p in ("bf16", "fp16") if (raw.get(p) or {}).get("enabled") is True), "fp32")
+    precision = raw_precision(raw)
     gas = raw.get("gradient_accumulation_steps")
     result = search(
         model,
