@@ -83,9 +83,8 @@ def main() -> int:
             config["tiered"] = {"overlap_step_with_backward": True}
         cfg = load_config(config, model=model)
         pred = predict(model, cfg, gpu_is_host=True, device_kind="cpu")
-    mic = cfg.zero.offload_param.max_in_cpu_numel
     predicted, traffic, adam, step_reads = config_seconds_per_step(
-        pred, cfg, bw, max_in_cpu_numel=mic, compute_flops=flops, shared_cores=True
+        pred, cfg, bw, compute_flops=flops, shared_cores=True
     )
     io = traffic["disk->host"] / bw["disk_read"] + traffic["host->disk"] / bw["disk_write"]
     out = {

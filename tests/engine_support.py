@@ -248,6 +248,8 @@ def faults_tier_config(folder: Path, fault: dict[str, Any], timeout_s: float | N
         "tiers": {"flaky": {"backend": backend}},
         "param_tier": "flaky",
         "optimizer_tier": "flaky",
+        # every step's bytes through the faulty tier: none kept in memory ([Note: residency])
+        "residency": "off",
     }
     if timeout_s is not None:
         cfg["tiered"]["timeout_s"] = timeout_s

@@ -28,7 +28,12 @@ DS = json.loads((ROOT / "examples" / "ds_config.json").read_text())
 
 
 def _config(tmp_path: Path, **zero: Any) -> dict[str, Any]:
+    """The example's config, its storage homes' moves replayed: nothing kept in memory across
+    steps ([Note: residency]; with it, this tiny model's whole state would stay in memory and
+    there would be no storage pattern to replay; `test_replay_leaves_out_what_the_budget_keeps`
+    replays the budget's kept set)."""
     cfg = copy.deepcopy(DS)
+    cfg["tiered"] = {"residency": "off"}
     z = cfg["zero_optimization"]
     for k in ("offload_param", "offload_optimizer"):
         z[k]["nvme_path"] = str(tmp_path / "offload")
@@ -80,7 +85,7 @@ def test_replayed_bytes_per_link_equal_a_real_runs(
     next step's window)."""
     raw = _config(tmp_path, **zero)
     if tiered_keys:
-        raw["tiered"] = tiered_keys
+        raw["tiered"].update(tiered_keys)
     raw.update(top)
     (tmp_path / "offload").mkdir()
     source = resolve_model(TINY)
@@ -130,7 +135,7 @@ def test_replayed_pattern_moves_the_formulas_bytes(
     raw["gradient_clipping"] = 0.0
     if precision == "bf16":
         raw["bf16"] = {"enabled": True}
-    raw["tiered"] = {
+    raw["tiered"] |= {
         "grad_tier": homes["grad_tier"],
         "overlap_step_with_backward": overlap,
         "optimizer_state_format": state_format,
@@ -139,7 +144,7 @@ def test_replayed_pattern_moves_the_formulas_bytes(
     cfg = load_config(raw, model=model)
     pattern = derive_pattern(model, cfg, gpu_budget_bytes=None, gpu_is_host=True)
     pred = predict(model, cfg, gpu_is_host=True, device_kind="cpu")
-    formula = config_bytes_per_step(pred, cfg, max_in_cpu_numel=cfg.zero.offload_param.max_in_cpu_numel)
+    formula = config_bytes_per_step(pred, cfg)
     replayed = measured_per_step(
         {k: {"bytes": v} for k, v in pattern.predicted_bytes().items()}, pred.memory, 1
     )
@@ -408,7 +413,7 @@ def test_the_pattern_prefetches_the_next_forward_after_the_step_as_the_engine_do
         stage3_prefetch_bucket_size=1e9,
         stage3_max_live_parameters=1e9,
     )
-    raw["tiered"] = {"overlap_step_with_backward": True}
+    raw["tiered"]["overlap_step_with_backward"] = True
     applies = derive_pattern(model, load_config(raw, model=model), gpu_budget_bytes=None, gpu_is_host=True)
     assert (
         applies.after_step_prefetch == roomy.after_step_prefetch
@@ -440,3 +445,34 @@ def test_with_parameters_on_nvme_every_storage_link_moves_a_real_step_s_bytes(tm
     for m in real.links:
         p = predicted.link(m.link)
         assert p is not None and abs(m.bytes_per_step - p.bytes_per_step) <= 16 << 10, (m.link, m, p)
+
+
+def test_replay_leaves_out_what_the_budget_keeps(tmp_path: Path) -> None:
+    """[Note: residency]: with a cpu budget that has room for about half the optimizer state,
+    the replay moves only what the engine does not keep, and a real run moves the same."""
+    from tiered.planning.needs import predict
+
+    raw = _config(tmp_path, offload_param={"max_in_cpu": 0})
+    raw["gradient_clipping"] = 0.0
+    (tmp_path / "offload").mkdir()
+    source = resolve_model(TINY)
+    model = build_model(source, meta=True)
+    off = load_config(raw, model=model)
+    everything = derive_pattern(model, off, gpu_budget_bytes=None, gpu_is_host=True).predicted_bytes()
+    need = predict(model, off, gpu_is_host=True, device_kind="cpu", rooms={}).needs["cpu"]["total"]
+    state = sum(
+        p.nbytes
+        for p in derive_pattern(model, off, gpu_budget_bytes=None, gpu_is_host=True).partitions
+        if p.phase == "step" and p.writes and not p.name.endswith(".param")
+    )
+    raw["tiered"] = {"tiers": {"cpu": {"budget": need + state // 2}}}
+    cfg = load_config(raw, model=model)
+    kept = derive_pattern(model, cfg, gpu_budget_bytes=None, gpu_is_host=True)
+    saved = everything["cpu->nvme"] - kept.predicted_bytes()["cpu->nvme"]
+    assert 0.4 * state <= saved <= 0.5 * state, (saved, state)
+    predicted = bench_training(model, cfg, steps=1, warmup=1)
+    real = measure_training(lambda: build_model(source), cfg, steps=3, warmup=1, seq_len=16)
+    for m in real.links:
+        p = predicted.link(m.link)
+        assert p is not None
+        assert m.bytes_per_step == pytest.approx(p.bytes_per_step, rel=0.05), m.link

@@ -121,6 +121,7 @@ def _other_value(decl: KeyDecl, default: Any, tmp: Path) -> tuple[Any, Any, dict
         "tiered.host_mmap_threshold": ("2MiB", 2 << 20, {}),
         "tiered.optimizer_state_format": ("bf16", "bf16", {}),
         "tiered.nonfinite_step": ("skip", "skip", {}),
+        "tiered.residency": ("off", "off", {}),
         "train_batch_size": (8, 8, {}),
         "train_micro_batch_size_per_gpu": (4, 4, {}),
         "communication_data_type": ("bf16", "bf16", {}),

@@ -14,6 +14,7 @@ from engine_support import small_llama_config
 
 import tiered
 from tiered.config.loader import load_config
+from tiered.engine.residency import tier_rooms
 from tiered.planning.needs import PEFT_IMPORT_BYTES, predict
 from tiered.planning.search import candidate_config
 
@@ -86,12 +87,17 @@ def test_plan_equals_engine_preflight(tmp_path: Path, shape: str, placement: str
     config = _config(tmp_path, placement, precision)
     planned = _meta(hf_config, lora)
     built = copy.deepcopy(planned)
-    pred = predict(planned, load_config(copy.deepcopy(config), model=planned), gpu_is_host=True)
     with tiered.initialize(built, config) as engine:
         measured = engine.capacity
         held = _backend_buffers(engine)
         host = engine.stats()["host_memory"]
+        # the budgets as the engine's manager enforces them: a tier without one lends what its
+        # backend reported free ([Note: residency])
+        rooms = tier_rooms(engine.tm, engine.config, world_size=1)
+        kept = engine.residency
+    pred = predict(planned, load_config(copy.deepcopy(config), model=planned), gpu_is_host=True, rooms=rooms)
     assert pred.needs == measured
+    assert pred.residency == kept
     # stats() reports the host peak the plan promised, term by term, beside the process's own
     assert host["planned_peak_bytes"] == pred.peak_bytes("host")
     assert (host["baseline"], host["outside_tiers"], host["backends"], host["imports"]) == (

@@ -46,7 +46,7 @@ ones training uses; `--check` compares the figure with `engine.stats()` of a rea
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,7 @@ from tiered.units import format_bytes
 
 if TYPE_CHECKING:
     from tiered.config.schema import TieredConfig
+    from tiered.planning.residency import TierRoom
     from tiered.shards import ShardGroup
 
 MEMORY_TIERS = ("gpu", "cpu")
@@ -163,37 +164,46 @@ class TrainingPattern:
 
 
 def derive_pattern(
-    model: nn.Module, cfg: TieredConfig, *, gpu_budget_bytes: int | None, gpu_is_host: bool
+    model: nn.Module,
+    cfg: TieredConfig,
+    *,
+    gpu_budget_bytes: int | None,
+    gpu_is_host: bool,
+    rooms: Mapping[str, TierRoom] | None = None,
 ) -> TrainingPattern:
     """The storage moves of one step of `model` (meta or real) under `cfg`, on one rank.
 
     `gpu_budget_bytes` is the "gpu" tier's budget as the tier manager reports it (the engine caps
-    blocks by it); `gpu_is_host` whether that tier is host memory (no CUDA)."""
+    blocks by it); `gpu_is_host` whether that tier is host memory (no CUDA); `rooms` the tiers'
+    budgets as the engine's manager would enforce them ([Note: residency]; default: the ones the
+    config states)."""
     from tiered.engine.build import choose_placement
     from tiered.optim.arrivals import grads_consumed_from_memory
     from tiered.optim.placement import master_is_param, optimizer_tile_numel, state_partition_specs
     from tiered.optim.state_format import FORMATS
     from tiered.planning.needs import groups_and_plans
     from tiered.planning.traffic import (
-        kept_and_reread,
         masters_live_into_step,
         masters_prefetch_groups,
+        reread_groups,
         state_prefetch_groups,
     )
 
     placement = choose_placement(cfg)
     dtype = placement.compute_dtype
-    groups, plans = groups_and_plans(model, cfg, gpu_budget_bytes=gpu_budget_bytes, gpu_is_host=gpu_is_host)
+    groups, plans, residency = groups_and_plans(
+        model, cfg, gpu_budget_bytes=gpu_budget_bytes, gpu_is_host=gpu_is_host, rooms=rooms
+    )
     storage = {placement.param_tier, placement.grad_tier, placement.optimizer_tier} - set(MEMORY_TIERS)
     trainable = [g for g in groups if g.trainable]
     plan_of = {g.index: plan for g, plan in zip(trainable, plans, strict=True)}
-    kept, reread = kept_and_reread(
+    reread = reread_groups(
         groups,
-        plans,
-        max_in_cpu_numel=cfg.zero.offload_param.max_in_cpu_numel,
         max_live_numel=cfg.zero.max_live_parameters_numel,
         max_reuse_numel=cfg.zero.max_reuse_distance_numel,
     )
+    kept = set(residency.groups("param"))  # [Note: residency]: their gathers read the cpu copy
+    kept_state = residency.names()
     micro = max(1, int(cfg.gradient_accumulation_steps))
     grads_in_memory = grads_consumed_from_memory(cfg)
     fmt = FORMATS[cfg.tiered.optimizer_state_format]
@@ -215,8 +225,15 @@ def derive_pattern(
         if plan is not None and plan.state_home in storage and plan.state_home != plan.compute_tier:
             # the partitions OptimGroup creates, tile by tile, the moments at their encoded size
             for sname, numel, sdtype, shome in state_partition_specs(g, plan, dtype, tile, fmt):
-                parts.append(PartitionIO(sname, numel, sdtype, shome, plan.compute_tier, "step", 1, 1))
-        if plan is not None and g.grad is not None and g.grad.home in storage and not grads_in_memory:
+                if sname not in kept_state:  # a tile the compute tier keeps moves nothing
+                    parts.append(PartitionIO(sname, numel, sdtype, shome, plan.compute_tier, "step", 1, 1))
+        if (
+            plan is not None
+            and g.grad is not None
+            and g.grad.home in storage
+            and not grads_in_memory
+            and g.grad.name not in kept_state
+        ):
             # every micro-batch's flush writes it; the first after zeroing overwrites it (allocated,
             # not read), each later one adds to it (read first); the step reads the sum
             grad_stage = plan.compute_tier if plan.side == "cpu" else "gpu"
@@ -226,6 +243,11 @@ def derive_pattern(
             parts.append(PartitionIO(f"{name}.grad", n, fp32, g.grad.home, grad_stage, "step", 1, 0))
         if home not in storage:
             continue
+        if g.persistent and plan is not None and g.index not in kept:
+            # stays gathered: read again once per step, after the step changed it
+            parts.append(PartitionIO(f"{name}.param", n, dtype, home, "gpu", "forward", 1, 0))
+            if g.index in prefetched:
+                after_step.add(f"{name}.param")
         if not g.persistent and g.index not in kept:  # a kept group's gathers read its cpu copy
             parts.append(PartitionIO(f"{name}.param", n, dtype, home, "gpu", "forward", micro, 0))
             if g.index in prefetched:
@@ -240,10 +262,10 @@ def derive_pattern(
             # the step writes the new values back; where the parameter is the master it reads it too
             stage = plan.compute_tier if alias else plan.stage_tier
             parts.append(PartitionIO(f"{name}.param", n, dtype, home, stage, "step", int(alias), 1))
-    if kept and placement.param_tier in storage:
+    if residency.kept:
         notes.append(
-            f"{len(kept)} of {len(trainable)} parameter groups stay in cpu (offload_param.max_in_cpu): "
-            "no storage I/O after the first step"
+            f"{len(residency.kept)} partitions ({format_bytes(sum(k.nbytes for k in residency.kept))}) are "
+            "kept in memory across steps ([Note: residency]): no storage I/O after their first use"
         )
     if grads_in_memory and placement.grad_tier in storage:
         notes.append("the step overlaps backward: gradients are consumed from memory, none reach storage")

@@ -156,6 +156,7 @@ class TrainingReplay:
     def __init__(self, model: nn.Module, cfg: TieredConfig, compute_s: float = 0.0) -> None:
         from tiered.bench.preflight import check_free_space
         from tiered.engine.build import build_tier_manager
+        from tiered.engine.residency import tier_rooms
         from tiered.optim.placement import tier_is_host
 
         if compute_s < 0:
@@ -174,6 +175,7 @@ class TrainingReplay:
                 cfg,
                 gpu_budget_bytes=self.tm.budget_bytes("gpu"),
                 gpu_is_host=tier_is_host(self.tm, "gpu"),
+                rooms=tier_rooms(self.tm, cfg, world_size=1),  # what training's manager would keep
             )
             self._replay = _Replay(
                 self.tm, self.pattern, compute_s, compute_on_host=tier_is_host(self.tm, "gpu")

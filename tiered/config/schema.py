@@ -462,6 +462,16 @@ class TieredSection:
         "([Note: non-finite steps] in tiered/engine/nonfinite.py)",
         auto="refused",
     )
+    residency: str = key(
+        "auto",
+        "tiered.residency",
+        '`"auto"`: the faster tiers keep, across steps, the partitions homed below them that their '
+        "budgets have room for, chosen by bytes saved per step per byte held, so memory given becomes "
+        "fewer bytes moved (a tier without a budget lends what its backend reports free, less a "
+        '10 % / 2 GiB reserve); `"off"`: only DeepSpeed\'s own `offload_param.max_in_cpu` keep. The '
+        "values trained are the same either way ([Note: residency] in tiered/planning/residency.py)",
+        auto="refused",
+    )
     check_collective_order: bool = key(
         True,
         "tiered.check_collective_order",

@@ -212,10 +212,26 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
         grad_tier=grad_tier,
         optimizer_state_format=_state_format(section.get("optimizer_state_format")),
         nonfinite_step=_nonfinite_step(section.get("nonfinite_step")),
+        residency=_residency(section.get("residency")),
     ), read_key(section, ZeroConfig, "overlap_step_with_backward")
 
 
 NONFINITE_STEPS = ("raise", "skip", "apply")
+RESIDENCY_MODES = ("auto", "off")
+
+
+def _residency(value: Any) -> str:
+    """tiered.residency ([Note: residency] in tiered/planning/residency.py); absent or null: "auto"."""
+    if value is None:
+        return TieredSection.residency
+    if value is False:
+        return "off"
+    if value not in RESIDENCY_MODES:
+        raise ConfigError(
+            f'tiered.residency = {value!r}: expected "auto" (the faster tiers keep what their budgets '
+            'have room for across steps) or "off" (every partition lives in its home between uses)'
+        )
+    return str(value)
 
 
 def _nonfinite_step(value: Any) -> str | None:

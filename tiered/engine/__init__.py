@@ -27,6 +27,7 @@ from tiered.engine.distributed import ensure_process_group
 from tiered.engine.engine import Engine
 from tiered.engine.facade import TieredOptimizer
 from tiered.engine.host_memory import fix_mmap_threshold
+from tiered.engine.residency import keep_resident, plan_engine_residency
 from tiered.errors import CapacityError, ConfigError, DistributedSetupError
 from tiered.optim.arrivals import grads_consumed_from_memory
 from tiered.optim.offload import OffloadedAdam
@@ -233,19 +234,6 @@ def _build(
             compute_dtype=placement.compute_dtype,
             peft=is_peft_model(model),
         )
-        floor = bytes_per_step(  # [Note: bytes per step]
-            zp.groups,
-            plans,
-            memory,
-            compute_dtype=placement.compute_dtype,
-            accumulation=cfg.gradient_accumulation_steps,
-            max_in_cpu_numel=cfg.zero.offload_param.max_in_cpu_numel,
-            state_format=cfg.tiered.optimizer_state_format,
-            grads_from_memory=grads_consumed_from_memory(cfg),
-            max_live_numel=cfg.zero.max_live_parameters_numel,
-            max_reuse_numel=cfg.zero.max_reuse_distance_numel,
-            master_prefetch_groups=masters_prefetch_groups(cfg, len(plans)),
-        )
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
         extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}
         optimizer = OffloadedAdam(
@@ -258,6 +246,30 @@ def _build(
             plans=plans,
             **extra,
             grads_received=zp,
+        )
+        # [Note: residency]: what the faster tiers keep across steps, now that every partition exists
+        residency = plan_engine_residency(
+            tm,
+            zp.groups,
+            plans,
+            cfg,
+            {t: int(d["total"]) for t, d in needs.items()},
+            memory,
+            world_size=world_size,
+        )
+        keep_resident(tm, residency)
+        floor = bytes_per_step(  # [Note: bytes per step]
+            zp.groups,
+            plans,
+            memory,
+            compute_dtype=placement.compute_dtype,
+            accumulation=cfg.gradient_accumulation_steps,
+            residency=residency,
+            state_format=cfg.tiered.optimizer_state_format,
+            grads_from_memory=grads_consumed_from_memory(cfg),
+            max_live_numel=cfg.zero.max_live_parameters_numel,
+            max_reuse_numel=cfg.zero.max_reuse_distance_numel,
+            master_prefetch_groups=masters_prefetch_groups(cfg, len(plans)),
         )
     except BaseException:
         if zp is not None:
@@ -294,6 +306,7 @@ def _build(
         tokenizer_source=None if weights is None else os.fspath(weights),
         traffic_floor=floor,
         tier_memory=memory,
+        residency=residency,
     )
     if side is not None:
         side.facade.attach(engine)

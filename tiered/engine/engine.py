@@ -40,6 +40,7 @@ from tiered.errors import StorageIOError
 from tiered.optim.arrivals import grads_consumed_from_memory, overlap_step_applies
 from tiered.optim.clip import clip_coefficient, global_grad_norm
 from tiered.optim.loss_scaler import build_loss_scaler
+from tiered.planning.residency import Residency
 
 if TYPE_CHECKING:
     from tiered.engine.build import Placement
@@ -95,6 +96,7 @@ class Engine(DeepSpeedEngineAPI):
         tokenizer_source: str | None = None,
         traffic_floor: dict[str, int] | None = None,
         tier_memory: dict[str, str] | None = None,
+        residency: Residency | None = None,
     ) -> None:
         self._module = module
         self.config = cfg
@@ -144,6 +146,8 @@ class Engine(DeepSpeedEngineAPI):
         self._traffic_floor = traffic_floor or {}
         """[Note: bytes per step]'s floor per link for this run (tiered/planning/traffic.py)."""
         self._tier_memory = tier_memory or {}
+        self.residency = residency if residency is not None else Residency()
+        """What the faster tiers keep across steps ([Note: residency] in tiered/planning/residency.py)."""
         self.tokenizer_source = tokenizer_source
         """The folder the weights came from (from_pretrained, initialize(weights=...)): the
         tokenizer files `save_pretrained` copies by default."""
@@ -386,6 +390,7 @@ class Engine(DeepSpeedEngineAPI):
             "capacity": self.capacity,
             "host_memory": self._host_memory(),
             "bytes_per_step": self._bytes_per_step(),
+            "residency": self.residency.summary(),
             "loss_scale": self.loss_scale,
             "global_steps": self.global_steps,
             "skipped_steps": self.skipped_steps,
@@ -404,6 +409,8 @@ class Engine(DeepSpeedEngineAPI):
 
         extra = self._host_extra
         tiers = sum(int(d["total"]) for t, d in self.capacity.items() if self._tier_memory.get(t) == "host")
+        # the copies the host tiers keep across steps, inside their budgets ([Note: residency])
+        tiers += sum(self.residency.bytes_in(t) for t, m in self._tier_memory.items() if m == "host")
         planned = tiers + int(extra.get("baseline", 0)) + int(extra.get("outside_tiers", 0))
         planned += sum(extra.get("backends", {}).values()) + int(extra.get("imports", 0))
         rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux

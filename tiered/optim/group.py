@@ -7,14 +7,17 @@ are created, and lives until the engine closes; per step it holds only its recei
 from its first tile's read to its last tile's write, the whole-group reads and staging buffer.
 
 [Note: max_in_cpu]
-New parameters staged in "cpu" whose home is slower (nvme) stay there, dirty, for up to
-``offload_param.max_in_cpu`` elements (DeepSpeed's knob of the same meaning, "parameter elements
-to maintain in CPU memory when offloading to NVMe", default 1e9): the next forward gathers them
-with a memory copy instead of an NVMe read, and no step writes them to NVMe. The copy is an
-ordinary dirty copy of the tier manager, so when the cpu budget needs the room it is written
-home and dropped (write-back); ``Engine.flush`` writes it home too. Beyond the limit the staging
-copy is evicted right after the step (written back and freed). (Until this version the copy was
-written through to NVMe every step: on benchmarks/step.py that was 143 of 428 MB written per step.)
+New parameters staged in "cpu" whose home is slower (nvme) may stay there, dirty: the next
+forward gathers them with a memory copy instead of an NVMe read, and no step writes them to NVMe.
+Which ones is the residency plan's choice ([Note: residency] in tiered/planning/residency.py),
+within ``offload_param.max_in_cpu`` elements (DeepSpeed's knob of the same meaning, "parameter
+elements to maintain in CPU memory when offloading to NVMe", default 1e9); the kept copy is an
+ordinary kept copy of the tier manager ([Note: kept copies]), so when the cpu budget needs the
+room it is written home and dropped (write-back); ``Engine.flush`` writes it home too. Any other
+staging copy is evicted right after the step (written back and freed): every partition the step
+is done with is `TierManager.settle`d, which evicts what its tier does not keep. (Until the
+max_in_cpu keep the copy was written through to NVMe every step: on benchmarks/step.py that was
+143 of 428 MB written per step.)
 
 [Note: gradient consumed from memory]
 With the step overlapped with backward ([Note: step overlapped with backward]: no clipping, no
@@ -51,7 +54,6 @@ from tiered.optim.placement import (
     STATE_SUFFIXES,
     GroupPlan,
     StatePartitions,
-    kept_in_cpu,
     master_is_param,
     state_partition_specs,
     tile_bounds,
@@ -87,7 +89,6 @@ class OptimGroup:
         initial_fp32: torch.Tensor,
         *,
         compute_dtype: torch.dtype,
-        keep_in_cpu: bool,
         tile_numel: int,
         fmt: StateFormat = FORMATS["fp32"],
     ) -> None:
@@ -104,8 +105,6 @@ class OptimGroup:
         """Its fp32 gradient partition (zero's; read by the step, never written by it)."""
         self.steps = GroupSteps(group, hypers)
         """Its entries' own step counts and the runs of its shard."""
-        self.keep_in_cpu = keep_in_cpu
-        """The new parameter stays in "cpu" after the step ([Note: max_in_cpu])."""
         master = initial_fp32.to(torch.float32).reshape(-1)
         if master.numel() != group.shard_numel:
             raise ValueError(
@@ -249,9 +248,10 @@ class OptimGroup:
         return self._out if len(self.tiles) == 1 else self._out[self.tiles[j].start : self.tiles[j].stop]
 
     def issue_writes(self, j: int) -> list[TierFuture[None]]:
-        """After tile `j`'s update: its states dirty where they changed, unpinned, evicted when
-        staged away from home (a write-back when home is slower); after the last tile the same
-        for the gradient (clean: freed) and the new parameter. The futures."""
+        """After tile `j`'s update: its states dirty where they changed, unpinned, settled when
+        staged away from home (evicted, a write-back when home is slower, unless the tier keeps
+        them: [Note: kept copies]); after the last tile the same for the gradient (clean: freed)
+        and the new parameter. The futures."""
         plan, tm = self.plan, self.tm
         futs: list[TierFuture[None]] = []
         param = self.group.param
@@ -263,19 +263,24 @@ class OptimGroup:
                 tm.mark_dirty(part, plan.compute_tier)
             tm.release(part, plan.compute_tier)
             if plan.compute_tier != plan.state_home:
-                futs.append(tm.evict(part, plan.compute_tier))
+                futs.append(tm.settle(part, plan.compute_tier))
         if j < len(self.tiles) - 1:
             return futs
         self._grad_read = self._master_read = self._out = None
-        # dirty where zero left it for this step, checked while still pinned (nothing moves it)
-        consumed = plan.compute_tier != self.grad.home and plan.compute_tier in self.grad.dirty_in()
+        # dirty where zero left it for this step, checked while still pinned (nothing moves it); a
+        # gradient the tier keeps ([Note: residency]) stays there for the next backward instead
+        consumed = (
+            plan.compute_tier != self.grad.home
+            and plan.compute_tier in self.grad.dirty_in()
+            and not self.grad.is_kept(plan.compute_tier)
+        )
         tm.release(self.grad, plan.compute_tier)
         if consumed:  # [Note: gradient consumed from memory]: never written home, nor read back
             self.grad_bytes_saved += 2 * self.grad.nbytes
             self.grad_consumed_steps += 1
             futs.append(tm.discard(self.grad, plan.compute_tier))
         elif plan.compute_tier != self.grad.home:
-            futs.append(tm.evict(self.grad, plan.compute_tier))  # clean: free
+            futs.append(tm.settle(self.grad, plan.compute_tier))  # clean: free; kept: stays
         if self.kept is not None:  # its room is being freed: a flush may be waiting for it
             self.kept.stepped(self.grad, from_memory=consumed)
         # the new parameter: in the staging tier, or (alias) in the compute tier the master came to
@@ -283,8 +288,8 @@ class OptimGroup:
         if self.param_is_master and not (new_in == param.home and param.valid_in() == {new_in}):
             tm.mark_dirty(param, new_in)
         tm.release(param, new_in)
-        if new_in != param.home and not self.keep_in_cpu:  # see [Note: max_in_cpu]
-            futs.append(tm.evict(param, new_in))
+        if new_in != param.home:  # see [Note: max_in_cpu]
+            futs.append(tm.settle(param, new_in))
         return futs
 
     # ---- checkpoints and tests -----------------------------------------------------------
@@ -319,14 +324,3 @@ class OptimGroup:
 
     def load_param_step_counts(self, counts: Mapping[str, int], step_count: int) -> None:
         self.steps.load_steps(counts, step_count)
-
-
-def params_kept_in_cpu(
-    groups: Sequence[ShardGroup], plans: Sequence[GroupPlan], max_in_cpu_numel: int
-) -> list[bool]:
-    """Per group: its new parameter, staged in "cpu" away from a slower home, stays there
-    (within `max_in_cpu_numel` elements, in execution order). See [Note: max_in_cpu]."""
-    keep = kept_in_cpu(
-        [g.shard_numel for g in groups], [g.param.home for g in groups], plans, max_in_cpu_numel
-    )
-    return [j in keep for j in range(len(groups))]

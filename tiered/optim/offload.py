@@ -92,7 +92,7 @@ import torch
 from tiered.config.schema import TieredConfig
 from tiered.errors import CheckpointCorruptError, UnsupportedConfigError
 from tiered.optim.arrivals import Arrivals
-from tiered.optim.group import OptimGroup, params_kept_in_cpu
+from tiered.optim.group import OptimGroup
 from tiered.optim.kept_grads import KeptGrads
 from tiered.optim.kernels import adam_update
 from tiered.optim.placement import (
@@ -191,7 +191,6 @@ class OffloadedAdam:
         self.grads_received = grads_received
         default = ParamHyper(float(self.opt.weight_decay), 1.0)
         hypers = entry_hypers(shards, default, param_hyper)
-        keep = params_kept_in_cpu(shards, plans, int(cfg.zero.offload_param.max_in_cpu_numel))
         self.fmt = state_format(cfg.tiered.optimizer_state_format, optimizer=cfg.optimizer.type)
         """How the moments are stored ([Note: compressed optimizer state]); fp32 unless opted in."""
         if not self.fmt.lossless and any(p.side != "cpu" for p in plans):
@@ -208,7 +207,7 @@ class OffloadedAdam:
                 )
         self.groups: list[OptimGroup] = []
         """Per trainable group, in execution order: its plan, partitions, step counts, mask."""
-        for g, plan, h, kept in zip(shards, plans, hypers, keep, strict=True):
+        for g, plan, h in zip(shards, plans, hypers, strict=True):
             self.groups.append(
                 OptimGroup(
                     tm,
@@ -217,7 +216,6 @@ class OffloadedAdam:
                     h,
                     initial_fp32(g),
                     compute_dtype=compute_dtype,
-                    keep_in_cpu=kept,
                     tile_numel=self.tile_numel,
                     fmt=self.fmt,
                 )
@@ -243,11 +241,11 @@ class OffloadedAdam:
         if self._kept is None:
             tier = "cpu"  # the stage tier of a gradient homed in storage (tiered/zero/grad_home.py)
             staging = self.stage_bytes_needed().get(tier, 0)
-            # the new parameters max_in_cpu keeps there: room the kept gradients must not take,
-            # or each step writes them home and the forward reads them back ([Note: backward
+            # the copies the tier keeps across steps ([Note: residency]): room the kept gradients
+            # must not take, or each step writes them home and reads them back ([Note: backward
             # waits instead of parking])
-            kept_params = sum(og.group.param.nbytes for og in self.groups if og.keep_in_cpu)
-            self._kept = KeptGrads(self.tm, tier, staging + kept_params, self._timeout_s)
+            kept = self.tm.kept_bytes(tier)
+            self._kept = KeptGrads(self.tm, tier, staging + kept, self._timeout_s)
             for og in self.groups:
                 og.kept = self._kept
         return self._kept

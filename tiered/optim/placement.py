@@ -69,21 +69,6 @@ def master_is_param(group: ShardGroup, plan: GroupPlan, compute_dtype: torch.dty
     return compute_dtype == torch.float32 and plan.side == "cpu" and group.param.home == plan.state_home
 
 
-def kept_in_cpu(
-    shard_numels: Sequence[int], param_homes: Sequence[str], plans: Sequence[GroupPlan], limit_numel: int
-) -> set[int]:
-    """The trainable groups (by position, in execution order) whose new parameters stay in "cpu"
-    after the step instead of going home ([Note: max_in_cpu] in tiered/optim/group.py): staged
-    in cpu, homed in a slower tier, within ``offload_param.max_in_cpu`` elements. The one rule
-    the optimizer, [Note: bytes per step] and `tiered bench pattern` apply."""
-    keep, total = set(), 0
-    for j, (n, home, plan) in enumerate(zip(shard_numels, param_homes, plans, strict=True)):
-        if plan.stage_tier == "cpu" and home not in ("cpu", "gpu") and total + n <= int(limit_numel):
-            keep.add(j)
-            total += n
-    return keep
-
-
 def optimizer_tile_numel(cfg: TieredConfig) -> int:
     """Elements per tile of the optimizer pipeline: ``sub_group_size``, at least `MIN_TILE_NUMEL`.
     See [Note: sub-group pipeline]."""

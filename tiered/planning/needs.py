@@ -81,7 +81,7 @@ beside its peak RSS.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypedDict
 
@@ -99,6 +99,7 @@ from tiered.optim.placement import (
 )
 from tiered.optim.state_format import FORMATS
 from tiered.planning.homes import Placement, choose_placement
+from tiered.planning.residency import Residency, TierRoom, config_residency
 from tiered.shards import ParamEntry, ShardGroup, group_name
 from tiered.units import format_bytes
 
@@ -327,6 +328,9 @@ class Prediction:
     """tier -> its backend's own host buffers (`backend_host_bytes`)."""
     imports_bytes: int = 0
     """Modules the run imports beyond the baseline's (`HostExtra.imports`)."""
+    residency: Residency = field(default_factory=Residency)
+    """What the faster tiers keep across steps within the config's budgets ([Note: residency]):
+    inside each tier's budget, beyond its need."""
 
     @property
     def host_extra_bytes(self) -> int:
@@ -340,8 +344,10 @@ class Prediction:
         )
 
     def tier_bytes(self, memory: str) -> int:
-        """The tiers' need on one kind of memory (no process baseline)."""
-        return sum(d["total"] for t, d in self.needs.items() if self.memory.get(t) == memory)
+        """The tiers' need on one kind of memory (no process baseline), with what they keep
+        across steps inside their budgets ([Note: residency])."""
+        kept = sum(self.residency.bytes_in(t) for t, m in self.memory.items() if m == memory)
+        return kept + sum(d["total"] for t, d in self.needs.items() if self.memory.get(t) == memory)
 
     def peak_bytes(self, memory: str) -> int:
         """What the run takes of one kind of memory; host includes the process and what the
@@ -411,12 +417,15 @@ def predict(
     gpu_is_host: bool = False,
     device_kind: str | None = None,
     layouts: dict[tuple[object, ...], tuple[GroupLayout, list[ShardGroup]]] | None = None,
+    rooms: Mapping[str, TierRoom] | None = None,
 ) -> Prediction:
     """What `tiered.initialize(model, cfg)` would check, without creating a tier: the same
     group planning, placement and sums ([Note: one memory model]). `model` may be on the meta
     device. Raises what the engine raises when a module can never be gathered. `layouts` caches
     the group layout across configs that plan the same groups (the search's). `device_kind`
-    ("cpu", "cuda") picks the process baseline; None: "cpu" when the gpu tier is host memory."""
+    ("cpu", "cuda") picks the process baseline; None: "cpu" when the gpu tier is host memory.
+    `rooms`: the tiers' budgets as an engine's manager enforces them ([Note: residency]; default:
+    the budgets the config states, a tier without one keeping nothing)."""
     placement = choose_placement(cfg)
     dtype = placement.compute_dtype
     gpu_spec = cfg.tiered.tiers.get("gpu")
@@ -446,6 +455,13 @@ def predict(
     memory = {t: tier_memory(cfg, t, gpu_is_host=gpu_is_host) for t in {*cfg.tiered.tiers, *needs}}
     kind = device_kind if device_kind is not None else ("cpu" if gpu_is_host else "cuda")
     extra = host_extra(groups, plans, cfg, device_kind=kind, compute_dtype=dtype, peft=is_peft_model(model))
+    # [Note: residency]: the budgets the config states (a tier without one lends nothing here; the
+    # engine, which knows what its backend reports free, plans with that)
+    if rooms is None:
+        rooms = {
+            n: TierRoom(s.budget_bytes) for n, s in cfg.tiered.tiers.items() if s.budget_bytes is not None
+        }
+    residency = config_residency(groups, plans, cfg, {t: d["total"] for t, d in needs.items()}, memory, rooms)
     return Prediction(
         placement,
         needs,
@@ -456,19 +472,34 @@ def predict(
         extra["baseline"],
         extra["backends"],
         extra["imports"],
+        residency,
     )
 
 
 def groups_and_plans(
-    model: nn.Module, cfg: TieredConfig, *, gpu_budget_bytes: int | None, gpu_is_host: bool
-) -> tuple[list[ShardGroup], list[GroupPlan]]:
+    model: nn.Module,
+    cfg: TieredConfig,
+    *,
+    gpu_budget_bytes: int | None,
+    gpu_is_host: bool,
+    rooms: Mapping[str, TierRoom] | None = None,
+) -> tuple[list[ShardGroup], list[GroupPlan], Residency]:
     """One rank's groups (stand-ins, as `predict` plans them) with the gpu tier's budget as the
-    tier manager reports it, and the optimizer's plan of each trainable one: what the bench's
-    replayed pattern is built from ([Note: training I/O pattern])."""
+    tier manager reports it, the optimizer's plan of each trainable one, and what the faster
+    tiers keep at `rooms` (default: the budgets `cfg` states, as `predict`; [Note: residency]):
+    what the bench's replayed pattern is built from ([Note: training I/O pattern])."""
     placement = choose_placement(cfg)
-    _, groups = _planned_groups(model, cfg, placement, gpu_budget_bytes, 1)
+    layout, groups = _planned_groups(model, cfg, placement, gpu_budget_bytes, 1)
     trainable = [g for g in groups if g.trainable]
-    return groups, plan_optimizer_placement(trainable, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
+    plans = plan_optimizer_placement(trainable, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
+    needs = engine_needs(groups, plans, layout.gpu_need, cfg, placement.compute_dtype)
+    memory = {t: tier_memory(cfg, t, gpu_is_host=gpu_is_host) for t in {*cfg.tiered.tiers, *needs}}
+    if rooms is None:
+        rooms = {
+            n: TierRoom(s.budget_bytes) for n, s in cfg.tiered.tiers.items() if s.budget_bytes is not None
+        }
+    residency = config_residency(groups, plans, cfg, {t: d["total"] for t, d in needs.items()}, memory, rooms)
+    return groups, plans, residency
 
 
 def _planned_groups(

@@ -71,6 +71,7 @@ baseline ([Note: one memory model], measured by benchmarks/host_baseline.py with
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -82,10 +83,12 @@ from torch import nn
 from tiered.errors import CapacityError, ConfigError
 from tiered.planning.candidate import candidate_config, overlap_applies
 from tiered.planning.needs import Prediction, live_extra_bytes, predict
+from tiered.planning.residency import Residency, TierRoom, config_residency
 from tiered.planning.timing import DEFAULT_BANDWIDTH, config_seconds_per_step, training_flops
 from tiered.units import format_bytes
 
 if TYPE_CHECKING:
+    from tiered.config.schema import TieredConfig
     from tiered.shards import ShardGroup
     from tiered.zero.layout import GroupLayout
 
@@ -326,7 +329,8 @@ def _weigh_at(
     config = candidate_config(knobs, budgets=budgets, **opts)
     try:
         cfg = load_config(config, model=model, world_size=world_size)
-        pred = predict(model, cfg, world_size=world_size, device_kind=device_kind, layouts=layouts)
+        # without residency: the need first; what the cpu tier keeps is weighed at the budget written
+        pred = predict(model, cfg, world_size=world_size, device_kind=device_kind, layouts=layouts, rooms={})
     except (CapacityError, ConfigError) as exc:
         return Candidate(knobs, config, None, {}, refused=str(exc))
     cpu_budget = None if mem.cpu is None else max(0, mem.cpu - pred.host_extra_bytes - on_host)
@@ -345,8 +349,10 @@ def _weigh_at(
             max_in_cpu if max_in_cpu is not None else (1_000_000_000 if room is None else room // itemsize)
         )
         knobs["max_in_cpu"] = int(chosen)
-        if cpu_budget is not None:  # the kept copies live in the cpu tier, within its budget
-            peaks["host"] += min(knobs["max_in_cpu"] * itemsize, max(0, cpu_budget - pred.tier_bytes("host")))
+    # [Note: residency]: what the cpu tier keeps within the budget written (the kept copies live
+    # in the cpu tier, inside its budget, beyond its need)
+    pred = dataclasses.replace(pred, residency=_residency_at(pred, cfg, cpu_budget, knobs["max_in_cpu"]))
+    peaks["host"] += pred.residency.bytes_in("cpu")
     if cpu_budget is not None and any(
         pred.memory.get(t) == "disk" and d["homes"] for t, d in pred.needs.items()
     ):
@@ -359,12 +365,20 @@ def _weigh_at(
         pred,
         cfg,
         bandwidth,
-        max_in_cpu_numel=knobs["max_in_cpu"],
         compute_flops=compute_flops,
         shared_cores=device_kind == "cpu",
         checkpointing=checkpointing,
     )
     return Candidate(knobs, config, pred, short, peaks=peaks, traffic=traffic, seconds_per_step=seconds)
+
+
+def _residency_at(pred: Prediction, cfg: TieredConfig, cpu_budget: int | None, max_in_cpu: int) -> Residency:
+    """[Note: residency] of a candidate with the cpu budget and ``max_in_cpu`` it is written with."""
+    op = dataclasses.replace(cfg.zero.offload_param, max_in_cpu_numel=int(max_in_cpu))
+    final = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, offload_param=op))
+    rooms = {"cpu": TierRoom(cpu_budget)} if cpu_budget is not None else {}
+    need = {t: d["total"] for t, d in pred.needs.items()}
+    return config_residency(list(pred.groups), list(pred.plans), final, need, pred.memory, rooms)
 
 
 @dataclass(frozen=True)

@@ -292,19 +292,17 @@ def config_seconds_per_step(
     cfg: TieredConfig,
     bw: Mapping[str, float],
     *,
-    max_in_cpu_numel: int,
     compute_flops: float = 0.0,
     shared_cores: bool = False,
     checkpointing: bool = False,
 ) -> StepPrediction:
     """`seconds_per_step` of a predicted config with its [Note: bytes per step], every setting
-    read from `cfg`: the one call of `tiered plan`'s search and the benchmarks' predictions."""
+    read from `cfg` and what the faster tiers keep from the prediction's residency ([Note:
+    residency]): the one call of `tiered plan`'s search and the benchmarks' predictions."""
     from tiered.planning.traffic import config_bytes_per_step
 
-    traffic = config_bytes_per_step(pred, cfg, max_in_cpu_numel=max_in_cpu_numel)
-    state_reads = config_bytes_per_step(pred, cfg, max_in_cpu_numel=max_in_cpu_numel, gathers=False)[
-        "disk->host"
-    ]
+    traffic = config_bytes_per_step(pred, cfg)
+    state_reads = config_bytes_per_step(pred, cfg, gathers=False)["disk->host"]
     trainable = [g for g in pred.groups if g.trainable]
     adam = sum(g.shard_numel for g, p in zip(trainable, pred.plans, strict=True) if p.side == "cpu")
     step_reads = state_reads if step_runs_alone(cfg) else 0

@@ -8,8 +8,8 @@ of the trainable ones, S_c of the trainable groups stepped by the CPU kernel (th
 a disk home per element (12 B: master, exp_avg, exp_avg_sq; in fp32, where [Note: fp32 master
 is the parameter] makes the parameter the master, 8 B written, the master going home as the new
 parameter below, but still 12 B read: the forward's copy of the parameter is not kept until
-the step, so the step reads it again, except for the groups kept in cpu by ``max_in_cpu``,
-whose master is already there, and for the first groups the step's state prefetch takes the
+the step, so the step reads it again, except for the groups whose parameter is kept in cpu
+([Note: residency] in residency.py), whose master is already there, and for the first groups the step's state prefetch takes the
 master from the copy still gathered in "gpu" (`masters_live_into_step`: a device->host copy);
 with a compressed
 ``tiered.optimizer_state_format`` the moments count at their encoded size, 2 + 2 B in bf16 and
@@ -20,27 +20,34 @@ host/device moves are memory copies):
 
 * parameters homed off the GPU are gathered once per micro-batch: A x S x p from their home
   (``disk->device`` staged through host counts as one read on disk->host and one on
-  host->device); groups kept in cpu by ``offload_param.max_in_cpu`` ([Note: max_in_cpu]) are
-  read from host instead of disk. A backward that finds a parameter released re-reads it: the
+  host->device); groups whose parameter is kept in cpu ([Note: residency]: within
+  ``offload_param.max_in_cpu``, [Note: max_in_cpu]) are read from host instead of disk. A backward that finds a parameter released re-reads it: the
   forward + backward trace replayed under the engine's rules (`backward_rereads`: what
   ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` keep in the gpu tier between
   a group's forward and its backward use) says which groups are read twice per micro-batch
   (a group is kept when what is gathered between its two uses, about twice the elements after
   it, is within ``stage3_max_reuse_distance``: at DeepSpeed's defaults of 1e9 elements, models
   up to ~0.5e9 parameters are read once);
-* persistent groups stay on the GPU: 0 per step;
+* persistent groups stay gathered on the GPU: a frozen one moves nothing per step, a trainable
+  one is read once per step after the step changed it (from its kept cpu copy where it has one);
 * gradients leave the device as fp32 partitions: A x S_t x 4 device->host; homed on disk
   (``tiered.grad_tier``): every micro-batch writes (A x S_t x 4 host->disk), every micro-batch
   after the first reads the partial sum back ((A - 1) x S_t x 4) and the step reads it
-  (S_c x 4 disk->host). Where the step consumes each gradient from memory (the step overlapped
+  (S_c x 4 disk->host); a gradient kept in cpu ([Note: residency]) moves none of it. Where
+  the step consumes each gradient from memory (the step overlapped
   with backward and A = 1: `grads_consumed_from_memory`, [Note: gradient consumed from memory]
   in tiered/optim/group.py) the disk sees none of it: 0 B, the floor the engine reaches:
   backward waits for the stepper rather than have the tier manager park kept gradients at home
   ([Note: backward waits instead of parking] in tiered/optim/kept_grads.py; where nothing of
   the cpu tier is left beyond that wait's bound, some may still be parked: above the floor);
-* optimizer state homed on disk: K x S_c read and K x S_c written;
+* optimizer state homed on disk: K x S_c read and K x S_c written, less the tiles kept in the
+  compute tier ([Note: residency]), which move nothing;
 * the new parameters: S_c x p written to a disk home unless kept in cpu, or host->device to a
   GPU home; GPU-stepped groups move nothing.
+
+So the bytes fall with the memory given: each byte a faster tier keeps removes the disk bytes
+[Note: residency] counts for it, and the plan and `stats()` both take the kept set from
+`plan_residency`, the engine's own.
 
 This formula is what the engine's data path is measured against:
 `Engine.stats()["bytes_per_step"]` puts it next to the bytes the tier manager counted per
@@ -54,11 +61,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiered.optim.placement import GroupPlan, kept_in_cpu, master_is_param
+from tiered.optim.placement import GroupPlan, master_is_param
 from tiered.optim.state_format import FORMATS
+from tiered.planning.rereads import backward_rereads, reread_groups
+
+__all__ = ["LINKS", "backward_rereads", "bytes_per_step", "config_bytes_per_step", "reread_groups"]
 
 if TYPE_CHECKING:
     from tiered.config.schema import TieredConfig
+    from tiered.planning.kept_set import Residency
     from tiered.planning.needs import Prediction
     from tiered.shards import ShardGroup
 
@@ -72,7 +83,7 @@ def bytes_per_step(
     *,
     compute_dtype: torch.dtype,
     accumulation: int,
-    max_in_cpu_numel: int,
+    residency: Residency | None = None,
     state_format: str = "fp32",
     grads_from_memory: bool = False,
     max_live_numel: int | None = None,
@@ -81,7 +92,7 @@ def bytes_per_step(
     master_prefetch_groups: int = 0,
 ) -> dict[str, int]:
     """The floor of [Note: bytes per step] per link; `memory` maps tier -> "device"/"host"/"disk";
-    `state_format` the moments' ([Note: compressed optimizer state]); `grads_from_memory`: the
+    `residency` what the faster tiers keep ([Note: residency]; None: nothing); `state_format` the moments' ([Note: compressed optimizer state]); `grads_from_memory`: the
     step consumes each gradient from memory (`tiered.optim.arrivals.grads_consumed_from_memory`);
     `max_live_numel` / `max_reuse_numel`: ``stage3_max_live_parameters`` /
     ``stage3_max_reuse_distance``, which decide the backward's re-reads (None: unbounded);
@@ -93,13 +104,13 @@ def bytes_per_step(
     a = max(1, accumulation)
     out = dict.fromkeys(LINKS, 0)
     trainable = [g for g in groups if g.trainable]
-    kept, reread = kept_and_reread(
-        groups,
-        plans,
-        max_in_cpu_numel=max_in_cpu_numel,
-        max_live_numel=max_live_numel,
-        max_reuse_numel=max_reuse_numel,
-    )
+    reread = reread_groups(groups, max_live_numel=max_live_numel, max_reuse_numel=max_reuse_numel)
+    kept = set(residency.groups("param")) if residency is not None else set()
+    kept_grads = residency.groups("grad") if residency is not None else frozenset()
+
+    def kept_bytes(g: ShardGroup, part: str) -> int:
+        return residency.kept_bytes(g.index, part) if residency is not None else 0
+
     disk = {t for t, m in memory.items() if m == "disk"} | {
         g.param.home for g in groups if g.param.home not in memory
     }
@@ -122,15 +133,15 @@ def bytes_per_step(
 
     for g in groups if gathers else ():
         home = g.param.home
-        if not g.persistent and home != "gpu":
-            reads = a * (2 if g.index in reread else 1)
+        if home != "gpu" and (not g.persistent or g.trainable):
+            reads = 1 if g.persistent else a * (2 if g.index in reread else 1)
             move("cpu" if g.index in kept else home, "gpu", reads * g.shard_numel * p)
     for g, plan in zip(trainable, plans, strict=True):
         assert g.grad is not None
         n = g.shard_numel
         grad_home = g.grad.home
-        if grads_from_memory and memory.get(grad_home) == "disk":
-            grad_home = "cpu"  # kept there, dirty, and dropped after the step: never on disk
+        if (grads_from_memory or g.index in kept_grads) and memory.get(grad_home) == "disk":
+            grad_home = "cpu"  # kept there, dirty (and dropped after the step): never on disk
         if grad_home != "gpu":
             if memory.get(grad_home) == "disk":
                 move("gpu", "cpu", a * n * 4)
@@ -144,7 +155,8 @@ def bytes_per_step(
             continue
         if memory.get(grad_home) == "disk":
             move(grad_home, plan.compute_tier, n * 4)
-        moments = fmt.moment_bytes(n)
+        # the tiles kept in the compute tier move nothing ([Note: residency])
+        moments = max(0, fmt.moment_bytes(n) - kept_bytes(g, "exp_avg") - kept_bytes(g, "exp_avg_sq"))
         if master_is_param(g, plan, compute_dtype):
             # the master is read back unless kept in cpu (or still gathered when the state
             # prefetch takes it); written once, as the parameter (below)
@@ -154,44 +166,12 @@ def bytes_per_step(
             move(plan.state_home, plan.compute_tier, moments + master)
             move(plan.compute_tier, plan.state_home, moments)
         else:
-            move(plan.state_home, plan.compute_tier, moments + 4 * n)
-            move(plan.compute_tier, plan.state_home, moments + 4 * n)
+            master = max(0, 4 * n - kept_bytes(g, "master"))
+            move(plan.state_home, plan.compute_tier, moments + master)
+            move(plan.compute_tier, plan.state_home, moments + master)
         if g.index not in kept:
             move(plan.stage_tier, g.param.home, n * p)
     return out
-
-
-def kept_and_reread(
-    groups: Sequence[ShardGroup],
-    plans: Sequence[GroupPlan],
-    *,
-    max_in_cpu_numel: int,
-    max_live_numel: int | None,
-    max_reuse_numel: int | None,
-) -> tuple[set[int], set[int]]:
-    """(kept, reread): the indices of the trainable groups whose new parameters ``max_in_cpu``
-    keeps in cpu, and of the gathered groups the backward reads a second time (`backward_rereads`
-    over every non-persistent group not homed on the GPU; None: unbounded). The one answer
-    [Note: bytes per step] and the bench's replayed pattern ([Note: training I/O pattern]) use."""
-    trainable = [g for g in groups if g.trainable]
-    kept = {
-        trainable[j].index
-        for j in kept_in_cpu(
-            [g.shard_numel for g in trainable], [g.param.home for g in trainable], plans, max_in_cpu_numel
-        )
-    }
-    gathered = [g for g in groups if not g.persistent and g.param.home != "gpu"]
-    every = sum(g.shard_numel for g in gathered)
-    reread = {
-        gathered[j].index
-        for j in backward_rereads(
-            [g.shard_numel for g in gathered],
-            [False] * len(gathered),
-            max_live_numel if max_live_numel is not None else every,
-            max_reuse_numel if max_reuse_numel is not None else every,
-        )
-    }
-    return kept, reread
 
 
 def state_prefetch_groups(cfg: TieredConfig, trainable_groups: int) -> int:
@@ -241,10 +221,10 @@ def masters_live_into_step(
 
 
 def config_bytes_per_step(
-    pred: Prediction, cfg: TieredConfig, *, max_in_cpu_numel: int, gathers: bool = True
+    pred: Prediction, cfg: TieredConfig, *, residency: Residency | None = None, gathers: bool = True
 ) -> dict[str, int]:
     """`bytes_per_step` of a predicted config, every setting read from `cfg` (the plan's and
-    the benchmarks' one call)."""
+    the benchmarks' one call); `residency` the kept set (default: the prediction's own)."""
     from tiered.optim.arrivals import grads_consumed_from_memory
 
     return bytes_per_step(
@@ -253,7 +233,7 @@ def config_bytes_per_step(
         pred.memory,
         compute_dtype=pred.placement.compute_dtype,
         accumulation=int(cfg.gradient_accumulation_steps),
-        max_in_cpu_numel=max_in_cpu_numel,
+        residency=pred.residency if residency is None else residency,
         state_format=cfg.tiered.optimizer_state_format,
         grads_from_memory=grads_consumed_from_memory(cfg),
         max_live_numel=cfg.zero.max_live_parameters_numel,
@@ -283,40 +263,3 @@ def measured_per_step(
         else:
             out[f"{s}->{d}"] = out.get(f"{s}->{d}", 0.0) + v["bytes"]
     return {k: v / max(1, steps) for k, v in out.items()}
-
-
-def backward_rereads(numel: list[int], persistent: list[bool], max_live: int, max_reuse: int) -> set[int]:
-    """Which groups (by position in `numel`, forward order) the backward must read again, having
-    been evicted from "gpu" after their forward use: the engine's rules replayed on the trace
-    forward order + reverse order ([Note: the live budget]): after a release a group goes when
-    its next use is further than ``stage3_max_reuse_distance`` elements away; before a fetch,
-    released groups go, furthest next use first, until ``stage3_max_live_parameters`` has room.
-    Persistent groups stay for the whole step."""
-    trace = list(range(len(numel))) + list(reversed(range(len(numel))))
-    prefix = [0]
-    for i in trace:
-        prefix.append(prefix[-1] + numel[i])
-    uses: dict[int, list[int]] = {}
-    for t, i in enumerate(trace):
-        uses.setdefault(i, []).append(t)
-
-    def next_use(i: int, t: int) -> float:
-        later = [u for u in uses[i] if u > t]
-        return float("inf") if not later else float(prefix[later[0]] - prefix[t + 1])
-
-    live: dict[int, int] = {}
-    reread: set[int] = set()
-    for t, i in enumerate(trace):
-        if persistent[i]:
-            continue
-        if i not in live:
-            if t >= len(numel):
-                reread.add(i)
-            for v in sorted(live, key=lambda v: next_use(v, t), reverse=True):
-                if sum(live.values()) + numel[i] <= max_live:
-                    break
-                del live[v]
-            live[i] = numel[i]
-        if next_use(i, t) > max_reuse:
-            live.pop(i, None)
-    return reread

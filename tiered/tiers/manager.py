@@ -255,6 +255,36 @@ class TierManager:
             tier,
         )
 
+    def keep(self, part: Partition, tier: str, kept: bool = True) -> None:
+        """Keep `part`'s copy in memory-like `tier` across uses (False: no longer): `settle` then
+        leaves it there, and the tier evicts it only after every copy it does not keep. See
+        [Note: kept copies] in tiered/tiers/partition.py."""
+        self._check(part, tier, "keep", memory_like=True)
+        if tier == part.home:
+            raise ValueError(
+                f"keep of partition {part.name!r} in tier {tier!r}: that is its home, where it always "
+                "lives; keep it in a faster tier"
+            )
+        self._loop_call(self._machine.keep, part, tier, kept)
+
+    def settle(self, part: Partition, tier: str) -> TierFuture[None]:
+        """The caller is done with `part`'s copy in `tier`: it stays there if `part` is kept there
+        (`keep`), else it is evicted (written home first if dirty), as `evict`."""
+        self._check(part, tier, "settle")
+        if tier == part.home:
+            raise ValueError(
+                f"settle of partition {part.name!r} in tier {tier!r}: that is its home; settle a copy in "
+                "a faster tier"
+            )
+        return self._run(
+            self._machine.settle(part, tier), f"settle of partition {part.name!r} in tier {tier!r}", tier
+        )
+
+    def kept_bytes(self, tier: str) -> int:
+        """Bytes of the partitions kept in `tier` ([Note: kept copies]), resident there or not."""
+        self.tier(tier)
+        return sum(p.nbytes for p in self._machine.parts.values() if p.is_kept(tier))
+
     def flush(self, part: Partition | None = None) -> TierFuture[None]:
         """Write dirty copies (of `part`, or of every partition) back to their home."""
         if part is not None:
@@ -291,8 +321,16 @@ class TierManager:
     # ---- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """JSON-able counters: per tier, per link, stalls, evictions, write-backs."""
+        parts = list(self._machine.parts.values())
         extra = {
-            n: {"budget_bytes": ts.budget, "resident_bytes": ts.used, "peak_bytes": ts.peak}
+            n: {
+                "budget_bytes": ts.budget,
+                "resident_bytes": ts.used,
+                "peak_bytes": ts.peak,
+                # [Note: kept copies]: what stays there across uses, and how much of it is there now
+                "kept_bytes": sum(p.nbytes for p in parts if p.is_kept(n)),
+                "kept_resident_bytes": sum(p.nbytes for p in parts if p.is_kept(n) and p.is_resident(n)),
+            }
             for n, ts in self._machine.tiers.items()
         }
         return self._stats.to_json(extra)

@@ -15,6 +15,17 @@ it (`MovesInFlight`). Each changes only through the small transition methods bel
 the `TierStateMachine` on the manager's loop thread (see [Note: one loop, one bridge]); the public
 mappings are replaced, never mutated in place, so another thread reading `valid_in()` or `pins()`
 always sees one consistent snapshot without a lock.
+
+[Note: kept copies]
+A tier is a cache of the one below: a partition may be *kept* in a faster tier than its home
+(`TierManager.keep`), which means its copy there, once made, stays across uses instead of being
+evicted when its user is done (`TierManager.settle` evicts a copy only where it is not kept). A
+kept copy is an ordinary copy: dirty when it holds bytes its home does not (it is then written
+home only when it is evicted, a checkpoint reads it where it is), clean when home has them too
+(then never written again). Kept or not changes nothing about which bytes are the newest, so
+results are bitwise those of a run without it. Under budget pressure the manager evicts kept
+copies last, after every copy that is not kept ([Note: reserve before move]); who keeps what,
+and why, is the engine's residency plan ([Note: residency] in tiered/planning/residency.py).
 """
 
 from __future__ import annotations
@@ -124,6 +135,7 @@ class Partition:
         "_checksums",
         "_last_use",
         "_version",
+        "_kept",
         "moves",
         "name",
         "numel",
@@ -144,6 +156,7 @@ class Partition:
         self._checksums: Mapping[str, int] = MappingProxyType({})
         self._last_use: dict[str, int] = {}
         self._version = 0
+        self._kept: frozenset[str] = frozenset()
         self.moves = MovesInFlight()
         """The moves in flight on this partition's copies (state machine only)."""
 
@@ -181,6 +194,13 @@ class Partition:
         """Bumped by every write into the partition (see [Note: versions])."""
         return self._version
 
+    def kept_in(self) -> frozenset[str]:
+        """The tiers whose copy stays across uses ([Note: kept copies])."""
+        return self._kept
+
+    def is_kept(self, tier: str) -> bool:
+        return tier in self._kept
+
     def last_use(self, tier: str) -> int:
         """The manager's tick of the last fetch, prefetch, allocate or release in `tier`; -1 if none."""
         return self._last_use.get(tier, -1)
@@ -214,6 +234,10 @@ class Partition:
         self._pins = MappingProxyType(pins)
         self.touch(tier, tick)
         return n
+
+    def set_kept(self, tier: str, kept: bool) -> None:
+        """Keep (or stop keeping) this partition's copy in `tier` across uses ([Note: kept copies])."""
+        self._kept = (self._kept | {tier}) if kept else (self._kept - {tier})
 
     def touch(self, tier: str, tick: int) -> None:
         self._last_use[tier] = tick

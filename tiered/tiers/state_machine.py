@@ -10,7 +10,8 @@ Budgets are hard at every instant. A move into a tier first reserves the partiti
 requests can never both see the same free space. Only then does the backend allocate. Bytes
 return to the budget only after the backend's delete completed. When a request does not fit,
 unpinned non-home copies chosen by the tier's policy are evicted (dirty ones written back
-first); when pins keep it from fitting, the request waits for a change (a release, a finished
+first), the copies kept in that tier after all the others ([Note: kept copies] in
+tiered/tiers/partition.py: the policy orders each of the two sets, never one across both); when pins keep it from fitting, the request waits for a change (a release, a finished
 eviction), up to the manager's timeout. A request that can never fit (bigger than the budget
 minus the bytes of the partitions whose home is that tier) fails at once with CapacityError.
 
@@ -251,6 +252,20 @@ class TierStateMachine:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         await self._finish_evict(part, tier, part.claim_eviction(tier, fut), fut)
 
+    def keep(self, part: Partition, tier: str, kept: bool) -> None:
+        """[Note: kept copies]: `part`'s copy in `tier` stays across uses (or no longer does)."""
+        check_managed(self.parts, part)
+        part.set_kept(tier, kept)
+
+    async def settle(self, part: Partition, tier: str) -> None:
+        """The caller is done with `part`'s copy in `tier`: evicted (written home first when
+        dirty) unless the partition is kept there ([Note: kept copies])."""
+        check_managed(self.parts, part)
+        if part.is_kept(tier):
+            part.touch(tier, self._next_tick())
+            return
+        await self.evict(part, tier)
+
     async def flush(self, part: Partition | None) -> None:
         parts = [part] if part is not None else list(self.parts.values())
         results = await asyncio.gather(
@@ -374,7 +389,10 @@ class TierStateMachine:
                 allowed = {id(p) for p in cands}
                 chosen, freed = [], 0
                 assert ts.policy is not None
-                for p in ts.policy.choose(tier, cands, need):
+                # [Note: kept copies]: the kept ones go only once no other copy is left to free
+                ordered = list(ts.policy.choose(tier, [p for p in cands if not p.is_kept(tier)], need))
+                ordered += ts.policy.choose(tier, [p for p in cands if p.is_kept(tier)], need)
+                for p in ordered:
                     if id(p) in allowed and freed < need:
                         allowed.discard(id(p))
                         chosen.append(p)
@@ -382,6 +400,7 @@ class TierStateMachine:
                 # claim every chosen copy now, before any await, so no other request picks it too
                 futs = [asyncio.get_running_loop().create_future() for _ in chosen]
                 claims = [(p, p.claim_eviction(tier, f), f) for p, f in zip(chosen, futs, strict=True)]
+                self.stats.kept_evictions += sum(p.is_kept(tier) for p in chosen)
                 results = await asyncio.gather(
                     *[self._finish_evict(p, tier, prev, f) for p, prev, f in claims], return_exceptions=True
                 )

@@ -66,6 +66,8 @@ class ManagerStats:
     evictions: int = 0
     writebacks: int = 0
     clean_drops: int = 0
+    kept_evictions: int = 0
+    """Kept copies ([Note: kept copies]) evicted because their tier needed the room."""
     stall_s: float = 0.0
     io: IOCounters = field(default_factory=IOCounters)
     """Retries, timeouts and checksum verification of backend calls."""
@@ -101,5 +103,6 @@ class ManagerStats:
                 "evictions": self.evictions,
                 "writebacks": self.writebacks,
                 "clean_drops": self.clean_drops,
+                "kept_evictions": self.kept_evictions,
                 "io": self.io.to_json(),
             }

@@ -100,7 +100,8 @@ class StagedGradHome:
         tm.mark_dirty(self.part, STAGE_TIER)
         tm.release(self.part, STAGE_TIER)
         if not keep:
-            tm.evict(self.part, STAGE_TIER).result()  # written home before the staged copy is freed
+            # written home before the staged copy is freed, unless the tier keeps it ([Note: residency])
+            tm.settle(self.part, STAGE_TIER).result()
         elif self.keeper is not None:
             self.keeper.kept(self.part)
 
@@ -108,5 +109,5 @@ class StagedGradHome:
         tm = self.tm
         t = tm.fetch(self.part, STAGE_TIER).result().clone()
         tm.release(self.part, STAGE_TIER)
-        tm.evict(self.part, STAGE_TIER).result()  # clean: frees it
+        tm.settle(self.part, STAGE_TIER).result()  # clean: frees it (a kept copy stays)
         return t
