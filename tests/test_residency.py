@@ -194,3 +194,93 @@ def test_a_checkpoint_moves_between_budgets_bit_for_bit(tmp_path: Path, dtype: s
         assert a + b == whole, (first, second)
         for name, t in got.items():
             assert torch.equal(t, want[name]), (first, second, name)
+
+
+def _frozen_mlp_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(small_llama_config(num_hidden_layers=4))
+    for name, p in model.named_parameters():
+        if ".mlp." in name:
+            p.requires_grad_(False)  # a frozen base, as LoRA's: never changed, never refreshed
+    return model
+
+
+def _gpu_run(gpu_budget: int | None, residency: str = "auto") -> dict[str, Any]:
+    from tiered.zero.rereads import backward_rereads
+
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 100_000,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_live_parameters": 40_000,  # each group released after use: read again in backward
+            "offload_param": {"device": "cpu"},
+            "offload_optimizer": {"device": "cpu"},
+        },
+        "tiered": {"residency": residency},
+    }
+    if gpu_budget is not None:
+        cfg["tiered"]["tiers"] = {"gpu": {"budget": gpu_budget}}
+    x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    with tiered.initialize(_frozen_mlp_llama(), cfg) as engine:
+        for i in range(3):
+            out = engine(input_ids=x, labels=x)
+            losses.append(out.loss.item())
+            engine.backward(out.loss)
+            engine.step()
+            engine.optimizer.wait_writes()
+            engine.zero.wait_prefetches()
+            if i == 0:
+                first = engine.tm.stats()["links"].get("cpu->gpu", {"bytes": 0})["bytes"]
+        copies = (engine.tm.stats()["links"]["cpu->gpu"]["bytes"] - first) / 2
+        groups = engine.zero.groups
+        gathered = [g for g in groups if not g.persistent]
+        z = engine.config.zero
+        again = backward_rereads(
+            [g.shard_numel for g in gathered],
+            [False] * len(gathered),
+            z.max_live_parameters_numel,
+            z.max_reuse_distance_numel,
+        )
+        # each gathered group once per forward (twice where the backward reads it again), each
+        # persistent trainable one once after the step changed it, a persistent frozen one never
+        expected = sum(g.param.nbytes * (2 if j in again else 1) for j, g in enumerate(gathered))
+        expected += sum(g.param.nbytes for g in groups if g.persistent and g.trainable)
+        return {
+            "copies": copies,
+            "expected": expected,
+            "persistent_frozen": sum(g.param.nbytes for g in groups if g.persistent and not g.trainable),
+            "frozen": sum(g.param.nbytes for g in groups if not g.trainable),
+            # the working set: the tier's need and what the live budget keeps beyond the gather
+            "need": int(engine.capacity["gpu"]["total"])
+            + max(0, 40_000 * 4 - engine.capacity["gpu"]["gather"]),
+            "losses": losses,
+            "params": {k: v.clone() for k, v in engine.zero.gather_full_state_dict().items()},
+        }
+
+
+def test_a_gpu_budget_holds_frozen_groups_persistent_and_cuts_the_copies_to_it_in_proportion() -> None:
+    """[Note: persistent by room], the gpu tier's analogue of the sweep ("gpu" is host memory here:
+    the copies are memory copies, counted on the cpu->gpu link): a budget with room beyond the
+    working set holds the frozen groups (then the trainable ones the backward reads again)
+    persistent, and the copies per step fall by what they no longer gather."""
+    base = _gpu_run(None)
+    assert base["persistent_frozen"] == 0
+    need, frozen = base["need"], base["frozen"]
+    fractions = (0.0, 0.25, 0.5, 0.75, 1.0)
+    runs = [_gpu_run(need + int(f * frozen)) for f in fractions]
+    held = [r["persistent_frozen"] for r in runs]
+    assert held[0] == 0 and held[-1] == frozen and len(set(held)) == len(held), held
+    assert all(h <= f * frozen for h, f in zip(held, fractions, strict=True)), held
+    copies = [r["copies"] for r in runs]
+    assert copies == sorted(copies, reverse=True) and copies[-1] < 0.5 * copies[0], copies
+    for r in runs:
+        assert r["copies"] == pytest.approx(r["expected"], rel=0.05), (r["copies"], r["expected"])
+        assert r["losses"] == base["losses"]
+        for name, t in r["params"].items():
+            assert torch.equal(t, base["params"][name]), name
+    off = _gpu_run(need + frozen, residency="off")
+    assert off["persistent_frozen"] == 0 and off["copies"] == pytest.approx(runs[0]["copies"], rel=0.05)

@@ -80,7 +80,6 @@ beside its peak RSS.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypedDict
@@ -102,6 +101,8 @@ from tiered.planning.homes import Placement, choose_placement
 from tiered.planning.residency import Residency, TierRoom, config_residency
 from tiered.shards import ParamEntry, ShardGroup, group_name
 from tiered.units import format_bytes
+from tiered.zero.budget import UNCHECKED_MAX_LIVE
+from tiered.zero.layout import persists_by_room
 
 if TYPE_CHECKING:
     from tiered.tiers import Partition
@@ -113,9 +114,6 @@ HOST_BASELINE_BYTES = {"cpu": 471 * 2**20, "cuda": 1062 * 2**20}
 DEVICE_KINDS = tuple(HOST_BASELINE_BYTES)
 PEFT_IMPORT_BYTES = 13 * 2**20
 """What a peft (LoRA) run imports and builds beyond the baseline, measured: see [Note: one memory model]."""
-UNCHECKED_MAX_LIVE = (1_000_000_000, sys.maxsize)
-"""``stage3_max_live_parameters`` values the pre-flight leaves to eviction under pressure:
-DeepSpeed's default, and 0 read as no cap (`live_budget_shortfall`)."""
 MEMORY_BACKENDS = {"gpu": "device", "cpu": "host"}
 """Backend type -> the memory it takes; every other backend stores on disk (nvme, stripe, ...)."""
 
@@ -442,6 +440,10 @@ def predict(
         world_size,
         placement.param_tier,
         placement.grad_tier,
+        # [Note: persistent by room]: what the gpu budget's room holds persistent depends on these
+        persists_by_room(cfg),
+        int(cfg.gradient_accumulation_steps),
+        z.max_reuse_distance_numel,
     )
     cached = None if layouts is None else layouts.get(key)
     if cached is None:
@@ -520,6 +522,8 @@ def _planned_groups(
         world_size=world_size,
         param_tier=placement.param_tier,
         grad_tier=placement.grad_tier,
+        persist_by_room=persists_by_room(cfg),
+        accumulation=int(cfg.gradient_accumulation_steps),
     )
     itemsize = torch.empty(0, dtype=dtype).element_size()
     groups: list[ShardGroup] = []

@@ -49,7 +49,7 @@ import torch
 from tiered.optim.placement import GroupPlan, master_is_param, state_partition_specs
 from tiered.optim.state_format import FORMATS
 from tiered.planning.kept_set import KIND_ORDER, KeptPartition, Residency, TierRoom
-from tiered.planning.rereads import reread_groups
+from tiered.zero.rereads import reread_groups
 
 if TYPE_CHECKING:
     from tiered.config.schema import TieredConfig

@@ -63,7 +63,7 @@ import torch
 
 from tiered.optim.placement import GroupPlan, master_is_param
 from tiered.optim.state_format import FORMATS
-from tiered.planning.rereads import backward_rereads, reread_groups
+from tiered.zero.rereads import backward_rereads, reread_groups
 
 __all__ = ["LINKS", "backward_rereads", "bytes_per_step", "config_bytes_per_step", "reread_groups"]
 

@@ -15,6 +15,7 @@ are not counted either (DeepSpeed's rule). The whole-model check at init (larges
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -97,6 +98,12 @@ class LiveBudget:
             if total + need <= self.max_live:
                 return True
         return False
+
+
+UNCHECKED_MAX_LIVE = (1_000_000_000, sys.maxsize)
+"""``stage3_max_live_parameters`` values left to eviction under pressure rather than counted as a
+need: DeepSpeed's default, and 0 read as no cap ([Note: the live budget searched] in
+tiered/planning/search.py)."""
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from tiered.zero import comm, grad_norm
 from tiered.zero.budget import GpuGatherNeed, LiveBudget
 from tiered.zero.group import COUNTERS, GradSummary, GroupContext, GroupRuntime
 from tiered.zero.hooks import HookSet
-from tiered.zero.layout import plan_layout
+from tiered.zero.layout import persists_by_room, plan_layout
 from tiered.zero.leaf import LeafBoundary, local_context
 from tiered.zero.order import RECEIVED, CollectiveOrder, union_over_ranks
 from tiered.zero.passes import BackwardHolds, PassState
@@ -104,6 +104,8 @@ class ZeroParameters:
             world_size=ws,
             param_tier=param_tier,
             grad_tier=grad_tier,
+            persist_by_room=persists_by_room(cfg),
+            accumulation=int(cfg.gradient_accumulation_steps),
         )
         planned = layout.planned
         needs_fetch = ws > 1 or param_tier != "gpu"

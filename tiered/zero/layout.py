@@ -2,10 +2,25 @@
 from the module tree alone: what `ZeroParameters` builds its partitions from, and what
 `tiered.planning` predicts a config's memory from (on the meta device), so that the two never
 disagree ([Note: one memory model] in tiered/planning/needs.py).
+
+[Note: persistent by room]
+The gpu tier is a cache of the parameters' home too ([Note: residency] in
+tiered/planning/residency.py). A budget the user gives it (``tiered.tiers.gpu.budget``, or the
+GPU memory `tiered plan` / ``auto_config`` was told) that has room beyond the working set (the
+largest module's gather, the persistent groups, what ``stage3_max_live_parameters`` keeps
+gathered) holds more groups persistent: gathered once and kept, as the small ones below
+``stage3_param_persistence_threshold`` are. A group earns it by the gathers it saves per step
+less the one refresh after each step that changes it: A x (1 + backward re-read) for a frozen
+group (a LoRA base: never changed, never read again), one less for a trainable one (so on a GPU
+a trainable group only where accumulation or re-reads gather it more than once a step: its new
+value crosses to the device once a step either way). Candidates go most saved per byte first
+(ties: the larger, then module order), each while the gpu need with it persistent stays within
+the budget. A leaf module's groups are gathered together and stay out of it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,10 +31,11 @@ from tiered.shards import padded_numel
 from tiered.zero.budget import GpuGatherNeed, PlannedSize, check_gather_budgets
 from tiered.zero.leaf import LeafSet, find_leaf_modules
 from tiered.zero.plan import PlannedGroup
+from tiered.zero.rereads import backward_rereads
 from tiered.zero.sharding import ALIGNMENT_NUMEL, ModuleMaps, map_modules, plan_model_groups
 
 if TYPE_CHECKING:
-    from tiered.config.schema import ZeroConfig
+    from tiered.config.schema import TieredConfig, ZeroConfig
 
 
 @dataclass(frozen=True)
@@ -42,6 +58,13 @@ class GroupLayout:
         return padded_numel(self.planned[i].numel, self.world_size, ALIGNMENT_NUMEL) // self.world_size
 
 
+def persists_by_room(cfg: TieredConfig) -> bool:
+    """Whether the gpu tier's room holds more groups persistent ([Note: persistent by room]):
+    residency on and a gpu budget the user gave (an implicit one would take the activations' room)."""
+    gpu = cfg.tiered.tiers.get("gpu")
+    return cfg.tiered.residency != "off" and gpu is not None and gpu.budget_bytes is not None
+
+
 def plan_layout(
     model: nn.Module,
     z: ZeroConfig,
@@ -51,9 +74,13 @@ def plan_layout(
     world_size: int,
     param_tier: str,
     grad_tier: str,
+    persist_by_room: bool = False,
+    accumulation: int = 1,
 ) -> GroupLayout:
     """Plan `model`'s groups under `z` and check they can be gathered (CapacityError / ConfigError
-    before any partition is written). See [Note: group planning], [Note: the live budget]."""
+    before any partition is written). See [Note: group planning], [Note: the live budget]; with
+    `persist_by_room` (a gpu budget the user gave, residency on) the budget's room holds more
+    groups persistent ([Note: persistent by room]), `accumulation` micro-batches a step."""
     leaf_names = find_leaf_modules(model, z.leaf_module)  # [Note: leaf modules]
     planned = plan_model_groups(
         model,
@@ -71,15 +98,73 @@ def plan_layout(
     for mid, leaf in leaves.by_module.items():  # entering a leaf gathers its whole subtree
         modules.groups[mid] = leaf.groups
     ws = world_size
-    gpu_need = check_gather_budgets(
-        [PlannedSize(pg.numel, padded_numel(pg.numel, ws, ALIGNMENT_NUMEL), pg.persistent) for pg in planned],
-        [(modules.names[mid], idxs) for mid, idxs in modules.groups.items()],
-        max_live=z.max_live_parameters_numel,
-        gpu_budget_bytes=gpu_budget_bytes,
-        param_itemsize=torch.empty(0, dtype=compute_dtype).element_size(),
-        world_size=ws,
-        param_tier=param_tier,
-        grad_tier=grad_tier,
-        needs_fetch=ws > 1 or param_tier != "gpu",
-    )
+    module_groups = [(modules.names[mid], idxs) for mid, idxs in modules.groups.items()]
+    itemsize = torch.empty(0, dtype=compute_dtype).element_size()
+
+    def need(budget: int | None) -> GpuGatherNeed:
+        return check_gather_budgets(
+            [
+                PlannedSize(pg.numel, padded_numel(pg.numel, ws, ALIGNMENT_NUMEL), pg.persistent)
+                for pg in planned
+            ],
+            module_groups,
+            max_live=z.max_live_parameters_numel,
+            gpu_budget_bytes=budget,
+            param_itemsize=itemsize,
+            world_size=ws,
+            param_tier=param_tier,
+            grad_tier=grad_tier,
+            needs_fetch=ws > 1 or param_tier != "gpu",
+        )
+
+    if persist_by_room and gpu_budget_bytes is not None and (ws > 1 or param_tier != "gpu"):
+        _persist_by_room(planned, need, gpu_budget_bytes, z, itemsize, ws, accumulation)
+    gpu_need = need(gpu_budget_bytes)
     return GroupLayout(planned, list(leaf_names), managed, modules, leaves, gpu_need, world_size)
+
+
+def _persist_by_room(
+    planned: list[PlannedGroup],
+    need: Callable[[int | None], GpuGatherNeed],
+    budget: int,
+    z: ZeroConfig,
+    itemsize: int,
+    world_size: int,
+    accumulation: int,
+) -> None:
+    """Mark more of `planned` persistent while the gpu budget has room: [Note: persistent by room]."""
+    per_full = (1 + 1 / world_size) if world_size > 1 else 1
+
+    def live_bytes() -> int:  # what stage3_max_live_parameters keeps gathered beyond the gather
+        gathered = sum(
+            padded_numel(pg.numel, world_size, ALIGNMENT_NUMEL) for pg in planned if not pg.persistent
+        )
+        return int(min(z.max_live_parameters_numel, gathered) * itemsize * per_full)
+
+    def fits() -> bool:
+        n = need(None)
+        return n.total_bytes + max(0, live_bytes() - n.gather_bytes) <= budget
+
+    if not fits():
+        return  # no room beyond the working set (the budget's own refusal comes after)
+    gathered = [i for i, pg in enumerate(planned) if not pg.persistent]
+    rereads = {
+        gathered[j]
+        for j in backward_rereads(
+            [planned[i].numel for i in gathered],
+            [False] * len(gathered),
+            z.max_live_parameters_numel,
+            z.max_reuse_distance_numel,
+        )
+    }
+    a = max(1, int(accumulation))
+    candidates = []
+    for i in gathered:
+        pg = planned[i]
+        saved = a * (2 if i in rereads else 1) - (1 if pg.trainable else 0)
+        if saved > 0 and pg.leaf is None:
+            candidates.append((-saved, -pg.numel, i))
+    for _, _, i in sorted(candidates):
+        planned[i].persistent = True
+        if not fits():
+            planned[i].persistent = False

@@ -1,7 +1,7 @@
 """Which gathered groups the backward reads a second time: the engine's keep rules for the
 "gpu" tier between a group's forward and backward use, replayed on the trace ([Note: the live
-budget] in tiered/zero/budget.py). [Note: bytes per step], the residency plan and the bench's
-replayed pattern all take the answer from here."""
+budget] in budget.py). [Note: bytes per step], the residency plan, the persistence by room of
+layout.py and the bench's replayed pattern all take the answer from here."""
 
 from __future__ import annotations
 
