@@ -48,6 +48,8 @@ def _one_big_group(tmp_path: Path, features: tuple[int, int]) -> tuple[nn.Module
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(*features, bias=False))  # one ~64 MiB partition per kind
     config = ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme"), sub_group_size=1 << 26)
+    # the partitions streamed file to file: on NVMe only, none kept in memory ([Note: residency])
+    config["tiered"] = {"residency": "off"}
     return model, config
 
 

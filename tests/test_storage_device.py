@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +83,24 @@ def test_pool_budget_trims_cache_then_refuses() -> None:
         pool.acquire(8 << 10, what="key 'z'")
     pool.release(c)
     assert pool.stats().in_use_bytes == 0
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="needs Linux /proc")
+def test_host_memory_free_is_what_the_kernel_could_give_not_its_free_pages(monkeypatch) -> None:
+    """A machine that has read files for a while has little MemFree and much page cache: the
+    cpu tier's budget (and the residency room it lends) is MemAvailable, within a container's
+    memory limit."""
+    import tiered.device as device
+
+    fields = dict(
+        line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line
+    )
+    kib = {k: int(v.split()[0]) * 1024 for k, v in fields.items() if v.split()}
+    monkeypatch.setattr(device, "_cgroup_memory_limit", lambda: None)
+    avail, total = device.host_mem_info()
+    assert total == kib["MemTotal"]
+    assert abs(avail - kib["MemAvailable"]) < 256 * 2**20  # read a moment apart
+    assert avail >= kib["MemFree"] - 256 * 2**20
+    monkeypatch.setattr(device, "_cgroup_memory_limit", lambda: (2**30, 2**28))  # 1 GiB, 256 MiB used
+    capped, limit = device.host_mem_info()
+    assert limit == 2**30 and capped is not None and capped <= 3 * 2**28

@@ -111,11 +111,7 @@ class Device:
         if self.is_cuda:
             free, total = torch.cuda.mem_get_info(self.torch_device)
             return int(free), int(total)
-        try:
-            page = os.sysconf("SC_PAGE_SIZE")
-            return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-        except (ValueError, OSError, AttributeError):  # not every OS has these sysconf names
-            return None, None
+        return host_mem_info()
 
     # ---- copies and events -----------------------------------------------------------------
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
@@ -177,3 +173,56 @@ def default_device() -> Device:
     device = Device()
     log.debug("compute device: %s", device.name)
     return device
+
+
+def host_mem_info() -> tuple[int | None, int | None]:
+    """(available_bytes, total_bytes) of host memory: what the kernel could give this process now
+    without swapping (``MemAvailable``: free pages and the page cache it can drop, not ``MemFree``,
+    which a machine that has read files for a while keeps near zero), within the cgroup's limit
+    where one is set (a container's ``memory.max``). None where the system cannot tell."""
+    total = avail = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        total = int(fields["MemTotal"].split()[0]) * 1024
+        avail = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        try:
+            page = os.sysconf("SC_PAGE_SIZE")
+            avail, total = os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        except (ValueError, OSError, AttributeError):  # not every OS has these sysconf names
+            return None, None
+    limit = _cgroup_memory_limit()
+    if limit is not None:
+        cap, used = limit
+        total = min(total, cap) if total is not None else cap
+        avail = min(avail, max(0, cap - used)) if avail is not None else max(0, cap - used)
+    return avail, total
+
+
+def _cgroup_memory_limit() -> tuple[int, int] | None:
+    """(limit, usage) of this process's memory cgroup (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``), or None without a limit."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            lines = [x.strip().split(":", 2) for x in f if x.count(":") >= 2]
+    except OSError:
+        return None
+    for _, controllers, path in lines:
+        if controllers == "":
+            files = ("/sys/fs/cgroup", "memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            files = ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        base = os.path.join(files[0], path.lstrip("/"))
+        try:
+            with open(os.path.join(base, files[1]), encoding="ascii") as f:
+                cap = f.read().strip()
+            if cap == "max" or int(cap) >= 1 << 60:  # v1 writes "no limit" as a huge number
+                continue
+            with open(os.path.join(base, files[2]), encoding="ascii") as f:
+                return int(cap), int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+    return None
