@@ -79,8 +79,9 @@ def main() -> int:
         )
     with tempfile.TemporaryDirectory() as d:
         config = ds_json(d)
+        config["tiered"] = {"residency": "off"}  # step.py's like-for-like row: everything through NVMe
         if args.overlap:
-            config["tiered"] = {"overlap_step_with_backward": True}
+            config["tiered"]["overlap_step_with_backward"] = True
         cfg = load_config(config, model=model)
         pred = predict(model, cfg, gpu_is_host=True, device_kind="cpu")
     predicted, traffic, adam, step_reads = config_seconds_per_step(
