@@ -201,7 +201,8 @@ class OptimGroup:
         """Bytes `prefetch(j)` would bring into the compute tier (0: the states live there)."""
         if self.plan.state_home == self.plan.compute_tier:
             return 0
-        return sum(p.nbytes for p in self._read_by(j))
+        # a tile the tier keeps ([Note: residency]) is there already: it takes no room
+        return sum(p.nbytes for p in self._read_by(j) if not p.is_resident(self.plan.compute_tier))
 
     def prefetch(self, j: int) -> list[TierFuture[None]]:
         """Start reading tile `j`'s states into the compute tier, unpinned ([Note: pipeline_read])."""

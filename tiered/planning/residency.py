@@ -104,7 +104,7 @@ def plan_residency(
     """The partitions each tier of `room` keeps ([Note: residency]). `groups` are every group
     (frozen ones too), `plans` one per trainable group in order; `memory` maps a tier to
     "device", "host" or "disk"; `reread` the groups the backward reads a second time
-    (`tiered.planning.traffic.kept_and_reread`); `max_in_cpu_numel` the cap on parameter
+    (`tiered.zero.rereads.reread_groups`); `max_in_cpu_numel` the cap on parameter
     elements kept (None: none)."""
     if not enabled:
         return _max_in_cpu_only(groups, plans, memory, max_in_cpu_numel, dict(room))
