@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,7 @@ def write_tokenizer(out_dir: str, tokenizer: Any) -> list[str]:
     return names
 
 
-def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     out = []
     for mname, m in model.named_modules():
         for bname, buf in m._buffers.items():
@@ -151,6 +152,32 @@ def shard_names(n: int) -> list[str]:
     )
 
 
+FileLayout = Mapping[str, Sequence[tuple[str, tuple[int, ...], Sequence[tuple[int, int, int]]]]]
+"""model name -> the file tensors transformers' ``save_pretrained`` writes for it: (file key, shape,
+runs of (param_start, file_start, length) that cut it from the flat tensor); see [Note: file
+tensors by transformers' conversions] in tiered/zero/conversions.py."""
+
+
+def _file_tensors(
+    layout: FileLayout | None, name: str, t: torch.Tensor
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`t` (the model's `name`) as the file tensor(s) it is written as."""
+    parts = layout.get(name) if layout else None
+    if not parts:
+        yield name, t
+        return
+    flat = t.reshape(-1)
+    for key, shape, runs in parts:
+        if len(runs) == 1 and runs[0][1] == 0:  # one expert's slice: a view, copied once by the cast
+            ps, _, n = runs[0]
+            yield key, flat[ps : ps + n].view(shape)
+            continue
+        out = torch.empty(math.prod(shape), dtype=t.dtype, device=t.device)
+        for ps, fs, n in runs:
+            out[fs : fs + n].copy_(flat[ps : ps + n])
+        yield key, out.view(shape)
+
+
 def save_pretrained(
     model: torch.nn.Module,
     full_groups: Iterator[tuple[Any, list[tuple[str, torch.Tensor]]]],
@@ -161,16 +188,25 @@ def save_pretrained(
     max_shard_size: int | str,
     writer: bool,
     tokenizer: Any = None,
+    file_layout: FileLayout | None = None,
 ) -> str:
     """Write the Hugging Face layout of [Note: streamed export], with `tokenizer` ([Note:
     tokenizer files in the export]). `full_groups` gathers the groups one by one (every rank
-    iterates it); only the `writer` rank touches the disk."""
+    iterates it); only the `writer` rank touches the disk. `file_layout`: the names and pieces
+    transformers writes for the tensors it converts on load (per-expert files of a fused MoE
+    parameter, a wrapped model's legacy names); the rest keep the model's names."""
     out_dir = os.fspath(save_directory)
     max_bytes = parse_bytes(max_shard_size, what="save_pretrained(max_shard_size=...)")
     check_tokenizer(tokenizer)
-    buffers = _persistent_buffers(model)
-    specs = [TensorSpec(e.name, dtype, e.shape) for g in groups for e in g.entries]
-    specs += [TensorSpec(n, dtype if b.is_floating_point() else b.dtype, tuple(b.shape)) for n, b in buffers]
+    buffers = persistent_buffers(model)
+
+    def spec_list(name: str, shape: tuple[int, ...], dt: torch.dtype) -> list[TensorSpec]:
+        parts = file_layout.get(name) if file_layout else None
+        return [TensorSpec(k, dt, tuple(s)) for k, s, _ in parts] if parts else [TensorSpec(name, dt, shape)]
+
+    specs = [s for g in groups for e in g.entries for s in spec_list(e.name, e.shape, dtype)]
+    for n, b in buffers:
+        specs += spec_list(n, tuple(b.shape), dtype if b.is_floating_point() else b.dtype)
     shards = plan_shards(specs, max_bytes)
     names = shard_names(len(shards))
     shard_of = {s.name: i for i, shard in enumerate(shards) for s in shard}
@@ -197,9 +233,11 @@ def save_pretrained(
     try:
         for _g, params in full_groups:
             for name, t in params:
-                put(name, t)
+                for key, part in _file_tensors(file_layout, name, t):
+                    put(key, part)
         for name, b in buffers:
-            put(name, b)
+            for key, part in _file_tensors(file_layout, name, b):
+                put(key, part)
         _finish(current[0], out_dir)
         current[0] = None
     except BaseException:

@@ -190,9 +190,20 @@ class EnginePersistence:
                 max_shard_size=max_shard_size,
                 writer=self._rank == 0,
                 tokenizer=tokenizer,
+                file_layout=self._file_layout(),
             )
         self.collective().barrier()
         return out
+
+    def _file_layout(self) -> Any:
+        """The names transformers' save_pretrained gives the module's tensors ([Note: file tensors
+        by transformers' conversions]), or None where they are the module's own."""
+        from tiered.checkpoint.export import persistent_buffers
+        from tiered.zero.conversions import export_layout
+
+        named = [(e.name, e.shape) for g in self._zero.groups for e in g.entries]
+        named += [(n, tuple(b.shape)) for n, b in persistent_buffers(self._module)]
+        return export_layout(self._module, named)
 
     def gathered(self, params_or_module: Any, modify: bool = False) -> Any:
         """[Note: gathered parameters]: a context manager; every rank enters it."""

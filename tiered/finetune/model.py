@@ -18,7 +18,6 @@ import torch
 
 from tiered.errors import ConfigError, WeightsError
 from tiered.planning.hf_config import ModelSource, load_hf_config, resolve_model
-from tiered.zero.load import match_file_keys
 
 __all__ = ["ModelSource", "build_model", "load_hf_config", "resolve_model"]
 
@@ -26,52 +25,20 @@ log = logging.getLogger(__name__)
 
 
 def _load_weights(model: torch.nn.Module, files: tuple[Path, ...]) -> None:
-    from safetensors.torch import load_file
+    """The folder's tensors into `model`, matched and assembled as the streamed load does
+    ([Note: file tensors by transformers' conversions]): the same files, names, merges and checks."""
+    from tiered.zero.load import WeightSource
 
-    state: dict[str, torch.Tensor] = {}
-    found_in: dict[str, Path] = {}
-    for f in files:  # the streamed load's files ([Note: streaming load]: resolve_model chose them)
-        try:
-            tensors = load_file(str(f))
-        except Exception as exc:  # noqa: BLE001 - a corrupt file is the user's to fix
-            raise ConfigError(f"--model {f}: cannot read safetensors weights: {exc}") from None
-        for k, t in tensors.items():
-            if k in found_in:  # never one file silently overriding another
-                raise ConfigError(
-                    f"--model {f.parent}: tensor {k} is in both {found_in[k].name} and {f.name}; remove "
-                    "the stale file (or add model.safetensors.index.json naming the right one)"
-                )
-            found_in[k] = f
-            state[k] = t
-    names = {f.name for f in files}
-    own: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    own.update(dict(model.named_buffers()))
-    try:  # the streamed load's matching: the base model's prefix, the keys transformers ignores
-        name_of = match_file_keys(model, list(state), ", ".join(sorted(names)))
+    try:  # resolve_model chose `files` by the rule WeightSource follows (weight_files)
+        source = WeightSource(files[0].parent)
+        plan = source.plan(model, init_missing=False)
     except WeightsError as exc:
         raise ConfigError(f"--model {exc}") from None
-    state = {name_of[k]: t for k, t in state.items() if k in name_of}
-    for k, t in state.items():
-        if tuple(t.shape) != tuple(own[k].shape):
-            raise ConfigError(
-                f"--model {', '.join(sorted(names))}: tensor {k} has shape {tuple(t.shape)}, the model "
-                f"expects {tuple(own[k].shape)}; do the weights belong to this config.json?"
-            )
-    loaded_ptrs = {own[k].data_ptr() for k in state}
-    missing = sorted(
-        n
-        for n, prm in model.named_parameters(remove_duplicate=False)
-        if n not in state and prm.data_ptr() not in loaded_ptrs
-    )
-    if missing:
-        raise ConfigError(
-            f"--model {', '.join(sorted(names))}: no weights for {len(missing)} parameters, e.g. "
-            f"{missing[:3]}; the files do not cover this model"
-        )
     with torch.no_grad():
-        for k, t in state.items():
-            own[k].copy_(t.to(own[k].dtype))
-    log.info("loaded %d tensors from %s", len(state), ", ".join(sorted(names)))
+        for p in {id(p): p for p in model.parameters()}.values():
+            p.copy_(plan.read_whole(p).to(p.dtype))
+    plan.load_buffers(model)
+    log.info("loaded %d tensors from %s", len(source.file_of), ", ".join(sorted({f.name for f in files})))
 
 
 def build_model(

@@ -46,12 +46,20 @@ import torch
 from torch import nn
 
 from tiered.errors import CapacityError, WeightsError
+from tiered.zero.conversions import TensorSource, match_files
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 CHUNK_BYTES = 16 << 20
 """fp32 bytes converted at a time while streaming one tensor's slice."""
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": getattr(torch, "float8_e4m3fn", torch.uint8),
+    "F8_E5M2": getattr(torch, "float8_e5m2", torch.uint8),
+}  # fmt: skip
+"""safetensors' dtype names (a header's, read without loading the tensor)."""
 _HF_SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 _UNREAD_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf", "*.bin.index.json")
 """Weight files of other formats, which tiered does not read: safetensors only, never a pickle."""
@@ -109,95 +117,6 @@ def weight_files(folder: Path) -> tuple[list[Path], Path | None]:
     return present, None
 
 
-def match_file_keys(model: nn.Module, file_keys: Sequence[str], where: str) -> dict[str, str]:
-    """Each file tensor's name in `model` ([Note: streaming load], which names match), as
-    transformers matches them: the name itself, or with the model's ``base_model_prefix`` in front
-    (files saved from the base model, e.g. GPT-2's ``h.0...`` for ``transformer.h.0...``); a key
-    the class tells transformers to ignore on load (``_keys_to_ignore_on_load_unexpected``, e.g.
-    GPT-2's old ``attn.bias`` masks) is left out with one log line. Anything else is a
-    WeightsError: a family whose files transformers converts when it loads them (renamed or fused
-    experts) is named as such, not as weights of another config."""
-    names = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {
-        n for n, _ in model.named_buffers()
-    }
-    prefix = str(getattr(model, "base_model_prefix", "") or "")
-    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
-    renames = _renames(model)
-    mapped: dict[str, str] = {}
-    claimed: dict[str, str] = {}
-    unexpected: list[str] = []
-    ignored: list[str] = []
-    for k in file_keys:
-        name = k if k in names else f"{prefix}.{k}" if prefix and f"{prefix}.{k}" in names else None
-        if name is None and renames:  # transformers' load-time renames (GPT-NeoX's embed_out -> lm_head)
-            renamed = k
-            for pattern, target in renames:
-                renamed = pattern.sub(target, renamed)
-            name = renamed if renamed in names else None
-        if name is None:
-            (ignored if any(r.search(k) for r in ignore) else unexpected).append(k)
-            continue
-        if name in claimed:  # "x" and "model.x" both in the files: which is meant is not ours to guess
-            raise WeightsError(f"weights in {where}: {claimed[name]} and {k} are both the model's {name}")
-        claimed[name] = k
-        mapped[k] = name
-    if ignored:
-        log.info(
-            "weights: %d tensors transformers ignores on load left out, e.g. %s", len(ignored), ignored[:3]
-        )
-    if unexpected:
-        raise WeightsError(
-            f"weights in {where}: {len(unexpected)} tensors the model does not have, e.g. {sorted(unexpected)[:5]}; "
-            + _converted_layout(model)
-        )
-    return mapped
-
-
-def _conversions(model: nn.Module) -> list[Any]:
-    """transformers' load-time conversions of `model`'s files (renames, merges); none where it has none."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import extract_weight_conversions_for_model
-
-        if not isinstance(model, PreTrainedModel):
-            return []
-        return list(extract_weight_conversions_for_model(model) or [])
-    except Exception:  # noqa: BLE001 - no transformers, or one without the mapping
-        return []
-
-
-def _renames(model: nn.Module) -> list[tuple[re.Pattern[str], str]]:
-    """The plain renames among `_conversions` (a merge of several tensors into one is not a rename)."""
-    out: list[tuple[re.Pattern[str], str]] = []
-    for c in _conversions(model):
-        if type(c).__name__ != "WeightRenaming":
-            continue
-        sources, targets = c.source_patterns, c.target_patterns
-        sources = [sources] if isinstance(sources, str) else list(sources)
-        targets = [targets] if isinstance(targets, str) else list(targets)
-        if len(sources) == 1 and len(targets) == 1:
-            try:
-                out.append((re.compile(sources[0]), targets[0]))
-            except (re.error, TypeError):
-                continue
-    return out
-
-
-def _converted_layout(model: nn.Module) -> str:
-    """Why file names may not be the model's: transformers' load-time merges, where it has them."""
-    merges = [c for c in _conversions(model) if type(c).__name__ != "WeightRenaming"]
-    if not merges:
-        return "do the weights belong to this config.json?"
-    first = merges[0]
-    return (
-        f"transformers merges this family's file tensors when it loads them ({len(merges)} merges for "
-        f"{type(model).__name__}, e.g. {getattr(first, 'source_patterns', first)} -> "
-        f"{getattr(first, 'target_patterns', '')}: per-expert weights into fused ones), and tiered's loader "
-        "does not merge tensors yet: loading this family's weights is not supported (a model built "
-        "from config.json alone trains)"
-    )
-
-
 class WeightSource:
     """The tensors of one model folder: which file holds each, its shape and dtype (headers only)."""
 
@@ -221,6 +140,7 @@ class WeightSource:
 
         self.file_of: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
         for f in files:
             try:
                 with safe_open(str(f), framework="pt") as h:
@@ -231,7 +151,9 @@ class WeightSource:
                                 f"(folder {self.folder}, no index to choose): remove the stale file"
                             )
                         self.file_of[k] = f
-                        self.shapes[k] = tuple(h.get_slice(k).get_shape())
+                        sl = h.get_slice(k)
+                        self.shapes[k] = tuple(sl.get_shape())
+                        self.dtypes[k] = _DTYPES.get(sl.get_dtype(), torch.float32)
             except WeightsError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a corrupt file is the user's to fix
@@ -239,47 +161,64 @@ class WeightSource:
         self.index = index
         log.info("weights: %d tensors in %d files under %s", len(self.file_of), len(files), self.folder)
 
-    def _listed_where(self, names: Sequence[str]) -> str:
-        """Where the index says the first of `names` is, when it says so: that shard lacks it."""
+    def _index_map(self) -> dict[str, str]:
         if self.index is None:
-            return ""
+            return {}
         try:
             weight_map = json.loads(self.index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError):
-            return ""
+            return {}
+        return weight_map if isinstance(weight_map, dict) else {}
+
+    def _listed_where(self, names: Sequence[str]) -> str:
+        """Where the index says the first of `names` is, when it says so: that shard lacks it."""
+        weight_map = self._index_map()
         for n in names:
             if n in weight_map:
                 return f" ({INDEX_NAME} puts {n} in {weight_map[n]}, which lacks it: an incomplete or stale shard)"
         return ""
 
+    def match(self, model: nn.Module) -> dict[str, TensorSource]:
+        """Each model tensor the files give, and from which file tensors ([Note: file tensors by
+        transformers' conversions]); errors name tensors and files."""
+        where = ", ".join(sorted({f.name for f in self.file_of.values()})) or str(self.folder)
+        found = match_files(
+            model,
+            self.shapes,
+            f"{self.folder} ({where})",
+            dtypes=self.dtypes,
+            listed_in=lambda key: self._listed_where([key]),
+        )
+        return found.sources
+
     def plan(self, model: nn.Module, *, init_missing: bool) -> LoadPlan:
         """Match the files against `model` (names, shapes, coverage): see [Note: streaming load]."""
         params = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers())
-        name_of = match_file_keys(model, list(self.file_of), str(self.folder))
-        file_key = {name: k for k, name in name_of.items()}
-        for k, name in name_of.items():
-            own = params[name] if name in params else buffers[name]
-            if self.shapes[k] != tuple(own.shape):
-                raise WeightsError(
-                    f"tensor {k} in {self.file_of[k].name} has shape {self.shapes[k]}, the model (config.json) "
-                    f"expects {tuple(own.shape)}; do the weights belong to this config.json?"
-                )
-        key_of: dict[int, str] = {}
+        sources = self.match(model)
+        source_of: dict[int, TensorSource] = {}
         for name, p in params.items():
-            if name in file_key:
-                first = key_of.setdefault(id(p), file_key[name])  # tied: the first name the files hold
-                if first != file_key[name]:
-                    log.warning(
-                        "weights: the model ties %s to %s (config.json), but the files hold both; the tied "
-                        "parameter takes %s's values and the file's %s is unused: if they differ, set "
-                        "tie_word_embeddings false in config.json to train them apart (transformers unties them)",
-                        name,
-                        first,
-                        first,
-                        file_key[name],
-                    )
-        missing = sorted({n for n, p in params.items() if id(p) not in key_of})
+            src = sources.get(name)
+            if src is None:
+                continue
+            first = source_of.setdefault(id(p), src)  # tied: the first name the files hold
+            if first is not src:
+                log.warning(
+                    "weights: the model ties %s to %s (config.json), but the files hold both; the tied "
+                    "parameter takes %s's values and the file's %s is unused: if they differ, set "
+                    "tie_word_embeddings false in config.json to train them apart (transformers unties them)",
+                    name,
+                    first.name,
+                    first.keys[0],
+                    src.keys[0],
+                )
+        merged = sum(1 for s in source_of.values() if s.converted)
+        if merged:
+            log.info(
+                "weights: %d parameters assembled from per-expert file tensors, as transformers merges them",
+                merged,
+            )
+        missing = sorted({n for n, p in params.items() if id(p) not in source_of})
         if missing and not init_missing:
             raise WeightsError(
                 f"weights in {self.folder} do not cover {len(missing)} parameters: {missing[:10]}"
@@ -292,8 +231,10 @@ class WeightSource:
             )
         return LoadPlan(
             self,
-            key_of,
-            sorted((k, name) for k, name in name_of.items() if name in buffers and name not in params),
+            source_of,
+            sorted(
+                (src.keys[0], name) for name, src in sources.items() if name in buffers and name not in params
+            ),
         )
 
 
@@ -301,11 +242,11 @@ class LoadPlan:
     """Which file tensor fills each parameter (by id); reads slices of them. One per initialize."""
 
     def __init__(
-        self, source: WeightSource, key_of: dict[int, str], buffer_keys: list[tuple[str, str]]
+        self, source: WeightSource, source_of: dict[int, TensorSource], buffer_keys: list[tuple[str, str]]
     ) -> None:
         self.source = source
-        self.key_of = key_of
-        """id(param) -> the file tensor holding it; absent: initialised (init_missing)."""
+        self.source_of = source_of
+        """id(param) -> the file tensor(s) holding it; absent: initialised (init_missing)."""
         self.buffer_keys = buffer_keys
         """(file tensor, the model's buffer name) of each buffer the files hold."""
         self.pin = False
@@ -362,18 +303,30 @@ class LoadPlan:
             if off < hi and off + n > lo:
                 spans.append((qual, p, max(lo, off) - off, min(hi, off + n) - off, max(lo, off) - lo))
             off += n
-        todo = [(q, p) for q, p, *_ in spans if id(p) not in self.key_of]
+        todo = [(q, p) for q, p, *_ in spans if id(p) not in self.source_of]
         if todo:
             init_missing(todo)
-        with self._opened([self.key_of[id(p)] for _, p, *_ in spans if id(p) in self.key_of]) as handles:
+        keys = [k for _, p, *_ in spans if id(p) in self.source_of for k in self.source_of[id(p)].keys]
+        with self._opened(keys) as handles:
             for _qual, p, a, b, at in spans:
-                dst = out[at : at + (b - a)]
-                key = self.key_of.get(id(p))
-                if key is None:
-                    dst.copy_(p.detach().reshape(-1)[a:b])
-                else:
-                    self._read(handles[self.source.file_of[key]], key, a, b, dst)
+                src = self.source_of.get(id(p))
+                if src is None:
+                    out[at : at + (b - a)].copy_(p.detach().reshape(-1)[a:b])
+                    continue
+                for run, lo, hi in src.runs_in(a, b):  # per file tensor: an expert's slice, or all of it
+                    f = run.file_start + (lo - run.param_start)
+                    self._read(
+                        handles[self.source.file_of[run.key]],
+                        run.key,
+                        f,
+                        f + (hi - lo),
+                        out[at + lo - a : at + hi - a],
+                    )
         return out
+
+    def read_whole(self, p: nn.Parameter) -> torch.Tensor:
+        """All of `p` in fp32, read from the files (a model loaded whole: LoRA, --compare-torch)."""
+        return self._fill([("", p)], [p.numel()], 0, p.numel(), _already_initialised).view(p.shape)
 
     def _read(self, h: Any, key: str, a: int, b: int, dst: torch.Tensor) -> None:
         """Flat elements [a, b) of tensor `key` into `dst` (fp32), converted CHUNK_BYTES at a time."""
@@ -411,6 +364,11 @@ class LoadPlan:
         with self._opened([k for k, _ in self.buffer_keys]) as handles, torch.no_grad():
             for k, name in self.buffer_keys:
                 t = handles[self.source.file_of[k]].get_tensor(k)
+                if tuple(t.shape) != tuple(buffers[name].shape):
+                    raise WeightsError(
+                        f"tensor {k} in {self.source.file_of[k].name} has shape {tuple(t.shape)}, the model's buffer "
+                        f"{name} is {tuple(buffers[name].shape)}; do the weights belong to this config.json?"
+                    )
                 self._finite(k, t)
                 buffers[name].copy_(t.to(buffers[name].dtype))
 

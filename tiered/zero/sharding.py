@@ -134,7 +134,7 @@ def write_group_partitions(
 
             shard32 = weights.fill_shard(pg.params, rank * shard, shard, init_missing)
             if pg.trainable and compute_dtype != torch.float32:
-                covered = all(id(p) in weights.key_of for _, p in pg.params)
+                covered = all(id(p) in weights.source_of for _, p in pg.params)
                 init32 = weights.initial_fp32(pg.params, rank * shard, shard) if covered else shard32.clone()
         else:
             if is_meta:
