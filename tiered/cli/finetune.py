@@ -172,7 +172,13 @@ def finetune_job(options: FinetuneOptions, out: TextIO | None = None) -> JobResu
     # parameters or --compare-torch needs a real copy: those load the files into the model first
     streamed = source.folder if source.weight_files and o.lora is None and not o.compare_torch else None
     model = build_model(source, seed=o.seed, meta=streamed is not None)
-    hf: Any = model.config
+    from tiered.planning.text_model import describe_towers, loader_class_name, text_config_of
+
+    hf: Any = text_config_of(
+        model.config
+    )  # a wrapped model's: [Note: wrapped models train their language model]
+    if policy is not None:
+        policy.model_class = loader_class_name(model)
     vocab = int(hf.vocab_size)
     max_pos = getattr(hf, "max_position_embeddings", None)
     if isinstance(max_pos, int) and o.seq_len > max_pos:
@@ -200,6 +206,7 @@ def finetune_job(options: FinetuneOptions, out: TextIO | None = None) -> JobResu
     w(
         f"model: {type(model).__name__} from {source.config_path}, {n_params:,} parameters"
         f"{f' ({n_train:,} trainable: LoRA {parse_lora_spec(o.lora).describe()})' if o.lora is not None else ''}"
+        f"{f' ({n_train:,} trainable: {towers})' if (towers := describe_towers(model)) and o.lora is None else ''}"
         f"{' (weights from ' + str(len(source.weight_files)) + ' safetensors files)' if source.weight_files else ''}\n"
     )
     w(f"data: {o.data_path}, {data.summary}\n")

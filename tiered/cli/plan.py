@@ -166,15 +166,11 @@ def lora_shape(shape: Any, model_path: str, spec_text: str) -> Any:
     """`shape` with the adapters of `spec_text` added and only they trainable ([Note: LoRA through tiered])."""
     from dataclasses import replace
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from tiered.finetune.lora import adapter_params, parse_lora_spec
-    from tiered.finetune.model import load_hf_config, resolve_model
+    from tiered.planning.hf_config import build_meta_model, resolve_model
 
     spec = parse_lora_spec(spec_text)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(load_hf_config(resolve_model(model_path, weights=False)))
+    model = build_meta_model(resolve_model(model_path, weights=False))
     adapters = adapter_params(model, spec)
     return replace(
         shape,
@@ -318,7 +314,10 @@ def _activations(args: argparse.Namespace, model: Any, notes: list[str]) -> int 
     model's config (what `tiered finetune` checks before training); else None (not known)."""
     if args.activation_mem is not None:
         return parse_bytes(args.activation_mem, what="--activation-mem")
+    from tiered.planning.text_model import text_config_of
+
     hf_config = getattr(model, "config", None)
+    hf_config = None if hf_config is None else text_config_of(hf_config)
     if not _estimates_activations(args) or hf_config is None:
         notes.append(
             "activations: not known (--activation-mem, or --seq-len with --model): the GPU's room "

@@ -34,10 +34,12 @@ def read_generation_config(model: torch.nn.Module, folder: str | os.PathLike[str
 
 
 def meta_causal_lm(folder: str | os.PathLike[str], *, attn_implementation: str = "eager") -> torch.nn.Module:
-    """The AutoModelForCausalLM of `folder`'s config.json, on the meta device (no host memory).
-    Eager attention by default: the same math on every machine."""
+    """The causal LM of `folder`'s config.json (AutoModelForCausalLM's class, or a wrapped
+    multimodal model with its other towers frozen: [Note: wrapped models train their language
+    model]), on the meta device (no host memory). Eager attention by default: the same math on
+    every machine."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
     except ImportError as exc:
         raise TieredError(
             "from_pretrained needs transformers; install it with pip install 'tiered[hf]'"
@@ -51,10 +53,14 @@ def meta_causal_lm(folder: str | os.PathLike[str], *, attn_implementation: str =
         hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"from_pretrained({folder}): config.json cannot be read: {exc}") from None
+    from tiered.planning.text_model import causal_lm_class, freeze_other_towers
+
+    cls: Any = causal_lm_class(hf, str(path))  # [Note: wrapped models train their language model]
     with torch.device("meta"):
-        model: torch.nn.Module = AutoModelForCausalLM.from_config(
+        model: torch.nn.Module = cls._from_config(
             hf, attn_implementation=attn_implementation, dtype=torch.float32
         )
+    freeze_other_towers(model)
     read_generation_config(model, path)
     return model.train()
 

@@ -146,6 +146,8 @@ class CheckpointPolicy:
     """The model folder whose tokenizer files go into the export."""
     lora: bool = False
     merge_lora: bool = False
+    model_class: str = "AutoModelForCausalLM"
+    """The transformers class the load line names (a wrapped model's own where the auto class has none)."""
     stop: StopRequest = field(default_factory=StopRequest)
     saved: list[str] = field(default_factory=list)
     resumed_from: str | None = None
@@ -337,8 +339,8 @@ class CheckpointPolicy:
         final = str(self.final_dir.resolve())
         if self.lora:
             base = str(Path(self.model_folder).resolve()) if self.model_folder is not None else "BASE_MODEL"
-            return f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{final}")'
-        return f'AutoModelForCausalLM.from_pretrained("{final}")'
+            return f'PeftModel.from_pretrained({self.model_class}.from_pretrained("{base}"), "{final}")'
+        return f'{self.model_class}.from_pretrained("{final}")'
 
 
 def _max_over_ranks(x: int, process_group: Any) -> int:

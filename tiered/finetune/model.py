@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,13 +52,16 @@ def build_model(
 
     Eager attention by default: the same math on every machine, so a run can be compared with
     plain PyTorch to the last digits."""
-    from transformers import AutoModelForCausalLM
+    from tiered.planning.text_model import causal_lm_class, freeze_other_towers
 
     config = load_hf_config(source)
+    cls: Any = causal_lm_class(
+        config, str(source.config_path)
+    )  # [Note: wrapped models train their language model]
     torch.manual_seed(seed)
     try:
         with torch.device("meta" if meta else "cpu"):
-            model: torch.nn.Module = AutoModelForCausalLM.from_config(
+            model: torch.nn.Module = cls._from_config(
                 config, attn_implementation=attn_implementation, dtype=torch.float32
             )
     except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is the user's to fix
@@ -65,6 +69,7 @@ def build_model(
             f"--model {source.config_path}: transformers cannot build a causal LM from it: {exc}"
         ) from None
     model = model.float()
+    freeze_other_towers(model)
     from tiered.engine.pretrained import read_generation_config
 
     read_generation_config(model, source.folder)  # exported with the model ([Note: streamed export])

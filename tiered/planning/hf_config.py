@@ -138,19 +138,28 @@ def load_hf_config(source: ModelSource) -> Any:
 
 
 def build_meta_model(source: ModelSource) -> Any:
-    """`source`'s model on the meta device (shapes, no storage): a causal LM, or the base model
-    where the config is not one (an encoder). ConfigError when transformers cannot build it."""
+    """`source`'s model on the meta device (shapes, no storage): a causal LM (a wrapped multimodal
+    model with its other towers frozen: [Note: wrapped models train their language model]), or
+    the base model where the config is none (an encoder). ConfigError when transformers cannot
+    build it, or for a wrapper tiered cannot train (naming the class)."""
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel
+
+    from tiered.planning.text_model import causal_lm_class, freeze_other_towers, is_wrapped
 
     config = load_hf_config(source)
     try:
+        cls: Any = causal_lm_class(config, str(source.config_path))
+    except ConfigError:
+        if is_wrapped(config):
+            raise
+        cls = None  # not a causal LM: the base model's parameters are what trains
+    try:
         with torch.device("meta"):
-            try:
-                return AutoModelForCausalLM.from_config(config)
-            except ValueError:  # not a causal LM: the base model's parameters are what trains
-                return AutoModel.from_config(config)
+            model = cls._from_config(config) if cls is not None else AutoModel.from_config(config)
     except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is the user's to fix
         raise ConfigError(
             f"--model {source.config_path}: transformers could not build the model from its config: {exc}"
         ) from None
+    freeze_other_towers(model)
+    return model

@@ -38,6 +38,7 @@ from tiered.zero.schedule import BeladyPolicy, Trace
 from tiered.zero.sharding import (
     ALIGNMENT_NUMEL,
     move_buffers,
+    own_param_ids,
     write_group_partitions,
 )
 
@@ -414,7 +415,7 @@ class ZeroParameters:
     # ---- hook targets: see [Note: hooks that only dispatch] ----------------------------------
     def _groups_of(self, module: nn.Module) -> list[int]:
         mid, maps = id(module), self._modules
-        if maps.params[mid] != tuple(id(p) for p in module.parameters(recurse=False)):
+        if maps.params[mid] != own_param_ids(module):
             raise ShapeMutationError(
                 f"module {maps.names[mid]!r} had a parameter replaced or added after tiered partitioned "
                 "it: create all parameters before initialize and do not reassign them"

@@ -38,10 +38,17 @@ multi-consumer input's gradient, a last-bit difference from plain PyTorch (see [
 only dispatch]); only leaves have it. A leaf must have a forward of its own (an ``nn.ModuleList``
 of experts is never called; its parent is the leaf). Leaves inside a leaf are part of it.
 Defaults follow DeepSpeed: with no ``classes`` given, Mixtral's, Qwen2-MoE's and Qwen3-MoE's
-sparse MoE blocks are leaves. Leaves are never guessed from the module tree (say, every module
-holding an ``nn.ModuleList``): the same shape is a stack of decoder layers, and guessing it would
-gather a whole model at once; ranks that diverge without a leaf are caught instead by [Note:
-collective order check] (tiered/zero/order.py), whose error names the module to declare.
+sparse MoE blocks are leaves, and so is every MoE block of transformers 5's fused layout
+(`fused_expert_blocks`: the module that runs an experts module, one whose ``num_experts`` is the
+leading dimension of each of its 3-D parameters, as OLMoE's, DeepSeek-V2/V3's and gpt-oss's
+experts are; peft's wrappers around it are looked through). Within a fused experts module the
+experts a rank's tokens reach change the graph's shape, and with it when the block's other
+groups (router, shared expert) complete their gradients; as a leaf the block reduces them
+together, in the same order on every rank. Leaves are not otherwise guessed from the module
+tree (say, every module holding an ``nn.ModuleList``): the same shape is a stack of decoder
+layers, and guessing it would gather a whole model at once; ranks that diverge without a leaf
+are caught instead by [Note: collective order check] (tiered/zero/order.py), whose error names
+the module to declare.
 Why the boundary is at the same place on every rank: the subtree's autograd nodes are created
 after the boundary's, so the engine runs every ready one of them before the boundary and before
 any node created ahead of the leaf; what the ranks do outside the leaf keeps its order.
@@ -133,6 +140,9 @@ def find_leaf_modules(model: nn.Module, cfg: LeafModuleConfig) -> list[str]:
             )
         hits.update((n, f"{prefix}.name_suffixes {suffix!r}") for n in found)
     hits.update((n, "set_leaf_modules") for n, m in modules.items() if getattr(m, _LEAF_FLAG, False))
+    if not cfg.customized_classes:  # DeepSpeed's default classes, and every fused MoE block
+        for n in fused_expert_blocks(model):
+            hits.setdefault(n, f"the MoE block of {type(modules[n]).__name__}'s fused experts")
     outermost: list[str] = []
     for name in modules:  # named_modules order: an ancestor comes before its descendants
         if name not in hits:
@@ -150,6 +160,28 @@ def find_leaf_modules(model: nn.Module, cfg: LeafModuleConfig) -> list[str]:
             )
         outermost.append(name)
     return outermost
+
+
+def fused_expert_blocks(model: nn.Module) -> list[str]:
+    """The modules that run a fused experts module (transformers 5's MoE layout: an ``experts``
+    module whose ``num_experts`` is the leading dimension of its 3-D parameters), peft's wrappers
+    around it looked through: the MoE blocks that are leaves by default ([Note: leaf modules])."""
+    modules = dict(model.named_modules())
+    out: list[str] = []
+    for name, m in modules.items():
+        n = getattr(m, "num_experts", None)
+        fused = [p for p in m.parameters(recurse=False) if p.dim() >= 3]
+        if not name or not isinstance(n, int) or not fused or any(p.shape[0] != n for p in fused):
+            continue
+        child, parent = name, name.rpartition(".")[0]
+        while parent and (
+            getattr(modules[parent], "base_layer", None) is modules[child]
+            or not has_own_forward(modules[parent])
+        ):  # a peft ParamWrapper around the experts (its base_layer), a container: the block is above
+            child, parent = parent, parent.rpartition(".")[0]
+        if parent and parent not in out:  # (never the model itself: that would gather all of it)
+            out.append(parent)
+    return out
 
 
 def _inside(name: str, outer: str) -> bool:

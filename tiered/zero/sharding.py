@@ -63,8 +63,21 @@ class ModuleMaps:
     """id(module) -> indices of the groups holding its direct parameters."""
     names: dict[int, str]
     """id(module) -> qualified name (the root: its class name), for messages."""
-    params: dict[int, tuple[int, ...]]
+    params: dict[int, frozenset[int]]
     """id(module) -> ids of its direct parameters at initialize (to detect replaced ones)."""
+
+
+def own_param_ids(m: nn.Module) -> frozenset[int]:
+    """Ids of `m`'s direct parameters, counting one that torch's parametrize moved under
+    ``m.parametrizations[name].original`` while a parametrization is registered (peft's LoRA
+    on a fused expert parameter registers one for the length of each forward): the same
+    parameter, not a replaced one."""
+    ids = {id(p) for p in m.parameters(recurse=False)}
+    plists = getattr(m, "parametrizations", None)
+    if isinstance(plists, nn.ModuleDict):
+        for plist in plists.values():
+            ids.update(id(p) for p in plist.parameters(recurse=False))
+    return frozenset(ids)
 
 
 def map_modules(model: nn.Module, managed: dict[int, tuple[int, int]]) -> ModuleMaps:
@@ -74,7 +87,7 @@ def map_modules(model: nn.Module, managed: dict[int, tuple[int, int]]) -> Module
             {managed[id(p)][0] for p in m.parameters(recurse=False) if id(p) in managed}
         )
         maps.names[id(m)] = mname or type(m).__name__
-        maps.params[id(m)] = tuple(id(p) for p in m.parameters(recurse=False))
+        maps.params[id(m)] = own_param_ids(m)
     return maps
 
 
