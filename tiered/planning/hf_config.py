@@ -32,19 +32,22 @@ def _weights_or_none(folder: Path) -> tuple[Path, ...]:
     initialised): an index without its shards, or weights in a format tiered does not read, are
     refused rather than trained from random weights."""
     from tiered.errors import WeightsError
-    from tiered.zero.load import INDEX_NAME, convert_hint, unread_weight_files, weight_files
+    from tiered.zero.load import (
+        INDEX_NAME,
+        convert_hint,
+        quantization_method,
+        quantized_message,
+        unread_weight_files,
+        weight_files,
+    )
 
     try:  # the files the streamed load reads, by the same rules ([Note: streaming load])
         found = tuple(weight_files(folder)[0])
     except WeightsError as exc:
         raise ConfigError(f"--model {folder}: {exc}") from None
-    quant = _quantization(folder / "config.json")
+    quant = quantization_method(folder)
     if found and quant is not None:
-        raise ConfigError(
-            f"--model {folder}: a quantized checkpoint (config.json's quantization_config, quant_method "
-            f"{quant!r}): its files hold packed integers and scales, not the weights tiered trains; pass "
-            "the original (unquantized) model folder"
-        )
+        raise ConfigError(f"--model {folder}: {quantized_message(quant)}")
     if found:
         return found
     if (folder / INDEX_NAME).is_file():
@@ -60,19 +63,6 @@ def _weights_or_none(folder: Path) -> tuple[Path, ...]:
             f"{convert_hint(folder)}"
         )
     return ()
-
-
-def _quantization(config_path: Path) -> str | None:
-    """config.json's quantization method, None where it has none (or cannot be read: that is
-    load_hf_config's error to give)."""
-    try:
-        data = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    quant = data.get("quantization_config") if isinstance(data, dict) else None
-    if not isinstance(quant, dict):
-        return None
-    return str(quant.get("quant_method", "unknown"))
 
 
 def resolve_model(path: str | Path, *, weights: bool = True) -> ModelSource:

@@ -39,11 +39,10 @@ for a floating parameter, or quantization scales, is refused as a quantized chec
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,12 +50,10 @@ import torch
 from torch import nn
 
 from tiered.errors import WeightsError
+from tiered.zero.file_runs import Cat, Leaf, Node, Stack, TensorSource, no_file, runs_of, single
 
 log = logging.getLogger(__name__)
 
-MAX_RUNS = 1 << 20
-"""A conversion whose layout needs more runs than this (a concatenation along the last
-dimension of a large tensor) is refused rather than described element row by element row."""
 _QUANT_SUFFIXES = (
     "weight_scale_inv",
     "weight_scale",
@@ -77,48 +74,6 @@ _QUANT_DTYPES = {torch.int8, torch.uint8, torch.int32, torch.int16} | {
     for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
     if hasattr(torch, n)
 }
-
-
-@dataclass(frozen=True)
-class Run:
-    """Elements [param_start, param_start + length) of a flat parameter are elements
-    [file_start, file_start + length) of the flat file tensor `key`."""
-
-    key: str
-    param_start: int
-    file_start: int
-    length: int
-
-
-@dataclass(frozen=True)
-class TensorSource:
-    """Where one parameter (or buffer) of the model comes from in the files."""
-
-    name: str
-    """The model's name for it."""
-    keys: tuple[str, ...]
-    """The file tensors it is made of, in file order of the runs."""
-    runs: tuple[Run, ...]
-    """Sorted by `param_start`, covering [0, numel) exactly."""
-    converted: str | None = None
-    """The transformers operations that assembled it ("MergeModulelist(dim=0), Concatenate(dim=1)"),
-    None when it is one file tensor under its own (or a renamed) name."""
-
-    def runs_in(self, lo: int, hi: int) -> Iterator[tuple[Run, int, int]]:
-        """(run, start, stop) for the part of each run inside parameter elements [lo, hi)."""
-        starts = [r.param_start for r in self.runs]
-        i = max(0, bisect.bisect_right(starts, lo) - 1)
-        while i < len(self.runs) and self.runs[i].param_start < hi:
-            r = self.runs[i]
-            a, b = max(lo, r.param_start), min(hi, r.param_start + r.length)
-            if a < b:
-                yield r, a, b
-            i += 1
-
-
-def single(name: str, key: str, numel: int) -> TensorSource:
-    """A parameter that is one file tensor, element for element."""
-    return TensorSource(name, (key,), (Run(key, 0, 0, numel),))
 
 
 # ---- transformers' conversions ------------------------------------------------------------------
@@ -160,110 +115,6 @@ def _op_text(ops: Sequence[Any]) -> str:
     return ", ".join(repr(op) for op in ops)
 
 
-# ---- symbolic tensors: shapes and where each file tensor lands -----------------------------------
-class _Node:
-    shape: tuple[int, ...]
-
-    def boxes(self) -> Iterator[tuple[str, list[int], list[int]]]:
-        """(file key, start, extent) per leaf, in this node's coordinates."""
-        raise NotImplementedError
-
-
-class _Leaf(_Node):
-    def __init__(self, key: str, shape: tuple[int, ...]) -> None:
-        self.key, self.shape = key, shape
-
-    def boxes(self) -> Iterator[tuple[str, list[int], list[int]]]:
-        yield self.key, [0] * len(self.shape), list(self.shape)
-
-
-class _Stack(_Node):
-    def __init__(self, dim: int, parts: list[_Node], what: str) -> None:
-        first = parts[0].shape
-        for p in parts[1:]:
-            if p.shape != first:
-                a, b = next(parts[0].boxes())[0], next(p.boxes())[0]
-                raise WeightsError(
-                    f"{what}: experts of unequal shapes, {a} is {first} but {b} is {p.shape}; transformers "
-                    "stacks them into one tensor, so every expert must have the same shape"
-                )
-        self.dim = dim % (len(first) + 1)
-        self.parts = parts
-        self.shape = (*first[: self.dim], len(parts), *first[self.dim :])
-
-    def boxes(self) -> Iterator[tuple[str, list[int], list[int]]]:
-        for i, part in enumerate(self.parts):
-            for key, start, ext in part.boxes():
-                yield (
-                    key,
-                    [*start[: self.dim], i, *start[self.dim :]],
-                    [*ext[: self.dim], 1, *ext[self.dim :]],
-                )
-
-
-class _Cat(_Node):
-    def __init__(self, dim: int, parts: list[_Node], what: str) -> None:
-        first = parts[0].shape
-        self.dim = dim % len(first)
-        for p in parts[1:]:
-            if len(p.shape) != len(first) or any(
-                a != b for k, (a, b) in enumerate(zip(p.shape, first, strict=True)) if k != self.dim
-            ):
-                a, b = next(parts[0].boxes())[0], next(p.boxes())[0]
-                raise WeightsError(
-                    f"{what}: {a} ({first}) and {b} ({p.shape}) cannot be concatenated along dimension "
-                    f"{self.dim}, as transformers does for this family; do the weights belong to this config.json?"
-                )
-        self.parts = parts
-        self.shape = (*first[: self.dim], sum(p.shape[self.dim] for p in parts), *first[self.dim + 1 :])
-
-    def boxes(self) -> Iterator[tuple[str, list[int], list[int]]]:
-        off = 0
-        for part in self.parts:
-            for key, start, ext in part.boxes():
-                moved = list(start)
-                moved[self.dim] += off
-                yield key, moved, ext
-            off += part.shape[self.dim]
-
-
-def _runs(node: _Node, what: str) -> tuple[Run, ...]:
-    """The flat runs of every leaf of `node` (row-major in both the file tensor and the result)."""
-    shape = node.shape
-    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
-    out: list[Run] = []
-    for key, start, ext in node.boxes():
-        j = len(shape) - 1  # the outermost dimension from which on the box is whole
-        while j > 0 and start[j] == 0 and ext[j] == shape[j]:
-            j -= 1
-        length = ext[j] * strides[j]
-        if length == 0:
-            continue
-        outer = [range(start[i], start[i] + ext[i]) for i in range(j)]
-        n_runs = math.prod(len(r) for r in outer)
-        if len(out) + n_runs > MAX_RUNS:
-            raise WeightsError(
-                f"{what}: transformers assembles it from its files in pieces of {length} elements, too many "
-                f"to stream ({n_runs} for {key}); loading this family's weights is not supported"
-            )
-        file_off = 0
-        for idx in _product(outer):
-            p = sum(i * s for i, s in zip(idx, strides, strict=False)) + start[j] * strides[j]
-            out.append(Run(key, p, file_off, length))
-            file_off += length
-    out.sort(key=lambda r: r.param_start)
-    return tuple(out)
-
-
-def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for i in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (i, *rest)
-
-
 # ---- matching a folder's keys with a model ---------------------------------------------------------
 @dataclass
 class FileMatch:
@@ -282,12 +133,14 @@ def match_files(
     where: str,
     *,
     dtypes: Mapping[str, torch.dtype] | None = None,
-    listed_in: Callable[[str], str] = lambda key: "",
+    listed_in: Callable[[str], str] = no_file,
+    at: Callable[[str], str] = no_file,
     model_shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> FileMatch:
     """Each model tensor's `TensorSource` among the file tensors `shapes` (key -> shape), as
     ``from_pretrained`` would load them ([Note: file tensors by transformers' conversions]).
-    `where` names the files in errors; `listed_in(key)` says where an index puts a missing key;
+    `where` names the folder in errors, `at(key)` the file of a key (" in model-0001...");
+    `listed_in(key)` says where an index puts a missing key;
     `model_shapes` overrides the model's own shapes (an engine's parameters are placeholders)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     own: dict[str, tuple[int, ...]] = {n: tuple(p.shape) for n, p in params.items()}
@@ -314,7 +167,9 @@ def match_files(
             continue
         if pattern is None:
             if name in direct:  # "x" and "model.x" both in the files: which is meant is not ours to guess
-                raise WeightsError(f"weights in {where}: {direct[name]} and {k} are both the model's {name}")
+                raise WeightsError(
+                    f"weights in {where}: {direct[name]}{at(direct[name])} and {k}{at(k)} are both the model's {name}"
+                )
             direct[name] = k
         else:
             conv = merged.setdefault(name, (_converter_for(converters, pattern), {}))
@@ -325,21 +180,21 @@ def match_files(
         )
     if unexpected:
         raise WeightsError(
-            f"weights in {where}: {len(unexpected)} tensors the model does not have, e.g. {sorted(unexpected)[:5]}; "
-            + _why_unexpected(unexpected, model)
+            f"weights in {where}: {len(unexpected)} tensors the model does not have, e.g. "
+            f"{', '.join(k + at(k) for k in sorted(unexpected)[:5])}; " + _why_unexpected(unexpected, model)
         )
     sources: dict[str, TensorSource] = {}
     for name, k in direct.items():
         if name in merged:
             one = next(iter(merged[name][1].values()))[0]
             raise WeightsError(
-                f"weights in {where}: the model's {name} is given twice, as {k} and, per expert, as {one} "
+                f"weights in {where}: the model's {name} is given twice, as {k}{at(k)} and, per expert, as {one}{at(one)} "
                 f"(and the others of its kind), which transformers merges into it; keep one of the two layouts"
             )
         _check_dtype(k, name, dtypes, float_names, where)
         if shapes[k] != own[name]:
             raise WeightsError(
-                f"tensor {k} in {where} has shape {shapes[k]}, the model (config.json) expects {own[name]}; "
+                f"tensor {k} has shape {shapes[k]}{at(k) or ' in ' + where}, the model (config.json) expects {own[name]}; "
                 "do the weights belong to this config.json?"
             )
         sources[name] = single(name, k, math.prod(own[name]))
@@ -347,7 +202,7 @@ def match_files(
         for keys in by_pattern.values():
             for k in keys:
                 _check_dtype(k, name, dtypes, float_names, where)
-        sources[name] = _assemble(name, own[name], conv, by_pattern, shapes, where, listed_in)
+        sources[name] = _assemble(name, own[name], conv, by_pattern, shapes, where, listed_in, at)
     return FileMatch(sources, ignored)
 
 
@@ -356,10 +211,11 @@ def _renamer(
 ) -> Callable[[str], tuple[str, str | None]]:
     """transformers' own key renaming (renames, then at most one converter, then the base
     model's prefix added or stripped), with its fallback to the key itself."""
+    rename_source_key: Any = None
     try:
         from transformers.core_model_loading import rename_source_key
-    except ImportError:
-        rename_source_key = None
+    except ImportError:  # no transformers: a plain model's names, and the base prefix as transformers adds it
+        pass
 
     def rename(key: str) -> tuple[str, str | None]:
         if rename_source_key is None:
@@ -413,6 +269,7 @@ def _assemble(
     shapes: Mapping[str, tuple[int, ...]],
     where: str,
     listed_in: Callable[[str], str],
+    at: Callable[[str], str],
 ) -> TensorSource:
     """`name`'s runs: `conv`'s operations applied to its file tensors' shapes, as transformers
     applies them to their values ([Note: file tensors by transformers' conversions])."""
@@ -422,7 +279,7 @@ def _assemble(
     for pattern in conv.source_patterns:  # transformers' collection order: one list per source pattern
         keys = by_pattern.get(pattern)
         if keys:
-            state[pattern] = [_Leaf(k, tuple(shapes[k])) for k in keys]
+            state[pattern] = [Leaf(k, tuple(shapes[k])) for k in keys]
     if len(state) < len(conv.source_patterns):
         lacking = [p for p in conv.source_patterns if p not in state]
         have = next(iter(by_pattern.values()))[0]
@@ -438,12 +295,12 @@ def _assemble(
             size = len(state)
             out: dict[str, Any] = {}
             for pattern, parts in state.items():
-                if isinstance(parts, _Node):
+                if isinstance(parts, Node):
                     out[pattern if size > 1 else targets[0]] = parts
                     continue
                 if i == 0:
                     parts = _in_expert_order(parts, pattern, shape, dim, what, listed_in)
-                out[pattern if size > 1 else targets[0]] = _Stack(dim, parts, what)
+                out[pattern if size > 1 else targets[0]] = Stack(dim, parts, what, at)
             state = out
         elif kind == "Concatenate" and len(targets) == 1:
             parts = []
@@ -451,7 +308,7 @@ def _assemble(
                 got = state.get(pattern)
                 if got is not None:
                     parts.extend(got if isinstance(got, list) else [got])
-            state = {targets[0]: _Cat(dim, parts, what)}
+            state = {targets[0]: Cat(dim, parts, what, at)}
         else:
             raise WeightsError(
                 f"{what}: transformers assembles it from {sorted(by_pattern)} with {_op_text(ops)}; tiered's streamed "
@@ -471,23 +328,23 @@ def _assemble(
             f"{what}: its file tensors ({first}, ...) assemble, as transformers merges them ({_op_text(ops)}), to "
             f"shape {node.shape}, the model (config.json) expects {shape}; do the weights belong to this config.json?"
         )
-    runs = _runs(node, what)
+    runs = runs_of(node, what)
     return TensorSource(name, tuple(dict.fromkeys(r.key for r in runs)), runs, _op_text(ops))
 
 
 def _in_expert_order(
-    leaves: list[_Node],
+    leaves: list[Node],
     pattern: str,
     shape: tuple[int, ...],
     dim: int,
     what: str,
     listed_in: Callable[[str], str],
-) -> list[_Node]:
+) -> list[Node]:
     """The per-expert tensors of `pattern` by expert index, which must be exactly 0..E-1."""
     rx = re.compile(pattern.replace("*.", r"(\d+)\."))
-    by_index: dict[int, _Node] = {}
+    by_index: dict[int, Node] = {}
     for leaf in leaves:
-        assert isinstance(leaf, _Leaf)
+        assert isinstance(leaf, Leaf)
         m = rx.search(leaf.key)
         if m is None or not m.groups():
             return leaves  # no numbered wildcard: transformers' (natural) order
@@ -500,14 +357,14 @@ def _in_expert_order(
     extra = sorted(e for e in by_index if e >= n)
     if missing or extra:
         some = next(iter(by_index.values()))
-        assert isinstance(some, _Leaf)
+        assert isinstance(some, Leaf)
         m = rx.search(some.key)
         assert m is not None
         if missing:
             lack = some.key[: m.start(1)] + str(missing[0]) + some.key[m.end(1) :]
             raise WeightsError(
-                f"{what}: the files lack expert(s) {missing[:8]} of its {n} ({lack} is in no file{listed_in(lack)}); "
-                "the folder is incomplete"
+                f"{what}: the files lack expert(s) {missing[:8]} of its {n}: no file holds {lack}"
+                f"{listed_in(lack)}; the folder is incomplete"
             )
         raise WeightsError(
             f"{what}: the files hold expert(s) {extra[:8]} beyond its {n} experts (config.json); do the weights "
@@ -534,7 +391,7 @@ def export_layout(model: nn.Module, tensors: Sequence[tuple[str, tuple[int, ...]
         return None
     meta = {n: torch.empty(s, device="meta") for n, s in tensors}
     try:
-        saved = revert_weight_conversion(model, dict(meta))
+        saved = revert_weight_conversion(model, dict(meta))  # type: ignore[arg-type]  # a PreTrainedModel
     except Exception as exc:  # noqa: BLE001 - the model's own names then, which transformers also loads
         log.warning(
             "transformers' save-time conversion of %s failed (%s): exporting the model's names",

@@ -35,12 +35,7 @@ from tiered.zero.passes import BackwardHolds, PassState
 from tiered.zero.plan import check_no_meta_mix
 from tiered.zero.saved import RecomputeParams, SavedTensorRefs
 from tiered.zero.schedule import BeladyPolicy, Trace
-from tiered.zero.sharding import (
-    ALIGNMENT_NUMEL,
-    move_buffers,
-    own_param_ids,
-    write_group_partitions,
-)
+from tiered.zero.sharding import ALIGNMENT_NUMEL, move_buffers, own_param_ids, write_group_partitions
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -79,6 +79,26 @@ def convert_hint(folder: Path) -> str:
     )
 
 
+def quantization_method(folder: Path) -> str | None:
+    """config.json's quantization method, None where it has none (or cannot be read: the
+    config's reader says why)."""
+    try:
+        data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    quant = data.get("quantization_config") if isinstance(data, dict) else None
+    if not isinstance(quant, dict):
+        return None
+    return str(quant.get("quant_method", "unknown"))
+
+
+def quantized_message(method: str) -> str:
+    return (
+        f"a quantized checkpoint (config.json's quantization_config, quant_method {method!r}): its files hold "
+        "packed integers and scales, not the weights tiered trains; pass the original (unquantized) model folder"
+    )
+
+
 def weight_files(folder: Path) -> tuple[list[Path], Path | None]:
     """The files to read ([Note: streaming load]) and the index they came from (None: no index)."""
     present = sorted(folder.glob("*.safetensors"))
@@ -136,6 +156,9 @@ class WeightSource:
                     else ""
                 )
             )
+        quant = quantization_method(self.folder)
+        if quant is not None:
+            raise WeightsError(f"weights={folder}: {quantized_message(quant)}")
         from safetensors import safe_open
 
         self.file_of: dict[str, Path] = {}
@@ -181,13 +204,13 @@ class WeightSource:
     def match(self, model: nn.Module) -> dict[str, TensorSource]:
         """Each model tensor the files give, and from which file tensors ([Note: file tensors by
         transformers' conversions]); errors name tensors and files."""
-        where = ", ".join(sorted({f.name for f in self.file_of.values()})) or str(self.folder)
         found = match_files(
             model,
             self.shapes,
-            f"{self.folder} ({where})",
+            str(self.folder),
             dtypes=self.dtypes,
             listed_in=lambda key: self._listed_where([key]),
+            at=lambda key: f" (in {self.file_of[key].name})" if key in self.file_of else "",
         )
         return found.sources
 
