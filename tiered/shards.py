@@ -30,6 +30,7 @@ size and starts aligned; rank r owns elements [r * shard_numel, (r + 1) * shard_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,12 +40,22 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ParamEntry:
-    """Where one parameter lives inside its group's FULL (unsharded) flat buffer."""
+    """Where one parameter (or one piece of it) lives inside its group's FULL (unsharded) flat buffer."""
 
     name: str
     offset: int
     numel: int
+    """Elements of the entry: the parameter's, or its piece's."""
     shape: tuple[int, ...]
+    """The parameter's shape (a piece's too)."""
+    start: int = 0
+    """The entry's first element within its parameter: 0, or where its piece begins (a fused expert
+    tensor planned in pieces of whole experts, [Note: fused parameters in pieces] in tiered/zero/split.py)."""
+
+    @property
+    def is_piece(self) -> bool:
+        """The entry holds part of its parameter (the others are in other groups)."""
+        return self.start != 0 or self.numel != math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -82,12 +93,13 @@ class ShardGroup:
 
     def shard_slice(self, entry: ParamEntry) -> tuple[int, int, int] | None:
         """The part of `entry` that lies in this rank's shard, as (start_in_shard,
-        start_in_param, length), or None if the shard holds none of it."""
+        start_in_param, length), or None if the shard holds none of it. start_in_param counts
+        from the parameter's first element (a piece's `start` included)."""
         lo = max(entry.offset, self.shard_offset)
         hi = min(entry.offset + entry.numel, self.shard_offset + self.shard_numel)
         if hi <= lo:
             return None
-        return lo - self.shard_offset, lo - entry.offset, hi - lo
+        return lo - self.shard_offset, entry.start + lo - entry.offset, hi - lo
 
 
 def padded_numel(numel: int, world_size: int, alignment: int) -> int:

@@ -329,10 +329,11 @@ def _manifest(staging: str, body: dict[str, Any], world_size: int) -> dict[str, 
 
 def parameter_specs(groups: Sequence[GroupState]) -> list[dict[str, Any]]:
     """Name, shape and trainability of every parameter, as the manifest records them."""
-    return [
+    return [  # (a parameter in pieces over several groups is one parameter: its first piece's entry)
         {"name": e.name, "shape": list(e.shape), "trainable": bool(gs.group.trainable)}
         for gs in groups
         for e in gs.group.entries
+        if e.start == 0
     ]
 
 

@@ -204,7 +204,8 @@ def save_pretrained(
         parts = file_layout.get(name) if file_layout else None
         return [TensorSpec(k, dt, tuple(s)) for k, s, _ in parts] if parts else [TensorSpec(name, dt, shape)]
 
-    specs = [s for g in groups for e in g.entries for s in spec_list(e.name, e.shape, dtype)]
+    # (a parameter in pieces is written whole, with its first piece: [Note: fused parameters in pieces])
+    specs = [s for g in groups for e in g.entries if e.start == 0 for s in spec_list(e.name, e.shape, dtype)]
     for n, b in buffers:
         specs += spec_list(n, tuple(b.shape), dtype if b.is_floating_point() else b.dtype)
     shards = plan_shards(specs, max_bytes)

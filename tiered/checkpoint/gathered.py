@@ -46,13 +46,17 @@ def gathered_parameters(
     world_size: int,
     process_group: Any = None,
     gather: Callable[[list[torch.nn.Parameter]], AbstractContextManager[list[tuple[Any, torch.Tensor]]]],
+    pull: Callable[[list[Any]], None] = lambda groups: None,
 ) -> Iterator[None]:
     """See [Note: gathered parameters]. `gather(params)` holds the groups of `params` gathered
-    (tiered.zero.full_params.gathered over `zero`) and yields (group, full buffer) per group."""
+    (tiered.zero.full_params.gathered over `zero`) and yields (group, full buffer) per group;
+    `pull(groups)` brings values modified outside the full buffers into them (a parameter in
+    pieces, modified in its whole buffer)."""
     shards: list[tuple[Any, torch.Tensor]] = []
     with gather(params) as groups:
         yield
         if modify:
+            pull([g for g, _ in groups])
             for g, full in groups:
                 if world_size > 1:
                     import torch.distributed as dist

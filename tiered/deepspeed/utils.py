@@ -19,6 +19,7 @@ not for every step.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,23 +54,19 @@ def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[Any]) 
     return set_leaf_modules(model, leaf_module_classes)
 
 
-def _locate(param: torch.Tensor) -> tuple[Engine, Any, Any] | None:
-    """(engine, shard group, entry) of a managed parameter."""
+def _locate(param: torch.Tensor) -> tuple[Engine, list[tuple[Any, Any]]] | None:
+    """(engine, [(shard group, entry)]) of a managed parameter: one entry, or one per piece of a
+    parameter planned in pieces ([Note: fused parameters in pieces] in tiered/zero/split.py)."""
     engine = engine_of([param])
     if engine is None:
         return None
     name = next(n for n, p in engine.module.named_parameters(remove_duplicate=False) if p is param)
-    for g in engine.zero.groups:
-        for e in g.entries:
-            if e.name == name:
-                return engine, g, e
     # a tied parameter is recorded under its first name
-    for n, p in engine.module.named_parameters():
-        if p is param:
-            for g in engine.zero.groups:
-                for e in g.entries:
-                    if e.name == n:
-                        return engine, g, e
+    first = next((n for n, p in engine.module.named_parameters() if p is param), name)
+    for want in (name, first):
+        found = [(g, e) for g in engine.zero.groups for e in g.entries if e.name == want]
+        if found:
+            return engine, sorted(found, key=lambda ge: ge[1].start)
     return None
 
 
@@ -118,86 +115,98 @@ def _read_tile(engine: Engine, part: Any, kind: str, lo: int, hi: int) -> torch.
     return whole[lo:hi]
 
 
-def _read_local(param: torch.Tensor, kind: str) -> tuple[Engine, Any, Any, torch.Tensor] | None:
+def _read_local(param: torch.Tensor, kind: str) -> tuple[Engine, list[tuple[Any, Any]], torch.Tensor] | None:
+    """This rank's part of `kind` of the parameter, flat (its pieces' parts in order)."""
     found = _locate(param)
     if found is None:
         return None
-    engine, g, e = found
-    tiles = _tiles(engine, g, kind)
-    if tiles is None:
+    engine, pieces = found
+    if _tiles(engine, pieces[0][0], kind) is None:
         return None
     _settle(engine)
+    parts = [_local_part(engine, g, e, kind) for g, e in pieces]
+    return engine, pieces, torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
+
+
+def _local_part(engine: Engine, g: Any, e: Any, kind: str) -> torch.Tensor:
     sl = g.shard_slice(e)
     if sl is None:
-        return engine, g, e, torch.empty(0, dtype=torch.float32)
+        return torch.empty(0, dtype=torch.float32)
     s_shard, _s_param, n = sl
     if (
         kind == "grad"
     ):  # the zero of a step is written lazily: the coordinator knows ([Note: lazy gradient zeroing])
-        piece = engine.zero.read_grad_shard(g)[s_shard : s_shard + n].to(torch.float32)
-        return engine, g, e, piece
+        return engine.zero.read_grad_shard(g)[s_shard : s_shard + n].to(torch.float32)
     piece = torch.empty(n, dtype=torch.float32)
-    for a, b, part in tiles:
+    for a, b, part in _tiles(engine, g, kind) or []:
         lo, hi = max(a, s_shard), min(b, s_shard + n)
         if hi > lo:
             piece[lo - s_shard : hi - s_shard] = _read_tile(engine, part, kind, lo - a, hi - a)
-    return engine, g, e, piece
+    return piece
 
 
 def _full(param: torch.Tensor, kind: str) -> torch.Tensor | None:
     got = _read_local(param, kind)
     if got is None:
         return None
-    engine, g, e, piece = got
-    full = torch.zeros(e.numel, dtype=torch.float32)
-    sl = g.shard_slice(e)
-    if sl is not None:
-        full[sl[1] : sl[1] + sl[2]] = piece
+    engine, pieces, local = got
+    shape = pieces[0][1].shape
+    full = torch.zeros(math.prod(shape), dtype=torch.float32)
+    at = 0
+    for g, e in pieces:
+        sl = g.shard_slice(e)
+        if sl is not None:
+            full[sl[1] : sl[1] + sl[2]] = local[at : at + sl[2]]
+            at += sl[2]
     if engine.world_size > 1:
         dev = "cuda" if dist.get_backend(engine.process_group) == "nccl" else "cpu"
         t = full.to(dev)
         dist.all_reduce(t, group=engine.process_group)  # the pieces are disjoint: a sum gathers
         full = t.cpu()
-    return full.reshape(e.shape)
+    return full.reshape(shape)
 
 
 def _write(param: torch.Tensor, kinds: tuple[str, ...], value: torch.Tensor, *, local: bool) -> None:
     found = _locate(param)
     if found is None:
         return
-    engine, g, e = found
+    engine, pieces = found
+    name, shape = pieces[0][1].name, pieces[0][1].shape
     for kind in kinds:  # [Note: safe getters over tiles and formats]
         codec = _codec(engine, kind)
         if codec is not None and codec.block_numel > 1:
             raise ValueError(
-                f"{e.name}: cannot write {kind}: tiered.optimizer_state_format "
+                f"{name}: cannot write {kind}: tiered.optimizer_state_format "
                 f"{engine.optimizer.fmt.name!r} stores it as block codes of {codec.block_numel} elements, "
                 "and re-encoding a block would round its other elements; read it (decoded) instead, "
                 "or train with tiered.optimizer_state_format 'fp32' or 'bf16' to set it"
             )
     _settle(engine)
-    sl = g.shard_slice(e)
+    slices = [(g, g.shard_slice(e)) for g, e in pieces]
     flat = value.detach().reshape(-1).to("cpu", torch.float32)
-    want = (sl[2] if sl is not None else 0) if local else e.numel
+    want = sum(sl[2] for _, sl in slices if sl is not None) if local else math.prod(shape)
     if flat.numel() != want:
         raise ValueError(
-            f"{e.name}: the value has {flat.numel()} elements, the {'local piece' if local else 'parameter'} {want}"
+            f"{name}: the value has {flat.numel()} elements, the {'local piece' if local else 'parameter'} {want}"
         )
-    if sl is None:
-        return
-    s_shard, s_param, n = sl
-    piece = flat if local else flat[s_param : s_param + n]
-    written: set[int] = set()
-    for kind in kinds:
-        for a, b, part in _tiles(engine, g, kind) or []:
-            lo, hi = max(a, s_shard), min(b, s_shard + n)
-            if hi <= lo or id(part) in written:
-                continue
-            written.add(id(part))
-            with resident(engine.tm, part) as t:
-                whole = t.to("cpu", copy=True)
-            whole[lo - a : hi - a] = piece[lo - s_shard : hi - s_shard].to(whole.dtype)
-            write_partition(engine.tm, part, whole)
+    at = 0
+    for g, sl in slices:
+        if sl is None:
+            continue
+        s_shard, s_param, n = sl
+        piece = flat[at : at + n] if local else flat[s_param : s_param + n]
+        at += n
+        written: set[int] = set()
+        for kind in kinds:
+            for a, b, part in _tiles(engine, g, kind) or []:
+                lo, hi = max(a, s_shard), min(b, s_shard + n)
+                if hi <= lo or id(part) in written:
+                    continue
+                written.add(id(part))
+                with resident(engine.tm, part) as t:
+                    whole = t.to("cpu", copy=True)
+                whole[lo - a : hi - a] = piece[lo - s_shard : hi - s_shard].to(whole.dtype)
+                write_partition(engine.tm, part, whole)
     engine.zero.params_updated()
 
 
@@ -206,7 +215,7 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     found = _locate(param)
     if found is None:
         return None
-    return _full(param, "master" if found[1].trainable else "param")
+    return _full(param, "master" if found[1][0][0].trainable else "param")
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -223,18 +232,18 @@ def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     found = _locate(param)
     if found is None:
         return None
-    got = _read_local(param, "master" if found[1].trainable else "param")
-    return None if got is None else got[3]
+    got = _read_local(param, "master" if found[1][0][0].trainable else "param")
+    return None if got is None else got[2]
 
 
 def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
     got = _read_local(param, "grad")
-    return None if got is None else got[3]
+    return None if got is None else got[2]
 
 
 def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
     got = _read_local(param, _state_key(optim_state_key))
-    return None if got is None else got[3]
+    return None if got is None else got[2]
 
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:

@@ -19,7 +19,13 @@ import torch
 from tiered.checkpoint.decode_load import register_moment_format
 from tiered.errors import ParameterNotGatheredError
 from tiered.optim.state_format import FORMATS
-from tiered.zero.full_params import gathered, iter_full_groups, restore_full_groups
+from tiered.zero.full_params import (
+    export_order,
+    gathered,
+    iter_full_groups,
+    restore_full_groups,
+    take_piece_values,
+)
 
 if TYPE_CHECKING:
     from tiered.checkpoint.engine_state import Collective, GroupState
@@ -184,7 +190,7 @@ class EnginePersistence:
             out = save_pretrained(
                 self._module,
                 iter_full_groups(self._zero),
-                self._zero.groups,
+                export_order(self._zero),
                 save_directory,
                 dtype=dtype,
                 max_shard_size=max_shard_size,
@@ -201,7 +207,7 @@ class EnginePersistence:
         from tiered.checkpoint.export import persistent_buffers
         from tiered.zero.conversions import export_layout
 
-        named = [(e.name, e.shape) for g in self._zero.groups for e in g.entries]
+        named = [(e.name, e.shape) for g in self._zero.groups for e in g.entries if e.start == 0]
         named += [(n, tuple(b.shape)) for n, b in persistent_buffers(self._module)]
         return export_layout(self._module, named)
 
@@ -218,6 +224,7 @@ class EnginePersistence:
             world_size=self._world_size,
             process_group=self._process_group,
             gather=lambda ps: gathered(self._zero, ps),
+            pull=lambda groups: take_piece_values(self._zero, groups),
         )
 
     # ---- at close ------------------------------------------------------------------------------

@@ -529,9 +529,9 @@ def _planned_groups(
     groups: list[ShardGroup] = []
     for i, pg in enumerate(layout.planned):
         entries, off = [], 0
-        for qual, p in pg.params:
-            entries.append(ParamEntry(qual, off, p.numel(), tuple(p.shape)))
-            off += p.numel()
+        for qual, p, start, n in pg.slots():
+            entries.append(ParamEntry(qual, off, n, tuple(p.shape), start))
+            off += n
         shard = layout.shard_numel(i)
         name = group_name(i)
         param = _SizedPartition(f"{name}.param", placement.param_tier, shard * itemsize)

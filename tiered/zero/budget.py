@@ -144,18 +144,25 @@ def check_gather_budgets(
     param_tier: str,
     grad_tier: str,
     needs_fetch: bool,
+    joint_numel: Sequence[int] = (),
 ) -> GpuGatherNeed:
     """Fail before training if a module can never be gathered within stage3_max_live_parameters
     or the gpu tier's budget; `module_groups` is (module name, its group indices) in module
-    order. Returns the gpu bytes needed. See [Note: the live budget]."""
+    order, `joint_numel` per module the elements of the whole buffers its parameters in pieces
+    are put together in ([Note: fused parameters in pieces] in tiered/zero/split.py). Returns
+    the gpu bytes needed. See [Note: the live budget]."""
     worst, worst_mod, largest_full, largest_mod = 0, "", 0, ""
-    for mname, idxs in module_groups:
+    largest_joint, best = 0, (-1.0, 0)
+    per_full = (1 + 1 / world_size) if world_size > 1 else 1  # a gathered full buffer plus its shard
+    joints = list(joint_numel) or [0] * len(module_groups)
+    for (mname, idxs), joint in zip(module_groups, joints, strict=True):
         n = sum(sizes[i].numel for i in idxs if not sizes[i].persistent) if needs_fetch else 0
         if n > worst:
             worst, worst_mod = n, mname
         full = sum(sizes[i].full_numel for i in idxs if not sizes[i].persistent)
-        if full > largest_full:
-            largest_full, largest_mod = full, mname
+        key = ((full * per_full if needs_fetch else 0.0) + joint, full)
+        if key > best:
+            best, largest_full, largest_mod, largest_joint = key, full, mname, joint
     if worst > max_live:
         raise ConfigError(
             f"zero_optimization.stage3_max_live_parameters={max_live} is too small: module "
@@ -166,9 +173,9 @@ def check_gather_budgets(
     home += sum(s.full_numel // ws for s in sizes) * 4 if grad_tier == "gpu" else 0
     persistent = largest = 0
     if needs_fetch:
-        per_full = (1 + 1 / ws) if ws > 1 else 1  # a gathered full buffer plus its shard
         persistent = int(sum(s.full_numel for s in sizes if s.persistent) * elt * per_full)
         largest = int(largest_full * elt * per_full)
+    largest += largest_joint * elt
     need = GpuGatherNeed(home, persistent, largest, largest_mod)
     if gpu_budget_bytes is not None and need.total_bytes > gpu_budget_bytes:
         raise CapacityError(

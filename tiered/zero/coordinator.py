@@ -30,12 +30,13 @@ from tiered.zero.group import COUNTERS, GradSummary, GroupContext, GroupRuntime
 from tiered.zero.hooks import HookSet
 from tiered.zero.layout import persists_by_room, plan_layout
 from tiered.zero.leaf import LeafBoundary, local_context
-from tiered.zero.order import RECEIVED, CollectiveOrder, union_over_ranks
+from tiered.zero.order import CollectiveOrder, masks_over_ranks, union_over_ranks
 from tiered.zero.passes import BackwardHolds, PassState
 from tiered.zero.plan import check_no_meta_mix
 from tiered.zero.saved import RecomputeParams, SavedTensorRefs
 from tiered.zero.schedule import BeladyPolicy, Trace
 from tiered.zero.sharding import ALIGNMENT_NUMEL, move_buffers, own_param_ids, write_group_partitions
+from tiered.zero.split import make_splits, units_of
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -106,6 +107,7 @@ class ZeroParameters:
         planned = layout.planned
         needs_fetch = ws > 1 or param_tier != "gpu"
         self.managed: dict[int, tuple[int, int]] = layout.managed  # id(param) -> (group index, entry index)
+        self._pieces = layout.pieces  # [Note: fused parameters in pieces] in tiered/zero/split.py
         self._modules = layout.modules
         self._leaves = layout.leaves
         self._extra_groups: dict[int, list[int]] = {}  # module -> groups it used from elsewhere
@@ -125,6 +127,8 @@ class ZeroParameters:
             weights=weights,
         )
         del planned
+        self.splits = make_splits(self._pieces, [(w.params, w.group.entries) for w in written])
+        """id(param) -> a parameter planned in pieces, and its whole buffer while gathered."""
         self.groups: list[ShardGroup] = [w.group for w in written]
         """Every group, in (initial) execution order: the interface to the optimizer and checkpoints."""
         self._order = (  # [Note: collective order check] in tiered/zero/order.py
@@ -149,6 +153,7 @@ class ZeroParameters:
             z.max_reuse_distance_numel,
             self.trace.next_use_distance,
             self._order,
+            self.splits,
         )
         self.runtimes: list[GroupRuntime] = [
             GroupRuntime(ctx, w.group, w.params, needs_fetch=needs_fetch, initial_fp32=w.initial_fp32)
@@ -169,18 +174,14 @@ class ZeroParameters:
         self._fw_pins: dict[int, list[list[int]]] = {}
         self._bw = BackwardHolds(self._gather, self._release, self.runtimes)
         saved = SavedTensorRefs(
-            self.runtimes, self.managed, self.budget, self.counters, self.device, self._bw.gather
+            self.runtimes, self.managed, self.budget, self.counters, self.device, self._bw.gather, self.splits
         )
         self._pass = PassState(self.trace, self.runtimes, self._bw, self, saved)
         self._recompute = RecomputeParams(self.managed)  # [Note: recomputed frozen parameters]
         self._recompute_mods: list[int] = []
         self._grad_callbacks: list[Callable[[ShardGroup], None]] = []
-        self._hooks = HookSet(
-            self,
-            model,
-            [p for rt in self.runtimes for p in rt.params],
-            [e.numel for rt in self.runtimes for e in rt.group.entries],
-        )
+        unique = {id(p): p for rt in self.runtimes for p in rt.params}  # (a parameter in pieces: once)
+        self._hooks = HookSet(self, model, list(unique.values()), [p.numel() for p in unique.values()])
         log.info(
             "partitioned %d parameters into %d groups (%d persistent), world_size=%d",
             sum(g.numel for g in self.groups),
@@ -229,21 +230,25 @@ class ZeroParameters:
             "collective_checks": 0 if self._order is None else self._order.checks,
         }
 
+    def groups_of_param(self, p: nn.Parameter) -> list[int]:
+        """The groups holding `p` (every piece of one in pieces)."""
+        where = self._pieces.get(id(p))
+        return [self.managed[id(p)][0]] if where is None else [i for i, _ in where]
+
     def gather_full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Consolidated copies of every parameter (on the CPU), keyed like model.state_dict()."""
         out_by_id: dict[int, torch.Tensor] = {}
-        for rt in self.runtimes:
-            self._gather(rt.index, record=False)
+        for unit in units_of(len(self.runtimes), self.splits.values()):  # a parameter's pieces at once
+            for i in unit:
+                self._gather(i, record=False)
             try:
-                for p in rt.params:
+                for p in (p for i in unit for p in self.runtimes[i].params):
                     out_by_id[id(p)] = p.detach().to("cpu", dtype or p.dtype, copy=True)
             finally:
-                self._release(rt.index)
-        return {
-            n: out_by_id[id(p)]
-            for n, p in self.model.named_parameters(remove_duplicate=False)
-            if id(p) in out_by_id
-        }
+                for i in reversed(unit):
+                    self._release(i)
+        names = self.model.named_parameters(remove_duplicate=False)
+        return {n: out_by_id[id(p)] for n, p in names if id(p) in out_by_id}
 
     # ---- gradients: see [Note: gradient flush] in tiered/zero/group.py -------------------------
     def on_group_grads_complete(self, callback: Callable[[ShardGroup], None]) -> None:
@@ -313,13 +318,7 @@ class ZeroParameters:
         """`received_local` of each of `groups`, OR-ed over the ranks: one all_reduce (MAX) of the
         concatenated masks. Every rank calls it once per optimizer step."""
         masks = [self.runtimes[g.index].received for g in groups]
-        if self.world_size == 1 or not masks:
-            return [m.clone() for m in masks]
-        flat = torch.cat(masks)
-        if self._order is not None:
-            self._order.agree(RECEIVED)
-        comm.all_reduce_max_(flat, self.process_group)
-        return list(torch.split(flat, [m.numel() for m in masks]))
+        return masks_over_ranks(masks, self._order, self.process_group, self.world_size)
 
     def read_grad_shard(self, group: ShardGroup) -> torch.Tensor:
         """A CPU copy of this rank's accumulated fp32 gradient shard (tests, checkpoints)."""
@@ -470,29 +469,31 @@ class ZeroParameters:
 
     def _gather_external(self, p: nn.Parameter) -> None:
         """A parameter used by an op while not gathered. See [Note: saved tensors and external parameters]."""
-        i, _ = self.managed[id(p)]
         self.counters["external_gathers"] += 1
-        if self._fw_stack:
-            mod = self._fw_stack[-1]
+        mod = self._fw_stack[-1] if self._fw_stack else None
+        for i in self.groups_of_param(p):
+            if mod is None:  # outside any module: held until the pass ends
+                self._bw.gather(i)
+                continue
             extra = self._extra_groups.setdefault(id(mod), [])
             if i not in extra and i not in self._modules.groups[id(mod)]:
                 extra.append(i)
             self._gather(i)
             self._fw_pins[id(mod)][-1].append(i)
-        else:  # outside any module: held until the pass ends
-            self._bw.gather(i)
 
     def _grad_arriving(self, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
-        rt = self.runtimes[self.managed[id(p)][0]]
+        rts = [self.runtimes[i] for i in self.groups_of_param(p)]
 
         def hook(grad: torch.Tensor) -> None:
-            if rt.full is None:
-                self.counters["backward_on_demand"] += 1
-                self._bw.gather(rt.index)
+            for rt in rts:
+                if rt.full is None:
+                    self.counters["backward_on_demand"] += 1
+                    self._bw.gather(rt.index)
 
         return hook
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        rt = self.runtimes[self.managed[id(p)][0]]
-        if rt.grad_arrived(p) and rt.index not in self._leaves.owner:  # a leaf's: at its boundary
-            self._flush(rt)
+        for i in self.groups_of_param(p):  # (each piece's group: [Note: fused parameters in pieces])
+            rt = self.runtimes[i]
+            if rt.grad_arrived(p) and rt.index not in self._leaves.owner:  # a leaf's: at its boundary
+                self._flush(rt)

@@ -30,27 +30,44 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tiered.zero.split import units_of
+
 if TYPE_CHECKING:
     from tiered.shards import ShardGroup
     from tiered.zero.coordinator import ZeroParameters
     from tiered.zero.group import GroupRuntime
 
 
+def export_order(zp: ZeroParameters) -> list[ShardGroup]:
+    """The groups in the order `iter_full_groups` gathers them."""
+    return [zp.groups[i] for unit in units_of(len(zp.runtimes), zp.splits.values()) for i in unit]
+
+
 def iter_full_groups(zp: ZeroParameters) -> Iterator[tuple[ShardGroup, list[tuple[str, torch.Tensor]]]]:
     """Each group gathered in turn (a collective with several ranks), its parameters as (name,
     full tensor) views into the gathered buffer, valid until the next iteration; then released,
     and evicted again unless it was resident before (the reuse cache would otherwise keep every
-    group). Never more than one group at once."""
-    for rt in zp.runtimes:
-        g = rt.group
-        was_resident = g.param.state("gpu").resident
-        zp._gather(rt.index, record=False)
+    group). Never more than one group at once, except the groups of a parameter in pieces, which
+    come together: it is listed whole, with its first piece ([Note: fused parameters in pieces]
+    in tiered/zero/split.py)."""
+    for unit in units_of(len(zp.runtimes), zp.splits.values()):
+        rts = [zp.runtimes[i] for i in unit]
+        was_resident = [rt.group.param.state("gpu").resident for rt in rts]
         try:
-            yield g, [(e.name, p.detach()) for e, p in zip(g.entries, rt.params, strict=True)]
+            for rt in rts:
+                zp._gather(rt.index, record=False)
+            for rt in rts:
+                g = rt.group
+                yield (
+                    g,
+                    [(e.name, p.detach()) for e, p in zip(g.entries, rt.params, strict=True) if e.start == 0],
+                )
         finally:
-            zp._release(rt.index)
-            if rt.needs_fetch and not g.persistent and not was_resident:
-                rt.evict()
+            for rt, was in zip(reversed(rts), reversed(was_resident), strict=True):
+                if rt.pins:
+                    zp._release(rt.index)
+                if rt.needs_fetch and not rt.group.persistent and not was:
+                    rt.evict()
 
 
 @contextmanager
@@ -63,7 +80,7 @@ def gathered(
     unknown: list[tuple[int, ...]] = []
     for p in params:
         if id(p) in zp.managed:
-            idxs.add(zp.managed[id(p)][0])
+            idxs.update(zp.groups_of_param(p))
         else:
             unknown.append(tuple(p.shape))
     if unknown:
@@ -86,6 +103,18 @@ def gathered(
             zp._release(i)
 
 
+def take_piece_values(zp: ZeroParameters, groups: Iterable[ShardGroup]) -> None:
+    """Copy the values of the parameters in pieces (modified in place in their whole buffers) back
+    into their pieces' gathered buffers, before those are written back ([Note: fused parameters
+    in pieces] in tiered/zero/split.py)."""
+    for g in groups:
+        rt = zp.runtimes[g.index]
+        for j, sp in rt.pieces.items():
+            e, values = g.entries[j], sp.values_of(g.entries[j])
+            if values is not None and rt.full is not None:
+                rt.full[e.offset : e.offset + e.numel].copy_(values)
+
+
 def restore_full_groups(zp: ZeroParameters, free: Callable[[GroupRuntime], None]) -> None:
     """Give each managed parameter its full value back as a plain CPU tensor, one group at a
     time: gather the group, copy its parameters out, release it, let `free` drop that group's
@@ -93,15 +122,21 @@ def restore_full_groups(zp: ZeroParameters, free: Callable[[GroupRuntime], None]
     tiers together never hold more than the tiers did plus one group ([Note: restore at close
     group by group]). Call it with the hooks removed (the parameters' ``.data`` is assigned);
     a group whose gather fails raises, leaving the groups before it restored."""
-    for rt in zp.runtimes:
-        zp._gather(rt.index, record=False)
+    for unit in units_of(len(zp.runtimes), zp.splits.values()):  # a parameter's pieces together
+        rts = [zp.runtimes[i] for i in unit]
+        done: list[int] = []
         try:
-            copies = [p.detach().to("cpu", copy=True) for p in rt.params]
+            for rt in rts:
+                zp._gather(rt.index, record=False)
+                done.append(rt.index)
+            copies = {id(p): (p, p.detach().to("cpu", copy=True)) for rt in rts for p in rt.params}
         finally:
-            zp._release(rt.index)
-        rt.forget_prefetch()
-        rt.wait_evicted()  # (release may have started one; `free` drops every copy)
-        free(rt)
+            for i in reversed(done):
+                zp._release(i)
+        for rt in rts:
+            rt.forget_prefetch()
+            rt.wait_evicted()  # (release may have started one; `free` drops every copy)
+            free(rt)
         with torch.no_grad():
-            for p, t in zip(rt.params, copies, strict=True):
+            for p, t in copies.values():
                 p.data = t

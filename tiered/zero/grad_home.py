@@ -39,9 +39,8 @@ def param_grad_norms(group: ShardGroup, t: torch.Tensor) -> list[tuple[str, torc
         start, _, length = where
         part = t[start : start + length]
         # the whole parameter in its own shape: torch reduces the gradient tensor itself
-        norms.append(
-            (entry.name, torch.linalg.vector_norm(part.view(entry.shape) if length == entry.numel else part))
-        )
+        whole = length == entry.numel and not entry.is_piece
+        norms.append((entry.name, torch.linalg.vector_norm(part.view(entry.shape) if whole else part)))
     return norms
 
 

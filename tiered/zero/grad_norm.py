@@ -7,7 +7,27 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from tiered.zero.grad_home import param_grad_norms
 from tiered.zero.group import GradSummary, GroupRuntime
+
+
+def grad_sq_norm(rt: GroupRuntime) -> float:
+    """Squared L2 norm of `rt`'s accumulated fp32 gradient shard, from `grad_norms` (0 for a
+    frozen group; a staged gradient's kept norms: nothing read)."""
+    return math.fsum(float(n) ** 2 for _, n in grad_norms(rt))
+
+
+def grad_norms(rt: GroupRuntime) -> list[tuple[str, torch.Tensor]]:
+    """(name, fp32 L2 norm) of each parameter's part of `rt`'s accumulated gradient shard
+    ([Note: gradient norm as torch's]); none for a frozen group."""
+    g = rt.group
+    if g.grad is None:
+        return []
+    if rt.grad_zero_pending:  # no gradient reached it: zeros, as the optimizer reads
+        return [(n, torch.zeros(())) for n, _ in param_grad_norms(g, torch.zeros(g.shard_numel))]
+    if rt.grad_staged:
+        return rt.staged_norms
+    return param_grad_norms(g, rt.home_view(g.grad))
 
 
 def local_grad_summary(
@@ -25,8 +45,8 @@ def local_grad_summary(
     # norms stacked in the model's parameter order, rounded as torch rounds, not more exactly.
     # Across ranks a parameter's gradient is split, so no rank holds torch's operand: each
     # rank sums the squares of its parts' norms in float64 and the ranks sum those.
-    per_group = [(rt, rt.grad_norms()) for rt in runtimes]
-    norms = [nm for _, group_norms in per_group for nm in group_norms]
+    per_group = [(rt, grad_norms(rt)) for rt in runtimes]
+    norms = _whole([nm for _, group_norms in per_group for nm in group_norms])
     if not norms:
         return GradSummary(found_inf=False, sq_norm_local=0.0)
     if world_size > 1:
@@ -44,6 +64,17 @@ def local_grad_summary(
     return GradSummary(found_inf=True, sq_norm_local=sq, nonfinite_group=first)
 
 
+def _whole(norms: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """One norm per parameter: the pieces of one planned in pieces ([Note: fused parameters in
+    pieces] in tiered/zero/split.py) joined as the norm of their norms."""
+    by_name: dict[str, list[torch.Tensor]] = {}
+    for n, t in norms:
+        by_name.setdefault(n, []).append(t)
+    return [
+        (n, ts[0] if len(ts) == 1 else torch.linalg.vector_norm(torch.stack(ts))) for n, ts in by_name.items()
+    ]
+
+
 def probed_nonfinite_group(runtimes: Sequence[GroupRuntime]) -> str | None:
     """The first group whose recorded gradient sums were not finite (and clears the records)."""
     probes = [(rt, p) for rt in runtimes if rt.finite_probes for p in rt.finite_probes]
@@ -51,7 +82,7 @@ def probed_nonfinite_group(runtimes: Sequence[GroupRuntime]) -> str | None:
     for rt in runtimes:
         if rt.finite_probes:
             rt.finite_probes = []
-    first = next((rt for rt in staged if not math.isfinite(rt.grad_sq_norm())), None)  # kept, no read
+    first = next((rt for rt in staged if not math.isfinite(grad_sq_norm(rt))), None)  # kept, no read
     if probes:
         dev = probes[0][1].device
         bad = (~torch.isfinite(torch.stack([p.to(dev) for _, p in probes]).cpu())).nonzero()  # one sync

@@ -45,9 +45,8 @@ backward, before anything (the norm, the optimizer) reads them.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,8 +56,10 @@ from tiered.errors import ShapeMutationError
 from tiered.shards import ShardGroup
 from tiered.zero import comm
 from tiered.zero.budget import LiveBudget
-from tiered.zero.grad_home import GradKeeper, StagedGradHome, is_staged, param_grad_norms
+from tiered.zero.grad_home import GradKeeper, StagedGradHome, is_staged
+from tiered.zero.leaf import passed_over
 from tiered.zero.order import GATHER, REDUCE, CollectiveOrder
+from tiered.zero.split import SplitParam, drop_grad, empty, grad_of, pieces_by_entry, put
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -111,6 +112,8 @@ class GroupContext:
     """Elements gathered before a group is used again in this pass (the trace); None if not again."""
     order: CollectiveOrder | None = None
     """With several ranks: the ranks agree on each collective first ([Note: collective order check])."""
+    splits: Mapping[int, SplitParam] = field(default_factory=dict)
+    """id(param) -> the parameter planned in pieces ([Note: fused parameters in pieces] in tiered/zero/split.py)."""
 
 
 class GroupRuntime:
@@ -166,6 +169,8 @@ class GroupRuntime:
             if group.grad is not None and is_staged(ctx.tm, group.grad)
             else None
         )
+        self.pieces = pieces_by_entry(group.entries, params, ctx.splits)
+        """Entry index -> its parameter, for the entries that are pieces of one."""
 
     def keep_grads_for_step(self, keeper: GradKeeper | None, *, enabled: bool) -> None:
         """`keep_flushed_grads`, and who admits and learns of the kept gradients (a staged home)."""
@@ -255,14 +260,17 @@ class GroupRuntime:
         full = self._assemble_full(shard)
         ctx = self.ctx
         with torch.no_grad():
-            for e, p in zip(self.group.entries, self.params, strict=True):
-                if p.data.numel() != 0 or p.dtype != ctx.compute_dtype:
+            for j, (e, p) in enumerate(zip(self.group.entries, self.params, strict=True)):
+                split = self.pieces.get(j)
+                if (
+                    p.data.numel() != 0 and (split is None or not split.holds(p.data))
+                ) or p.dtype != ctx.compute_dtype:
                     raise ShapeMutationError(
                         f"parameter {e.name!r} was replaced outside tiered (now shape {tuple(p.shape)}, "
                         f"dtype {p.dtype}; tiered manages it as shape {e.shape}): do not assign .data of "
                         "parameters of a tiered model; build the model with its final shapes before initialize"
                     )
-                p.data = full[e.offset : e.offset + e.numel].view(e.shape)
+                put(p, e, split, full[e.offset : e.offset + e.numel], self.index)
         self.full = full
         self.pins = 1
         ctx.budget.gathered[self.index] = None
@@ -293,13 +301,13 @@ class GroupRuntime:
         if self.pins:
             return
         with torch.no_grad():
-            for e, p in zip(g.entries, self.params, strict=True):
+            for j, (e, p) in enumerate(zip(g.entries, self.params, strict=True)):
                 if tuple(p.shape) != e.shape:
                     raise ShapeMutationError(
                         f"parameter {e.name!r} changed shape from {e.shape} to {tuple(p.shape)} while in use: "
                         "tiered partitions parameters with fixed shapes; do not reassign .data or resize them"
                     )
-                p.data = ctx.placeholder
+                empty(p, self.pieces.get(j), ctx.placeholder, self.index)
         self.full = None
         ctx.budget.gathered.pop(self.index, None)
         if self.needs_fetch:
@@ -376,25 +384,22 @@ class GroupRuntime:
     def passed_over(self) -> list[str]:
         """Names of the trainable parameters without a gradient in this backward, if some others
         of the group have one (a partly complete group: a routed-around expert); else []."""
-        got = [id(p) in self.grads_seen or p.grad is not None for p in self.params]
-        if not any(got):
-            return []
-        return [
-            e.name
-            for e, p, g in zip(self.group.entries, self.params, got, strict=True)
-            if p.requires_grad and not g
-        ]
+        return passed_over(self.group.entries, self.params, self.grads_seen)
 
     def has_unflushed_grads(self) -> bool:
         # also grads set without the hook firing (retain_graph reuse)
-        return bool(self.grads_seen) or any(p.grad is not None for p in self.params)
+        return bool(self.grads_seen) or any(
+            p.grad is not None and (j not in self.pieces or self.pieces[j].unflushed(self.index))
+            for j, p in enumerate(self.params)
+        )
 
     def flush_grads(self) -> None:
         """Add this backward's gradients (fp32, rank-averaged) into the gradient partition and
         drop ``param.grad``. See [Note: gradient flush] and [Note: lazy gradient zeroing]."""
         g, ctx = self.group, self.ctx
         assert g.grad is not None
-        grads = [(e, p.grad) for e, p in zip(g.entries, self.params, strict=True)]
+        pairs = enumerate(zip(g.entries, self.params, strict=True))
+        grads = [(e, grad_of(p, e, self.pieces.get(j))) for j, (e, p) in pairs]
         self.received |= torch.tensor([gr is not None for _, gr in grads], dtype=torch.uint8)
         fresh, self.grad_zero_pending = self.grad_zero_pending, False
         with torch.no_grad():
@@ -441,9 +446,11 @@ class GroupRuntime:
             s = home.sum()
         self.finite_probes.append(s)
 
-    def drop_param_grads(self) -> None:
-        for p in self.params:
-            p.grad = None
+    def drop_param_grads(self, *, flushed: bool = True) -> None:
+        """Drop this backward's gradients (`flushed`: added to the partition; a parameter in
+        pieces keeps its gradient until every piece's group took its slice)."""
+        for j, p in enumerate(self.params):
+            drop_grad(p, self.pieces.get(j), self.index, flushed=flushed)
         self.grads_seen.clear()
 
     def zero_grads_lazily(self) -> None:
@@ -452,7 +459,7 @@ class GroupRuntime:
         if self.group.grad is not None:
             self.grad_zero_pending = True
         self.received.zero_()
-        self.drop_param_grads()
+        self.drop_param_grads(flushed=False)
 
     def zero_pending_grad(self) -> None:
         """Write the zeros a lazily zeroed gradient partition stands for."""
@@ -466,24 +473,11 @@ class GroupRuntime:
         """The gradient's home is storage: [Note: gradients on nvme]."""
         return self._staged_grad is not None
 
-    def grad_sq_norm(self) -> float:
-        """Squared L2 norm of the accumulated fp32 gradient shard, from `grad_norms` (0 for a
-        frozen group; a staged gradient's kept norms: nothing read)."""
-        return math.fsum(float(n) ** 2 for _, n in self.grad_norms())
-
-    def grad_norms(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, fp32 L2 norm) of each parameter's part of the accumulated gradient shard
-        ([Note: gradient norm as torch's] in tiered/zero/grad_norm.py); none for a frozen group."""
-        if self.group.grad is None:
-            return []
-        if self.grad_zero_pending:  # no gradient reached it: zeros, as the optimizer reads
-            return [
-                (n, torch.zeros(()))
-                for n, _ in param_grad_norms(self.group, torch.zeros(self.group.shard_numel))
-            ]
-        if self._staged_grad is not None:
-            return self._staged_grad.norms
-        return param_grad_norms(self.group, self.home_view(self.group.grad))
+    @property
+    def staged_norms(self) -> list[tuple[str, torch.Tensor]]:
+        """A staged gradient's per-parameter norms, kept at each flush (nothing read)."""
+        assert self._staged_grad is not None
+        return self._staged_grad.norms
 
     def read_grad_shard(self) -> torch.Tensor:
         """A CPU copy of this rank's accumulated fp32 gradient shard."""

@@ -20,7 +20,7 @@ the budget. A leaf module's groups are gathered together and stay out of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,7 @@ from tiered.zero.leaf import LeafSet, find_leaf_modules
 from tiered.zero.plan import PlannedGroup
 from tiered.zero.rereads import backward_rereads
 from tiered.zero.sharding import ALIGNMENT_NUMEL, ModuleMaps, map_modules, plan_model_groups
+from tiered.zero.split import groups_of_params, split_params
 
 if TYPE_CHECKING:
     from tiered.config.schema import TieredConfig, ZeroConfig
@@ -45,7 +46,10 @@ class GroupLayout:
     planned: list[PlannedGroup]
     leaf_names: list[str]
     managed: dict[int, tuple[int, int]]
-    """id(param) -> (group index, entry index)."""
+    """id(param) -> (group index, entry index) of its (first) entry."""
+    pieces: dict[int, list[tuple[int, int]]]
+    """id(param) -> (group index, entry index) of each piece, for a parameter planned in pieces
+    ([Note: fused parameters in pieces] in tiered/zero/split.py)."""
     modules: ModuleMaps
     """Per module, the groups its hooks gather (a leaf: its whole subtree's)."""
     leaves: LeafSet
@@ -90,16 +94,29 @@ def plan_layout(
         world_size=world_size,
         leaves=tuple(leaf_names),
     )
-    managed = {id(p): (i, j) for i, pg in enumerate(planned) for j, (_, p) in enumerate(pg.params)}
-    modules = map_modules(model, managed)
+    managed: dict[int, tuple[int, int]] = {}
+    for i, pg in enumerate(planned):
+        for j, (_, p) in enumerate(pg.params):
+            managed.setdefault(id(p), (i, j))
+    pieces = split_params([[p for _, p in pg.params] for pg in planned])
+
+    def groups_of(params: Iterable[nn.Parameter]) -> list[int]:
+        return groups_of_params(params, managed, pieces)
+
+    modules = map_modules(model, groups_of)
     leaves = LeafSet(
-        model, leaf_names, [pg.leaf for pg in planned], [pg.trainable for pg in planned], managed
+        model, leaf_names, [pg.leaf for pg in planned], [pg.trainable for pg in planned], groups_of
     )
     for mid, leaf in leaves.by_module.items():  # entering a leaf gathers its whole subtree
         modules.groups[mid] = leaf.groups
     ws = world_size
     module_groups = [(modules.names[mid], idxs) for mid, idxs in modules.groups.items()]
     itemsize = torch.empty(0, dtype=compute_dtype).element_size()
+    joints = [  # the whole buffer a parameter in pieces is put together in ([Note: fused parameters in pieces])
+        ({i for i, _ in where}, planned[where[0][0]].params[where[0][1]][1].numel())
+        for where in pieces.values()
+    ]
+    joint_numel = [sum(n for gs, n in joints if gs <= set(idxs)) for _, idxs in module_groups]
 
     def need(budget: int | None) -> GpuGatherNeed:
         return check_gather_budgets(
@@ -108,6 +125,7 @@ def plan_layout(
                 for pg in planned
             ],
             module_groups,
+            joint_numel=joint_numel,
             max_live=z.max_live_parameters_numel,
             gpu_budget_bytes=budget,
             param_itemsize=itemsize,
@@ -120,7 +138,7 @@ def plan_layout(
     if persist_by_room and gpu_budget_bytes is not None and (ws > 1 or param_tier != "gpu"):
         _persist_by_room(planned, need, gpu_budget_bytes, z, itemsize, ws, accumulation)
     gpu_need = need(gpu_budget_bytes)
-    return GroupLayout(planned, list(leaf_names), managed, modules, leaves, gpu_need, world_size)
+    return GroupLayout(planned, list(leaf_names), managed, pieces, modules, leaves, gpu_need, world_size)
 
 
 def _persist_by_room(

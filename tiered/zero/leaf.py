@@ -230,16 +230,17 @@ class LeafSet:
         names: Sequence[str],
         planned_leaf: Sequence[str | None],
         trainable: Sequence[bool],
-        managed: dict[int, tuple[int, int]],
+        groups_of: Callable[[Iterable[nn.Parameter]], list[int]],
     ) -> None:
-        """`planned_leaf[i]` / `trainable[i]`: group i's leaf (or None) and whether it is stepped."""
+        """`planned_leaf[i]` / `trainable[i]`: group i's leaf (or None) and whether it is stepped;
+        `groups_of(params)`: the groups holding them."""
         modules = dict(model.named_modules())
         self.by_module: dict[int, Leaf] = {}
         self.owner: dict[int, Leaf] = {}
         """group index -> the leaf that flushes it."""
         for name in names:
             m = modules[name]
-            groups = sorted({managed[id(p)][0] for p in m.parameters() if id(p) in managed})
+            groups = groups_of(m.parameters())
             owned = [
                 i for i, (lf, tr) in enumerate(zip(planned_leaf, trainable, strict=True)) if lf == name and tr
             ]
@@ -254,6 +255,16 @@ class LeafSet:
         """The pass ended: no leaf's backward is open any more."""
         for leaf in self.by_module.values():
             leaf.open = False
+
+
+def passed_over(entries: Sequence[Any], params: Sequence[nn.Parameter], seen: set[int]) -> list[str]:
+    """Names of a group's trainable parameters without a gradient in this backward (`seen`: ids
+    whose gradient arrived), if some others of the group have one (a partly complete group: a
+    routed-around expert); else []."""
+    got = [id(p) in seen or p.grad is not None for p in params]
+    if not any(got):
+        return []
+    return [e.name for e, p, g in zip(entries, params, got, strict=True) if p.requires_grad and not g]
 
 
 def module_path(param_names: Sequence[str]) -> str:

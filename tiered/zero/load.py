@@ -302,31 +302,33 @@ class LoadPlan:
 
     def fill_shard(
         self,
-        params: Sequence[tuple[str, nn.Parameter]],
+        slots: Sequence[tuple[str, nn.Parameter, int, int]],
         lo: int,
         numel: int,
         init_missing: Callable[[list[tuple[str, nn.Parameter]]], None],
     ) -> torch.Tensor:
         """Elements [lo, lo+numel) of the group's flat buffer (padding zero), in fp32, read from the
-        files; parameters the files do not cover are initialised by `init_missing` first."""
-        return self._fill(params, [p.numel() for _, p in params], lo, numel, init_missing)
+        files; `slots` are the group's entries (name, parameter, first element, elements: a piece of a
+        fused parameter holds part of it); parameters the files do not cover are initialised by
+        `init_missing` first."""
+        return self._fill(slots, lo, numel, init_missing)
 
     def _fill(
         self,
-        params: Sequence[tuple[str, nn.Parameter]],
-        numels: Sequence[int],
+        slots: Sequence[tuple[str, nn.Parameter, int, int]],
         lo: int,
         numel: int,
         init_missing: Callable[[list[tuple[str, nn.Parameter]]], None],
     ) -> torch.Tensor:
         out = torch.zeros(numel, dtype=torch.float32, pin_memory=self.pin)
         hi = lo + numel
-        spans, off = [], 0
-        for (qual, p), n in zip(params, numels, strict=True):
+        spans, off = [], 0  # (name, param, [a, b) of the parameter, where in `out`)
+        for qual, p, start, n in slots:
             if off < hi and off + n > lo:
-                spans.append((qual, p, max(lo, off) - off, min(hi, off + n) - off, max(lo, off) - lo))
+                a, b = start + max(lo, off) - off, start + min(hi, off + n) - off
+                spans.append((qual, p, a, b, max(lo, off) - lo))
             off += n
-        todo = [(q, p) for q, p, *_ in spans if id(p) not in self.source_of]
+        todo = list({id(p): (q, p) for q, p, *_ in spans if id(p) not in self.source_of}.values())
         if todo:
             init_missing(todo)
         keys = [k for _, p, *_ in spans if id(p) in self.source_of for k in self.source_of[id(p)].keys]
@@ -336,20 +338,20 @@ class LoadPlan:
                 if src is None:
                     out[at : at + (b - a)].copy_(p.detach().reshape(-1)[a:b])
                     continue
-                for run, lo, hi in src.runs_in(a, b):  # per file tensor: an expert's slice, or all of it
-                    f = run.file_start + (lo - run.param_start)
+                for run, r_lo, r_hi in src.runs_in(a, b):  # per file tensor: an expert's slice, or all of it
+                    f = run.file_start + (r_lo - run.param_start)
                     self._read(
                         handles[self.source.file_of[run.key]],
                         run.key,
                         f,
-                        f + (hi - lo),
-                        out[at + lo - a : at + hi - a],
+                        f + (r_hi - r_lo),
+                        out[at + r_lo - a : at + r_hi - a],
                     )
         return out
 
     def read_whole(self, p: nn.Parameter) -> torch.Tensor:
         """All of `p` in fp32, read from the files (a model loaded whole: LoRA, --compare-torch)."""
-        return self._fill([("", p)], [p.numel()], 0, p.numel(), _already_initialised).view(p.shape)
+        return self._fill([("", p, 0, p.numel())], 0, p.numel(), _already_initialised).view(p.shape)
 
     def _read(self, h: Any, key: str, a: int, b: int, dst: torch.Tensor) -> None:
         """Flat elements [a, b) of tensor `key` into `dst` (fp32), converted CHUNK_BYTES at a time."""
@@ -396,14 +398,13 @@ class LoadPlan:
                 buffers[name].copy_(t.to(buffers[name].dtype))
 
     def initial_fp32(
-        self, params: Sequence[tuple[str, nn.Parameter]], lo: int, numel: int
+        self, slots: Sequence[tuple[str, nn.Parameter, int, int]], lo: int, numel: int
     ) -> Callable[[], torch.Tensor]:
         """The group's fp32 master shard, read again from the files when the optimizer takes it."""
-
-        numels = [p.numel() for _, p in params]  # now: the parameters are emptied after the write
+        slots = list(slots)  # (the sizes are numbers: the parameters are emptied after the write)
 
         def read() -> torch.Tensor:
-            return self._fill(params, numels, lo, numel, _already_initialised)
+            return self._fill(slots, lo, numel, _already_initialised)
 
         return read
 

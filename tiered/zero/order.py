@@ -122,6 +122,23 @@ class CollectiveOrder:
         )
 
 
+def masks_over_ranks(
+    masks: Sequence[torch.Tensor],
+    order: CollectiveOrder | None,
+    process_group: ProcessGroup | None,
+    world_size: int,
+) -> list[torch.Tensor]:
+    """uint8 masks OR-ed over the ranks: one all_reduce (MAX) of them concatenated, agreed first
+    as RECEIVED (copies where there is one rank)."""
+    if world_size == 1 or not masks:
+        return [m.clone() for m in masks]
+    flat = torch.cat(list(masks))
+    if order is not None:
+        order.agree(RECEIVED)
+    comm.all_reduce_max_(flat, process_group)
+    return list(torch.split(flat, [m.numel() for m in masks]))
+
+
 def union_over_ranks(
     flags: Sequence[bool], order: CollectiveOrder | None, process_group: ProcessGroup | None
 ) -> list[bool]:

@@ -24,6 +24,11 @@ they find the block's group resident. A block larger than ``max_block_numel`` (t
 half of ``stage3_max_live_parameters`` and a quarter of the gpu tier's budget, so the current and
 the prefetched next block fit) is planned module by module instead: tight budgets keep working.
 
+Pieces ([Note: fused parameters in pieces] in tiered/zero/split.py): a fused expert parameter
+(3 or more dimensions, experts first) larger than the group cap is planned as consecutive runs
+of whole experts, each at most the cap (one expert at least), placed as parameters are; every
+other parameter is whole in one group.
+
 Leaves ([Note: leaf modules] in tiered/zero/leaf.py): a leaf module's parameters, its whole
 subtree's, go into groups of their own, in order, split between parameters only above the block
 cap (and ``sub_group_size``), never into a persistent group and never into an enclosing block's
@@ -57,10 +62,33 @@ class PlannedGroup:
     """Every parameter requires grad (or, if False, none does): see [Note: frozen parameters]."""
     leaf: str | None = None
     """The leaf module whose subtree this group holds (see [Note: leaf modules]), or None."""
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    """Per entry, (first element, elements) of its parameter it holds: the whole, (0, numel), or
+    a piece ([Note: fused parameters in pieces] in tiered/zero/split.py)."""
+
+    def add(self, qual: str, p: nn.Parameter, span: tuple[int, int] | None = None) -> None:
+        self.params.append((qual, p))
+        self.spans.append((0, p.numel()) if span is None else span)
 
     @property
     def numel(self) -> int:
-        return sum(p.numel() for _, p in self.params)
+        return sum(n for _, n in self.spans)
+
+    def slots(self) -> list[tuple[str, nn.Parameter, int, int]]:
+        """(name, parameter, first element, elements) of each entry."""
+        return [(q, p, a, n) for (q, p), (a, n) in zip(self.params, self.spans, strict=True)]
+
+
+def pieces_of(p: nn.Parameter, cap: int) -> list[tuple[int, int]]:
+    """(first element, elements) of the pieces `p` is planned in: the whole, or, for a fused
+    expert tensor (3 or more dimensions) larger than `cap`, runs of whole experts of at most
+    `cap` elements, one expert at least ([Note: fused parameters in pieces])."""
+    n = p.numel()
+    if n <= cap or p.dim() < 3 or p.shape[0] < 2:
+        return [(0, n)]
+    row = n // p.shape[0]
+    per = max(1, cap // row)
+    return [(r * row, min(per, p.shape[0] - r) * row) for r in range(0, p.shape[0], per)]
 
 
 def plan_param_groups(
@@ -123,12 +151,13 @@ def plan_param_groups(
                 if persistent is None or persistent.numel + n > sub_group_size_numel:
                     persistent = PlannedGroup(persistent=True)
                     groups.append(persistent)
-                persistent.params.append((qual, p))
+                persistent.add(qual, p)
                 continue
-            if current.params and current.numel + n > sub_group_size_numel:
-                groups.append(current)
-                current = PlannedGroup()
-            current.params.append((qual, p))
+            for span in pieces_of(p, sub_group_size_numel):
+                if current.params and current.numel + span[1] > sub_group_size_numel:
+                    groups.append(current)
+                    current = PlannedGroup()
+                current.add(qual, p, span)
         if current.params:
             groups.append(current)
     return _split_by_trainability(groups)
@@ -142,10 +171,11 @@ def _leaf_groups(name: str, module: nn.Module, cap: int, placed: set[int]) -> li
         if id(p) in placed or p.numel() == 0:
             continue
         placed.add(id(p))
-        if current.params and current.numel + p.numel() > cap:
-            out.append(current)
-            current = PlannedGroup(leaf=name)
-        current.params.append((f"{name}.{pname}" if name else pname, p))
+        for span in pieces_of(p, cap):
+            if current.params and current.numel + span[1] > cap:
+                out.append(current)
+                current = PlannedGroup(leaf=name)
+            current.add(f"{name}.{pname}" if name else pname, p, span)
     if current.params:
         out.append(current)
     return out
@@ -157,9 +187,12 @@ def _split_by_trainability(groups: list[PlannedGroup]) -> list[PlannedGroup]:
     out = []
     for g in groups:
         for trainable in (True, False):
-            part = [(q, p) for q, p in g.params if p.requires_grad == trainable]
-            if part:
-                out.append(PlannedGroup(part, g.persistent, trainable, g.leaf))
+            part = PlannedGroup([], g.persistent, trainable, g.leaf)
+            for q, p, a, n in g.slots():
+                if p.requires_grad == trainable:
+                    part.add(q, p, (a, n))
+            if part.params:
+                out.append(part)
     return out
 
 
@@ -174,12 +207,12 @@ def check_no_meta_mix(model: nn.Module) -> bool:
     return devices == {"meta"}
 
 
-def flat_fp32(params: list[tuple[str, nn.Parameter]], full_numel: int) -> torch.Tensor:
-    """The group's full flat buffer in fp32 (padding zero), from the parameters' current data."""
+def flat_fp32(slots: list[tuple[str, nn.Parameter, int, int]], full_numel: int) -> torch.Tensor:
+    """The group's full flat buffer in fp32 (padding zero), from the parameters' current data
+    (`PlannedGroup.slots`: a piece takes its part)."""
     out = torch.zeros(full_numel, dtype=torch.float32)
     off = 0
-    for _, p in params:
-        n = p.numel()
-        out[off : off + n].copy_(p.detach().reshape(-1))
+    for _, p, a, n in slots:
+        out[off : off + n].copy_(p.detach().reshape(-1)[a : a + n])
         off += n
     return out

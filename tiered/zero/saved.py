@@ -18,18 +18,33 @@ only the innermost pair active), through torch's ``_top_saved_tensors_default_ho
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tiered.zero.budget import LiveBudget
 from tiered.zero.group import GroupRuntime
+from tiered.zero.split import SplitParam
 
 ParamRef = tuple[int, int]
 """A managed parameter saved by autograd: (group index, entry index)."""
 ViewRef = tuple[int, int | torch.SymInt, tuple[int, ...], tuple[int, ...]]
 """A view of a gathered buffer: (group index, storage offset from the buffer's, shape, stride)."""
-Saved = torch.Tensor | ParamRef | ViewRef
+
+
+@dataclass(frozen=True)
+class WholeRef:
+    """A parameter in pieces, or a view of its whole buffer ([Note: fused parameters in pieces]
+    in tiered/zero/split.py): rebuilt from its pieces, gathered again if they were released."""
+
+    param: int
+    """id of the parameter."""
+    view: tuple[int | torch.SymInt, tuple[int, ...], tuple[int, ...]] | None
+    """(storage offset from the buffer's, shape, stride), or None: the parameter's values."""
+
+
+Saved = torch.Tensor | ParamRef | ViewRef | WholeRef
 """What `SavedTensorRefs.pack` keeps of a saved tensor: itself, or where it lies."""
 
 
@@ -44,7 +59,9 @@ class SavedTensorRefs:
         counters: dict[str, int],
         device: torch.device,
         regather: Callable[[int], None],
+        splits: Mapping[int, SplitParam],
     ) -> None:
+        self._splits = splits
         self._runtimes = runtimes
         self._managed = managed
         self._budget = budget
@@ -55,10 +72,15 @@ class SavedTensorRefs:
     def pack(self, t: torch.Tensor) -> Saved:
         ref = self._managed.get(id(t))
         if ref is not None:
-            return (ref[0], ref[1])
+            return WholeRef(id(t), None) if id(t) in self._splits else (ref[0], ref[1])
         if t.numel() == 0 or t.device != self._device:
             return t
         ptr = t.data_ptr()
+        for pid, sp in self._splits.items():  # a view of a parameter put together from its pieces
+            b = sp.buffer
+            if b is not None and b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                self._counters["saved_refs"] += 1
+                return WholeRef(pid, (t.storage_offset() - b.storage_offset(), tuple(t.shape), t.stride()))
         for i in self._budget.gathered:  # few groups are gathered at once; scan those
             f = self._runtimes[i].full
             if f is None or f.dtype != t.dtype:
@@ -75,6 +97,18 @@ class SavedTensorRefs:
     def unpack(self, obj: Saved) -> torch.Tensor:
         if isinstance(obj, torch.Tensor):
             return obj
+        if isinstance(obj, WholeRef):
+            sp = self._splits[obj.param]
+            for i in sp.groups:
+                if self._runtimes[i].full is None:
+                    self._counters["backward_on_demand"] += 1
+                    self._regather(i)
+            b = sp.buffer
+            assert b is not None
+            if obj.view is None:  # the values, not the Parameter: a later release must not empty them
+                return b.view(sp.shape)
+            offset, shape, stride = obj.view
+            return b.as_strided(shape, stride, b.storage_offset() + offset)
         i = obj[0]
         rt = self._runtimes[i]
         if rt.full is None:

@@ -9,7 +9,7 @@ layout is [Note: flat shard groups] (tiered/shards.py), the grouping [Note: grou
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,12 +80,12 @@ def own_param_ids(m: nn.Module) -> frozenset[int]:
     return frozenset(ids)
 
 
-def map_modules(model: nn.Module, managed: dict[int, tuple[int, int]]) -> ModuleMaps:
+def map_modules(model: nn.Module, groups_of: Callable[[Iterable[nn.Parameter]], list[int]]) -> ModuleMaps:
+    """Per module the groups holding its direct parameters (`groups_of`: every piece of a
+    parameter in pieces, [Note: fused parameters in pieces])."""
     maps = ModuleMaps({}, {}, {})
     for mname, m in model.named_modules():
-        maps.groups[id(m)] = sorted(
-            {managed[id(p)][0] for p in m.parameters(recurse=False) if id(p) in managed}
-        )
+        maps.groups[id(m)] = groups_of(m.parameters(recurse=False))
         maps.names[id(m)] = mname or type(m).__name__
         maps.params[id(m)] = own_param_ids(m)
     return maps
@@ -125,9 +125,12 @@ def write_group_partitions(
         # meta parameter is a no-op; later the parameters are placeholders without their shape.
         materialize_buffers(model, torch.device("cpu"))
     sizes = []
+    pieces_left: dict[int, int] = {}  # a parameter in pieces keeps its values until its last piece is written
     for pg in planned:
-        full = padded_numel(sum(p.numel() for _, p in pg.params), world_size, ALIGNMENT_NUMEL)
+        full = padded_numel(pg.numel, world_size, ALIGNMENT_NUMEL)
         sizes.append((full, full // world_size))
+        for _, p in pg.params:
+            pieces_left[id(p)] = pieces_left.get(id(p), 0) + 1
     if weights is not None:  # before anything is written
         cpu_budget = tm.budget_bytes("cpu") if "cpu" in tm.tier_names else None
         weights.check_buffers_fit([s for _, s in sizes], compute_dtype, cpu_budget)
@@ -136,23 +139,23 @@ def write_group_partitions(
     for i, (pg, (full, shard)) in enumerate(zip(planned, sizes, strict=True)):
         name = group_name(i)
         entries, off = [], 0
-        for qual, p in pg.params:
-            entries.append(ParamEntry(qual, off, p.numel(), tuple(p.shape)))
-            off += p.numel()
+        for qual, p, start, n in pg.slots():
+            entries.append(ParamEntry(qual, off, n, tuple(p.shape), start))
+            off += n
         init32: torch.Tensor | Callable[[], torch.Tensor] | None = None
         if weights is not None:
 
             def init_missing(todo: list[tuple[str, nn.Parameter]]) -> None:
                 materialize_group(model, todo, torch.device("cpu"))
 
-            shard32 = weights.fill_shard(pg.params, rank * shard, shard, init_missing)
+            shard32 = weights.fill_shard(pg.slots(), rank * shard, shard, init_missing)
             if pg.trainable and compute_dtype != torch.float32:
                 covered = all(id(p) in weights.source_of for _, p in pg.params)
-                init32 = weights.initial_fp32(pg.params, rank * shard, shard) if covered else shard32.clone()
+                init32 = weights.initial_fp32(pg.slots(), rank * shard, shard) if covered else shard32.clone()
         else:
             if is_meta:
                 materialize_group(model, pg.params, torch.device("cpu"))
-            flat = flat_fp32(pg.params, full)
+            flat = flat_fp32(pg.slots(), full)
             shard32 = flat[rank * shard : (rank + 1) * shard]
             del flat
             if pg.trainable and (compute_dtype != torch.float32 or is_meta):
@@ -169,6 +172,9 @@ def write_group_partitions(
         g = ShardGroup(i, name, tuple(entries), full, shard, rank * shard, ppart, gpart, pg.persistent)
         params = [p for _, p in pg.params]
         for p in params:
+            pieces_left[id(p)] -= 1
+            if pieces_left[id(p)]:
+                continue  # its other pieces are read from it in the next groups
             if p.is_meta:  # never materialised (its values came from the files): give it host storage
                 drop_meta_storage(p)
             p.data = placeholder
