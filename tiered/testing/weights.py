@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from tiered.zero.conversions import export_layout
 from tiered.zero.load import INDEX_NAME
 
 
@@ -22,7 +23,10 @@ def write_random_weights(
     std: float = 0.02,
 ) -> list[Path]:
     """config.json, ``model-0000i-of-0000n.safetensors`` shards and the index for `hf_config`'s
-    causal LM: weights N(0, std), norms one; tied weights written once. Returns the shard paths."""
+    causal LM: weights N(0, std), norms one; tied weights written once; under the names and in
+    the layout transformers' ``save_pretrained`` writes (one tensor per expert where the family's
+    files have them: [Note: file tensors by transformers' conversions]), one tensor at a time.
+    Returns the shard paths."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -31,16 +35,18 @@ def write_random_weights(
     hf_config.to_json_file(str(out / "config.json"))
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(hf_config)
-    names = list(dict(meta.named_parameters()).items())  # tied: the first name only
+    params = list(dict(meta.named_parameters()).items())  # tied: the first name only
+    layout = export_layout(meta, [(n, tuple(p.shape)) for n, p in params]) or {}
+    names = [(k, torch.Size(s)) for n, p in params for k, s, _ in layout.get(n, [(n, tuple(p.shape), [])])]
     itemsize = torch.empty(0, dtype=dtype).element_size()
     shards: list[list[tuple[str, torch.Size]]] = [[]]
     size = 0
-    for name, p in names:
-        nbytes = p.numel() * itemsize
+    for name, shape in names:
+        nbytes = shape.numel() * itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, p.shape))
+        shards[-1].append((name, shape))
         size += nbytes
     gen = torch.Generator().manual_seed(seed)
     weight_map: dict[str, str] = {}
@@ -58,7 +64,7 @@ def write_random_weights(
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         del tensors
         paths.append(out / fname)
-    total = sum(p.numel() * itemsize for _, p in names)
+    total = sum(shape.numel() * itemsize for _, shape in names)
     (out / INDEX_NAME).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1), encoding="utf-8"
     )

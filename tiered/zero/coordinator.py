@@ -36,7 +36,7 @@ from tiered.zero.plan import check_no_meta_mix
 from tiered.zero.saved import RecomputeParams, SavedTensorRefs
 from tiered.zero.schedule import BeladyPolicy, Trace
 from tiered.zero.sharding import ALIGNMENT_NUMEL, move_buffers, own_param_ids, write_group_partitions
-from tiered.zero.split import make_splits, units_of
+from tiered.zero.split import make_splits, params_once, units_of
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -180,8 +180,8 @@ class ZeroParameters:
         self._recompute = RecomputeParams(self.managed)  # [Note: recomputed frozen parameters]
         self._recompute_mods: list[int] = []
         self._grad_callbacks: list[Callable[[ShardGroup], None]] = []
-        unique = {id(p): p for rt in self.runtimes for p in rt.params}  # (a parameter in pieces: once)
-        self._hooks = HookSet(self, model, list(unique.values()), [p.numel() for p in unique.values()])
+        groups_params = [(rt.params, rt.group.entries) for rt in self.runtimes]
+        self._hooks = HookSet(self, model, *params_once(groups_params))  # (a parameter in pieces: once)
         log.info(
             "partitioned %d parameters into %d groups (%d persistent), world_size=%d",
             sum(g.numel for g in self.groups),

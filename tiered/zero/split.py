@@ -174,6 +174,17 @@ def make_splits(
     return out
 
 
+def params_once(
+    groups: Sequence[tuple[Sequence[nn.Parameter], Sequence[ParamEntry]]],
+) -> tuple[list[nn.Parameter], list[int]]:
+    """Every managed parameter once (one in pieces is in several groups) and its whole size."""
+    seen: dict[int, tuple[nn.Parameter, int]] = {}
+    for params, entries in groups:
+        for p, e in zip(params, entries, strict=True):
+            seen.setdefault(id(p), (p, math.prod(e.shape)))
+    return [p for p, _ in seen.values()], [n for _, n in seen.values()]
+
+
 def units_of(n_groups: int, splits: Iterable[SplitParam]) -> list[list[int]]:
     """The groups 0..n_groups-1 as units to gather together to read whole parameters: a group
     alone, or the groups of the pieces of the same parameters, by their first group."""
