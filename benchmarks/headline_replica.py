@@ -78,16 +78,24 @@ plan = {"knobs": best.knobs, "peaks": best.peaks, "traffic": best.traffic, "s_pe
         "budgets": {t: s["budget"] for t, s in best.config["tiered"]["tiers"].items()}, "search_s": search_s,
         "config": best.config}
 print("PLAN " + json.dumps(plan, default=str), flush=True)
+def vm(key="VmHWM:"):
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith(key))
+    except (OSError, StopIteration):
+        return None
+vm_hwm = vm
+rss_before_load = vm("VmRSS:")
+try:  # Linux: the high-water mark from here on is the load's (not the search's before it)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
 t0 = time.perf_counter()
 engine = tiered.from_pretrained(spec["weights"], best.config, attn_implementation="sdpa")
 load_s = time.perf_counter() - t0
-def vm_hwm():
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return None
 load_peak = vm_hwm()
+load_tier_peaks = {t: d["peak_bytes"] for t, d in engine.stats()["tiers"]["tiers"].items()}
 try:  # Linux: reset the high-water mark, so the steps' own peak is seen apart from the load's
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -127,6 +135,7 @@ meas = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "cpu_s_per_step": cpu_s, "phases_s": phases, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "formula": st["bytes_per_step"]["formula"], "host_memory": st.get("host_memory"), "load_s": load_s,
         "load_peak_rss": load_peak, "steps_peak_rss": vm_hwm(), "optimizer": st.get("optimizer"),
+        "rss_before_load": rss_before_load, "load_tier_peaks": load_tier_peaks,
         "tier_counters": {k: v for k, v in st["tiers"].items() if k not in ("links", "tiers")}}
 print("RESULT " + json.dumps({"fits": True, "plan": plan, "measured": meas}, default=str))
 """

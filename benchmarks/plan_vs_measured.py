@@ -1,4 +1,5 @@
-"""issue 21, measured: the config the search chooses vs what the engine does with it.
+"""issue 21, measured: the config the search chooses vs what the engine does with it (issue 36:
+and a Mixtral whose weights are per-expert bf16 files, streamed by `tiered.from_pretrained`).
 
 For each shape of the plan/engine test zoo (scaled small) at each host budget: a fresh process
 runs `tiered.planning.search.search` (what `tiered plan` and ``"auto_config"`` run) over the
@@ -32,6 +33,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama-tied": {"tie_word_embeddings": True},
     "llama-gqa": {"num_key_value_heads": 2},
     "mixtral-moe": {"moe": True},
+    "mixtral-moe-files": {"moe": True, "files": True},  # per-expert bf16 files streamed into pieces
     "llama-lora": {"lora": True},
 }
 
@@ -44,7 +46,7 @@ from tiered.planning.timing import DEFAULT_BANDWIDTH, read_bandwidth
 from tiered.finetune.activations import estimate_activations
 mode, shape, cpu_mem, gpu_mem, steps, nvme, bwfile, seq, batch = json.loads(sys.argv[1])
 kw = dict(shape)
-moe, lora = kw.pop("moe", False), kw.pop("lora", False)
+moe, lora, files = kw.pop("moe", False), kw.pop("lora", False), kw.pop("files", False)
 base = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
             num_key_value_heads=8, vocab_size=4096, tie_word_embeddings=False)
 if moe:
@@ -77,10 +79,16 @@ if mode == "plan":  # its own process, as `tiered plan` is before a run with its
             "budgets": {t: s["budget"] for t, s in best.config["tiered"]["tiers"].items()}}
     print("RESULT " + json.dumps({"fits": True, "plan": plan, "config": best.config}))
     sys.exit(0)
+folder = os.path.join(nvme, "pretrained")
+if mode == "write":  # the folder as transformers writes it: one tensor per expert, sharded
+    from tiered.testing.weights import write_random_weights
+    write_random_weights(folder, hf, dtype=torch.bfloat16, shard_bytes=8 << 20)
+    print("RESULT " + json.dumps({"fits": True}))
+    sys.exit(0)
 config = json.loads(open(os.path.join(nvme, "config.json")).read())
 g = torch.Generator().manual_seed(1)
 times, before = [], None
-with tiered.initialize(model, config) as engine:
+with (tiered.from_pretrained(folder, config) if files else tiered.initialize(model, config)) as engine:
     for i in range(steps):
         ids = torch.randint(0, hf.vocab_size, (batch, seq), generator=g)
         if i == 1:  # steps 2..: each window holds its own write-backs (waited for), not the last's
@@ -143,6 +151,8 @@ def main() -> int:
         for cpu in a.cpu_mem:
             with tempfile.TemporaryDirectory(dir=a.dir) as d:
                 args = [SHAPES[name], parse_size(cpu), parse_size(a.gpu_mem), a.steps, d, a.bandwidth]
+                if SHAPES[name].get("files"):  # written before, in its own process: not in the run's RSS
+                    _child(["write", *args, a.seq_len, a.micro_batch])
                 r, err = _child(["plan", *args, a.seq_len, a.micro_batch])
                 if r is not None and r["fits"]:
                     with open(os.path.join(d, "config.json"), "w") as f:

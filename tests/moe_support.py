@@ -159,17 +159,36 @@ ATTENTION_TARGETS = {
 """LoRA targets in the attention of each family (default: q_proj, v_proj)."""
 
 
-def hf_config(family: str) -> Any:
-    return FAMILIES[family]()
+def hf_config(family: str, vocab: int | None = None) -> Any:
+    """`family`'s tiny config; `vocab`: another vocabulary (256 for the command line's byte tokenizer)."""
+    cfg = FAMILIES[family]()
+    if vocab is not None:
+        text = cfg.get_text_config()
+        text.vocab_size = vocab
+        if family == "gemma3":
+            cfg.image_token_index = vocab - 1
+    return cfg
 
 
-def write_folder(folder: Path, family: str, *, seed: int = 0, shard: str = "24KB") -> Path:
-    """`family`'s tiny model, initialised by transformers from `seed`, saved by its own
-    ``save_pretrained`` into `folder` in shards of `shard` (so with an index)."""
+def write_folder(
+    folder: Path,
+    family: str,
+    *,
+    seed: int = 0,
+    shard: str = "24KB",
+    vocab: int | None = None,
+    config: Any = None,
+) -> Path:
+    """`family`'s tiny model (or `config`'s), initialised by transformers from `seed`, saved by its
+    own ``save_pretrained`` into `folder` in shards of `shard` (so with an index)."""
     from transformers import AutoModelForCausalLM
 
+    from tiered.planning.text_model import causal_lm_class
+
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
+    cfg = config if config is not None else hf_config(family, vocab)
+    model = causal_lm_class(cfg, family)._from_config(cfg, dtype=torch.float32)
+    assert config is not None or type(model) is type(AutoModelForCausalLM.from_config(cfg))
     model.save_pretrained(folder, max_shard_size=shard)
     return folder
 

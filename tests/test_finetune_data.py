@@ -236,7 +236,8 @@ def test_safetensors_errors_name_the_file(tmp_path: Path) -> None:
     sd = {k: v.contiguous() for k, v in donor.state_dict().items()}
     save_file({**sd, "extra.weight": torch.zeros(2)}, str(folder / "model.safetensors"))
     with pytest.raises(
-        ConfigError, match=r"1 tensors the model does not have, e\.g\. extra\.weight \(in model\.safetensors\)"
+        ConfigError,
+        match=r"1 tensors the model does not have, e\.g\. extra\.weight \(in model\.safetensors\)",
     ):
         build_model(resolve_model(folder))
     del sd["lm_head.weight"]

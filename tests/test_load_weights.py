@@ -401,12 +401,18 @@ def test_a_conversion_the_streamed_load_cannot_follow_is_refused_naming_it(tmp_p
     f = next(folder.glob("model-*.safetensors"))
     t = load_file(str(f))
     att = "model.layers.0.self_attn."
-    t[att + "qkv_proj.weight"] = torch.cat([t.pop(att + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")])
+    t[att + "qkv_proj.weight"] = torch.cat(
+        [t.pop(att + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")]
+    )
     save_file(t, str(f), metadata={"format": "pt"})
     (folder / "model.safetensors.index.json").unlink()
     cm.register_checkpoint_conversion_mapping(
         "LlamaForCausalLM",
-        [WeightConverter("self_attn.qkv_proj.weight", [f"self_attn.{n}_proj.weight" for n in "qkv"], [Chunk(dim=0)])],
+        [
+            WeightConverter(
+                "self_attn.qkv_proj.weight", [f"self_attn.{n}_proj.weight" for n in "qkv"], [Chunk(dim=0)]
+            )
+        ],
     )
     try:
         with pytest.raises(tiered.errors.WeightsError) as info:

@@ -104,5 +104,11 @@ def shape_of_module(model: Any, source: str, persistence_threshold: int = 100_00
     total = sum(param.numel() for param in model.parameters())
     largest = max((sum(q.numel() for q in m.parameters(recurse=False)) for m in model.modules()), default=0)
     persistent = sum(q.numel() for q in model.parameters() if q.numel() <= persistence_threshold)
+    trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
     log.debug("counted %s: %d params, largest layer %d", source, total, largest)
-    return ModelShape(total, largest, persistent, source, ())
+    frozen = (
+        trainable != total
+    )  # a wrapped model's other towers ([Note: wrapped models train their language model])
+    return ModelShape(
+        total, largest, persistent, source, (), trainable_params=trainable if frozen and trainable else None
+    )
