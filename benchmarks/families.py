@@ -42,6 +42,7 @@ from moe_support import (
     FAMILIES,
     batches,
     reference,
+    saved_keys,
     tiered_steps,
     torch_adamw,
     write_folder,
@@ -118,20 +119,10 @@ def check(family: str, tmp: Path) -> dict[str, Any]:
     )
     row["export_gaps"] = sum(len(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     row["export_logits_maxdiff"] = float((back(input_ids=probe).logits - logits).abs().max())
-    row["export_same_names"] = _keys(tmp / f"{family}-out") == _keys(folder)
+    row["export_same_names"] = saved_keys(tmp / f"{family}-out") == saved_keys(folder)
     row.update(_lora(folder, family))
     row["resume_bitwise"] = _resume(folder, tmp)
     return row
-
-
-def _keys(folder: Path) -> set[str]:
-    from safetensors import safe_open
-
-    out: set[str] = set()
-    for f in folder.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as h:
-            out.update(h.keys())
-    return out
 
 
 def _lora(folder: Path, family: str) -> dict[str, Any]:

@@ -141,6 +141,19 @@ print("RESULT " + json.dumps({"fits": True, "plan": plan, "measured": meas}, def
 """
 
 
+def run_child(spec: dict[str, Any], who: str) -> dict[str, Any]:
+    """`_CHILD` in a fresh process for `spec`: its RESULT (the plan and what was measured)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(spec)], stdout=subprocess.PIPE, text=True, check=False
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("RESULT ", "PLAN "))]
+    if out.returncode != 0 or not lines or not lines[-1].startswith("RESULT "):
+        print(out.stdout[-4000:])
+        raise SystemExit(f"{who}: the training process failed (exit status {out.returncode})")
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    return result
+
+
 def replica_shape(scale: float, hidden: int) -> dict[str, int]:
     """The headline's ratios at `hidden`, with the layer count closest to 36.3B / scale."""
     r = hidden / HEADLINE["hidden"]
@@ -217,14 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             "seq": a.seq,
             "bandwidth": a.bandwidth,
         }
-        out = subprocess.run(
-            [sys.executable, "-c", _CHILD, json.dumps(spec)], stdout=subprocess.PIPE, text=True, check=False
-        )
-        lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("RESULT ", "PLAN "))]
-        if out.returncode != 0 or not lines or not lines[-1].startswith("RESULT "):
-            print(out.stdout[-4000:])
-            raise SystemExit(f"headline_replica: the training process failed (exit status {out.returncode})")
-        result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+        result = run_child(spec, "headline_replica")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["shape"], result["scale"], result["memories"] = (

@@ -23,11 +23,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from headline_replica import _CHILD, report  # the search, the load, the steps, the report
+from headline_replica import report, run_child  # the search, the load, the steps, the report
 
 from tiered.units import parse_bytes
 
@@ -107,14 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             "seq": a.seq,
             "bandwidth": a.bandwidth,
         }
-        out = subprocess.run(
-            [sys.executable, "-c", _CHILD, json.dumps(spec)], stdout=subprocess.PIPE, text=True, check=False
-        )
-        lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("RESULT ", "PLAN "))]
-        if out.returncode != 0 or not lines or not lines[-1].startswith("RESULT "):
-            print(out.stdout[-4000:])
-            raise SystemExit(f"moe_replica: the training process failed (exit status {out.returncode})")
-        result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+        result = run_child(spec, "moe_replica")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["shape"], result["files"] = shape, [f.name for f in files]

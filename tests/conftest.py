@@ -27,3 +27,15 @@ def _no_process_group_leaks_into_the_next_test() -> Iterator[None]:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch at one intra-op thread for the test: tiny models' threads only contend (2-10x slower
+    on a shared 2-core host). Tests of tiny transformers models use it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -253,3 +253,14 @@ def config(
 
 def clone(model: Any) -> Any:
     return copy.deepcopy(model)
+
+
+def saved_keys(folder: Path) -> set[str]:
+    """The tensor names in a folder's safetensors files."""
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            keys.update(h.keys())
+    return keys

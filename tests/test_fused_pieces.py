@@ -14,19 +14,21 @@ import torch
 
 pytest.importorskip("transformers")
 
-from moe_support import batches, config, hf_config, reference, tiered_steps, torch_adamw, write_folder
+from moe_support import (
+    batches,
+    config,
+    hf_config,
+    reference,
+    tiered_steps,
+    torch_adamw,
+    write_folder,
+)
 
 import tiered
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FUSED = "model.layers.1.mlp.experts.gate_up_proj"  # [4, 32, 32] in qwen3_moe: 1,024 per expert
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_a_fused_tensor_above_the_cap_is_planned_in_pieces_of_whole_experts():

@@ -6,8 +6,6 @@ the family's own ``save_pretrained``."""
 
 from __future__ import annotations
 
-import glob
-
 import pytest
 import torch
 
@@ -23,6 +21,7 @@ from moe_support import (
     config,
     file_keys,
     reference,
+    saved_keys,
     tiered_steps,
     torch_adamw,
     write_folder,
@@ -30,26 +29,9 @@ from moe_support import (
 
 import tiered
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 STEPS = 5
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: torch's intra-op threads only contend (2-10x slower on a shared 2-core host)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _saved_keys(folder) -> set[str]:
-    from safetensors import safe_open
-
-    keys: set[str] = set()
-    for f in glob.glob(f"{folder}/*.safetensors"):
-        with safe_open(f, "pt") as h:
-            keys.update(h.keys())
-    return keys
 
 
 def _train_and_export(tmp_path, family: str, *, param: str, opt: str) -> None:
@@ -78,7 +60,7 @@ def _train_and_export(tmp_path, family: str, *, param: str, opt: str) -> None:
             trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
         )
     # the export has the files transformers writes (per-expert names) and loads without a gap
-    assert _saved_keys(tmp_path / "out") == _saved_keys(folder)
+    assert saved_keys(tmp_path / "out") == saved_keys(folder)
     back, info = AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", dtype=torch.float32, attn_implementation="eager", output_loading_info=True
     )

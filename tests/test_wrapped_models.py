@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from finetune_support import ds_config
-from moe_support import write_folder
+from moe_support import saved_keys, write_folder
 
 from tiered.cli.main import main
 
@@ -46,16 +46,9 @@ def _run(tmp_path: Path, folder: Path, *extra: str) -> int:
 
 def _check_export(folder: Path, out: Path, cls: Any) -> None:
     """The export loads as `cls` without a gap, the towers as they were, the language model trained."""
-    from safetensors import safe_open
-
-    def keys(d: Path) -> set[str]:
-        found: set[str] = set()
-        for f in d.glob("*.safetensors"):
-            with safe_open(str(f), "pt") as h:
-                found.update(h.keys())
-        return found
-
-    assert keys(out) == keys(folder)  # the names transformers writes (the legacy layout of the wrapper)
+    assert saved_keys(out) == saved_keys(
+        folder
+    )  # the names transformers writes (the legacy layout of the wrapper)
     before = cls.from_pretrained(folder, dtype=torch.float32)
     after, info = cls.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
