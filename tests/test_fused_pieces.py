@@ -117,6 +117,24 @@ def test_gathered_parameters_and_safe_getters_see_the_whole_parameter(tmp_path: 
         engine.step()
 
 
+def test_an_expert_no_token_reaches_is_stepped_as_torch_steps_it(tmp_path: Path) -> None:
+    """The no-grad rule for fused experts: a step where some expert of a layer gets no token still
+    gives its fused tensor a gradient (zeros in that expert's rows, as autograd gives them), so
+    plain AdamW decays and moves those rows too; tiered does the same, whole tensor or in pieces."""
+    folder = write_folder(tmp_path / "qwen3", "qwen3_moe")
+    data = _rank_batches()[0]
+    ref = reference(folder)
+    reached = _experts_reached(ref, data[0])
+    assert any(len(r) < 4 for r in reached), reached  # some expert of some layer is idle
+    want = torch_adamw(ref, data)
+    with tiered.from_pretrained(folder, config(tmp_path, sub_group_size=2500)) as engine:
+        assert FUSED in _pieces_in(engine)
+        assert tiered_steps(engine, data) == pytest.approx(want, rel=1e-5)
+        got = engine.zero.gather_full_state_dict()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-5, msg=n)
+
+
 RANKS_DATA = 2
 
 

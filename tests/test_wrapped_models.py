@@ -153,3 +153,12 @@ def test_cli_lora_on_an_moe_folder_trains_its_experts_and_merges(tmp_path, capsy
     assert not torch.equal(
         merged.get_parameter(name), base.get_parameter(name)
     )  # the experts' adapters merged
+
+
+def test_the_config_tiered_plan_recommends_for_an_moe_folder_trains(tmp_path, capsys):
+    """`--auto-config` (what `tiered plan --model` searches) on a per-expert Qwen3-MoE folder: the
+    chosen config builds and trains (it was recommended, then refused, before MoE files loaded)."""
+    folder = write_folder(tmp_path / "qwen3", "qwen3_moe", vocab=256)
+    assert _run(tmp_path, folder, "--auto-config", "cpu_mem=4GiB,gpu_mem=1GiB") == 0
+    out = capsys.readouterr().out
+    assert "loss: first" in out and "weights from" in out
