@@ -79,9 +79,14 @@ def test_training_in_pieces_equals_torch_and_resumes_into_another_tiling(tmp_pat
         assert FUSED in _pieces_in(engine)
         got = tiered_steps(engine, data[:3])
         engine.save_checkpoint(tmp_path / "ckpt")
+        saved = engine.zero.gather_full_state_dict()
         got += tiered_steps(engine, data[3:])
         tiled = engine.zero.gather_full_state_dict()
     assert got == pytest.approx(want, rel=1e-5)
+    from tiered.checkpoint import read_parameters
+
+    whole = read_parameters(tmp_path / "ckpt", kind="param")  # without an engine: the pieces put together
+    assert torch.equal(whole[FUSED], saved[FUSED])
     big = config(tmp_path, param="nvme", opt="cpu", sub_group_size=100_000)
     with tiered.from_pretrained(folder, big) as engine:
         assert not _pieces_in(engine)
