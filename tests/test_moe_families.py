@@ -83,7 +83,16 @@ def test_family_trains_from_nvme(tmp_path, family):
     _train_and_export(tmp_path, family, param="nvme", opt="nvme")
 
 
-LORA_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "gpt_oss", "gemma3"]
+_SLOW = pytest.mark.slow  # the default suite keeps one per-expert MoE, the fused-file one and the wrapper
+LORA_FAMILIES = [
+    "mixtral",
+    pytest.param("qwen2_moe", marks=_SLOW),
+    pytest.param("qwen3_moe", marks=_SLOW),
+    pytest.param("deepseek_v3", marks=_SLOW),
+    pytest.param("olmoe", marks=_SLOW),
+    "gpt_oss",
+    "gemma3",
+]
 
 
 @pytest.mark.parametrize("family", LORA_FAMILIES)
