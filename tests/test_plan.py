@@ -29,6 +29,16 @@ def _meta(**kw: Any) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(small_llama_config(**kw))
 
 
+CPU_OPTIMIZER = {
+    "offload_optimizer": "cpu",
+    "offload_param": "none",
+    "grad_tier": "cpu",
+    "sub_group_size": 10**9,
+    "buffer_count": 4,
+    "persistence_threshold": 0,
+}
+
+
 def _paper(precision: str) -> PaperBytes:
     return PaperBytes.of(plan_base(precision).cfg)
 
@@ -76,14 +86,7 @@ def test_the_offloaded_placements_are_the_engine_memory_models_not_formulas(tmp_
     read from the prediction of the config the search writes."""
     model = _meta()
     psi = sum(p.numel() for p in model.parameters())
-    knobs = {
-        "offload_optimizer": "cpu",
-        "offload_param": "none",
-        "grad_tier": "cpu",
-        "sub_group_size": 10**9,
-        "buffer_count": 4,
-        "persistence_threshold": 0,
-    }
+    knobs = dict(CPU_OPTIMIZER)
     c = weigh(model, knobs, Memories(), base=plan_base("fp32"), nvme_path=str(tmp_path))
     assert c.prediction is not None
     assert c.prediction.needs["cpu"]["homes"] == psi * (12 + 4)
@@ -146,14 +149,7 @@ def test_cheapest_fit_prefers_no_offload_then_an_offloaded_optimizer(tmp_path: P
 
 def test_world_size_shards_every_offloaded_term(tmp_path: Path) -> None:
     model = _meta()
-    knobs = {
-        "offload_optimizer": "cpu",
-        "offload_param": "cpu",
-        "grad_tier": "cpu",
-        "sub_group_size": 10**9,
-        "buffer_count": 4,
-        "persistence_threshold": 0,
-    }
+    knobs = {**CPU_OPTIMIZER, "offload_param": "cpu"}
     one = weigh(model, knobs, Memories(), nvme_path=str(tmp_path), world_size=1).prediction
     eight = weigh(model, knobs, Memories(), nvme_path=str(tmp_path), world_size=8).prediction
     assert one is not None and eight is not None
@@ -170,14 +166,7 @@ def test_nothing_fits_says_by_how_much(tmp_path: Path) -> None:
 
 
 def test_activation_memory_is_taken_off_the_gpu_budget(tmp_path: Path) -> None:
-    knobs = {
-        "offload_optimizer": "cpu",
-        "offload_param": "none",
-        "grad_tier": "cpu",
-        "sub_group_size": 10**9,
-        "buffer_count": 4,
-        "persistence_threshold": 0,
-    }
+    knobs = dict(CPU_OPTIMIZER)
     kw: dict[str, Any] = {"nvme_path": str(tmp_path), "max_live": 10**9}
     without = weigh(_meta(), knobs, Memories(gpu=GB, activations=0), **kw)
     with_act = weigh(_meta(), knobs, Memories(gpu=GB, activations=12345), **kw)

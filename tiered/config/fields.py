@@ -18,6 +18,7 @@ each and are written here by hand, as `dump_config` does: ``precision.dtype`` (`
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,7 @@ _DEPRECATED_DEVICE_FLAGS = {
 """DeepSpeed's older flags that set an offload device to "cpu" (sections.py honours them)."""
 
 
+@functools.cache
 def _declarations() -> dict[str, KeyDecl]:
     return {attr: decl for attr, _, decl in declared_fields(TieredConfig)}
 
