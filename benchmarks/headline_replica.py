@@ -54,6 +54,7 @@ import json, os, resource, sys, time
 import torch
 import tiered
 from tiered.engine.pretrained import meta_causal_lm
+from tiered.planning.candidate import Base
 from tiered.planning.search import Memories, search
 from tiered.planning.timing import DEFAULT_BANDWIDTH, read_bandwidth
 spec = json.loads(sys.argv[1])
@@ -64,8 +65,9 @@ base = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.
                               "offload_param": {"nvme_path": spec["nvme"]}}}
 bw = dict(DEFAULT_BANDWIDTH) if not spec["bandwidth"] else read_bandwidth(spec["bandwidth"])[0]
 t0 = time.perf_counter()
-res = search(model, Memories(int(spec["gpu"]), int(spec["cpu"]), int(spec["nvme_mem"])), precision="bf16",
-             nvme_path=spec["nvme"], bandwidth=bw, base=base, device_kind="cuda" if torch.cuda.is_available() else "cpu",
+res = search(model, Memories(int(spec["gpu"]), int(spec["cpu"]), int(spec["nvme_mem"])),
+             nvme_path=spec["nvme"], bandwidth=bw, base=Base.read(base, model),
+             device_kind="cuda" if torch.cuda.is_available() else "cpu",
              tokens_per_step=spec["seq"])
 search_s = time.perf_counter() - t0
 best = res.best

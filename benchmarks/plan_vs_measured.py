@@ -41,6 +41,7 @@ _CHILD = r"""
 import json, os, resource, sys, time
 import torch, transformers
 import tiered
+from tiered.planning.candidate import Base
 from tiered.planning.search import Memories, search
 from tiered.planning.timing import DEFAULT_BANDWIDTH, read_bandwidth
 from tiered.finetune.activations import estimate_activations
@@ -68,8 +69,8 @@ if mode == "plan":  # its own process, as `tiered plan` is before a run with its
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     act = estimate_activations(hf, batch=batch, seq_len=seq, dtype=torch.bfloat16, checkpointing=False,
                                compute_on_cpu=kind == "cpu")
-    res = search(model, Memories(gpu_mem, cpu_mem, 10 * 2**30, act.total_bytes), precision="bf16",
-                 nvme_path=nvme, bandwidth=bw, base=raw, device_kind=kind)
+    res = search(model, Memories(gpu_mem, cpu_mem, 10 * 2**30, act.total_bytes),
+                 nvme_path=nvme, bandwidth=bw, base=Base.read(raw, model), device_kind=kind)
     best = res.best
     if best is None:
         print("RESULT " + json.dumps({"fits": False, "closest": res.closest.knobs if res.closest else None}))

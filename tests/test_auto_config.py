@@ -67,7 +67,9 @@ def test_auto_config_with_own_tiers_or_unknown_key_is_refused(tmp_path: Path) ->
     cfg["tiered"]["tiers"] = {"cpu": {"budget": "1GiB"}}
     with pytest.raises(ConfigError, match="tiered.tiers is set too"):
         tiered.initialize(_model(), cfg)
-    with pytest.raises(ConfigError, match="unknown key cpu_memory"):
+    with pytest.raises(
+        ConfigError, match="unknown configuration key 'tiered.auto_config.cpu_memory'; did you"
+    ):
         tiered.initialize(_model(), _config(tmp_path, cpu_memory="2GiB"))
 
 
@@ -98,3 +100,78 @@ def test_preflight_lists_every_short_tier_at_once_and_a_config_that_fits(tmp_pat
     assert "cpu budget" in text and "nvme budget" in text  # both, in one error
     assert "offload_optimizer.buffer_count" in text  # the key that fixes the cpu tier
     assert "A config that fits these budgets" in text or "No config fits these budgets" in text
+
+
+# ---- issue 37: the user's keys are validated before the planner reads them -------------------------
+@pytest.mark.parametrize(
+    "zero",
+    [
+        {"stage": 3, "sub_group_size": "abc"},
+        {"stage": 3, "sub_group_size": float("nan")},
+        {"stage": 3, "offload_optimizer": {"device": "cpu", "buffer_count": "x"}},
+        {"stage": 3, "offload_optimizer": "cpu"},
+        {"stage": 3, "stage3_param_persistence_threshold": [1]},
+        [],
+    ],
+)
+def test_a_bad_pinned_key_is_the_same_config_error_as_without_auto_config(tmp_path: Path, zero: Any) -> None:
+    """A bad value of a key the search pins was a raw ValueError/AttributeError/TypeError from the
+    planner; now the config is validated first: the ConfigError naming the key, word for word the
+    one the same config gets without auto_config."""
+    cfg = _config(tmp_path, cpu_mem="2GiB")
+    cfg["zero_optimization"] = zero
+    plain = {k: v for k, v in cfg.items() if k != "tiered"}
+    with pytest.raises(ConfigError) as without:
+        tiered.initialize(_model(), plain)
+    with pytest.raises(ConfigError) as with_auto:
+        tiered.initialize(_model(), cfg)
+    assert str(with_auto.value) == str(without.value)
+    assert "zero_optimization" in str(with_auto.value)
+
+
+def test_memory_beyond_the_machine_names_the_auto_config_key(tmp_path: Path) -> None:
+    """cpu_mem above this machine's memory was refused by the engine naming tiered.tiers.cpu.budget,
+    a key the user never wrote; now by the key the user gave."""
+    for key in ("cpu_mem", "gpu_mem", "nvme_mem"):
+        with pytest.raises(CapacityError) as err:
+            tiered.initialize(_model(), _config(tmp_path, **{key: "1PB"}))
+        text = str(err.value)
+        assert f"tiered.auto_config.{key} " in text and "has in all" in text, text
+        assert "tiered.tiers" not in text
+
+
+def test_nothing_fits_names_the_memories_as_given_and_the_missing_nvme_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without an nvme_path in the config no NVMe placement is weighed (none was invented, nothing
+    is created in the working folder), and the refusal says so, naming the memory as given."""
+    monkeypatch.chdir(tmp_path)
+    cfg = _config(tmp_path, cpu_mem="1MiB")
+    cfg["zero_optimization"] = {"stage": 3}
+    with pytest.raises(CapacityError) as err:
+        tiered.initialize(_model(), cfg)
+    text = str(err.value)
+    assert "nothing fits the memory given (tiered.auto_config.cpu_mem 1.00 MiB)" in text
+    assert "NVMe placements were not weighed" in text and "nvme_path" in text
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_pinned_key_spelled_by_its_alias_is_kept_as_written(tmp_path: Path) -> None:
+    """DeepSpeed's alias ``param_persistence_threshold``: the planner wrote the canonical spelling
+    beside it, and the config was refused for naming one setting twice."""
+    cfg = _config(tmp_path, cpu_mem="4GiB")
+    cfg["zero_optimization"]["param_persistence_threshold"] = 0
+    with tiered.initialize(_model(), cfg) as engine:
+        assert engine.config.zero.param_persistence_threshold_numel == 0
+
+
+def test_a_clipping_left_to_the_caller_is_read_from_the_resolved_config(tmp_path: Path) -> None:
+    """gradient_clipping "auto" (Hugging Face's) was read as float("auto") by the planner; now it
+    is unset in the resolved config, the caller's keyword supplies it, and the overlapped step
+    (which clipping blocks) is not chosen for it."""
+    cfg = _config(tmp_path, cpu_mem="4GiB")
+    cfg["gradient_clipping"] = "auto"
+    cfg["tiered"]["grad_tier"] = "nvme"
+    with tiered.initialize(_model(), cfg, max_grad_norm=1.0) as engine:
+        assert engine.config.gradient_clipping == 1.0
+        assert engine.config.zero.overlap_step_with_backward is False

@@ -13,7 +13,7 @@ import torch
 from engine_support import small_llama_config
 
 import tiered
-from tiered.planning.search import candidate_config
+from tiered.planning.candidate import candidate_config, plan_base
 from tiered.planning.traffic import measured_per_step
 
 transformers = pytest.importorskip("transformers")
@@ -43,8 +43,7 @@ def _engine(
     }
     cfg = candidate_config(
         knobs,
-        precision=precision,
-        accumulation=accumulation,
+        plan_base(precision, accumulation),
         nvme_path=str(tmp_path),
         budgets={"gpu": None, "cpu": cpu_budget},
     )

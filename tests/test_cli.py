@@ -30,8 +30,8 @@ def test_plan_40b_prints_tables_and_recommendation(capsys: pytest.CaptureFixture
     assert main(PLAN_40B) == 0
     out = capsys.readouterr().out
     assert "recommended: optimizer nvme" in out
-    assert "assumed: largest layer assumed 2%" in out
-    assert "[Note: shape model for --params]" in out  # the stand-in module tree, named
+    assert "assumed: --params stand-in ([Note: shape model for --params]): a dense Llama" in out
+    assert "Psi = 40,000,000,000" in out  # the ZeRO paper's table counts the parameters given
     assert "activations: NOT counted" in out
     assert "s/step" in out and "bytes per step" in out
     # The recommended config is printed as JSON at the end; its budgets never exceed the memories given.
@@ -45,6 +45,17 @@ def test_plan_40b_prints_tables_and_recommendation(capsys: pytest.CaptureFixture
         line.split("  ")[0].strip(): line for line in out.splitlines() if line.startswith(("DP ", "ZeRO"))
     }
     assert "640.0" in lines["DP"] and "no (GPU +560.0)" in lines["DP"]
+    assert "640.0" in lines["ZeRO-3"] and "no (GPU +560.0)" in lines["ZeRO-3"]  # model states alone
+    # the offloaded rows are the search's, per placement: nothing fits with the optimizer state on the GPU
+    rows = [
+        line.split()
+        for line in out.splitlines()
+        if line.startswith("  ") and line.split()[:1] in (["none"], ["cpu"], ["nvme"])
+    ]
+    assert {tuple(r[:3]) for r in rows} >= {("none", "none", "gpu"), ("nvme", "cpu", "cpu")}
+    for r in rows:
+        assert r[-1] != "yes" or r[0] == "nvme", r  # what fits has the optimizer state on NVMe
+    assert not any(r[0] == "none" and r[-1] == "yes" for r in rows)
 
 
 def test_plan_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,7 +73,12 @@ def test_plan_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     }
     assert doc["bytes_per_param"] == {"param": 2, "grad": 2, "optimizer": 12}
     keys = [s["key"] for s in doc["strategies"]]
-    assert keys == ["dp", "zero1", "zero2", "zero3"]  # the formulas; offload is the search's
+    assert keys == ["dp", "zero1", "zero2", "zero3"]  # the paper's table; offload is the search's
+    assert doc["zero_table_params"] == 40 * 10**9
+    placements = {
+        (p["offload_optimizer"], p["offload_param"], p["grad_tier"]): p for p in doc["search"]["placements"]
+    }
+    assert not placements[("none", "none", "gpu")]["fits"] and placements[("nvme", "cpu", "cpu")]["fits"]
     best = doc["search"]["best"]
     assert best["config"] == doc["config"] and doc["recommended"]["offload_optimizer"] == "nvme"
     assert best["peaks_bytes"]["host"] <= 512e9 and best["peaks_bytes"]["device"] <= 80e9

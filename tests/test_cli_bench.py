@@ -243,10 +243,11 @@ def test_demo_plan_only_prints_the_40b_plan(capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     assert "== tiered plan --params 40B" in out
     # the search's fastest config that fits 80 GB GPU / 512 GB host: the optimizer must leave the
-    # GPU (DP..ZeRO-3 without offload need 640+ GB of it), and 512 GB cannot hold its 480 GB of state
-    # beside the rest, so it goes to NVMe
-    assert "recommended: optimizer nvme" in out
-    assert "ZeRO-3                                     640.0" in out and "no (GPU +564.9)" in out
+    # GPU (DP..ZeRO-3 without offload need 640 GB of it for model states alone), and 512 GB cannot
+    # hold its 480 GB of state beside the rest, so it goes to NVMe
+    assert "recommended: optimizer nvme" in out and "s/step" in out
+    assert "ZeRO-3                                     640.0" in out and "no (GPU +560.0)" in out
+    assert "  none      none    gpu" in out  # the search's own row for no offload: it does not fit
 
 
 def test_demo_runs_finetune_then_bench(

@@ -364,5 +364,8 @@ def test_demo_quick_trains_matches_and_plans(tmp_path: Path, monkeypatch: pytest
     text = out.getvalue()
     assert "loss went down" in text and "tiered matches plain PyTorch AdamW" in text
     assert "final loss: tiered" in text and "peak resident" in text
-    assert "recommended: ZeRO-3 + optimizer + params on NVMe" in text
+    # the 40B verdict is `tiered plan`'s: the search's placements, its fastest config and its s/step
+    assert "no placement without offload fits; the fastest config that does:" in text
+    assert "recommended: optimizer nvme" in text and "predicted" in text and "s/step" in text
+    assert '"zero_optimization"' in text  # the config to launch with
     assert list(tmp_path.iterdir()) == []  # the temporary NVMe folder is gone

@@ -164,12 +164,24 @@ def test_auto_config_leaves_the_estimated_activations_their_room(
     auto = ["--auto-config", "cpu_mem=700MiB,gpu_mem=1GiB", "--steps", "1"]
     assert main(cli(files, "--batch-size", "2048", *auto)) == 2  # ~251 MiB of activations
     err = capsys.readouterr().err
-    assert "tiered.auto_config: nothing fits cpu_mem 700.00 MiB" in err
+    assert "nothing fits the memory given (--auto-config cpu_mem 700.00 MiB" in err  # as the user gave it
     assert "the activations take 251.00 MiB of the memory given" in err and "--batch-size" in err
     with caplog.at_level("INFO"):
         assert main(cli(files, "--batch-size", "2", *auto)) == 0
     assert "activation_mem from the estimate: ~251.00 KiB" in caplog.text
     assert "tiered.auto_config chose" in caplog.text
+
+
+def test_auto_config_memory_beyond_the_machine_names_the_flag(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--auto-config cpu_mem above this machine's memory was refused naming tiered.tiers.cpu.budget,
+    a key the user never wrote; now it names the flag as given, before any folder is left behind."""
+    assert main(cli(files, "--auto-config", "cpu_mem=1PB", "--steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert "--auto-config cpu_mem 909.49 TiB is more than this machine's host memory has in all" in err
+    assert "tiered.tiers" not in err and "Traceback" not in err
+    assert not (files["tmp"] / "nvme").exists()
 
 
 def test_huge_batch_is_refused_before_training_leaving_nothing(

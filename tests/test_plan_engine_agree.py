@@ -15,8 +15,8 @@ from engine_support import small_llama_config
 import tiered
 from tiered.config.loader import load_config
 from tiered.engine.residency import tier_rooms
+from tiered.planning.candidate import candidate_config, plan_base
 from tiered.planning.needs import PEFT_IMPORT_BYTES, predict
-from tiered.planning.search import candidate_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,11 +66,7 @@ def _config(tmp_path: Path, placement: str, precision: str) -> dict[str, Any]:
         "max_in_cpu": 10_000,
     }
     cfg = candidate_config(
-        knobs,
-        precision=precision,
-        accumulation=1,
-        nvme_path=str(tmp_path),
-        budgets={"gpu": None, "cpu": None},
+        knobs, plan_base(precision), nvme_path=str(tmp_path), budgets={"gpu": None, "cpu": None}
     )
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
     return cfg
@@ -237,7 +233,7 @@ def test_cpu_baseline_is_what_a_fresh_process_measures() -> None:
 
 
 @pytest.mark.slow
-def test_36b_128k_vocab_headline_fits_64gb_with_tiled_staging() -> None:
+def test_36b_128k_vocab_headline_fits_64gb_with_tiled_staging(tmp_path: Path) -> None:
     """issue 21: the 36.3B Llama with a 128k vocabulary at 80 GB GPU / 64 GB host / 4 TB NVMe,
     through the engine's own planner: a config fits, its budgets are within what was given, and
     the staging is bounded by the tile, well below the largest groups held whole (~46 GB for
@@ -255,7 +251,7 @@ def test_36b_128k_vocab_headline_fits_64gb_with_tiled_staging() -> None:
     )
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    result = search(model, Memories(gpu=80 * 10**9, cpu=64 * 10**9, nvme=4 * 10**12))
+    result = search(model, Memories(gpu=80 * 10**9, cpu=64 * 10**9, nvme=4 * 10**12), nvme_path=str(tmp_path))
     best = result.best
     assert best is not None and best.prediction is not None
     tiers = best.config["tiered"]["tiers"]

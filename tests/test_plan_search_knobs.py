@@ -13,6 +13,7 @@ import torch
 from engine_support import small_llama_config
 
 import tiered
+from tiered.planning.candidate import Base, plan_base
 from tiered.planning.search import Memories, Pinned, search, weigh
 from tiered.planning.timing import DEFAULT_BANDWIDTH, forward_fraction, seconds_per_step, training_flops
 
@@ -33,7 +34,7 @@ def _meta(**kw: Any) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(small_llama_config(**kw))
 
 
-def test_search_keeps_parameters_for_the_backward_when_the_gpu_has_room() -> None:
+def test_search_keeps_parameters_for_the_backward_when_the_gpu_has_room(tmp_path: Path) -> None:
     """A 1.7B model, parameters on NVMe: on an 80 GB GPU the live budget grows to the whole model
     and the backward reads nothing again; on a small GPU the default budget re-reads."""
     model = _meta(
@@ -46,10 +47,15 @@ def test_search_keeps_parameters_for_the_backward_when_the_gpu_has_room() -> Non
     )
     params = sum(p.numel() for p in model.parameters())
     # the activations' memory declared (here none): the GPU's room is the parameters' to take
-    roomy = search(model, Memories(gpu=80 * 10**9, cpu=64 * 10**9, activations=0), Pinned(ALL_NVME)).best
-    tight = search(model, Memories(gpu=25 * 10**8, cpu=64 * 10**9, activations=0), Pinned(ALL_NVME)).best
+    nv = str(tmp_path)
+    roomy = search(
+        model, Memories(gpu=80 * 10**9, cpu=64 * 10**9, activations=0), Pinned(ALL_NVME), nvme_path=nv
+    ).best
+    tight = search(
+        model, Memories(gpu=25 * 10**8, cpu=64 * 10**9, activations=0), Pinned(ALL_NVME), nvme_path=nv
+    ).best
     # not known: that room may be the activations', the default live budget is kept
-    unknown = search(model, Memories(gpu=80 * 10**9, cpu=64 * 10**9), Pinned(ALL_NVME)).best
+    unknown = search(model, Memories(gpu=80 * 10**9, cpu=64 * 10**9), Pinned(ALL_NVME), nvme_path=nv).best
     assert roomy is not None and tight is not None and unknown is not None
     assert unknown.config["zero_optimization"].get("stage3_max_live_parameters") is None
     zero = roomy.config["zero_optimization"]
@@ -63,7 +69,7 @@ def test_search_keeps_parameters_for_the_backward_when_the_gpu_has_room() -> Non
     assert tight.peaks["device"] <= 25 * 10**8
 
 
-def test_a_pinned_live_budget_is_the_only_one_weighed() -> None:
+def test_a_pinned_live_budget_is_the_only_one_weighed(tmp_path: Path) -> None:
     model = _meta(
         hidden_size=2048,
         intermediate_size=8192,
@@ -73,7 +79,7 @@ def test_a_pinned_live_budget_is_the_only_one_weighed() -> None:
         vocab_size=32000,
     )
     pinned = Pinned({**ALL_NVME, "max_live_parameters": 300_000_000})
-    best = search(model, Memories(gpu=80 * 10**9, cpu=64 * 10**9), pinned).best
+    best = search(model, Memories(gpu=80 * 10**9, cpu=64 * 10**9), pinned, nvme_path=str(tmp_path)).best
     assert best is not None
     assert best.config["zero_optimization"]["stage3_max_live_parameters"] == 300_000_000
     assert best.knobs["max_live_parameters"] == 300_000_000
@@ -122,11 +128,15 @@ def test_overlap_step_chosen_only_where_it_applies(tmp_path: Path) -> None:
     assert "overlap_step_with_backward" not in off.config["tiered"]
     # no gradient round trip through NVMe with it: the disk reads drop by the gradients' 4 B
     assert on.traffic["disk->host"] < off.traffic["disk->host"]
-    for kw in ({"accumulation": 2}, {"precision": "fp16"}):
-        assert "overlap_step_with_backward" not in one(ALL_NVME, **kw).config["tiered"]
-    clipped = one(ALL_NVME, base={"gradient_clipping": 1.0})
+    for base in (plan_base(accumulation=2), plan_base("fp16")):
+        assert "overlap_step_with_backward" not in one(ALL_NVME, base=base).config["tiered"]
+    bf16 = {"bf16": {"enabled": True}}
+    clipped = one(ALL_NVME, base=Base.read({**bf16, "gradient_clipping": 1.0}))
     assert "overlap_step_with_backward" not in clipped.config["tiered"]
-    said = one(ALL_NVME, base={"tiered": {"overlap_step_with_backward": False}})
+    # a clipping left to the caller ("auto", Hugging Face's) may be > 0: not chosen either
+    later = one(ALL_NVME, base=Base.read({**bf16, "gradient_clipping": "auto"}))
+    assert "overlap_step_with_backward" not in later.config["tiered"]
+    said = one(ALL_NVME, base=Base.read({**bf16, "tiered": {"overlap_step_with_backward": False}}))
     assert said.config["tiered"]["overlap_step_with_backward"] is False
     cpu_grads = one({**ALL_NVME, "grad_tier": "cpu"})
     assert "overlap_step_with_backward" not in cpu_grads.config["tiered"]
@@ -150,14 +160,15 @@ def test_compute_term_scales_with_tokens_and_the_flop_rate() -> None:
     assert seconds_per_step(traffic, adam, bw, compute_flops=6e9, shared_cores=True) == pytest.approx(7.0)
 
 
-def test_search_counts_the_compute_when_tokens_are_given() -> None:
+def test_search_counts_the_compute_when_tokens_are_given(tmp_path: Path) -> None:
     model = _meta()
     params = sum(p.numel() for p in model.parameters())
     bw = {**DEFAULT_BANDWIDTH, "flops": 1e6}  # slow enough that compute bounds every config
     mem = Memories(gpu=8 * 2**30, cpu=8 * 2**30)
-    without = search(model, mem, Pinned(ALL_NVME), bandwidth=bw).best
-    small = search(model, mem, Pinned(ALL_NVME), bandwidth=bw, tokens_per_step=512).best
-    large = search(model, mem, Pinned(ALL_NVME), bandwidth=bw, tokens_per_step=1024).best
+    kw = {"bandwidth": bw, "nvme_path": str(tmp_path)}
+    without = search(model, mem, Pinned(ALL_NVME), **kw).best
+    small = search(model, mem, Pinned(ALL_NVME), tokens_per_step=512, **kw).best
+    large = search(model, mem, Pinned(ALL_NVME), tokens_per_step=1024, **kw).best
     assert without is not None and small is not None and large is not None
     assert without.seconds_per_step < 1
     assert small.seconds_per_step == pytest.approx(6 * params * 512 / 1e6)
@@ -253,7 +264,9 @@ def test_overlap_pinned_on_with_fp16_is_refused_by_name() -> None:
     from tiered.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--overlap-step on.*fp16"):
-        search(_meta(), Memories(gpu=2**30), Pinned({**ALL_NVME, "overlap_step": True}), precision="fp16")
+        search(
+            _meta(), Memories(gpu=2**30), Pinned({**ALL_NVME, "overlap_step": True}), base=plan_base("fp16")
+        )
 
 
 def test_tiered_plan_estimates_the_activations_from_the_batch_and_leaves_them_the_room(

@@ -11,18 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TextIO
 
-DEMO_PLAN_ARGS = [
-    "--params",
-    "40B",
-    "--gpu-mem",
-    "80GB",
-    "--cpu-mem",
-    "512GB",
-    "--nvme-mem",
-    "4TB",
-    "--world-size",
-    "1",
-]
+from tiered.cli.demo_finetune import PLAN_40B_ARGS
 
 DESCRIPTION = """\
 A tour in about a minute on a laptop-class machine:
@@ -31,7 +20,7 @@ A tour in about a minute on a laptop-class machine:
      directory), showing the loss fall and the same steps of plain PyTorch AdamW beside it, and
      exporting the model through `tiered finetune --out` (temporary unless --out DIR);
   2. tiered plan for fine-tuning a 40B model on one 80 GB GPU with 512 GB RAM and a 4 TB NVMe:
-     which ZeRO placements fit, and the config to launch with;
+     which placements fit, and the fastest config that does, with its predicted s/step;
   3. with --bench: write/read GB/s of the nvme, aiofiles and tensorstore backends against an
      O_DIRECT ceiling (and fio if installed).
 """
@@ -85,8 +74,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     bench.add_parser(sub)
 
     if args.plan_only:
-        out.write("== tiered plan " + " ".join(DEMO_PLAN_ARGS) + "\n\n")
-        return plan.run(parser.parse_args(["plan", *DEMO_PLAN_ARGS]), out)
+        out.write("== tiered plan " + " ".join(PLAN_40B_ARGS) + "\n\n")
+        return plan.run(parser.parse_args(["plan", *PLAN_40B_ARGS]), out)
     from tiered.cli.demo_finetune import run_demo
 
     # run_demo prints the 40B plan's verdict after the fine-tuning part.

@@ -6,7 +6,8 @@ optimizer state offloaded to NVMe files in a temporary folder, through the uncha
 config examples/ds_config.json; shows the loss going down; runs the same steps with plain PyTorch
 AdamW and prints both final losses and the largest parameter difference; prints the tier stats
 and where the trained model went (`--out`, temporary by default) with the line that loads it;
-then the `tiered plan` verdict for fine-tuning a 40B model on one 80 GB GPU.
+then the `tiered plan` verdict for fine-tuning a 40B model on one 80 GB GPU (`plan.answer`, the
+search's fastest config that fits and its predicted s/step).
 
 [Note: where the examples live]
 examples/ sits at the repository root, next to the `tiered` package, and is found relative to
@@ -31,7 +32,8 @@ FULL_STEPS = 20
 SEQ_LEN = 128
 # Equal to rounding on fp32 (the equivalence tests hold 1e-5 over 3 steps; more steps grow it).
 MATCH_REL = 1e-4
-PLAN_40B = {"params": "40B", "gpu_mem": "80GB", "cpu_mem": "512GB", "nvme_mem": "4TB"}
+PLAN_40B_ARGS = ["--params", "40B", "--gpu-mem", "80GB", "--cpu-mem", "512GB", "--nvme-mem", "4TB"]
+"""The demo's `tiered plan`: fine-tuning a 40B model on one 80 GB GPU, 512 GB of RAM, a 4 TB NVMe."""
 
 
 def examples_dir() -> Path:
@@ -50,36 +52,26 @@ def examples_dir() -> Path:
 
 
 def plan_verdict(out: TextIO) -> int:
-    """The 40B single-GPU plan in a few lines; 0 when a placement fits (as `tiered plan`)."""
-    from tiered.planning.accounting import Memories, PlanOptions, gb
-    from tiered.planning.model_shape import shape_from_params
-    from tiered.planning.verdict import make_plan
-    from tiered.units import parse_bytes
+    """The 40B single-GPU plan in a few lines, computed as `tiered plan` computes it (`plan.answer`):
+    each placement's peaks and s/step, then the fastest config that fits; 0 when one fits."""
+    from tiered.cli import plan
 
-    shape = shape_from_params(PLAN_40B["params"])
-    mem = Memories(
-        gpu_bytes=parse_bytes(PLAN_40B["gpu_mem"], what="gpu"),
-        cpu_bytes=parse_bytes(PLAN_40B["cpu_mem"], what="cpu"),
-        nvme_bytes=parse_bytes(PLAN_40B["nvme_mem"], what="nvme"),
-    )
-    plan = make_plan(shape, mem, PlanOptions(world_size=1))
+    parser = argparse.ArgumentParser(prog="tiered")
+    plan.add_parser(parser.add_subparsers(dest="command"))
+    a = plan.answer(parser.parse_args(["plan", *PLAN_40B_ARGS]))
     w = out.write
+    dp = a.table[0]
     w(
-        f"model state of {shape.total_params / 1e9:.0f}B parameters in bf16 with Adam: "
-        f"{gb(16 * shape.total_params):.0f} GB; one GPU has {gb(mem.gpu_bytes or 0):.0f} GB\n"
+        f"model states of {a.psi / 1e9:.0f}B parameters in bf16 with Adam: {dp.gpu_bytes / 1e9:.0f} GB "
+        f"(the ZeRO paper's {dp.gpu_bytes // a.psi} B per parameter); one GPU has {(a.memories.gpu or 0) / 1e9:.0f} GB\n"
     )
-    for s in plan.strategies:
-        mark = "fits" if s.fits_all else "does not fit"
-        w(
-            f"  {s.name:<38} GPU {gb(s.bytes_on('gpu')):>7.1f}  CPU {gb(s.bytes_on('cpu')):>7.1f}  "
-            f"NVMe {gb(s.bytes_on('nvme')):>7.1f} GB  {mark}\n"
-        )
-    w(plan.message + "\n")
-    w(
-        "(the full table and a ready DeepSpeed config: tiered plan --params 40B --gpu-mem 80GB "
-        "--cpu-mem 512GB --nvme-mem 4TB)\n"
-    )
-    return 0 if plan.recommended is not None else 1
+    plan.render_placements(a.result, [], out)
+    fits = [c for c in a.result.per_placement() if c.fits]
+    if fits and not any(c.knobs["offload_optimizer"] == "none" for c in fits):
+        w("no placement without offload fits; the fastest config that does:\n")
+    plan.render_search(a.result, out)
+    w(f"(the whole plan, with its assumptions: tiered plan {' '.join(PLAN_40B_ARGS)})\n")
+    return 0 if a.result.best is not None else 1
 
 
 def run_demo(

@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 def with_auto_config(raw: dict[str, Any], spec: str) -> dict[str, Any]:
     """`raw` with ``tiered.auto_config`` from ``--auto-config key=value,...``."""
-    from tiered.planning.auto import AUTO_KEYS
+    from tiered.config.auto_request import AUTO_KEYS
 
     auto: dict[str, str] = {}
     for part in filter(None, (x.strip() for x in spec.split(","))):
@@ -45,17 +45,22 @@ def load_checked(
 
     if o.auto_config is not None:
         raw = with_auto_config(raw, o.auto_config)
-    from tiered.planning.auto import has_auto_config, resolve_auto_config
+    from tiered.config.auto_request import CONFIG_SPELLING, has_auto_config
+    from tiered.planning.auto import resolve_auto_config
 
-    if has_auto_config(raw):  # [Note: auto config]: chosen over the model being trained
-        import torch.distributed as dist
-
-        raw = _with_activation_estimate(raw, o, hf)
-
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        raw = resolve_auto_config(raw, model, world_size=world)
     new_dirs = _missing_dirs(raw)
     try:
+        if has_auto_config(raw):  # [Note: auto config]: chosen over the model being trained
+            import torch.distributed as dist
+
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            raw = resolve_auto_config(
+                raw,
+                model,
+                world_size=world,
+                spelled="--auto-config " if o.auto_config is not None else CONFIG_SPELLING,
+                activations=lambda cfg: _activation_estimate(cfg, o, hf),
+            )
         cfg = load_config(raw, model=model, hyperparameters=hp)
         check_complete_for_cli(cfg.unset, o.config_name)
         micro = micro_batch_size(cfg, o.batch_size)
@@ -74,58 +79,59 @@ def load_checked(
         )
         check_activations(act, torch.device("cuda" if torch.cuda.is_available() else "cpu"), o.free_memory)
     except BaseException:
-        _remove_empty(new_dirs)
+        remove_empty(new_dirs)
         raise
     return cfg, micro, act
 
 
-def _with_activation_estimate(raw: dict[str, Any], o: FinetuneOptions, hf: Any) -> dict[str, Any]:
-    """`raw` whose ``auto_config`` has ``activation_mem``: the user's, else [Note: activation
-    estimate] for this run's micro-batch, sequence length, precision and checkpointing, so the
-    search leaves the activations their room (on a CPU-only machine, in host memory: [Note:
-    compute memory on a CPU-only machine])."""
+def _activation_estimate(cfg: Any, o: FinetuneOptions, hf: Any) -> int:
+    """``auto_config``'s ``activation_mem`` where the config leaves it out: [Note: activation
+    estimate] for this run's micro-batch, sequence length, precision and checkpointing, read from
+    the validated config `cfg`, so the search leaves the activations their room (on a CPU-only
+    machine, in host memory: [Note: compute memory on a CPU-only machine])."""
     import torch
 
     from tiered.finetune.activations import estimate_activations
-    from tiered.planning.auto import raw_precision
 
-    auto = dict(raw["tiered"]["auto_config"]) if isinstance(raw["tiered"]["auto_config"], dict) else None
-    if auto is None or auto.get("activation_mem") is not None:
-        return raw
-    given = raw.get("train_micro_batch_size_per_gpu")
-    micro = (
-        o.batch_size if o.batch_size is not None else (given if isinstance(given, int) and given > 0 else 1)
-    )
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(raw_precision(raw), torch.float32)
+    given = cfg.train_micro_batch_size_per_gpu
+    micro = o.batch_size if o.batch_size is not None else (given or 1)
     est = estimate_activations(
         hf,
         batch=micro,
         seq_len=o.seq_len,
-        dtype=dtype,
+        dtype=cfg.precision.dtype,
         checkpointing=o.gradient_checkpointing,
         compute_on_cpu=not torch.cuda.is_available(),
     )
-    auto["activation_mem"] = str(est.total_bytes)
     log.info("tiered.auto_config: activation_mem from the estimate: %s", est.describe())
-    return {**raw, "tiered": {**raw["tiered"], "auto_config": auto}}
+    return int(est.total_bytes)
 
 
 def _missing_dirs(raw: dict[str, Any]) -> list[Path]:
     """The offload folders of `raw` (nvme_path) and their ancestors that do not exist yet, deepest first."""
     zero = raw.get("zero_optimization")
-    found: list[Path] = []
+    paths = []
     for key in ("offload_param", "offload_optimizer"):
         sec = zero.get(key) if isinstance(zero, dict) else None
         path = sec.get("nvme_path") if isinstance(sec, dict) else None
         if isinstance(path, str):
-            p = Path(path).expanduser().absolute()
-            while not p.exists() and p not in found:
-                found.append(p)
-                p = p.parent
+            paths.append(path)
+    return missing_dirs(paths)
+
+
+def missing_dirs(paths: list[str]) -> list[Path]:
+    """`paths` and their ancestors that do not exist yet, deepest first: what validating a config
+    naming them as nvme_path creates (as DeepSpeed does), for `remove_empty` to undo."""
+    found: list[Path] = []
+    for path in paths:
+        p = Path(path).expanduser().absolute()
+        while not p.exists() and p not in found:
+            found.append(p)
+            p = p.parent
     return sorted(found, key=lambda q: len(q.parts), reverse=True)
 
 
-def _remove_empty(dirs: list[Path]) -> None:
+def remove_empty(dirs: list[Path]) -> None:
     for d in dirs:
         try:
             d.rmdir()  # only if empty: never removes what someone else put there

@@ -1,7 +1,9 @@
-"""`tiered plan`: will it fit? Bytes per rank on GPU / CPU / NVMe for every ZeRO strategy.
+"""`tiered plan`: will it fit, and how fast? The fastest config that fits the memories given,
+weighed by the engine's own memory model ([Note: config search]), beside the ZeRO paper's table
+of model-state bytes ([Note: the ZeRO paper's table]).
 
-The model is in `tiered.planning.accounting` ([Note: plan accounting]); this module parses options
-and prints the answer as tables or JSON.
+This module parses the options and prints the answer as text or JSON; `answer` is the one code
+path, which `tiered demo` prints too.
 """
 
 from __future__ import annotations
@@ -9,25 +11,44 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
+from tiered.cli.finetune_config import missing_dirs, remove_empty
 from tiered.cli.plan_compute import compute_rate
-from tiered.cli.plan_search import pinned_from_args, render_search, search_json, tokens_from_args
+from tiered.cli.plan_search import (
+    pinned_from_args,
+    render_placements,
+    render_search,
+    search_json,
+    tokens_from_args,
+)
+
+__all__ = [
+    "PlanAnswer",
+    "add_parser",
+    "answer",
+    "render",
+    "render_placements",
+    "render_search",
+    "run",
+    "to_json",
+]
 from tiered.errors import ConfigError
-from tiered.planning.accounting import TIERS, Memories, PlanOptions, PrecisionBytes, gb
-from tiered.planning.verdict import Plan, make_plan
 from tiered.units import format_bytes, parse_bytes
 
 DESCRIPTION = """\
-Estimate, before launching, the memory each rank needs for plain data parallel, ZeRO-1/2/3 and
-ZeRO-3 with the optimizer (and parameters) offloaded to CPU memory or NVMe; whether each fits the
-memories you give; the communication per step; and a ready-to-use config (DeepSpeed format plus a
-"tiered" section) for the cheapest ZeRO-3 placement that fits.
+Weigh, before launching, the configs of ZeRO-3 with the optimizer state, the parameters and the
+gradients on the GPU, in CPU memory or on NVMe (and sub_group_size, buffer_count, the persistence
+threshold, the live budget, max_in_cpu, the step overlapped with backward) with the engine's own
+group planner and pre-flight arithmetic over the real module tree on the meta device; keep those
+that fit the memories you give (the process's own host memory and the backends' buffers
+included) and print the fastest by predicted s/step, its GPU / host / NVMe peaks, its bytes per
+step per link and its config (DeepSpeed format plus a "tiered" section). Every knob you pass is
+kept. Before it, the ZeRO paper's model-state bytes of DP and ZeRO-1/2/3 (bf16/fp16: 2 B param +
+2 B grad + 12 B Adam state per parameter; fp32: 4 + 4 + 8), which explain why offload is needed.
 
-Bytes per parameter: bf16/fp16 = 2 param + 2 grad + 12 Adam state (fp32 master, m, v); fp32 =
-4 + 4 + 8 (m, v; the fp32 parameter is the master). Offloaded: 12 B optimizer state on its tier
-and 4 B fp32 gradients in CPU memory per parameter of the rank's shard. All memory figures are
-per rank (divide a host's RAM or NVMe by the ranks sharing it). GB = 1e9 bytes.
+All memory figures are per rank (divide a host's RAM or NVMe by the ranks sharing it).
 """
 
 EPILOG = """\
@@ -35,15 +56,11 @@ examples:
   tiered plan --params 40B --gpu-mem 80GB --cpu-mem 512GB --nvme-mem 4TB
   tiered plan --params 7.5e9 --world-size 64 --gpu-mem 32GB
   tiered plan --model ./Llama-2-7b-hf --gpu-mem 24GiB --cpu-mem 64GiB --json
-  tiered plan --params 70B --largest-layer 1.05B --activation-mem 6GB --gpu-mem 80GB --cpu-mem 1TB
+  tiered plan --model ./my-llama --gpu-mem 80GB --cpu-mem 1TB --seq-len 4096 --checkpointing
 
 sizes: 80GB (1e9), 80GiB (2^30), 1e9 or plain bytes.  counts: 40B, 7.5e9, 350M, 1.5T.
-exit status: 0 a placement fits (or no memory was given), 1 nothing fits, 2 bad input.
+exit status: 0 a config fits (or no memory was given), 1 nothing fits, 2 bad input.
 """
-
-
-def _label(tier: str) -> str:
-    return {"gpu": "GPU", "cpu": "CPU", "nvme": "NVMe"}.get(tier, tier)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -65,7 +82,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--largest-layer",
         metavar="COUNT",
-        help="parameters of the largest single module (default with --params: 2%% of them)",
+        help="with --params: parameters of the largest single module, the stand-in's embedding "
+        "([Note: shape model for --params]; default: a 32,000-token vocabulary)",
     )
     p.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory per rank, e.g. 80GB")
     p.add_argument("--cpu-mem", metavar="SIZE", help="host memory per rank, e.g. 512GB")
@@ -77,26 +95,32 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--prefetch-layers",
         type=int,
-        default=1,
+        default=None,
         metavar="L",
-        help="layers gathered ahead of the one computing (default 1)",
+        help="layers gathered ahead of the one computing: stage3_prefetch_bucket_size = L x the largest "
+        "module's parameters in the config (default: the config's own; the gathered bytes are bounded by "
+        "the live budget, which the memory model counts)",
     )
     p.add_argument(
         "--sub-group-size",
         default=None,
         metavar="COUNT",
-        help="optimizer pipeline tile in elements (default: searched; the ZeRO table uses 1e8)",
+        help="zero_optimization.sub_group_size: optimizer pipeline tile and group size in elements "
+        "(default: searched)",
     )
     p.add_argument(
         "--activation-mem",
         default=None,
         metavar="SIZE",
-        help="activation memory per rank to add to the GPU working set (default: estimated from "
+        help="activation memory per rank, left to them on the GPU (default: estimated from "
         "--seq-len/--micro-batch/--checkpointing with the --model's config, else not counted and "
         "the GPU's room left to them: no live budget beyond the default)",
     )
     p.add_argument(
-        "--nvme-path", default="./tiered_offload", help="nvme_path written into the recommended config"
+        "--nvme-path",
+        default="./tiered_offload",
+        help="the folder on an NVMe drive that NVMe placements write to: the nvme_path of the config "
+        "printed (default ./tiered_offload)",
     )
     p.add_argument(
         "--accumulation", type=int, default=1, metavar="A", help="gradient_accumulation_steps (default 1)"
@@ -162,72 +186,8 @@ def add_lora_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def lora_shape(shape: Any, model_path: str, spec_text: str) -> Any:
-    """`shape` with the adapters of `spec_text` added and only they trainable ([Note: LoRA through tiered])."""
-    from dataclasses import replace
-
-    from tiered.finetune.lora import adapter_params, parse_lora_spec
-    from tiered.planning.hf_config import build_meta_model, resolve_model
-
-    spec = parse_lora_spec(spec_text)
-    model = build_meta_model(resolve_model(model_path, weights=False))
-    adapters = adapter_params(model, spec)
-    return replace(
-        shape,
-        total_params=shape.total_params + adapters,
-        trainable_params=adapters,
-        assumptions=(
-            *shape.assumptions,
-            f"LoRA {spec.describe()}: {adapters:,} adapter parameters trainable, the rest frozen",
-        ),
-    )
-
-
 def _size(value: str | None, option: str) -> int | None:
     return None if value is None else parse_bytes(value, what=option)
-
-
-def plan_from_args(args: argparse.Namespace) -> Plan:
-    from tiered.planning.model_shape import parse_count, shape_from_model, shape_from_params
-
-    opts = PlanOptions(
-        world_size=args.world_size,
-        precision=args.precision,
-        prefetch_layers=args.prefetch_layers,
-        sub_group_size=parse_count(args.sub_group_size or "1e8", what="--sub-group-size"),
-        activation_bytes=parse_bytes(args.activation_mem or "0", what="--activation-mem"),
-        nvme_path=args.nvme_path,
-    )
-    memories = Memories(
-        gpu_bytes=_size(args.gpu_mem, "--gpu-mem"),
-        cpu_bytes=_size(args.cpu_mem, "--cpu-mem"),
-        nvme_bytes=_size(args.nvme_mem, "--nvme-mem"),
-    )
-    if args.model is not None:
-        shape = shape_from_model(args.model, persistence_threshold=opts.persistence_threshold)
-        if args.largest_layer is not None:
-            from dataclasses import replace
-
-            shape = replace(
-                shape, largest_layer_params=parse_count(args.largest_layer, what="--largest-layer")
-            )
-    else:
-        shape = shape_from_params(args.params, largest_layer=args.largest_layer)
-    if getattr(args, "lora", None) is not None:
-        if args.model is None:
-            raise ConfigError("--lora needs --model: the adapters' size depends on the model's layer shapes")
-        shape = lora_shape(shape, args.model, args.lora)
-    return make_plan(shape, memories, opts)
-
-
-def _fmt(n: int | None) -> str:
-    return "-" if n is None else f"{gb(n):.1f}"
-
-
-def _fits(s: Any) -> str:
-    if s.shortfall_bytes:
-        return "no (" + ", ".join(f"{_label(t)} +{gb(b):.1f}" for t, b in s.shortfall_bytes.items()) + ")"
-    return "yes" if all(v is True for v in s.fits.values()) else "yes?"
 
 
 def meta_model_from_args(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]]:
@@ -235,7 +195,14 @@ def meta_model_from_args(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]
     stand-in for --params ([Note: shape model for --params])."""
     from tiered.planning.model_shape import parse_count
 
+    if getattr(args, "lora", None) is not None and args.model is None:
+        raise ConfigError("--lora needs --model: the adapters' size depends on the model's layer shapes")
     if args.model is not None:
+        if args.largest_layer is not None:
+            raise ConfigError(
+                "--largest-layer sizes the --params stand-in's largest module; --model counts its own: drop "
+                "--largest-layer"
+            )
         from tiered.planning.hf_config import build_meta_model, resolve_model
 
         model = build_meta_model(resolve_model(args.model, weights=False))
@@ -243,8 +210,11 @@ def meta_model_from_args(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]
     else:
         from tiered.planning.shape_model import shape_model
 
+        total = parse_count(args.params, what="--params")
         big = None if args.largest_layer is None else parse_count(args.largest_layer, what="--largest-layer")
-        model, said = shape_model(parse_count(args.params, what="--params"), big)
+        if big is not None and big > total:
+            raise ConfigError(f"--largest-layer ({big:,}) cannot exceed --params ({total:,})")
+        model, said = shape_model(total, big)
     if getattr(args, "lora", None) is not None:
         from tiered.finetune.lora import apply_lora, parse_lora_spec
 
@@ -252,14 +222,55 @@ def meta_model_from_args(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]
     return model, said
 
 
-def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
-    """Fit, then fastest ([Note: config search]): the search result and what it assumed."""
+@dataclass(frozen=True)
+class PlanAnswer:
+    """What `tiered plan` answers: the model planned, the memories given, the ZeRO paper's table
+    and the search's result, with every assumption in words."""
 
+    shape: Any
+    """`ModelShape` of the module tree planned."""
+    psi: int
+    """Ψ of the ZeRO paper's table: --params as given, else the model's count."""
+    memories: Any
+    """`tiered.planning.search.Memories`."""
+    table: tuple[Any, ...]
+    """`tiered.planning.zero_table.PaperRow`s."""
+    paper_bytes: Any
+    result: Any
+    """`tiered.planning.search.SearchResult`."""
+    notes: list[str]
+    options: dict[str, Any]
+
+
+def answer(args: argparse.Namespace) -> PlanAnswer:
+    """The plan ([Note: config search]): the one path of `tiered plan` and `tiered demo`."""
+    from tiered.planning.candidate import plan_base
+    from tiered.planning.model_shape import parse_count, shape_of_module
     from tiered.planning.needs import host_baseline_bytes
     from tiered.planning.search import Memories, search
     from tiered.planning.timing import DEFAULT_BANDWIDTH, read_bandwidth
+    from tiered.planning.zero_table import PaperBytes, zero_table
 
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.accumulation < 1:
+        raise ConfigError(f"--accumulation must be >= 1, got {args.accumulation}")
+    if args.prefetch_layers is not None and args.prefetch_layers < 0:
+        raise ConfigError(f"--prefetch-layers must be >= 0, got {args.prefetch_layers}")
+    base = plan_base(args.precision, args.accumulation)
+    mem_given = {
+        "gpu": _size(args.gpu_mem, "--gpu-mem"),
+        "cpu": _size(args.cpu_mem, "--cpu-mem"),
+        "nvme": _size(args.nvme_mem, "--nvme-mem"),
+    }
     model, said = meta_model_from_args(args)
+    source = (
+        f"model {args.model} ({type(model).__name__})"
+        if args.model is not None
+        else f"--params {args.params}"
+    )
+    shape = shape_of_module(model, source, assumptions=said)
+    psi = parse_count(args.params, what="--params") if args.params is not None else shape.total_params
     notes = list(said)
     if args.bandwidth is not None:
         bw, taken = read_bandwidth(args.bandwidth)
@@ -271,35 +282,39 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
             f"{bw['disk_read'] / 1e9:.1f} / {bw['disk_write'] / 1e9:.1f} GB/s read / write, host<->device "
             f"{bw['h2d'] / 1e9:.0f} GB/s, CPU Adam {bw['cpu_adam'] / 1e9:.1f}e9 elements/s"
         )
-    if args.accumulation < 1:
-        raise ConfigError(f"--accumulation must be >= 1, got {args.accumulation}")
     kind = getattr(args, "device", "cuda")
     tokens = compute_rate(args, model, tokens_from_args(args), bw, notes, kind)
     notes.append(
         f"process baseline: {format_bytes(host_baseline_bytes(kind), binary=True)} of host memory for a "
         f"{kind} process, measured ([Note: one memory model]; --device cuda|cpu)"
     )
-    activations = _activations(args, model, notes)
-    mem = Memories(
-        gpu=_size(args.gpu_mem, "--gpu-mem"),
-        cpu=_size(args.cpu_mem, "--cpu-mem"),
-        nvme=_size(args.nvme_mem, "--nvme-mem"),
-        activations=activations,
-    )
-    result = search(
-        model,
-        mem,
-        pinned_from_args(args),
-        precision=args.precision,
-        accumulation=args.accumulation,
-        world_size=args.world_size,
-        nvme_path=args.nvme_path,
-        bandwidth=bw,
-        device_kind=kind,
-        tokens_per_step=tokens,
-        checkpointing=bool(getattr(args, "checkpointing", False)),
-    )
-    return result, notes
+    mem = Memories(**mem_given, activations=_activations(args, model, notes))
+    created = missing_dirs([args.nvme_path])  # reading a candidate creates its nvme_path: a plan leaves none
+    try:
+        result = search(
+            model,
+            mem,
+            pinned_from_args(args, largest_module=shape.largest_layer_params),
+            base=base,
+            nvme_path=args.nvme_path,
+            world_size=args.world_size,
+            bandwidth=bw,
+            device_kind=kind,
+            tokens_per_step=tokens,
+            checkpointing=bool(getattr(args, "checkpointing", False)),
+        )
+    finally:
+        remove_empty(created)
+    paper = PaperBytes.of(base.cfg)
+    table = zero_table(psi, args.world_size, paper, trainable=shape.trainable_params)
+    options = {
+        "world_size": args.world_size,
+        "precision": args.precision,
+        "accumulation": args.accumulation,
+        "device": kind,
+        "nvme_path": args.nvme_path,
+    }
+    return PlanAnswer(shape, psi, mem, table, paper, result, notes, options)
 
 
 def _estimates_activations(args: argparse.Namespace) -> bool:
@@ -341,80 +356,84 @@ def _activations(args: argparse.Namespace, model: Any, notes: list[str]) -> int 
     return est.total_bytes
 
 
-def render(plan: Plan, out: TextIO, *, activations_estimated: bool = False) -> None:
-    """The human form: header, strategy table, working set, recommendation and config.
-    `activations_estimated`: the search below counts [Note: activation estimate] (--seq-len)."""
-    sh, o, m = plan.shape, plan.options, plan.memories
-    b = PrecisionBytes.of(o.precision)
+def _gb(n: int | None) -> str:
+    from tiered.planning.zero_table import gb
+
+    return "-" if n is None else f"{gb(n):.1f}"
+
+
+def render_zero_table(a: PlanAnswer, out: TextIO) -> None:
+    """[Note: the ZeRO paper's table] as text: model states per rank, and whether they fit the GPU."""
+    b, gpu = a.paper_bytes.per_param(), a.memories.gpu
     w = out.write
     w(
-        f"model: {sh.total_params:,} parameters from {sh.source}; largest layer {sh.largest_layer_params:,}; "
-        f"persistent {sh.persistent_params:,}\n"
+        f"the ZeRO paper's model states per rank ([Note: the ZeRO paper's table]): Psi = {a.psi:,}, "
+        f"{b['param']} B param + {b['grad']} B grad + K={b['optimizer']} B optimizer per parameter, "
+        f"N={a.options['world_size']}\n"
     )
-    for a in sh.assumptions:
-        w(f"  assumed: {a}\n")
+    head = f"{'strategy (GB per rank, GB = 1e9 B)':<38} {'GPU state':>9} {'comm/step':>9}  fits the GPU"
+    w(head + "\n" + "-" * len(head) + "\n")
+    for row in a.table:
+        short = row.shortfall(gpu)
+        fits = "-" if gpu is None else f"no (GPU +{_gb(short)})" if short else "yes"
+        w(f"{row.name:<38} {_gb(row.gpu_bytes):>9} {_gb(row.comm_bytes_per_step):>9}  {fits}\n")
     w(
-        f"precision {o.precision}: {b.param} B param + {b.grad} B grad + K={b.optimizer} B optimizer per parameter; "
-        f"world size N={o.world_size}\n"
+        "(model states only; the working set, the activations, offload and the process itself are "
+        "counted per config below)\n"
     )
+
+
+def render(a: PlanAnswer, out: TextIO, *, activations_estimated: bool = False) -> None:
+    """The human form: the model, the ZeRO paper's table, the placements weighed, the
+    recommendation and its config. `activations_estimated`: the search counts [Note: activation
+    estimate] (--seq-len)."""
+    sh, w = a.shape, out.write
+    trainable = "" if sh.trainable_params is None else f"; trainable {sh.trainable_params:,}"
     w(
-        "memory per rank: "
-        + ", ".join(
-            f"{_label(t)} {_fmt(m.of(t))} GB" if m.of(t) is not None else f"{_label(t)} not given"
-            for t in TIERS
-        )
+        f"model: {sh.total_params:,} parameters ({sh.source}); largest module {sh.largest_layer_params:,}; "
+        f"persistent {sh.persistent_params:,}{trainable}\n"
+    )
+    given = {"GPU": a.memories.gpu, "CPU": a.memories.cpu, "NVMe": a.memories.nvme}
+    w(
+        f"precision {a.options['precision']}; memory per rank: "
+        + ", ".join(f"{t} {_gb(v)} GB" if v is not None else f"{t} not given" for t, v in given.items())
         + "\n\n"
     )
-    head = (
-        f"{'strategy (GB per rank, GB = 1e9 B)':<38} {'GPU state':>9} {'GPU work':>8} {'GPU':>8} "
-        f"{'CPU':>8} {'NVMe':>8} {'comm/step':>9}  fits"
-    )
-    w(head + "\n" + "-" * len(head) + "\n")
-    for s in plan.strategies[:4]:
-        w(
-            f"{s.name:<38} {_fmt(s.bytes_on('gpu', working=False)):>9} {_fmt(s.bytes_on('gpu', working=True)):>8} "
-            f"{_fmt(s.bytes_on('gpu')):>8} {_fmt(s.bytes_on('cpu')):>8} {_fmt(s.bytes_on('nvme')):>8} "
-            f"{_fmt(s.comm_bytes_per_step):>9}  {_fits(s)}\n"
-        )
-    w(
-        "\ncomm/step: DP/ZeRO-1/2 all-reduce 2*Psi elements, ZeRO-3 3*Psi (1.5x DP), 0 when N=1. "
-        "'yes?' = fits the tiers you gave, others not checked.\n"
-    )
-    w("GPU working set of ZeRO-3 (counted above under 'GPU work'):\n")
-    z3 = plan.strategy("zero3")
-    for t in z3.terms:
-        if t.what.startswith("working:"):
-            w(f"  {gb(t.bytes):>8.1f} GB  {t.what.removeprefix('working: ')}\n")
+    render_zero_table(a, out)
     if activations_estimated:
+        w("  activations: the configs weighed below count their estimate (see 'assumed')\n")
+    elif a.memories.activations is None:
         w(
-            "  activations: not in this table; the configs weighed below count their estimate (see 'assumed')\n"
+            "  activations: NOT counted (depend on batch, sequence length, checkpointing); add --activation-mem "
+            "or --seq-len\n"
         )
-    elif not o.activation_bytes:
-        w(
-            "  activations: NOT counted (depend on batch, sequence length, checkpointing); add --activation-mem\n"
-        )
-    w(
-        "(the ZeRO paper's formulas without offload; offloaded placements are weighed below by the "
-        "engine's own group planner and capacity check)\n"
-    )
+    render_placements(a.result, a.notes, out)
+    render_search(a.result, out)
+
+
+def to_json(a: PlanAnswer) -> dict[str, Any]:
+    """The whole answer as JSON."""
+    best = a.result.best
+    return {
+        "model": asdict(a.shape),
+        "memories": asdict(a.memories),
+        "options": a.options,
+        "zero_table_params": a.psi,
+        "bytes_per_param": a.paper_bytes.per_param(),
+        "strategies": [row.to_json(a.memories.gpu) for row in a.table],
+        "search": search_json(a.result),
+        "assumed": a.notes,
+        "recommended": None if best is None else best.knobs,
+        "config": None if best is None else best.config,
+        "message": "fits" if best is not None else "nothing fits",
+    }
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    plan = plan_from_args(args)
-    result, notes = search_from_args(args)
+    a = answer(args)
     if args.json:
-        doc = plan.to_json()
-        doc["strategies"] = doc["strategies"][:4]  # the formulas; offload is the search's
-        doc.update(
-            search=search_json(result),
-            assumed=notes,
-            recommended=None if result.best is None else result.best.knobs,
-            config=None if result.best is None else result.best.config,
-        )
-        doc["message"] = "fits" if result.best is not None else "nothing fits"
-        out.write(json.dumps(doc, indent=2, default=str) + "\n")
+        out.write(json.dumps(to_json(a), indent=2, default=str) + "\n")
     else:
-        render(plan, out, activations_estimated=_estimates_activations(args))
-        render_search(result, notes, out)
-    return 0 if result.best is not None else 1
+        render(a, out, activations_estimated=_estimates_activations(args))
+    return 0 if a.result.best is not None else 1

@@ -10,7 +10,8 @@ from typing import Any, TextIO
 from tiered.errors import ConfigError
 
 
-def pinned_from_args(args: argparse.Namespace) -> Any:
+def pinned_from_args(args: argparse.Namespace, *, largest_module: int = 0) -> Any:
+    """The knobs the flags pin; ``--prefetch-layers L`` as L x `largest_module` elements."""
     from tiered.planning.model_shape import parse_count
     from tiered.planning.search import Pinned
 
@@ -33,6 +34,8 @@ def pinned_from_args(args: argparse.Namespace) -> Any:
         values["max_live_parameters"] = parse_count(args.max_live_parameters, what="--max-live-parameters")
     if getattr(args, "overlap_step", None) is not None:
         values["overlap_step"] = args.overlap_step == "on"
+    if getattr(args, "prefetch_layers", None) is not None:
+        values["prefetch_bucket_size"] = args.prefetch_layers * largest_module
     if values.get("buffer_count") is not None and values["buffer_count"] < 1:
         raise ConfigError(f"--buffer-count must be >= 1, got {values['buffer_count']}")
     return Pinned(values)
@@ -53,32 +56,50 @@ def tokens_from_args(args: argparse.Namespace) -> int | None:
     return int(n)
 
 
-def search_json(result: Any) -> dict[str, Any]:
-    def one(c: Any) -> dict[str, Any] | None:
-        if c is None:
-            return None
-        return {
-            "knobs": c.knobs,
-            "config": c.config,
-            "peaks_bytes": c.peaks,
-            "shortfall_bytes": c.shortfalls,
-            "refused": c.refused,
-            "seconds_per_step": c.seconds_per_step,
-            "bytes_per_step": c.traffic,
-            "needs": None if c.prediction is None else c.prediction.needs,
-        }
-
+def _candidate_json(c: Any) -> dict[str, Any] | None:
+    if c is None:
+        return None
     return {
-        "best": one(result.best),
-        "closest": None if result.best is not None else one(result.closest),
-        "weighed": len(result.weighed),
-        "fit": sum(c.fits for c in result.weighed),
+        "knobs": c.knobs,
+        "config": c.config,
+        "peaks_bytes": c.peaks,
+        "shortfall_bytes": c.shortfalls,
+        "refused": c.refused,
+        "seconds_per_step": c.seconds_per_step,
+        "bytes_per_step": c.traffic,
+        "needs": None if c.prediction is None else c.prediction.needs,
     }
 
 
-def render_search(result: Any, notes: list[str], out: TextIO) -> None:
-    """The search's answer: the fastest config that fits, or the closest and what it lacks."""
-    from tiered.planning.search import shortfall_text
+def search_json(result: Any) -> dict[str, Any]:
+    placements = []
+    for c in result.per_placement():
+        row = {k: c.knobs[k] for k in ("offload_optimizer", "offload_param", "grad_tier")}
+        placements.append(
+            {
+                **row,
+                "fits": c.fits,
+                "peaks_bytes": c.peaks,
+                "shortfall_bytes": c.shortfalls,
+                "seconds_per_step": c.seconds_per_step,
+                "knobs": c.knobs,
+            }
+        )
+    return {
+        "best": _candidate_json(result.best),
+        "closest": None if result.best is not None else _candidate_json(result.closest),
+        "weighed": len(result.weighed),
+        "fit": sum(c.fits for c in result.weighed),
+        "placements": placements,
+    }
+
+
+_MEMORY_LABEL = {"device": "GPU", "host": "host", "disk": "NVMe"}
+
+
+def render_placements(result: Any, notes: list[str], out: TextIO) -> None:
+    """How many configs were weighed, what was assumed, and per placement (the offloaded rows,
+    from the engine's memory model) the fastest config that fits, else the closest."""
     from tiered.units import format_bytes
 
     w = out.write
@@ -88,6 +109,32 @@ def render_search(result: Any, notes: list[str], out: TextIO) -> None:
     )
     for n in notes:
         w(f"  assumed: {n}\n")
+    rows = result.per_placement()
+    if not rows:
+        return
+    w("per placement, its fastest config that fits, else its closest (peaks per rank, GiB):\n")
+    w(f"  {'optimizer':<10}{'params':<8}{'grads':<7}{'GPU':>9}{'host':>9}{'NVMe':>9}{'s/step':>10}  fits\n")
+    for c in rows:
+        place = f"  {c.knobs['offload_optimizer']:<10}{c.knobs['offload_param']:<8}{c.knobs['grad_tier']:<7}"
+        if c.prediction is None:  # refused before any byte was counted: say why, in its first words
+            w(f"{place}{'-':>9}{'-':>9}{'-':>9}{'-':>10}  no ({c.refused.split(':')[0].split(';')[0]})\n")
+            continue
+        gib = {m: c.peaks.get(m, 0) / 2**30 for m in ("device", "host", "disk")}
+        short = ", ".join(
+            f"{_MEMORY_LABEL[m]} short by {format_bytes(b, binary=True)}" for m, b in c.shortfalls.items()
+        )
+        w(
+            f"{place}{gib['device']:>9.1f}{gib['host']:>9.1f}{gib['disk']:>9.1f}{c.seconds_per_step:>10.3g}  "
+            f"{'yes' if c.fits else f'no ({short})'}\n"
+        )
+
+
+def render_search(result: Any, out: TextIO) -> None:
+    """The search's answer: the fastest config that fits, or the closest and what it lacks."""
+    from tiered.planning.search import shortfall_text
+    from tiered.units import format_bytes
+
+    w = out.write
     c = result.best
     if c is None:
         near = result.closest
@@ -126,5 +173,10 @@ def _knob_text(k: dict[str, Any]) -> str:
         f"sub_group_size {k['sub_group_size']:,}, buffer_count {k['buffer_count']}, "
         f"persistence threshold {k['persistence_threshold']:,}, max_in_cpu {k['max_in_cpu']:,}"
         + (f", live budget {k['max_live_parameters']:,}" if k.get("max_live_parameters") else "")
+        + (
+            f", prefetch bucket {k['prefetch_bucket_size']:,}"
+            if k.get("prefetch_bucket_size") is not None
+            else ""
+        )
         + (", step overlapped with backward" if k.get("overlap_step") else "")
     )

@@ -180,7 +180,8 @@ def _build(
         from tiered.config.loader import read_config_file
 
         config = read_config_file(config)
-    from tiered.planning.auto import has_auto_config, resolve_auto_config
+    from tiered.config.auto_request import has_auto_config
+    from tiered.planning.auto import resolve_auto_config
 
     if has_auto_config(config):  # [Note: auto config]
         assert isinstance(config, dict)
@@ -351,6 +352,7 @@ def _fitting_config(model: torch.nn.Module, cfg: TieredConfig, tm: Any, world_si
     import json
 
     from tiered.optim.placement import tier_is_host
+    from tiered.planning.candidate import plan_base
     from tiered.planning.search import Memories, search, shortfall_text
 
     def budget(name: str) -> int | None:
@@ -366,8 +368,8 @@ def _fitting_config(model: torch.nn.Module, cfg: TieredConfig, tm: Any, world_si
     result = search(
         model,
         mem,
-        precision=precision,
-        accumulation=cfg.gradient_accumulation_steps,
+        base=plan_base(precision, cfg.gradient_accumulation_steps),
+        nvme_path=cfg.zero.offload_optimizer.nvme_path or cfg.zero.offload_param.nvme_path,
         world_size=world_size,
         device_kind="cpu" if tier_is_host(tm, "gpu") else "cuda",
     )

@@ -1,22 +1,21 @@
-"""Planning: the memory model behind `tiered plan` (will it fit, and with which placement?).
+"""Planning: the one memory model (what a config needs on each tier, [Note: one memory model]),
+the search for the fastest config that fits ([Note: config search]) and the ZeRO paper's table
+beside it ([Note: the ZeRO paper's table]).
 
-Pure arithmetic over model shapes and memory sizes; the bandwidth harness is `tiered.bench`.
+Pure arithmetic over module trees and memory sizes; the bandwidth harness is `tiered.bench`.
 """
 
 from __future__ import annotations
 
-from tiered.planning.accounting import Memories, ModelShape, PlanOptions, StrategyPlan
-from tiered.planning.model_shape import parse_count, shape_from_model, shape_from_params
-from tiered.planning.verdict import Plan, make_plan
+from tiered.planning.model_shape import ModelShape, parse_count, shape_from_model
+from tiered.planning.search import Memories, Pinned, SearchResult, search
 
 __all__ = [
     "Memories",
     "ModelShape",
-    "Plan",
-    "PlanOptions",
-    "StrategyPlan",
-    "make_plan",
+    "Pinned",
+    "SearchResult",
     "parse_count",
+    "search",
     "shape_from_model",
-    "shape_from_params",
 ]

@@ -1,117 +1,139 @@
-"""The config written for one set of searched knobs ([Note: config search] in search.py): a
-DeepSpeed-format config with a "tiered" section, alone or laid onto a user's own config
-([Note: auto config]), and the knobs sized from the others (`overlap_applies`)."""
+"""The config written for one set of searched knobs ([Note: config search] in search.py): the
+knobs laid onto the search's `Base` through tiered.config's fields ([Note: a raw config by
+field]), so every key is spelled by its declaration and every key left out is the
+declaration's default; and the knobs sized from the others (`overlap_applies`)."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+from torch import nn
+
+from tiered.config.fields import PRECISION_FIELD, value_of, with_fields, with_tier_budgets, written_fields
+from tiered.config.loader import load_config
+from tiered.config.schema import TieredConfig
+from tiered.errors import ConfigError
+
+KNOB_FIELDS: dict[str, str] = {
+    "offload_optimizer": "zero.offload_optimizer.device",
+    "offload_param": "zero.offload_param.device",
+    "grad_tier": "tiered.grad_tier",
+    "sub_group_size": "zero.sub_group_size_numel",
+    "buffer_count": "zero.offload_optimizer.buffer_count",
+    "persistence_threshold": "zero.param_persistence_threshold_numel",
+    "max_in_cpu": "zero.offload_param.max_in_cpu_numel",
+    "max_live_parameters": "zero.max_live_parameters_numel",
+    "overlap_step": "zero.overlap_step_with_backward",
+    "prefetch_bucket_size": "zero.prefetch_bucket_size_numel",
+}
+"""Each knob a user may pin (`search.Pinned`, by the names the plan's flags and errors use) and
+the `TieredConfig` field it sets."""
+_REUSE_DISTANCE = "zero.max_reuse_distance_numel"
+_NVME_PATHS = {
+    "offload_optimizer": "zero.offload_optimizer.nvme_path",
+    "offload_param": "zero.offload_param.nvme_path",
+}
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Base:
+    """The config every candidate is laid onto, read once by `load_config`: the user's own
+    (``auto_config``: its keys validated before anything reads them), or `plan_base`'s. `cfg`
+    is its resolved form (precision, accumulation, clipping, pinned values), `written` the
+    fields it sets itself, which a candidate never changes."""
+
+    raw: Mapping[str, Any]
+    cfg: TieredConfig
+    written: frozenset[str]
+
+    @staticmethod
+    def read(raw: Mapping[str, Any], model: nn.Module | None = None, *, world_size: int = 1) -> Base:
+        """`raw` validated (ConfigError naming the key) and resolved."""
+        cfg = load_config(dict(raw), model=model, world_size=world_size)
+        return Base(raw, cfg, written_fields(raw))
+
+    def pins(self) -> dict[str, Any]:
+        """The knobs this config sets itself, at their resolved values ([Note: auto config])."""
+        return {knob: value_of(self.cfg, f) for knob, f in KNOB_FIELDS.items() if f in self.written}
+
+    @property
+    def nvme_path(self) -> str | None:
+        """The nvme_path the config names (the optimizer's first), None when it names none."""
+        z = self.cfg.zero
+        return z.offload_optimizer.nvme_path or z.offload_param.nvme_path
+
+    def default(self, knob: str) -> Any:
+        """The value of `knob`'s field in this config (the declaration's default unless written)."""
+        return value_of(self.cfg, KNOB_FIELDS[knob])
+
+
+def plan_base(precision: str = "bf16", accumulation: int = 1) -> Base:
+    """The base of a plan made without a config of the user's (`tiered plan`): only the
+    precision and the accumulation steps are set."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision: unknown precision {precision!r}; use bf16, fp16 or fp32")
+    fields = {PRECISION_FIELD: PRECISIONS[precision], "gradient_accumulation_steps": accumulation}
+    return Base.read(with_fields({}, fields))
 
 
 def candidate_config(
-    knobs: Mapping[str, Any],
-    *,
-    precision: str,
-    accumulation: int,
-    nvme_path: str,
-    budgets: Mapping[str, int | None],
-    base: Mapping[str, Any] | None = None,
+    knobs: Mapping[str, Any], base: Base, *, nvme_path: str | None, budgets: Mapping[str, int | str | None]
 ) -> dict[str, Any]:
-    """The DeepSpeed-format config (+ "tiered") for one set of knobs; with `base` (a user's
-    config, [Note: auto config]) its other keys are kept and the knobs' keys set."""
-    if base is not None:
-        own = candidate_config(
-            knobs, precision=precision, accumulation=accumulation, nvme_path=nvme_path, budgets=budgets
-        )
-        return _onto(base, own)
-    zero: dict[str, Any] = {
-        "stage": 3,
-        "sub_group_size": knobs["sub_group_size"],
-        "stage3_param_persistence_threshold": knobs["persistence_threshold"],
-        "overlap_comm": True,
-        "contiguous_gradients": True,
+    """`base` with the knobs' fields set (those the base writes itself kept) and tier budgets."""
+    opt, par, grad = knobs["offload_optimizer"], knobs["offload_param"], knobs["grad_tier"]
+    on_nvme = "nvme" in (opt, par, grad)
+    if on_nvme and nvme_path is None:
+        raise ConfigError("an NVMe placement needs an nvme_path; none was given")
+    values: dict[str, Any] = {
+        "zero.stage": 3,
+        KNOB_FIELDS["offload_optimizer"]: opt,
+        KNOB_FIELDS["offload_param"]: par,
+        KNOB_FIELDS["sub_group_size"]: knobs["sub_group_size"],
+        KNOB_FIELDS["persistence_threshold"]: knobs["persistence_threshold"],
     }
+    if grad == "nvme":  # "cpu" and "gpu" are where gradients go by default ([Note: gradients on nvme])
+        values[KNOB_FIELDS["grad_tier"]] = grad
+    if opt != "none":
+        values[KNOB_FIELDS["buffer_count"]] = knobs["buffer_count"]
+    for section, device in (("offload_optimizer", opt), ("offload_param", par)):
+        if device == "nvme":
+            values[_NVME_PATHS[section]] = nvme_path
+    if par == "nvme" and knobs.get("max_in_cpu") is not None:
+        values[KNOB_FIELDS["max_in_cpu"]] = knobs["max_in_cpu"]
     if knobs.get("max_live_parameters"):  # [Note: the live budget searched]
-        zero["stage3_max_live_parameters"] = knobs["max_live_parameters"]
-        zero["stage3_max_reuse_distance"] = 2 * knobs["max_live_parameters"]
-    if knobs["offload_optimizer"] != "none":
-        off: dict[str, Any] = {
-            "device": knobs["offload_optimizer"],
-            "pin_memory": True,
-            "buffer_count": knobs["buffer_count"],
-        }
-        if knobs["offload_optimizer"] == "nvme":
-            off["nvme_path"] = nvme_path
-        zero["offload_optimizer"] = off
-    if knobs["offload_param"] != "none":
-        offp: dict[str, Any] = {"device": knobs["offload_param"], "pin_memory": True}
-        if knobs["offload_param"] == "nvme":
-            offp.update(nvme_path=nvme_path, max_in_cpu=knobs["max_in_cpu"])
-        zero["offload_param"] = offp
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": accumulation,
-    }
-    if precision in ("bf16", "fp16"):
-        config[precision] = {"enabled": True}
-    config["zero_optimization"] = zero
-    tiers = {t: {"budget": b} for t, b in budgets.items() if b is not None}
-    if "nvme" in tiers and "nvme" not in (
-        knobs["offload_optimizer"],
-        knobs["offload_param"],
-        knobs["grad_tier"],
-    ):
-        del tiers["nvme"]
-    tiered: dict[str, Any] = {"tiers": tiers}
-    if knobs["grad_tier"] not in ("cpu", "gpu"):
-        tiered["grad_tier"] = knobs["grad_tier"]  # [Note: gradients on nvme]
-    if knobs.get("overlap_step"):
-        tiered["overlap_step_with_backward"] = True
-    config["tiered"] = tiered
-    return config
+        values[KNOB_FIELDS["max_live_parameters"]] = knobs["max_live_parameters"]
+        values[_REUSE_DISTANCE] = 2 * knobs["max_live_parameters"]
+    if knobs.get("prefetch_bucket_size") is not None:
+        values[KNOB_FIELDS["prefetch_bucket_size"]] = knobs["prefetch_bucket_size"]
+    if knobs.get("overlap_step"):  # false is the declared default
+        values[KNOB_FIELDS["overlap_step"]] = True
+    if KNOB_FIELDS["max_live_parameters"] in base.written:  # the reuse distance goes with the user's own
+        values.pop(_REUSE_DISTANCE, None)
+    raw = with_fields(base.raw, {f: v for f, v in values.items() if f not in base.written})
+    tiers = {t: b for t, b in budgets.items() if b is not None and (t != "nvme" or on_nvme)}
+    return with_tier_budgets(raw, tiers)
 
 
-def _onto(base: Mapping[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:
-    """`base` with the chosen zero_optimization and tiered keys set (the rest of base kept)."""
-    out = copy.deepcopy(dict(base))
-    zero = out.setdefault("zero_optimization", {})
-    zero["stage"] = 3
-    for key, value in chosen["zero_optimization"].items():
-        if isinstance(value, dict):
-            zero[key] = {**(zero.get(key) or {}), **value}
-        elif key not in zero or key in ("sub_group_size", "stage3_param_persistence_threshold"):
-            zero[key] = value
-    for key in ("offload_optimizer", "offload_param"):
-        if key not in chosen["zero_optimization"] and key in zero:
-            del zero[key]  # the chosen placement keeps it on the GPU
-    tiered = out.setdefault("tiered", {})
-    tiered["tiers"] = chosen["tiered"]["tiers"]
-    tiered.pop("grad_tier", None)
-    if "grad_tier" in chosen["tiered"]:
-        tiered["grad_tier"] = chosen["tiered"]["grad_tier"]
-    if "overlap_step_with_backward" in chosen["tiered"]:
-        tiered.setdefault("overlap_step_with_backward", chosen["tiered"]["overlap_step_with_backward"])
-    for key in ("bf16", "fp16", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu"):
-        if key in chosen and key not in out:
-            out[key] = chosen[key]
-    return out
-
-
-def overlap_applies(
-    knobs: Mapping[str, Any], precision: str, accumulation: int, base: Mapping[str, Any] | None
-) -> bool:
+def overlap_applies(knobs: Mapping[str, Any], base: Base) -> bool:
     """``tiered.overlap_step_with_backward`` for this candidate ([Note: config search]): where
     gradients are homed on disk and nothing needs the whole gradient first (`overlap_blockers`:
     no clipping, not fp16; and accumulation 1, `grads_consumed_from_memory`), the step takes
     each gradient from memory and the disk round trip goes. Exact, so chosen freely; a value
-    the user wrote (pinned, or in the base config) is kept."""
+    the user wrote (pinned, or in the base config) is kept, and a clipping or accumulation the
+    base leaves to the caller ("auto") may block it, so it is not chosen."""
     if knobs.get("overlap_step") is not None:
         return bool(knobs["overlap_step"])
-    if base is not None:
-        said = (base.get("tiered") or {}).get("overlap_step_with_backward")
-        if said is not None:
-            return bool(said)
-        if float(base.get("gradient_clipping") or 0) > 0:
-            return False
-    return knobs["grad_tier"] == "nvme" and precision != "fp16" and accumulation == 1
+    cfg = base.cfg
+    if KNOB_FIELDS["overlap_step"] in base.written:
+        return cfg.zero.overlap_step_with_backward
+    if {"gradient_clipping", "gradient_accumulation_steps"} & set(cfg.unset) or cfg.gradient_clipping > 0:
+        return False
+    return (
+        knobs["grad_tier"] == "nvme"
+        and cfg.precision.dtype != torch.float16
+        and cfg.gradient_accumulation_steps == 1
+    )

@@ -7,13 +7,6 @@ allocated. From it we read the exact total (tied weights counted once, as
 ``Module.parameters()`` does), the largest number of parameters one module owns directly (what
 one ZeRO-3 fetch gathers) and the parameters at or under the persistence threshold (kept whole
 on every rank).
-
-[Note: assumed layer sizes]
-With only `--params`, the largest layer is assumed to be 2 % of Ψ: the embedding or one MLP
-matrix of a typical dense transformer (Llama-2-7B: 1.9 %, Llama-2-70B: 0.4 %; big-vocabulary
-models such as Llama-3-8B reach 6.5 %: pass --largest-layer or --model for the real value).
-Persistent parameters (norm weights, biases) are assumed to be 0.1 % of Ψ (GPT-2: 0.08 %,
-Llama: < 0.01 %).
 """
 
 from __future__ import annotations
@@ -21,16 +14,48 @@ from __future__ import annotations
 import logging
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiered.config.read import default_of
+from tiered.config.schema import ZeroConfig
 from tiered.errors import ConfigError
-from tiered.planning.accounting import ModelShape
 
 log = logging.getLogger(__name__)
 
-LARGEST_LAYER_FRACTION = 0.02
-PERSISTENT_FRACTION = 0.001
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What `tiered plan` says of the model it plans, and where each number came from."""
+
+    total_params: int
+    largest_layer_params: int
+    persistent_params: int
+    source: str
+    """Human text: "--params 40e9" or "model ./llama (LlamaForCausalLM)"."""
+    assumptions: tuple[str, ...] = ()
+    """Every number that was assumed rather than counted, in words."""
+    trainable_params: int | None = None
+    """Parameters that get gradients and optimizer state (LoRA adapters); None = all of them."""
+
+    def __post_init__(self) -> None:
+        if self.total_params <= 0:
+            raise ConfigError(
+                f"model from {self.source}: parameter count must be positive, got {self.total_params}"
+            )
+        if not 0 <= self.largest_layer_params <= self.total_params:
+            raise ConfigError(
+                f"model from {self.source}: largest layer ({self.largest_layer_params}) must be between 0 "
+                f"and the total parameter count ({self.total_params})"
+            )
+        if self.trainable_params is not None and not 0 < self.trainable_params <= self.total_params:
+            raise ConfigError(
+                f"model from {self.source}: trainable parameters ({self.trainable_params}) must be between 1 and "
+                f"the total parameter count ({self.total_params})"
+            )
+
+
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]?)\s*$")
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
@@ -65,30 +90,7 @@ def parse_count(value: int | float | str, *, what: str = "--params") -> int:
     return count
 
 
-def shape_from_params(
-    params: int | float | str, *, largest_layer: int | float | str | None = None
-) -> ModelShape:
-    """A ModelShape from a bare count, with the assumptions of [Note: assumed layer sizes]."""
-    total = parse_count(params, what="--params")
-    assumptions: list[str] = []
-    if largest_layer is None:
-        big = max(1, int(total * LARGEST_LAYER_FRACTION))
-        assumptions.append(
-            f"largest layer assumed {LARGEST_LAYER_FRACTION:.0%} of the parameters ({big:,}); "
-            "pass --largest-layer or --model for the real value"
-        )
-    else:
-        big = parse_count(largest_layer, what="--largest-layer")
-        if big > total:
-            raise ConfigError(f"--largest-layer ({big:,}) cannot exceed --params ({total:,})")
-    persistent = int(total * PERSISTENT_FRACTION)
-    assumptions.append(
-        f"persistent small parameters (norms, biases) assumed {PERSISTENT_FRACTION:.1%} ({persistent:,})"
-    )
-    return ModelShape(total, big, persistent, f"--params {params}", tuple(assumptions))
-
-
-def shape_from_model(path: str | Path, *, persistence_threshold: int = 100_000) -> ModelShape:
+def shape_from_model(path: str | Path, *, persistence_threshold: int | None = None) -> ModelShape:
     """Count a local HF model (folder or config.json) on the meta device.
 
     See [Note: counting a model on the meta device].
@@ -99,16 +101,23 @@ def shape_from_model(path: str | Path, *, persistence_threshold: int = 100_000) 
     return shape_of_module(model, f"model {path} ({type(model).__name__})", persistence_threshold)
 
 
-def shape_of_module(model: Any, source: str, persistence_threshold: int = 100_000) -> ModelShape:
-    """The ZeRO-formula summary of a (meta) module: total, largest layer, persistent."""
+def shape_of_module(
+    model: Any, source: str, persistence_threshold: int | None = None, assumptions: tuple[str, ...] = ()
+) -> ModelShape:
+    """The summary of a (meta) module: total, largest layer, persistent (at or under
+    `persistence_threshold`, None: the config's default) and, where some are frozen, trainable."""
+    threshold = (
+        default_of(ZeroConfig, "param_persistence_threshold_numel")
+        if persistence_threshold is None
+        else persistence_threshold
+    )
     total = sum(param.numel() for param in model.parameters())
     largest = max((sum(q.numel() for q in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    persistent = sum(q.numel() for q in model.parameters() if q.numel() <= persistence_threshold)
+    persistent = sum(q.numel() for q in model.parameters() if q.numel() <= threshold)
     trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
     log.debug("counted %s: %d params, largest layer %d", source, total, largest)
-    frozen = (
-        trainable != total
-    )  # a wrapped model's other towers ([Note: wrapped models train their language model])
+    # some frozen: a LoRA tree, or a wrapped model's other towers ([Note: wrapped models train
+    # their language model]); none trainable counts as a full fine-tune's tree
     return ModelShape(
-        total, largest, persistent, source, (), trainable_params=trainable if frozen and trainable else None
+        total, largest, persistent, source, assumptions, trainable if 0 < trainable < total else None
     )

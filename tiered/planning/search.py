@@ -10,16 +10,23 @@ optimizer pipeline's tile), ``offload_optimizer.buffer_count`` (pipeline depth) 
 is not a grid: it is set to the parameter elements the cpu budget has room for once the run's
 need is met (their dirty copies save the NVMe reads of [Note: max_in_cpu]); the parameter buffers
 of DeepSpeed (``offload_param.buffer_count/buffer_size``) are not searched because the engine
-stages parameters in the cpu tier, whose budget already bounds them. Each candidate is a
-DeepSpeed-format config with a "tiered" section, resolved by the config loader and predicted by
-`tiered.planning.needs.predict` (the engine's pre-flight arithmetic): it fits when every tier's
-need is within its budget and the host's total ([Note: one memory model]) within ``cpu_mem``.
+stages parameters in the cpu tier, whose budget already bounds them. Each candidate is its
+knobs laid onto a base config (the user's own for ``auto_config``, else only the precision and
+the accumulation steps: `tiered.planning.candidate`) through tiered.config's fields ([Note: a raw
+config by field]), so every key is spelled and every default given by its declaration; it is
+resolved by the config loader and predicted by `tiered.planning.needs.predict` (the engine's
+pre-flight arithmetic): it fits when every tier's need is within its budget and the host's
+total ([Note: one memory model]) within ``cpu_mem``. A knob searched takes each value of its
+grid, a pinned one only its own (on the grid or not); the NVMe placements are weighed only
+where an ``nvme_path`` is known (``--nvme-path``, or the user's config): the planner never
+invents a folder.
 Budgets are what the user gave: the gpu tier gets ``gpu_mem`` less the declared activations, the
 cpu tier ``cpu_mem`` less the process baseline (of the device kind the run will have: "cuda"
 unless told), what the engine holds outside the tiers and the backends' own buffers, never more.
 Fitting configs are ranked by predicted s/step ([Note: step time model] in timing.py). A knob
-the user pins is never varied; pinned knobs that contradict each other (a grad tier on NVMe with
-the optimizer on the GPU, say) are refused by name. ``tiered.overlap_step_with_backward`` is
+the user pins is never varied, and a key the base config writes is never changed; pinned knobs
+that contradict each other (a grad tier on NVMe with the optimizer on the GPU, say) are refused
+by name, the flag's or the config key's. ``tiered.overlap_step_with_backward`` is
 set where gradients are homed on disk and it applies (`overlap_applies`): the step then takes
 each gradient from memory, the same values, without the disk round trip of [Note: bytes per
 step]; a value the user wrote is kept.
@@ -28,8 +35,8 @@ step]; a value the user wrote is kept.
 What the gpu tier keeps between a group's forward and its backward is decided by
 ``stage3_max_live_parameters`` (and ``stage3_max_reuse_distance``, [Note: the live budget]); a
 group it cannot keep the backward reads again (`backward_rereads`). So the budget is a searched
-knob, weighed at two values per placement: the default (`live_parameters`: DeepSpeed's 1e9, or
-twice the largest module where that is more) and the largest the GPU has room for: the gpu
+knob, weighed at two values per placement: the default (`live_parameters`: the declared one,
+DeepSpeed's 1e9, or twice the largest module where that is more) and the largest the GPU has room for: the gpu
 budget less the gpu tier's need (homes, persistent groups, the largest module's gather, the
 optimizer's gpu staging) less the gather's bytes once more (the largest module's gradient,
 made on the device before it is reduced), at most every gathered element. The reuse distance
@@ -80,8 +87,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from tiered.config.fields import declared_key
+from tiered.config.loader import load_config
 from tiered.errors import CapacityError, ConfigError
-from tiered.planning.candidate import candidate_config, overlap_applies
+from tiered.planning.candidate import KNOB_FIELDS, Base, candidate_config, overlap_applies, plan_base
 from tiered.planning.needs import Prediction, live_extra_bytes, predict
 from tiered.planning.residency import Residency, TierRoom, config_residency
 from tiered.planning.timing import DEFAULT_BANDWIDTH, config_seconds_per_step, training_flops
@@ -95,6 +104,12 @@ if TYPE_CHECKING:
 SUB_GROUP_SIZES = (1_000_000_000, 200_000_000, 100_000_000, 50_000_000, 20_000_000, 10_000_000, 5_000_000)
 BUFFER_COUNTS = (4, 2, 1)
 PERSISTENCE_THRESHOLDS = (100_000, 0)
+GRID = {
+    "sub_group_size": SUB_GROUP_SIZES,
+    "buffer_count": BUFFER_COUNTS,
+    "persistence_threshold": PERSISTENCE_THRESHOLDS,
+}
+"""The searched values of the knobs `knob_grid` enumerates beside the placement."""
 PLACEMENTS = (  # (optimizer device, parameter device, grad tier): cheapest first
     ("none", "none", "gpu"),
     ("cpu", "none", "cpu"),
@@ -107,20 +122,9 @@ PLACEMENTS = (  # (optimizer device, parameter device, grad tier): cheapest firs
     ("cpu", "cpu", "nvme"),
     ("nvme", "cpu", "nvme"),
 )
-KNOBS = (
-    "offload_optimizer",
-    "offload_param",
-    "grad_tier",
-    "sub_group_size",
-    "buffer_count",
-    "persistence_threshold",
-    "max_in_cpu",
-    "max_live_parameters",
-    "overlap_step",
-)
+PLACEMENT_KNOBS = ("offload_optimizer", "offload_param", "grad_tier")
+KNOBS = tuple(KNOB_FIELDS)
 """The knobs a user may pin (`Pinned`), by the names the plan's flags and errors use."""
-GRID_KNOBS = KNOBS[:6]
-"""The knobs `knob_grid` enumerates; the others are sized per candidate (`weigh`)."""
 
 
 @dataclass(frozen=True)
@@ -144,34 +148,61 @@ def activations_on(mem: Memories, device_kind: str, memory: str) -> int:
     return (mem.activations or 0) if memory == where else 0
 
 
+def flag_name(knob: str) -> str:
+    """`tiered plan`'s flag for `knob` (``--offload-optimizer``)."""
+    return "--" + knob.replace("_", "-")
+
+
+def config_name(knob: str) -> str:
+    """The config key of `knob` (``zero_optimization.offload_optimizer.device``)."""
+    return declared_key(KNOB_FIELDS[knob]).path
+
+
 @dataclass(frozen=True)
 class Pinned:
-    """Knobs the user fixed; None = searched."""
+    """Knobs the user fixed (absent: searched), and how the user spelled them: `flag_name`
+    (`tiered plan`) or `config_name` (a config's own keys, ``auto_config``)."""
 
     values: Mapping[str, Any] = field(default_factory=dict)
+    spelled: Mapping[str, str] = field(default_factory=dict)
+    """knob -> its name in errors; `flag_name` where absent."""
 
     def get(self, name: str) -> Any:
         return self.values.get(name)
 
+    def name(self, knob: str) -> str:
+        return self.spelled.get(knob) or flag_name(knob)
+
+    def merged(self, other: Pinned) -> Pinned:
+        """Both pins; a knob both fix differently is refused, naming both spellings."""
+        for k, v in other.values.items():
+            if k in self.values and self.values[k] != v:
+                raise ConfigError(
+                    f"contradictory pinned knobs: {self.name(k)} {self.values[k]} but {other.name(k)} {v}"
+                )
+        return Pinned({**self.values, **other.values}, {**self.spelled, **other.spelled})
+
     def check(self) -> None:
         """Refuse contradictory pins by name ([Note: config search])."""
-        v = self.values
+        v, n = self.values, self.name
         opt, par, grad = v.get("offload_optimizer"), v.get("offload_param"), v.get("grad_tier")
         problems = []
         if opt == "none" and grad not in (None, "gpu"):
             problems.append(
-                f"--grad-tier {grad} needs the optimizer offloaded, but --offload-optimizer is none"
+                f"{n('grad_tier')} {grad} needs the optimizer offloaded, but {n('offload_optimizer')} is none"
             )
         if opt == "none" and par not in (None, "none"):
             problems.append(
-                f"--offload-param {par} needs the optimizer offloaded, but --offload-optimizer is none"
+                f"{n('offload_param')} {par} needs the optimizer offloaded, but {n('offload_optimizer')} is none"
             )
         if opt not in (None, "none") and grad == "gpu":
             problems.append(
-                f"--grad-tier gpu needs the optimizer on the GPU, but --offload-optimizer is {opt}"
+                f"{n('grad_tier')} gpu needs the optimizer on the GPU, but {n('offload_optimizer')} is {opt}"
             )
         if v.get("max_in_cpu") not in (None, 0) and par not in (None, "nvme"):
-            problems.append(f"--max-in-cpu keeps NVMe parameters in cpu, but --offload-param is {par}")
+            problems.append(
+                f"{n('max_in_cpu')} keeps NVMe parameters in cpu, but {n('offload_param')} is {par}"
+            )
         if problems:
             raise ConfigError("contradictory pinned knobs: " + "; ".join(problems))
 
@@ -184,7 +215,7 @@ class Candidate:
     config: dict[str, Any]
     prediction: Prediction | None
     shortfalls: dict[str, int]
-    """memory ("gpu", "host", "nvme") -> bytes short; empty when it fits."""
+    """memory ("device", "host", "disk") -> bytes short; empty when it fits."""
     refused: str = ""
     """Why the engine would refuse it before any byte is counted (a module that cannot be gathered)."""
     peaks: dict[str, int] = field(default_factory=dict)
@@ -195,82 +226,93 @@ class Candidate:
     def fits(self) -> bool:
         return not self.shortfalls and not self.refused
 
+    @property
+    def placement(self) -> tuple[str, str, str]:
+        """(optimizer device, parameter device, grad tier)."""
+        return (self.knobs["offload_optimizer"], self.knobs["offload_param"], self.knobs["grad_tier"])
 
-def knob_grid(pinned: Pinned) -> Iterable[dict[str, Any]]:
-    """Every combination of the searched knobs with the pinned ones fixed."""
+
+@dataclass(frozen=True)
+class Setup:
+    """What every candidate of one search shares ([Note: config search]): the model, the
+    memories given, the base config, the machine, and the layout cache."""
+
+    model: nn.Module
+    mem: Memories
+    base: Base = field(default_factory=plan_base)
+    nvme_path: str | None = None
+    """Where NVMe placements write (None: they are not weighed)."""
+    world_size: int = 1
+    bandwidth: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_BANDWIDTH))
+    device_kind: str = "cuda"
+    """The machine that will run it ("cuda", "cpu"): the process baseline's ([Note: one memory model])."""
+    compute_flops: float = 0.0
+    """The training FLOPs of a step ([Note: step time model])."""
+    checkpointing: bool = False
+    max_in_cpu: int | None = None
+    """``offload_param.max_in_cpu`` pinned (None: sized from the cpu budget's room)."""
+    layouts: dict[tuple[object, ...], tuple[GroupLayout, list[ShardGroup]]] = field(default_factory=dict)
+
+
+def knob_grid(pinned: Pinned, *, nvme: bool = True) -> Iterable[dict[str, Any]]:
+    """Every combination of the searched knobs with the pinned ones fixed; without `nvme` (no
+    nvme_path known) no placement that writes to NVMe."""
     pinned.check()
-    for (opt, par, grad), sgs, bc, thr in itertools.product(
-        PLACEMENTS, SUB_GROUP_SIZES, BUFFER_COUNTS, PERSISTENCE_THRESHOLDS
-    ):
-        knobs = {
-            "offload_optimizer": opt,
-            "offload_param": par,
-            "grad_tier": grad,
-            "sub_group_size": sgs,
-            "buffer_count": bc,
-            "persistence_threshold": thr,
-            "max_in_cpu": 0,
-        }
-        if any(pinned.get(k) is not None and pinned.get(k) != knobs[k] for k in GRID_KNOBS):
+
+    def values(knob: str) -> tuple[Any, ...]:
+        return GRID[knob] if pinned.get(knob) is None else (pinned.get(knob),)
+
+    prefetch = pinned.get("prefetch_bucket_size")
+    for placement in PLACEMENTS:
+        if any(pinned.get(k) not in (None, p) for k, p in zip(PLACEMENT_KNOBS, placement, strict=True)):
             continue
-        if opt == "none" and bc != BUFFER_COUNTS[0]:
-            continue  # no pipeline: buffer_count changes nothing
-        yield knobs
-    extra = {k: pinned.get(k) for k in ("sub_group_size", "buffer_count", "persistence_threshold")}
-    if any(
-        v is not None and v not in grid
-        for v, grid in zip(
-            extra.values(), (SUB_GROUP_SIZES, BUFFER_COUNTS, PERSISTENCE_THRESHOLDS), strict=True
-        )
-    ):
-        for opt, par, grad in PLACEMENTS:  # a pinned value off the grid: weigh it exactly
-            knobs = {
-                "offload_optimizer": opt,
-                "offload_param": par,
-                "grad_tier": grad,
-                "sub_group_size": extra["sub_group_size"] or SUB_GROUP_SIZES[2],
-                "buffer_count": extra["buffer_count"] or BUFFER_COUNTS[0],
-                "persistence_threshold": PERSISTENCE_THRESHOLDS[0]
-                if extra["persistence_threshold"] is None
-                else extra["persistence_threshold"],
-                "max_in_cpu": 0,
+        if "nvme" in placement and not nvme:
+            continue
+        counts = values("buffer_count")[:1] if placement[0] == "none" else values("buffer_count")
+        for sgs, bc, thr in itertools.product(
+            values("sub_group_size"), counts, values("persistence_threshold")
+        ):
+            # no pipeline without an offloaded optimizer: buffer_count changes nothing there
+            yield {
+                **dict(zip(PLACEMENT_KNOBS, placement, strict=True)),
+                "sub_group_size": sgs,
+                "buffer_count": bc,
+                "persistence_threshold": thr,
+                "max_in_cpu": None,
+                **({} if prefetch is None else {"prefetch_bucket_size": prefetch}),
             }
-            if all(pinned.get(k) is None or pinned.get(k) == knobs[k] for k in GRID_KNOBS):
-                yield knobs
 
 
-def live_parameters(model: nn.Module) -> int | None:
-    """``stage3_max_live_parameters`` when DeepSpeed's 1e9 cannot hold the largest module and the
-    one prefetched after it (a 128k vocabulary's embedding at hidden 8192 is 1.05e9): twice the
-    largest module's own parameters; None keeps the default."""
+def live_parameters(model: nn.Module, default: int) -> int | None:
+    """``stage3_max_live_parameters`` when the `default` (DeepSpeed's 1e9) cannot hold the
+    largest module and the one prefetched after it (a 128k vocabulary's embedding at hidden 8192
+    is 1.05e9): twice the largest module's own parameters; None keeps the default."""
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    return 2 * largest if 2 * largest > 1_000_000_000 else None
+    return 2 * largest if 2 * largest > default else None
 
 
 def weigh(
-    model: nn.Module,
-    knobs: dict[str, Any],
-    mem: Memories,
-    *,
-    max_live: int | None = None,
-    **kw: Any,
+    model: nn.Module, knobs: dict[str, Any], mem: Memories, *, max_live: int | None = None, **setup: Any
 ) -> Candidate:
+    """One placement and its knobs ([Note: config search]); `setup` the fields of `Setup`."""
+    return _weigh(Setup(model, mem, **setup), knobs, max_live)
+
+
+def _weigh(s: Setup, knobs: dict[str, Any], max_live: int | None) -> Candidate:
     """One placement and its knobs, at the live budgets [Note: the live budget searched] weighs:
     the default (`live_parameters`) and the largest the GPU has room for; the faster that fits
-    (a user's value, `max_live` or the base config's, is the only one weighed)."""
-    base = kw.get("base")
-    user = None if base is None else (base.get("zero_optimization") or {}).get("stage3_max_live_parameters")
-    if max_live is not None or user is not None:
-        return _weigh_at(model, knobs, mem, max_live, **kw)
-    first = _weigh_at(model, knobs, mem, live_parameters(model), **kw)
+    (a value the user pinned, `max_live`, is the only one weighed)."""
+    if max_live is not None:
+        return _weigh_at(s, knobs, max_live)
+    mem, ws = s.mem, s.world_size
+    first = _weigh_at(s, knobs, live_parameters(s.model, s.base.default("max_live_parameters")))
     pred = first.prediction
-    ws = int(kw.get("world_size", 1))
     if pred is None or mem.gpu is None or (ws == 1 and knobs["offload_param"] == "none"):
         return first  # nothing gathered: the parameters are the GPU's own
     if mem.activations is None:
         return first  # the room may be the activations': not filled with parameters unasked
-    gpu_budget = max(0, mem.gpu - activations_on(mem, kw.get("device_kind", "cuda"), "device"))
-    itemsize = torch.empty(0, dtype=pred.placement.compute_dtype).element_size()
+    gpu_budget = max(0, mem.gpu - activations_on(mem, s.device_kind, "device"))
+    itemsize = pred.placement.compute_dtype.itemsize
     per_element = itemsize * ((1 + 1 / ws) if ws > 1 else 1)  # as `live_gpu_bytes`
     gather = pred.needs["gpu"]["gather"] if "gpu" in pred.needs else 0
     room = gpu_budget - pred.tier_bytes("device")  # the gather's bytes again: the largest module's gradient
@@ -278,7 +320,7 @@ def weigh(
     fit = min(total, int(room // per_element))
     if fit * per_element < gather:
         return first  # too little room: the default or nothing
-    second = _weigh_at(model, knobs, mem, int(fit), **kw)
+    second = _weigh_at(s, knobs, int(fit))
     # ties (another link bounds the step): fewer bytes moved, the re-reads' PCIe time saved
     return min(
         (first, second),
@@ -291,64 +333,40 @@ def weigh(
     )
 
 
-def _weigh_at(
-    model: nn.Module,
-    knobs: dict[str, Any],
-    mem: Memories,
-    live: int | None,
-    *,
-    precision: str = "bf16",
-    accumulation: int = 1,
-    world_size: int = 1,
-    nvme_path: str = "./tiered_offload",
-    bandwidth: Mapping[str, float] = DEFAULT_BANDWIDTH,
-    max_in_cpu: int | None = None,
-    layouts: dict[tuple[object, ...], tuple[GroupLayout, list[ShardGroup]]] | None = None,
-    base: Mapping[str, Any] | None = None,
-    device_kind: str = "cuda",
-    compute_flops: float = 0.0,
-    checkpointing: bool = False,
-) -> Candidate:
-    """One config: predicted by the engine's memory model, fit-checked, timed ([Note: config search]).
-    `device_kind` ("cuda", "cpu") is the machine's that will run it: the process baseline's
-    ([Note: one memory model]); `live` the live budget written (None: the config's own);
-    `compute_flops` the training FLOPs of a step ([Note: step time model])."""
-    from tiered.config.loader import load_config
-
-    gpu_budget = None if mem.gpu is None else max(0, mem.gpu - activations_on(mem, device_kind, "device"))
-    on_host = activations_on(mem, device_kind, "host")  # [Note: compute memory on a CPU-only machine]
-    knobs = {
-        **knobs,
-        "max_live_parameters": live,
-        "overlap_step": overlap_applies(knobs, precision, accumulation, base),
-    }
+def _weigh_at(s: Setup, knobs: dict[str, Any], live: int | None) -> Candidate:
+    """One config: predicted by the engine's memory model, fit-checked, timed ([Note: config
+    search]); `live` the live budget written (None: the base's own)."""
+    mem, base = s.mem, s.base
+    gpu_budget = None if mem.gpu is None else max(0, mem.gpu - activations_on(mem, s.device_kind, "device"))
+    on_host = activations_on(mem, s.device_kind, "host")  # [Note: compute memory on a CPU-only machine]
+    knobs = {**knobs, "max_live_parameters": live, "overlap_step": overlap_applies(knobs, base)}
     budgets: dict[str, int | None] = {"gpu": gpu_budget, "cpu": mem.cpu, "nvme": mem.nvme}
-    opts: dict[str, Any] = dict(
-        precision=precision, accumulation=accumulation, nvme_path=nvme_path, base=base
-    )
-    config = candidate_config(knobs, budgets=budgets, **opts)
+    config = candidate_config(knobs, base, nvme_path=s.nvme_path, budgets=budgets)
     try:
-        cfg = load_config(config, model=model, world_size=world_size)
+        cfg = load_config(config, model=s.model, world_size=s.world_size)
         # without residency: the need first; what the cpu tier keeps is weighed at the budget written
-        pred = predict(model, cfg, world_size=world_size, device_kind=device_kind, layouts=layouts, rooms={})
+        pred = predict(
+            s.model, cfg, world_size=s.world_size, device_kind=s.device_kind, layouts=s.layouts, rooms={}
+        )
     except (CapacityError, ConfigError) as exc:
         return Candidate(knobs, config, None, {}, refused=str(exc))
     cpu_budget = None if mem.cpu is None else max(0, mem.cpu - pred.host_extra_bytes - on_host)
     peaks = {m: pred.peak_bytes(m) for m in ("device", "host", "disk")}
     peaks["host"] += on_host
     if pred.memory.get("gpu") == "device":  # [Note: the live budget searched]: held beyond the gather
-        peaks["device"] += live_extra_bytes(pred, cfg.zero.max_live_parameters_numel, world_size)
+        peaks["device"] += live_extra_bytes(pred, cfg.zero.max_live_parameters_numel, s.world_size)
     short: dict[str, int] = {}
     for memory, have in (("device", gpu_budget), ("host", mem.cpu), ("disk", mem.nvme)):
         if have is not None and peaks[memory] > have:
             short[memory] = peaks[memory] - have
+    knobs["max_in_cpu"] = 0  # nothing on NVMe to keep in cpu
     if knobs["offload_param"] == "nvme":  # [Note: config search]: max_in_cpu from the room left
         room = None if cpu_budget is None else max(0, cpu_budget - pred.tier_bytes("host"))
-        itemsize = torch.empty(0, dtype=pred.placement.compute_dtype).element_size()
-        chosen = (
-            max_in_cpu if max_in_cpu is not None else (1_000_000_000 if room is None else room // itemsize)
-        )
-        knobs["max_in_cpu"] = int(chosen)
+        itemsize = pred.placement.compute_dtype.itemsize
+        sized = None if room is None else room // itemsize
+        knobs["max_in_cpu"] = s.max_in_cpu if s.max_in_cpu is not None else sized
+        if knobs["max_in_cpu"] is None:  # no cpu_mem given: the config's own value
+            knobs["max_in_cpu"] = cfg.zero.offload_param.max_in_cpu_numel
     # [Note: residency]: what the cpu tier keeps within the budget written (the kept copies live
     # in the cpu tier, inside its budget, beyond its need)
     pred = dataclasses.replace(pred, residency=_residency_at(pred, cfg, cpu_budget, knobs["max_in_cpu"]))
@@ -359,15 +377,15 @@ def _weigh_at(
         # [Note: a cpu tier caches up to its budget]
         peaks["host"] = max(peaks["host"], pred.host_extra_bytes + on_host + cpu_budget)
     budgets["cpu"] = cpu_budget
-    config = candidate_config(knobs, budgets=budgets, **opts)
+    config = candidate_config(knobs, base, nvme_path=s.nvme_path, budgets=budgets)
     knobs["max_live_parameters"] = cfg.zero.max_live_parameters_numel  # the value in force, shown
     seconds, traffic, _, _ = config_seconds_per_step(
         pred,
         cfg,
-        bandwidth,
-        compute_flops=compute_flops,
-        shared_cores=device_kind == "cpu",
-        checkpointing=checkpointing,
+        s.bandwidth,
+        compute_flops=s.compute_flops,
+        shared_cores=s.device_kind == "cpu",
+        checkpointing=s.checkpointing,
     )
     return Candidate(knobs, config, pred, short, peaks=peaks, traffic=traffic, seconds_per_step=seconds)
 
@@ -389,8 +407,31 @@ class SearchResult:
     @property
     def closest(self) -> Candidate | None:
         """The config nearest to fitting (least bytes short in all), for the refusal."""
-        counted = [c for c in self.weighed if c.prediction is not None]
-        return min(counted, key=lambda c: sum(c.shortfalls.values()), default=None)
+        return _closest(self.weighed)
+
+    def per_placement(self) -> list[Candidate]:
+        """Per placement weighed (in `PLACEMENTS`' order): its fastest config that fits, else its
+        closest, else one the engine refuses (with why): the rows of the plan's placement table."""
+        out = []
+        for placement in PLACEMENTS:
+            mine = [c for c in self.weighed if c.placement == placement]
+            best = _fastest(c for c in mine if c.fits) or _closest(mine) or next(iter(mine), None)
+            if best is not None:
+                out.append(best)
+        return out
+
+
+def _fastest(candidates: Iterable[Candidate]) -> Candidate | None:
+    return min(
+        candidates,
+        key=lambda c: (round(c.seconds_per_step, 6), c.peaks["host"], c.peaks["device"]),
+        default=None,
+    )
+
+
+def _closest(candidates: Iterable[Candidate]) -> Candidate | None:
+    counted = [c for c in candidates if c.prediction is not None]
+    return min(counted, key=lambda c: sum(c.shortfalls.values()), default=None)
 
 
 def search(
@@ -399,34 +440,31 @@ def search(
     pinned: Pinned = Pinned(),
     *,
     tokens_per_step: int | None = None,
-    checkpointing: bool = False,
-    **kw: Any,
+    **setup: Any,
 ) -> SearchResult:
     """Every candidate of `knob_grid`, weighed; the fastest that fits (ties: less host memory).
-    With `tokens_per_step` (per rank) the compute counts at ``kw["bandwidth"]["flops"]``
+    `setup` the fields of `Setup` (the base config's own knobs are pinned too, by their keys);
+    with `tokens_per_step` (per rank) the compute counts at the bandwidth's ``"flops"``
     ([Note: step time model])."""
-    if pinned.get("overlap_step") and kw.get("precision") == "fp16":  # `overlap_blockers`
+    s = Setup(model, mem, **setup)
+    own = s.base.pins()
+    pinned = pinned.merged(Pinned(own, {k: config_name(k) for k in own}))
+    if pinned.get("overlap_step") and s.base.cfg.precision.dtype == torch.float16:  # `overlap_blockers`
         raise ConfigError(
-            "contradictory pinned knobs: --overlap-step on, but fp16 needs the overflow check over every "
-            "gradient before the first update; use bf16 or --overlap-step off"
+            f"contradictory pinned knobs: {pinned.name('overlap_step')} on, but fp16 needs the overflow "
+            "check over every gradient before the first update; use bf16 or turn the overlap off"
         )
-    weighed = []
-    kw.setdefault("layouts", {})
     if tokens_per_step:
         params = sum(p.numel() for p in model.parameters())
-        kw["compute_flops"] = training_flops(params, tokens_per_step, checkpointing=checkpointing)
-    kw["checkpointing"] = checkpointing
-    for name in ("max_in_cpu", "max_live_parameters"):
-        if pinned.get(name) is not None:
-            kw["max_live" if name == "max_live_parameters" else name] = pinned.get(name)
-    for knobs in knob_grid(pinned):
+        flops = training_flops(params, tokens_per_step, checkpointing=s.checkpointing)
+        s = dataclasses.replace(s, compute_flops=flops)
+    if pinned.get("max_in_cpu") is not None:
+        s = dataclasses.replace(s, max_in_cpu=pinned.get("max_in_cpu"))
+    weighed = []
+    for knobs in knob_grid(pinned, nvme=s.nvme_path is not None):
         knobs["overlap_step"] = pinned.get("overlap_step")
-        weighed.append(weigh(model, knobs, mem, **kw))
-    fits = [c for c in weighed if c.fits]
-    best = min(
-        fits, key=lambda c: (round(c.seconds_per_step, 6), c.peaks["host"], c.peaks["device"]), default=None
-    )
-    return SearchResult(best, tuple(weighed))
+        weighed.append(_weigh(s, knobs, pinned.get("max_live_parameters")))
+    return SearchResult(_fastest(c for c in weighed if c.fits), tuple(weighed))
 
 
 def shortfall_text(c: Candidate) -> str:
