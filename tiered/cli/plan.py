@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any, TextIO
 
@@ -40,6 +41,28 @@ examples:
 sizes: 80GB (1e9), 80GiB (2^30), 1e9 or plain bytes.  counts: 40B, 7.5e9, 350M, 1.5T.
 exit status: 0 a placement fits (or no memory was given), 1 nothing fits, 2 bad input.
 """
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (argparse names the flag in its error)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def positive_rate(text: str) -> float:
+    """An argparse type: a finite rate > 0, e.g. 4e14 (a FLOP/s of 0, nan or inf predicts nothing)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a rate such as 4e14, got {text!r}") from None
+    if not math.isfinite(rate) or rate <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite rate > 0, e.g. 4e14, got {text!r}")
+    return rate
 
 
 def _label(tier: str) -> str:
@@ -119,16 +142,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="tokens per optimizer step per rank: counts the compute in the predicted s/step "
         "([Note: step time model]; default: --seq-len x --micro-batch x --accumulation, or not modelled)",
     )
-    p.add_argument("--seq-len", type=int, metavar="T", help="sequence length (with --micro-batch)")
+    p.add_argument("--seq-len", type=positive_int, metavar="T", help="sequence length (with --micro-batch)")
     p.add_argument(
-        "--micro-batch", type=int, default=1, metavar="B", help="sequences per micro-batch (default 1)"
+        "--micro-batch",
+        type=positive_int,
+        default=1,
+        metavar="B",
+        help="sequences per micro-batch (default 1)",
     )
     p.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing: one more forward counted"
     )
     p.add_argument(
         "--flops",
-        type=float,
+        type=positive_rate,
         metavar="RATE",
         help="the compute device's FLOP/s for the compute term, e.g. 4e14 (default: with --model and --seq-len, "
         "one layer of the model timed here ([Note: model compute probe]); else a matmul probe here)",
@@ -212,9 +239,13 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         if args.largest_layer is not None:
             from dataclasses import replace
 
-            shape = replace(
-                shape, largest_layer_params=parse_count(args.largest_layer, what="--largest-layer")
-            )
+            big = parse_count(args.largest_layer, what="--largest-layer")
+            if big > shape.total_params:
+                raise ConfigError(
+                    f"--largest-layer ({big:,}) cannot exceed the parameters of --model {args.model} "
+                    f"({shape.total_params:,}); give the largest module's count, or leave it out (counted)"
+                )
+            shape = replace(shape, largest_layer_params=big)
     else:
         shape = shape_from_params(args.params, largest_layer=args.largest_layer)
     if getattr(args, "lora", None) is not None:
@@ -238,6 +269,7 @@ def meta_model_from_args(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]
     """The module tree the search plans: the real one on the meta device, or the documented
     stand-in for --params ([Note: shape model for --params])."""
     from tiered.planning.model_shape import parse_count
+    from tiered.planning.model_sizes import MAX_PARAMS
 
     if args.model is not None:
         from tiered.planning.hf_config import build_meta_model, resolve_model
@@ -248,7 +280,7 @@ def meta_model_from_args(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]
         from tiered.planning.shape_model import shape_model
 
         big = None if args.largest_layer is None else parse_count(args.largest_layer, what="--largest-layer")
-        model, said = shape_model(parse_count(args.params, what="--params"), big)
+        model, said = shape_model(parse_count(args.params, what="--params", maximum=MAX_PARAMS), big)
     if getattr(args, "lora", None) is not None:
         from tiered.finetune.lora import apply_lora, parse_lora_spec
 
@@ -264,6 +296,15 @@ def search_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
     from tiered.planning.timing import DEFAULT_BANDWIDTH, read_bandwidth
 
     model, said = meta_model_from_args(args)
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if (
+        args.model is not None
+        and isinstance(max_pos, int)
+        and (getattr(args, "seq_len", None) or 0) > max_pos
+    ):
+        raise ConfigError(  # as tiered finetune refuses it: the model cannot run such sequences
+            f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings {max_pos} ({args.model})"
+        )
     notes = list(said)
     if args.bandwidth is not None:
         bw, taken = read_bandwidth(args.bandwidth)
@@ -400,9 +441,29 @@ def render(plan: Plan, out: TextIO, *, activations_estimated: bool = False) -> N
     )
 
 
+def check_all_memory(plan: Plan) -> None:
+    """With every tier's memory given, the model's weights alone must fit their sum (per rank:
+    ZeRO-3 shards them over the ranks): else nothing can, and the search is not run
+    ([Note: plausible model sizes])."""
+    from tiered.planning.model_sizes import check_weights_fit
+
+    m, o = plan.memories, plan.options
+    given = (m.gpu_bytes, m.cpu_bytes, m.nvme_bytes)
+    if any(b is None for b in given):
+        return  # a tier not given is not checked: it may hold anything
+    check_weights_fit(
+        -(-plan.shape.total_params // o.world_size),
+        PrecisionBytes.of(o.precision).param,
+        sum(b for b in given if b is not None),
+        "--gpu-mem + --cpu-mem + --nvme-mem per rank",
+        plan.shape.source,
+    )
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     plan = plan_from_args(args)
+    check_all_memory(plan)
     result, notes = search_from_args(args)
     if args.json:
         doc = plan.to_json()

@@ -37,20 +37,18 @@ def meta_causal_lm(folder: str | os.PathLike[str], *, attn_implementation: str =
     """The AutoModelForCausalLM of `folder`'s config.json, on the meta device (no host memory).
     Eager attention by default: the same math on every machine."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError as exc:
         raise TieredError(
             "from_pretrained needs transformers; install it with pip install 'tiered[hf]'"
         ) from exc
+    from tiered.planning.hf_config import load_hf_config, resolve_model
+
     path = Path(folder)
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"from_pretrained({folder}): no config.json there; pass a Hugging Face model folder"
-        )
-    try:
-        hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"from_pretrained({folder}): config.json cannot be read: {exc}") from None
+    if not path.is_dir():
+        raise ConfigError(f"from_pretrained({folder}): not a folder; pass a Hugging Face model folder")
+    # read and checked as every model folder is ([Note: files a user names], [Note: plausible model sizes])
+    hf = load_hf_config(resolve_model(path, weights=False, flag="from_pretrained"))
     with torch.device("meta"):
         model: torch.nn.Module = AutoModelForCausalLM.from_config(
             hf, attn_implementation=attn_implementation, dtype=torch.float32
