@@ -18,7 +18,7 @@ import torch
 
 from tiered.errors import ConfigError, WeightsError
 from tiered.planning.hf_config import ModelSource, load_hf_config, resolve_model
-from tiered.zero.load import match_file_keys
+from tiered.zero.load import check_file_dtype, match_file_keys
 
 __all__ = ["ModelSource", "build_model", "load_hf_config", "resolve_model"]
 
@@ -57,6 +57,9 @@ def _load_weights(model: torch.nn.Module, files: tuple[Path, ...]) -> None:
                 f"--model {', '.join(sorted(names))}: tensor {k} has shape {tuple(t.shape)}, the model "
                 f"expects {tuple(own[k].shape)}; do the weights belong to this config.json?"
             )
+        if own[k].is_floating_point() and not t.is_floating_point():
+            file_key = next(f for f, n in name_of.items() if n == k)
+            check_file_dtype(file_key, str(t.dtype).removeprefix("torch."), found_in[file_key], k, own[k])
     loaded_ptrs = {own[k].data_ptr() for k in state}
     missing = sorted(
         n
@@ -74,6 +77,26 @@ def _load_weights(model: torch.nn.Module, files: tuple[Path, ...]) -> None:
     log.info("loaded %d tensors from %s", len(state), ", ".join(sorted(names)))
 
 
+def _check_host_fits(model: torch.nn.Module, source: ModelSource) -> None:
+    """The model is about to be built in host memory in fp32: its weights alone must fit this
+    machine's memory ([Note: plausible model sizes]), else the build is refused, not run until
+    the allocator or the kernel's OOM killer stops it."""
+    from tiered.device import Device
+    from tiered.planning.model_sizes import check_weights_fit
+
+    total = Device("cpu").mem_info()[1]
+    if total is None:
+        return
+    check_weights_fit(
+        sum(p.numel() for p in model.parameters()),
+        4,
+        total,
+        "this machine's memory: the model is built there in fp32 when the folder has no safetensors "
+        "weights, or with --lora or --compare-torch",
+        f"--model {source.config_path}",
+    )
+
+
 def build_model(
     source: ModelSource, *, seed: int = 0, attn_implementation: str = "eager", meta: bool = False
 ) -> torch.nn.Module:
@@ -87,16 +110,23 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     config = load_hf_config(source)
+
+    def build(on: str) -> torch.nn.Module:
+        try:
+            with torch.device(on):
+                built: torch.nn.Module = AutoModelForCausalLM.from_config(
+                    config, attn_implementation=attn_implementation, dtype=torch.float32
+                )
+        except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is the user's to fix
+            raise ConfigError(
+                f"--model {source.config_path}: transformers cannot build a causal LM from it: {exc}"
+            ) from None
+        return built
+
+    if not meta:  # counted on the meta device first: fp32 weights larger than the host are refused
+        _check_host_fits(build("meta"), source)
     torch.manual_seed(seed)
-    try:
-        with torch.device("meta" if meta else "cpu"):
-            model: torch.nn.Module = AutoModelForCausalLM.from_config(
-                config, attn_implementation=attn_implementation, dtype=torch.float32
-            )
-    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is the user's to fix
-        raise ConfigError(
-            f"--model {source.config_path}: transformers cannot build a causal LM from it: {exc}"
-        ) from None
+    model = build("meta" if meta else "cpu")
     model = model.float()
     from tiered.engine.pretrained import read_generation_config
 

@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiered.config.user_files import kind_of
 from tiered.errors import CapacityError, WeightsError
 
 log = logging.getLogger(__name__)
@@ -71,10 +73,25 @@ def convert_hint(folder: Path) -> str:
     )
 
 
+def _check_regular(paths: Sequence[Path]) -> None:
+    """Every weights file (and the index) that is there is a regular file: a FIFO would block the
+    reader's open for ever, a device never end ([Note: files a user names])."""
+    for p in paths:
+        try:
+            mode = p.stat().st_mode
+        except FileNotFoundError:
+            continue  # a dangling link: the missing-shard error names it
+        if not stat.S_ISREG(mode):
+            raise WeightsError(
+                f"weights file {p} is {kind_of(mode)}, not a regular file; remove it or replace it"
+            )
+
+
 def weight_files(folder: Path) -> tuple[list[Path], Path | None]:
     """The files to read ([Note: streaming load]) and the index they came from (None: no index)."""
     present = sorted(folder.glob("*.safetensors"))
     index = folder / INDEX_NAME
+    _check_regular([*present, *([index] if os.path.lexists(index) else [])])
     if index.is_file():
         try:
             data = json.loads(index.read_text(encoding="utf-8"))
@@ -198,6 +215,24 @@ def _converted_layout(model: nn.Module) -> str:
     )
 
 
+_FLOAT_CODES = ("F", "BF")
+"""safetensors' dtype codes of floating-point tensors (F64 ... F8_E4M3, BF16); I*, U*, BOOL and
+C* are integers, booleans and complex numbers."""
+
+
+def check_file_dtype(key: str, code: str, file: Path, name: str, own: torch.Tensor) -> None:
+    """A floating-point parameter or buffer (`own`, the model's `name`) is filled only from a
+    floating-point file tensor: integers or booleans would be converted (or their bytes read as
+    floats) into weights nobody trained, silently. WeightsError naming tensor and file otherwise."""
+    if own.is_floating_point() and not code.startswith(_FLOAT_CODES):
+        raise WeightsError(
+            f"tensor {key} in {file} is stored as {code}, not floating point, but the model's {name} is a "
+            f"{str(own.dtype).removeprefix('torch.')} weight: its values would be trained as if they were "
+            "weights; pass the model's floating-point weights (a quantized or converted file stores "
+            "integers: dequantize it first)"
+        )
+
+
 class WeightSource:
     """The tensors of one model folder: which file holds each, its shape and dtype (headers only)."""
 
@@ -221,6 +256,8 @@ class WeightSource:
 
         self.file_of: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        """The header's dtype of each tensor ("F32", "BF16", "I32", "BOOL", ...)."""
         for f in files:
             try:
                 with safe_open(str(f), framework="pt") as h:
@@ -231,7 +268,9 @@ class WeightSource:
                                 f"(folder {self.folder}, no index to choose): remove the stale file"
                             )
                         self.file_of[k] = f
-                        self.shapes[k] = tuple(h.get_slice(k).get_shape())
+                        sl = h.get_slice(k)
+                        self.shapes[k] = tuple(sl.get_shape())
+                        self.dtypes[k] = str(sl.get_dtype())
             except WeightsError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a corrupt file is the user's to fix
@@ -265,6 +304,7 @@ class WeightSource:
                     f"tensor {k} in {self.file_of[k].name} has shape {self.shapes[k]}, the model (config.json) "
                     f"expects {tuple(own.shape)}; do the weights belong to this config.json?"
                 )
+            check_file_dtype(k, self.dtypes[k], self.file_of[k], name, own)
         key_of: dict[int, str] = {}
         for name, p in params.items():
             if name in file_key:
