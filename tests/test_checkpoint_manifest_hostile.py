@@ -4,7 +4,8 @@ loader follows is checked first ([Note: manifest layout checked on read]); and a
 this user cannot read is named with the user, not taken for a missing or corrupt checkpoint.
 
 Tests run as root here, where a mode does not stop a read: the permission tests run their reads
-in a forked child that gave up root (uid/gid 65534) first, so they hold for any user."""
+in a forked child that gave up root (uid/gid 65534) first (hostile_support.as_other_user), so
+they hold for any user; one more injects the OS's PermissionError instead."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from engine_support import CASES, build, ds_config, make_batches
+from hostile_support import as_other_user, readable_tree
 
 import tiered
 from tiered.checkpoint import find_latest_valid, read_parameters, save_tensors
@@ -137,49 +139,6 @@ def test_a_forged_layout_is_refused_naming_the_field_before_any_file_is_opened(
 
 
 # ---- permissions -----------------------------------------------------------------------------
-def _readable(root: Path) -> None:
-    """Folders 0755 and files 0644 (checkpoints are private), so only the mode a test sets stops
-    the other user's read."""
-    os.chmod(root, 0o755)
-    for dirpath, dirs, files in os.walk(root):
-        for n in dirs:
-            os.chmod(os.path.join(dirpath, n), 0o755)
-        for n in files:
-            os.chmod(os.path.join(dirpath, n), 0o644)
-
-
-def _as_other_user(fn: Callable[[], None]) -> str:
-    """The error `fn()` raises as a user who is not the files' owner: as root, in a forked child
-    that gave up root (uid 65534); else here (the files belong to this user: mode 000 stops it).
-    Returns "<error class>: <message>", or "returned"."""
-
-    def attempt() -> str:
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - handed to the test
-            return f"{type(e).__name__}: {e}"
-        return "returned"
-
-    if os.geteuid() != 0:
-        return attempt()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            os.write(w, attempt().encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        text = f.read()
-    os.waitpid(pid, 0)
-    return text
-
-
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A folder another user can reach (pytest's own is 0700 under root's)."""
@@ -210,11 +169,11 @@ def test_an_unreadable_checkpoint_names_the_path_and_the_user(
     shared_tmp: Path, unreadable: Callable[[Path], Path], named: str
 ) -> None:
     tag = _checkpoint(shared_tmp)
-    _readable(shared_tmp)
+    readable_tree(shared_tmp)
     target = unreadable(tag)
     os.chmod(target, 0)
-    got = _as_other_user(lambda: read_parameters(str(shared_tmp / "ck")))
-    assert got.startswith(CheckpointPathError.__name__), got
+    got = as_other_user(lambda: f"returned {read_parameters(str(shared_tmp / 'ck'))}")
+    assert got.startswith(f"raw {CheckpointPathError.__name__}"), got
     assert f"checkpoint path {target}: permission denied for user" in got and "uid" in got, got
     assert named in got
 
@@ -222,10 +181,10 @@ def test_an_unreadable_checkpoint_names_the_path_and_the_user(
 def test_find_latest_valid_never_skips_an_unreadable_newest_checkpoint(shared_tmp: Path) -> None:
     save_tensors(shared_tmp / "ck", "a", {"w": torch.ones(4)}, {"counters": {"global_steps": 1}})
     save_tensors(shared_tmp / "ck", "b", {"w": torch.ones(4)}, {"counters": {"global_steps": 2}})
-    _readable(shared_tmp)
+    readable_tree(shared_tmp)
     os.chmod(shared_tmp / "ck" / "b", 0)
-    got = _as_other_user(lambda: print(find_latest_valid(str(shared_tmp / "ck"))))
-    assert got.startswith(CheckpointPathError.__name__) and str(shared_tmp / "ck" / "b") in got, got
+    got = as_other_user(lambda: f"returned {find_latest_valid(str(shared_tmp / 'ck'))}")
+    assert got.startswith(f"raw {CheckpointPathError.__name__}") and str(shared_tmp / "ck" / "b") in got, got
 
 
 def test_the_permission_error_is_injected_the_same_without_privileges(

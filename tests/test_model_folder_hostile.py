@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tiered.cli.main import main
+from hostile_support import refused
 
 pytest.importorskip("transformers")
 
@@ -28,14 +27,6 @@ def _folder(tmp_path: Path, **edits: Any) -> Path:
     d.mkdir()
     (d / "config.json").write_text(json.dumps(cfg))
     return d
-
-
-def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    """The one error line of a command that must exit 2 (no traceback escapes main)."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
 
 
 @pytest.mark.parametrize(
@@ -57,7 +48,7 @@ def test_a_config_json_that_is_no_regular_file_is_named_as_what_it_is(
         ["plan", "--model", str(d)],
         ["finetune", "--model", str(d), "--config", "x", "--data", "y"],
     ):
-        err = _refused(capsys, argv)
+        err = refused(capsys, argv)
         assert f"--model {d}: its config.json {kind}, not a regular file" in err
 
 
@@ -65,7 +56,7 @@ def test_a_model_path_that_is_a_fifo_is_refused_without_blocking(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     os.mkfifo(tmp_path / "config.json")
-    assert "is a FIFO" in _refused(capsys, ["plan", "--model", str(tmp_path / "config.json")])
+    assert "is a FIFO" in refused(capsys, ["plan", "--model", str(tmp_path / "config.json")])
 
 
 def test_a_config_json_linked_to_a_blob_is_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -88,9 +79,9 @@ def test_an_oversized_or_deeply_nested_config_json_is_refused_before_parsing(
     d.mkdir()
     with open(d / "config.json", "wb") as f:
         f.truncate(1 << 30)  # sparse: nothing is written, and nothing may be read
-    assert "1,073,741,824 bytes or more" in _refused(capsys, ["plan", "--model", str(d)])
+    assert "1,073,741,824 bytes or more" in refused(capsys, ["plan", "--model", str(d)])
     (d / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
-    err = _refused(capsys, ["plan", "--model", str(d)])
+    err = refused(capsys, ["plan", "--model", str(d)])
     assert f"--model {d / 'config.json'}: nests objects or lists deeper" in err
 
 
@@ -124,7 +115,7 @@ def test_an_implausible_size_is_refused_naming_the_file_and_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], edits: dict[str, Any], said: str
 ) -> None:
     d = _folder(tmp_path, **edits)
-    err = _refused(capsys, ["plan", "--model", str(d), *MEMORIES])
+    err = refused(capsys, ["plan", "--model", str(d), *MEMORIES])
     assert f"--model {d / 'config.json'}: " in err and said in err
 
 
@@ -136,7 +127,7 @@ def test_a_gpt2_size_is_named_as_the_file_writes_it(
     (d / "config.json").write_text(
         json.dumps({"model_type": "gpt2", "n_embd": 64, "n_head": 0, "n_layer": 2, "vocab_size": 256})
     )
-    assert "n_head is 0" in _refused(capsys, ["plan", "--model", str(d)])
+    assert "n_head is 0" in refused(capsys, ["plan", "--model", str(d)])
 
 
 def test_transformers_own_validation_is_named_with_the_file(
@@ -147,7 +138,7 @@ def test_transformers_own_validation_is_named_with_the_file(
     cfg["num_hidden_layers"] = None
     cfg["use_cache"] = "no"
     (d / "config.json").write_text(json.dumps(cfg))
-    err = _refused(capsys, ["plan", "--model", str(d)])
+    err = refused(capsys, ["plan", "--model", str(d)])
     assert f"--model {d / 'config.json'}: transformers" in err and "refuses this llama config" in err
     assert "num_hidden_layers" in err or "use_cache" in err
 
@@ -156,7 +147,7 @@ def test_sizes_are_checked_before_the_finetune_builds_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     d = _folder(tmp_path, num_hidden_layers=10**9)
-    err = _refused(capsys, ["finetune", "--model", str(d), "--config", str(ROOT / "examples" / "ds_config.json"),
+    err = refused(capsys, ["finetune", "--model", str(d), "--config", str(ROOT / "examples" / "ds_config.json"),
                             "--data", str(ROOT / "examples" / "corpus.txt")])  # fmt: skip
     assert "num_hidden_layers is 1,000,000,000" in err
 
@@ -165,14 +156,18 @@ def test_weights_larger_than_all_the_memory_given_are_refused_before_the_search(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     d = _folder(tmp_path, vocab_size=10**12)
-    err = _refused(capsys, ["plan", "--model", str(d), *MEMORIES, "--nvme-mem", "1TB"])
+    err = refused(capsys, ["plan", "--model", str(d), *MEMORIES, "--nvme-mem", "1TB"])
     assert "parameters need 768.00 TB for their weights alone" in err and "--nvme-mem" in err
 
 
-def test_a_model_larger_than_the_host_is_refused_before_it_is_built_there(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """No weights in the folder: tiered finetune builds the model in host memory, in fp32."""
+def test_a_model_larger_than_the_host_is_refused_before_it_is_built_there(tmp_path: Path) -> None:
+    """No weights in the folder: tiered finetune builds the model in host memory, in fp32. Run in
+    a process limited to 6 GiB of address space, so that a regression meets MemoryError there
+    instead of this machine's OOM killer."""
+    import resource
+    import subprocess
+    import sys
+
     d = _folder(
         tmp_path,
         hidden_size=65536,
@@ -187,16 +182,30 @@ def test_a_model_larger_than_the_host_is_refused_before_it_is_built_there(
             {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
         )
     )
-    err = _refused(
-        capsys,
-        [
-            "finetune",
-            "--model",
-            str(d),
-            "--config",
-            str(cfg),
-            "--data",
-            str(ROOT / "examples" / "corpus.txt"),
-        ],
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "plugins"), os.environ.get("PYTHONPATH", "")]),
     )
-    assert "for their weights alone (4 B each)" in err and "this machine's memory" in err
+    argv = [
+        "finetune",
+        "--model",
+        str(d),
+        "--config",
+        str(cfg),
+        "--data",
+        str(ROOT / "examples" / "corpus.txt"),
+    ]
+    r = subprocess.run(
+        [sys.executable, "-m", "tiered.cli.main", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "for their weights alone (4 B each)" in r.stderr and "this machine's memory" in r.stderr

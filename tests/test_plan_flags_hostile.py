@@ -10,21 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tiered.cli.main import main
+from hostile_support import refused
 
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny-llama"
 MEMORIES = ["--gpu-mem", "8GB", "--cpu-mem", "8GB"]
-
-
-def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
 
 
 @pytest.mark.parametrize(
@@ -71,7 +63,7 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 def test_a_flag_out_of_range_is_refused_naming_the_flag(
     capsys: pytest.CaptureFixture[str], argv: list[str], said: str
 ) -> None:
-    assert said in _refused(capsys, ["plan", *argv, *MEMORIES])
+    assert said in refused(capsys, ["plan", *argv, *MEMORIES])
 
 
 def _bench(tmp_path: Path, **doc: Any) -> Path:
@@ -85,7 +77,7 @@ def _bench(tmp_path: Path, **doc: Any) -> Path:
 
 
 def _plan_with(capsys: pytest.CaptureFixture[str], path: Path | str) -> str:
-    return _refused(capsys, ["plan", "--params", "100M", *MEMORIES, "--bandwidth", str(path)])
+    return refused(capsys, ["plan", "--params", "100M", *MEMORIES, "--bandwidth", str(path)])
 
 
 def test_a_bench_file_that_is_no_regular_file_is_refused_without_reading(
