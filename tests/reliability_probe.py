@@ -1,17 +1,22 @@
 """Every case of issue 23 (a checkpoint folder edited, redirected or raced; a hostile offload
-folder; poisoned training input; bad config and data), run against the code as it is now and
-classified, the way tests/deepspeed_probe.py runs the DeepSpeed surface.
+folder; poisoned training input; bad config and data) and of issue 37's round on the newer
+surfaces (model folders, plan and finetune flags, bench JSON, --out, weights files, manifests,
+the DeepSpeed surface: tests/reliability_probe_surfaces.py), run against the code as it is now
+and classified, the way tests/deepspeed_probe.py runs the DeepSpeed surface.
 
-``python tests/reliability_probe.py [--quick] [--json FILE] [--markdown] [--only ID,...]``
-runs each case in a worker subprocess with a per-case time limit (a hang kills the worker and
-is reported as a hang, class "wrong"; the worker restarts on the next case) and prints one line
-per case and the counts per class. tests/test_reliability_probe.py runs the quick cases and
-asserts none is "unclear" or "wrong"; docs/reliability.md is the table ``--markdown`` prints.
+``python tests/reliability_probe.py [--quick] [--issue 23|37] [--json FILE] [--markdown]
+[--only ID,...] [--timeout-scale X]`` runs each case in a worker subprocess with a per-case time
+limit (a hang kills the worker and is reported as a hang, class "wrong"; the worker restarts on
+the next case) and an address-space limit (a case that reads without end meets MemoryError, not
+the OOM killer), and prints one line per case and the counts per class.
+tests/test_reliability_probe.py runs the quick cases and asserts none is "unclear" or "wrong";
+docs/reliability.md is the table ``--markdown`` prints.
 
 The classes: "clear" (an error naming what, where and the fix; nothing lost or written where it
 should not be), "fine" (works as it should), "unclear" (a raw error), "wrong" (a silent bad
 result, a hang, something lost). Each case names its expected class and the check it makes;
-"old" is the behaviour issue 23 reported before the fixes.
+"old" is the behaviour issue 23 reported before the fixes (issue 37's: what the code did before
+them, measured on a496f13: BEFORE_37).
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import json
 import logging
 import os
 import queue
-import re
 import shutil
 import subprocess
 import sys
@@ -30,119 +34,28 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-CLASSES = ("clear", "fine", "unclear", "wrong")
-MARK = "@@PROBE "
-
-Outcome = tuple[str, str]  # (class, what was observed)
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    group: str
-    old: str  # the behaviour issue 23 reported
-    expected: str  # the class the fixed code must give
-    check: str  # what the probe checks
-    fn: Callable[[Path], Outcome]
-    slow: bool = False
-    timeout_s: float = 60.0
-
-
-CASES: list[Case] = []
-
-
-def case(
-    id: str, group: str, old: str, expected: str, check: str, slow: bool = False, timeout_s: float = 60.0
-) -> Callable[[Callable[[Path], Outcome]], Callable[[Path], Outcome]]:
-    def register(fn: Callable[[Path], Outcome]) -> Callable[[Path], Outcome]:
-        CASES.append(Case(id, group, old, expected, check, fn, slow, timeout_s))
-        return fn
-
-    return register
-
-
-# ---- helpers ---------------------------------------------------------------------------------
-_WORKDIR: list[str] = []  # the running case's folder, written "<tmp>" in what it observed
-
-
-def _short(msg: str, n: int = 300) -> str:
-    """`msg` on one line, the case's folder as <tmp> and digests as <xxh3> (the same text on every
-    run), cut to `n` characters."""
-    for wd in _WORKDIR:
-        msg = msg.replace(wd, "<tmp>")
-    msg = re.sub(r"'[0-9a-f]{16}'", "'<xxh3>'", " ".join(msg.split()))
-    return msg if len(msg) <= n else msg[: n - 3] + "..."
-
-
-def raises(
-    fn: Callable[[], Any], exc: type[BaseException] | tuple[type[BaseException], ...], *subs: str
-) -> Outcome:
-    """ "clear" when `fn()` raises `exc` whose message holds every one of `subs`; "unclear" for
-    another exception or a message missing one of them; "wrong" when it returns."""
-    try:
-        fn()
-    except exc as e:
-        msg = str(e)
-        missing = [s for s in subs if s not in msg]
-        if missing:
-            return "unclear", f"{type(e).__name__} without {missing}: {_short(msg)}"
-        return "clear", f"{type(e).__name__}: {_short(msg)}"
-    except Exception as e:  # noqa: BLE001 - a raw error is what the probe classifies
-        return "unclear", f"raw {type(e).__name__}: {_short(str(e))}"
-    return "wrong", "accepted silently"
-
-
-class _Absent(Exception):
-    """An error class the code under test does not define (an older tree): never raised, so
-    whatever is raised instead is "unclear"."""
-
-
-def error_class(name: str) -> type[BaseException]:
-    """tiered.errors.`name`, or `_Absent` where this tree has none (the probe runs on old trees
-    too, to measure what they did)."""
-    import tiered.errors
-
-    found = getattr(tiered.errors, name, None)
-    return found if isinstance(found, type) and issubclass(found, BaseException) else _Absent
-
-
-def also(outcome: Outcome, *checks: tuple[bool, str]) -> Outcome:
-    """`outcome` unless one of `checks` (ok, what it says when not ok) failed: then "wrong"."""
-    bad = [why for ok, why in checks if not ok]
-    return ("wrong", f"{outcome[1]}; but {'; '.join(bad)}") if bad else outcome
-
-
-class Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> Warnings:
-        logging.getLogger().addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger().removeHandler(self)
-
-    def has(self, *subs: str) -> bool:
-        return any(all(s in m for s in subs) for m in self.messages)
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "plugins"), str(HERE), env.get("PYTHONPATH", "")]
-    )
-    return env
+from probe_support import (
+    _WORKDIR,
+    CASES,
+    CLASSES,
+    HERE,
+    MARK,
+    ROOT,
+    WORKER_MEMORY_BYTES,
+    Case,
+    Outcome,
+    Warnings,
+    _env,
+    _short,
+    also,
+    as_nobody,
+    case,
+    error_class,
+    raises,
+)
 
 
 def _tensors(seed: int = 0) -> dict[str, Any]:
@@ -1173,30 +1086,14 @@ def _not_writable(wd: Path) -> Outcome:
     ck.mkdir()
     os.chmod(ck, 0o500)
     t = _tensors()
-    if os.geteuid() != 0:
-        out = raises(lambda: save_tensors(ck, "s", t), CheckpointPathError, "not writable", str(ck))
-        return also(out, (list(ck.iterdir()) == [], "something was written"))
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no longer root, reports its outcome through the pipe
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            got = raises(lambda: save_tensors(ck, "s", t), CheckpointPathError, "not writable", str(ck))
-            os.write(w, json.dumps(got).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        text = f.read()
-    os.waitpid(pid, 0)
-    if not text:
-        return "unclear", "the unprivileged child reported nothing"
-    got, observed = json.loads(text)
-    return also((got, observed + " (as uid 65534)"), (list(ck.iterdir()) == [], "something was written"))
+    out = as_nobody(
+        lambda: raises(lambda: save_tensors(ck, "s", t), CheckpointPathError, "not writable", str(ck))
+    )
+    return also(out, (list(ck.iterdir()) == [], "something was written"))
 
+
+# ---- issue 37's cases: the newer surfaces -----------------------------------------------------
+import reliability_probe_surfaces  # noqa: E402, F401 - registers its cases after issue 23's
 
 # ---- the class issue 23's description gives each case before the fixes ----------------------
 # ("unclear": a raw error; "wrong": a silent bad result, a hang, something lost or left behind)
@@ -1273,8 +1170,135 @@ def run_one(c: Case, announce: Callable[[Path], None] | None = None) -> dict[str
 SELFTEST = ("selftest-hang", "selftest-crash")
 
 
+# ---- the class each issue-37 case had before its fixes: the probe run on a496f13 (--old) -------
+BEFORE_37: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            "model-type-number",
+            "bandwidth-folder",
+            "auto-config-misspelt-key",
+            "manifest-files-etc-passwd",
+        ],
+        "clear",
+    ),
+    **dict.fromkeys(
+        [
+            "model-config-linked-like-hf-cache",
+            "weights-float64",
+            "manifest-v1-when-asked",
+            "zero-init-model-after-initialize",
+        ],
+        "fine",
+    ),
+    **dict.fromkeys(
+        [
+            "model-config-nested-100k",
+            "model-config-fifo",
+            "model-config-dev-zero",
+            "model-config-is-a-folder",
+            "model-config-1gb",
+            "model-heads-0",
+            "model-layers-float",
+            "model-hidden-string",
+            "model-hidden-negative",
+            "model-hidden-2-40",
+            "model-heads-above-hidden",
+            "model-gpt2-n-head-0",
+            "model-layers-null",
+            "model-rope-theta-string",
+            "model-vocab-1e12-all-memory-given",
+            "finetune-heads-0",
+            "finetune-model-larger-than-the-host",
+            "finetune-config-json-fifo",
+            "plan-params-1e30",
+            "plan-seq-len-0",
+            "plan-micro-batch-0",
+            "plan-largest-layer-above-model",
+            "bandwidth-read-gbps-string",
+            "bandwidth-gpu-link-without-rates",
+            "bandwidth-nested-100k",
+            "bandwidth-1gb",
+            "model-tokenizer-json-fifo",
+            "config-fifo",
+            "config-dev-zero",
+            "config-file-1gb",
+            "out-checkpoints-is-a-file",
+            "out-checkpoints-fifo",
+            "manifest-rank-file-etc-passwd",
+            "manifest-rank-file-dotdot",
+            "manifest-piece-offset-text",
+            "manifest-ranks-not-a-list",
+            "manifest-piece-unknown-group",
+            "checkpoint-manifest-mode-000",
+            "checkpoint-tag-folder-mode-000",
+            "checkpoint-rank-file-mode-000",
+            "checkpoint-latest-mode-000",
+            "zero-init-config-42",
+            "zero-init-config-list",
+            "zero-init-stage-string",
+            "gathered-parameters-name",
+            "gathered-parameters-int",
+            "gathered-parameters-list-of-names",
+            "gathered-parameters-modifier-rank-text",
+            "zero-init-model-called-before-initialize",
+        ],
+        "unclear",
+    ),
+    **dict.fromkeys(
+        [
+            "model-path-fifo",
+            "model-layers-1e9",
+            "model-layers-negative",
+            "model-vocab-0",
+            "model-intermediate-0",
+            "model-kv-heads-3-of-4",
+            "finetune-layers-1e9",
+            "plan-flops-0",
+            "plan-flops-nan",
+            "plan-seq-len-past-max-positions",
+            "bandwidth-dev-zero",
+            "bandwidth-fifo",
+            "bandwidth-read-gbps-negative",
+            "bandwidth-read-gbps-nan",
+            "bandwidth-flops-true",
+            "bandwidth-flops-0",
+            "auto-config-empty",
+            "auto-config-key-twice",
+            "auto-config-bandwidth-fifo",
+            "eval-every-0",
+            "data-fifo",
+            "data-dev-zero",
+            "eval-data-fifo",
+            "out-final-is-a-file",
+            "out-final-dangling-link",
+            "out-held-by-another-process",
+            "out-two-runs-at-once",
+            "weights-int32-streamed",
+            "weights-bool-streamed",
+            "weights-int32-compare-torch",
+            "weights-int64-python-api",
+            "weights-shard-fifo",
+            "weights-index-fifo",
+            "manifest-downgraded-to-v1",
+            "manifest-version-true",
+            "checkpoint-newest-unreadable",
+            "zero-init-zero-optimization-list",
+            "zero-init-config-fifo",
+            "zero-init-model-meta-input-before-initialize",
+        ],
+        "wrong",
+    ),
+}
+BEFORE_37_TREE = "a496f13"
+
+
 def _worker(ids: list[str]) -> None:
+    import resource
+
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = WORKER_MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(hard, WORKER_MEMORY_BYTES)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
     sys.path.insert(0, str(HERE))
     by_id = {c.id: c for c in CASES}
     for i in ids:
@@ -1289,9 +1313,12 @@ def _worker(ids: list[str]) -> None:
         print(MARK + json.dumps(r), flush=True)
 
 
-def run_cases(cases: list[Case], log: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+def run_cases(
+    cases: list[Case], log: Callable[[dict[str, Any]], None] | None = None, timeout_scale: float = 1.0
+) -> list[dict[str, Any]]:
     """Each case run in a worker subprocess (one worker for as many cases as it gets through); a
-    case that passes its time limit kills the worker and is a hang."""
+    case that passes its time limit (times `timeout_scale`: a loaded machine) kills the worker and
+    is a hang."""
     results: dict[str, dict[str, Any]] = {}
     todo = list(cases)
     errlog = tempfile.TemporaryFile("w+")  # the workers' stderr: its end says why one died
@@ -1314,7 +1341,7 @@ def run_cases(cases: list[Case], log: Callable[[dict[str, Any]], None] | None = 
 
         threading.Thread(target=pump, daemon=True).start()
         current = todo[0]
-        deadline = time.monotonic() + current.timeout_s
+        deadline = time.monotonic() + current.timeout_s * timeout_scale
         workdir: str | None = None
         while todo:
             current = todo[0]
@@ -1328,11 +1355,16 @@ def run_cases(cases: list[Case], log: Callable[[dict[str, Any]], None] | None = 
                 if workdir:  # what the killed case left (a FIFO, a half-written folder)
                     shutil.rmtree(workdir, ignore_errors=True)
                 what = (
-                    f"hung: no result within {current.timeout_s:.0f} s (killed)"
+                    f"hung: no result within {current.timeout_s * timeout_scale:.0f} s (killed)"
                     if line == "TIMEOUT"
                     else f"the worker died (exit {proc.returncode}): {_tail(errlog)}"
                 )
-                r = {"id": current.id, "got": "wrong", "observed": what, "seconds": current.timeout_s}
+                r = {
+                    "id": current.id,
+                    "got": "wrong",
+                    "observed": what,
+                    "seconds": current.timeout_s * timeout_scale,
+                }
             elif line.startswith(MARK):
                 r = json.loads(line[len(MARK) :])
                 if "start" in r:
@@ -1345,7 +1377,7 @@ def run_cases(cases: list[Case], log: Callable[[dict[str, Any]], None] | None = 
                 log(r)
             todo.pop(0)
             if todo:
-                deadline = time.monotonic() + todo[0].timeout_s
+                deadline = time.monotonic() + todo[0].timeout_s * timeout_scale
             if line is None or line == "TIMEOUT":
                 break
         else:
@@ -1358,7 +1390,8 @@ def run_cases(cases: list[Case], log: Callable[[dict[str, Any]], None] | None = 
                 "id": c.id,
                 "group": c.group,
                 "old": c.old,
-                "old_class": OLD_CLASS.get(c.id, "?"),
+                "old_class": OLD_CLASS.get(c.id) or BEFORE_37.get(c.id, "?"),
+                "issue": c.issue,
                 "expected": c.expected,
                 "check": c.check,
                 "slow": c.slow,
@@ -1381,25 +1414,39 @@ def counts(results: list[dict[str, Any]], key: str = "got") -> dict[str, int]:
 
 
 def markdown(results: list[dict[str, Any]], measured: dict[str, Any] | None = None) -> str:
-    """The table of docs/reliability.md: one section per group, a row per case; with `measured`
-    (the --json of a run on an older tree, --old) a column of what that tree did."""
+    """The tables of docs/reliability.md: one section per group, a row per case; with `measured`
+    (the --json of a run on an older tree, --old) a column of what that tree did. Issue 37's
+    groups have no class from the issue: their "before" is the measured column alone."""
     seen = {r["id"]: r for r in (measured or {}).get("cases", [])}
     out: list[str] = []
     for group in dict.fromkeys(r["group"] for r in results):
-        head = ["case", "old class: behaviour (issue 23)"]
-        head += [f"measured on {measured.get('tree', 'the old tree')}"] if measured else []
+        rows = [r for r in results if r["group"] == group]
+        newer = rows[0].get("issue", 23) != 23
+        if newer:
+            head = [
+                "case",
+                "what the probe does",
+                f"before (measured on {(measured or {}).get('tree') or BEFORE_37_TREE})",
+            ]
+        else:
+            head = ["case", "old class: behaviour (issue 23)"]
+            head += [f"measured on {measured.get('tree', 'the old tree')}"] if measured else []
         head += ["new behaviour (what the probe saw)", "class"]
         out += [
-            f"\n### {group[0].upper()}{group[1:]}\n",
+            f"\n#### {group[0].upper()}{group[1:]}\n",
             "| " + " | ".join(head) + " |",
             "|---" * len(head) + "|",
         ]
-        for r in (r for r in results if r["group"] == group):
+        for r in rows:
             slow = " (slow)" if r["slow"] else ""
-            cells = [f"`{r['id']}`{slow}", f"{r['old_class']}: {r['old']}"]
-            if measured:
-                m = seen.get(r["id"])
-                cells.append(f"{m['got']}: {_short(m['observed'], 160)}" if m else "not run")
+            m = seen.get(r["id"])
+            if newer:
+                before = f"{m['got']}: {_short(m['observed'], 160)}" if m else f"{r['old_class']}: {r['old']}"
+                cells = [f"`{r['id']}`{slow}", r["check"], before]
+            else:
+                cells = [f"`{r['id']}`{slow}", f"{r['old_class']}: {r['old']}"]
+                if measured:
+                    cells.append(f"{m['got']}: {_short(m['observed'], 160)}" if m else "not run")
             cells += [r["observed"], f"**{r['got']}**"]
             out.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     return "\n".join(out).lstrip("\n")
@@ -1417,13 +1464,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--tree", help="with --json: the name of the tree run (a commit), kept in the file")
     ap.add_argument("--only", metavar="IDS", help="comma-separated case ids")
+    ap.add_argument("--issue", type=int, choices=(23, 37), help="only the cases of this issue")
+    ap.add_argument(
+        "--timeout-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="multiply every case's time limit (a loaded machine, or an old tree whose cases train)",
+    )
     ap.add_argument("--list", action="store_true", help="list the cases")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         _worker(args.worker.split(","))
         return 0
-    cases = [c for c in CASES if not (args.quick and c.slow)]
+    cases = [c for c in CASES if not (args.quick and c.slow) and args.issue in (None, c.issue)]
     if args.only:
         want = args.only.split(",")
         unknown = sorted(set(want) - {c.id for c in CASES})
@@ -1439,12 +1494,26 @@ def main(argv: list[str] | None = None) -> int:
     def log(r: dict[str, Any]) -> None:
         print(f"{r['got']:8} {r['id']:40} {r['seconds']:6.1f}s  {r['observed']}", flush=True)
 
-    results = run_cases(cases, log)
+    results = run_cases(cases, log, args.timeout_scale)
     n = counts(results)
     took = time.perf_counter() - t0
-    old = counts(results, "old_class")
+    old = counts([r for r in results if r["issue"] == 23], "old_class")
     print(f"\n{len(results)} cases in {took:.0f} s: " + ", ".join(f"{n[k]} {k}" for k in CLASSES))
-    print("before the fixes (issue 23): " + ", ".join(f"{old[k]} {k}" for k in CLASSES))
+    for issue in sorted({r["issue"] for r in results}):
+        now = counts([r for r in results if r["issue"] == issue])
+        print(
+            f"issue {issue}'s {sum(now.values())} cases now: " + ", ".join(f"{now[k]} {k}" for k in CLASSES)
+        )
+    print(
+        "issue 23's before its fixes (as the issue reports): " + ", ".join(f"{old[k]} {k}" for k in CLASSES)
+    )
+    newer = [r for r in results if r["issue"] == 37 and r["id"] in BEFORE_37]
+    if newer:
+        was = counts(newer, "old_class")
+        print(
+            f"issue 37's before its fixes (measured on {BEFORE_37_TREE}): "
+            + ", ".join(f"{was[k]} {k}" for k in CLASSES)
+        )
     off = [r["id"] for r in results if r["got"] != r["expected"]]
     if off:
         print("not as expected: " + ", ".join(off))

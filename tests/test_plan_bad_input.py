@@ -57,20 +57,43 @@ def test_unknown_model_type_is_named_in_one_line(tmp_path: Path, capsys: pytest.
 
 
 def test_a_config_whose_layer_cannot_run_is_an_error_naming_the_folder(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from transformers import LlamaConfig
 
-    # 16 key/value heads for 4 query heads: builds on the meta device, fails when a layer runs
+    import tiered.planning.compute_probe as compute_probe
+
+    # A layer that fails when it runs (what 16 key/value heads for 4 query heads did before
+    # config.json's sizes were checked on reading, test_kv_heads_that_do_not_divide_are_refused_by_key):
+    # the probe's own failure, injected, is what the command must name.
+    def fails(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("shape '[1, 16, 16, 16]' is invalid for input of size 1024")
+
+    monkeypatch.setattr(compute_probe, "probe_model_compute", fails)
     LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=16, vocab_size=100, bos_token_id=1, eos_token_id=2,
+        num_key_value_heads=2, vocab_size=100, bos_token_id=1, eos_token_id=2,
     ).save_pretrained(tmp_path)  # fmt: skip
     err = _err(
         capsys, ["plan", "--model", str(tmp_path), "--seq-len", "16", "--device", "cpu", "--cpu-mem", "2GiB"]
     )
     assert f"--model {tmp_path}: one layer of the model" in err and "fails to run" in err
     assert "Traceback" not in err
+
+
+def test_kv_heads_that_do_not_divide_are_refused_by_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import LlamaConfig
+
+    # 16 key/value heads for 4 query heads: built on the meta device, it failed only when a layer ran
+    LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=16, vocab_size=100, bos_token_id=1, eos_token_id=2,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    err = _err(capsys, ["plan", "--model", str(tmp_path), "--cpu-mem", "2GiB"])
+    assert f"--model {tmp_path / 'config.json'}: num_attention_heads (4) is not a whole multiple of" in err
+    assert "num_key_value_heads (16)" in err and "Traceback" not in err
 
 
 def test_a_config_naming_its_own_code_is_built_as_transformers_class_with_a_warning(

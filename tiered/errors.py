@@ -84,6 +84,16 @@ class ShapeMutationError(TieredError, RuntimeError):
     """A module replaced or reshaped a parameter that tiered manages."""
 
 
+class UsageError(TieredError, TypeError):
+    """A tiered (or ported DeepSpeed) function was given an argument of the wrong kind; the message
+    names the argument and the documented form."""
+
+
+class ModelNotInitializedError(TieredError, RuntimeError):
+    """A model built under ``deepspeed.zero.Init`` (parameters on the meta device) was run before
+    ``initialize`` gave its parameters values."""
+
+
 class ParameterNotGatheredError(TieredError, RuntimeError):
     """A partitioned parameter's values were read outside forward without gathering them first."""
 
@@ -147,6 +157,11 @@ class CheckpointPathError(TieredError, OSError):
 class CheckpointLockError(TieredError, TimeoutError):
     """Another process held a checkpoint folder's save lock for the whole wait; the message names
     the lock file and its holder (pid, host)."""
+
+
+class RunLockError(CheckpointLockError):
+    """Another live process runs in the run folder (``tiered finetune --out``) this one was given;
+    the message names the lock file and its holder (pid, host)."""
 
 
 class DistributedSetupError(ConfigError, RuntimeError):

@@ -12,6 +12,7 @@ import torch
 
 from tiered.checkpoint import directory as d
 from tiered.checkpoint.decode_load import MOMENTS, MomentDecoder, SavedMoment, moment_decoder, saved_moment
+from tiered.checkpoint.manifest_layout import check_engine_layout
 from tiered.checkpoint.stream import StoredTensor, tensor_ranges, verify_file
 
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
@@ -31,6 +32,7 @@ def iter_parameters(
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     path = d.resolve(os.fspath(load_dir), tag)
     m = d.read_manifest(path)
+    check_engine_layout(os.path.join(path, d.MANIFEST), m)  # [Note: manifest layout checked on read]
     fmt = m.get("optimizer_state_format", "fp32")  # older checkpoints hold fp32 moments
     codec = moment_decoder(fmt, kind, path) if kind in MOMENTS and fmt != "fp32" else None
     for fname, rec in m["files"].items():

@@ -21,8 +21,11 @@ The rank files carry checksums in manifest.json, and the manifest carries its ow
 other field. So an edited manifest (a piece's ``start_in_shard`` moved by one, ``exp_avg``
 pointed at ``exp_avg_sq``, a changed step counter or RNG state) is refused by name instead of
 loading a model that is silently off. Like the file checksums it detects edits and corruption,
-not a forger (who can recompute it). Manifests of format version 1 have none: they still load,
-with a WARNING that their edits cannot be detected.
+not a forger (who can recompute it). Manifests of format version 1 have none, so a version 2
+manifest rewritten as version 1 (its checksum dropped) would load whatever the edit says: version
+1 is refused unless the user asks for it (``TIERED_ACCEPT_CHECKPOINT_FORMAT=1`` in the
+environment), and then loads with a WARNING that its edits cannot be detected. Every name and
+count the loaders follow is checked besides ([Note: manifest layout checked on read]).
 
 [Note: reclaiming interrupted saves]
 A save killed at any point (kill -9, power loss) leaves at most ``.<tag>.partial`` (a staging
@@ -62,8 +65,14 @@ from typing import Any
 
 import xxhash
 
-from tiered.checkpoint.paths import owned_dir, read_small, real_dir
-from tiered.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointSpaceError
+from tiered.checkpoint.paths import lstat_or_none, owned_dir, permission_denied, read_small, real_dir
+from tiered.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointPathError,
+    CheckpointSpaceError,
+    ConfigError,
+)
 from tiered.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -73,7 +82,8 @@ MANIFEST = "manifest.json"
 FORMAT = "tiered-checkpoint"
 FORMAT_VERSION = 2
 MANIFEST_CHECKSUM = "manifest_xxh3_64"
-_UNCHECKED_VERSIONS = (1,)  # before [Note: manifest checksum]: read with a WARNING
+_UNCHECKED_VERSIONS = (1,)  # before [Note: manifest checksum]: read only when asked, with a WARNING
+ACCEPT_FORMAT_ENV = "TIERED_ACCEPT_CHECKPOINT_FORMAT"
 _NAME_MAX_BYTES = 255
 _TAG_MAX_BYTES = _NAME_MAX_BYTES - len("..partial")
 _LATEST_MAX_BYTES = 4096
@@ -300,16 +310,32 @@ def read_manifest(path: str) -> dict[str, Any]:
         raise CheckpointCorruptError(
             f"checkpoint {path} has no {MANIFEST}: it is half-written or not a tiered checkpoint; load another tag"
         ) from None
+    except CheckpointPathError:  # not this user's to read: its permissions, not its bytes
+        raise
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"checkpoint manifest {mpath} cannot be read: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{mpath} is not a tiered checkpoint manifest (no format {FORMAT!r})")
     version = manifest.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise CheckpointCorruptError(
+            f"{mpath}: format_version {version!r} is not a version number; this tiered reads version "
+            f"{FORMAT_VERSION}: the manifest was edited or is corrupt"
+        )
     if version in _UNCHECKED_VERSIONS:
+        if version not in accepted_old_formats():
+            raise CheckpointCorruptError(
+                f"{mpath}: format version {version} has no manifest checksum, so an edit of it cannot be "
+                f"detected (a version {FORMAT_VERSION} manifest rewritten as version {version} loads "
+                f"anything): refused. If an older tiered saved it, load it with {ACCEPT_FORMAT_ENV}={version} "
+                "in the environment, then save it again to get a checksum"
+            )
         log.warning(
-            "%s: format version %s has no manifest checksum, so an edit of it cannot be detected; "
-            "save the checkpoint again to get one",
+            "%s: format version %s has no manifest checksum, so an edit of it cannot be detected "
+            "(accepted: %s=%s); save the checkpoint again to get one",
             mpath,
+            version,
+            ACCEPT_FORMAT_ENV,
             version,
         )
     elif version != FORMAT_VERSION:
@@ -326,6 +352,27 @@ def read_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
+def accepted_old_formats() -> tuple[int, ...]:
+    """The older format versions the user asked to read ([Note: manifest checksum]):
+    ``TIERED_ACCEPT_CHECKPOINT_FORMAT=1`` (a comma-separated list); none by default."""
+    text = os.environ.get(ACCEPT_FORMAT_ENV, "").strip()
+    if not text:
+        return ()
+    versions = []
+    for part in text.split(","):
+        try:
+            v = int(part)
+        except ValueError:
+            v = -1
+        if v not in _UNCHECKED_VERSIONS:
+            raise ConfigError(
+                f"{ACCEPT_FORMAT_ENV}={text!r}: {part.strip()!r} is not an older checkpoint format version "
+                f"this tiered can read ({', '.join(map(str, _UNCHECKED_VERSIONS))}); unset it or write 1"
+            )
+        versions.append(v)
+    return tuple(versions)
+
+
 def _check_file_names(mpath: str, files: Any) -> None:
     """Every file a manifest lists is a plain name inside its checkpoint folder."""
     if not isinstance(files, dict):
@@ -337,6 +384,7 @@ def _check_file_names(mpath: str, files: Any) -> None:
 
 def resolve(load_dir: str, tag: str | None) -> str:
     """The checkpoint directory `tag` names under `load_dir`, or the one ``latest`` names."""
+    lstat_or_none(load_dir)  # a folder on the way this user cannot enter is named so, not "missing"
     if not os.path.isdir(load_dir):
         raise CheckpointNotFoundError(f"checkpoint directory {load_dir} does not exist")
     if tag is None:
@@ -352,6 +400,7 @@ def resolve(load_dir: str, tag: str | None) -> str:
                 )
             )
         path = os.path.join(load_dir, tag)
+        lstat_or_none(os.path.join(path, MANIFEST))  # a folder this user cannot enter is named so
         if not os.path.isfile(os.path.join(path, MANIFEST)):
             hint = find_latest_valid(load_dir, verify=False)
             raise CheckpointNotFoundError(
@@ -372,6 +421,8 @@ def find_latest_valid(save_dir: str, *, verify: bool = True) -> str | None:
         names = os.listdir(save_dir)
     except FileNotFoundError:
         return None
+    except PermissionError:
+        raise permission_denied(save_dir) from None
     for name in names:
         path = os.path.join(save_dir, name)
         if name.startswith(".") or os.path.islink(path) or not os.path.isdir(path):
@@ -384,6 +435,8 @@ def find_latest_valid(save_dir: str, *, verify: bool = True) -> str | None:
                     verify_file(fpath, rec)
                 elif os.path.getsize(fpath) != rec["bytes"]:
                     raise CheckpointCorruptError(fpath)
+        except CheckpointPathError:  # unreadable here: it may be the newest, so never skipped silently
+            raise
         except (CheckpointCorruptError, CheckpointNotFoundError, OSError, KeyError, TypeError) as e:
             log.info("skipping %s: %s", path, e)
             continue

@@ -33,6 +33,7 @@ import torch
 from tiered.checkpoint import directory as d
 from tiered.checkpoint import rng
 from tiered.checkpoint.decode_load import MomentDecoder, SavedMoment, decoding_filler, saved_moment
+from tiered.checkpoint.manifest_layout import check_engine_layout
 from tiered.checkpoint.partition_io import Segment, fill_partition, load_partition, read_chunks
 from tiered.checkpoint.pipeline import ChunkPipeline
 from tiered.checkpoint.stream import TensorSpec, dtype_code, file_bytes, tensor_ranges, verify_file
@@ -437,7 +438,9 @@ def read_rank_tensors(
 
 def open_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[str, dict[str, Any]]:
     path = d.resolve(os.fspath(load_dir), tag)
-    return path, d.read_manifest(path)
+    manifest = d.read_manifest(path)
+    check_engine_layout(os.path.join(path, d.MANIFEST), manifest)  # [Note: manifest layout checked on read]
+    return path, manifest
 
 
 def load_engine_state(

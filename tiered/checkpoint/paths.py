@@ -18,6 +18,7 @@ import errno
 import os
 import stat
 
+from tiered.config.user_files import unreadable
 from tiered.errors import CheckpointCorruptError, CheckpointPathError
 from tiered.storage.files import kind_of
 
@@ -35,6 +36,8 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
             ) from e
         if e.errno == errno.ENXIO:  # a FIFO opened for writing without a reader
             raise CheckpointCorruptError(f"{path} is a FIFO, not a file tiered wrote; remove it") from e
+        if e.errno == errno.EACCES:
+            raise permission_denied(path) from None
         raise
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -43,6 +46,29 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
             f"{path} is {kind_of(st.st_mode)}, not a regular file: tiered did not write it; remove it"
         )
     return fd
+
+
+def permission_denied(path: str) -> CheckpointPathError:
+    """The error for `path`, which this user may not read: it names the user and the first
+    folder on the way that this user cannot enter, or else the file itself."""
+    blocked = path
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and parent != os.path.dirname(parent):
+        if not os.access(parent, os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+            blocked = parent
+        parent = os.path.dirname(parent)
+    return CheckpointPathError(errno.EACCES, unreadable(blocked, "checkpoint path"), blocked)
+
+
+def lstat_or_none(path: str) -> os.stat_result | None:
+    """``os.lstat(path)``, None when nothing is there; a path this user may not look into is
+    CheckpointPathError naming the user (never taken for a missing file)."""
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        raise permission_denied(path) from None
 
 
 def read_small(path: str, limit_bytes: int) -> bytes:
@@ -60,9 +86,8 @@ def read_small(path: str, limit_bytes: int) -> bytes:
 def real_dir(path: str) -> bool:
     """True if `path` is a directory and no symlink; False if nothing is there; raises
     CheckpointPathError for anything else (a file, a symlink, a FIFO ...)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+    st = lstat_or_none(path)
+    if st is None:
         return False
     if stat.S_ISDIR(st.st_mode):
         return True

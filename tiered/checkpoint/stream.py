@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from tiered.checkpoint.paths import open_regular
+from tiered.checkpoint.paths import lstat_or_none, open_regular
 from tiered.errors import CheckpointCorruptError, CheckpointSpaceError
 
 CHECKSUM_ALGORITHM = "xxh3_64"
@@ -277,7 +277,7 @@ def file_checksum(path: str) -> tuple[int, str]:
 
 def verify_file(path: str, record: dict[str, object]) -> None:
     """Raise CheckpointCorruptError naming `path` unless its size and checksum match `record`."""
-    if not os.path.lexists(path):
+    if lstat_or_none(path) is None:
         raise CheckpointCorruptError(f"checkpoint file {path} is missing (listed in its manifest.json)")
     size, digest = file_checksum(path)
     want = record.get(CHECKSUM_ALGORITHM)

@@ -10,13 +10,14 @@ import argparse
 import copy
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from tiered.cli.finetune_config import hyperparameter_flags, load_checked
+from tiered.cli.finetune_config import hyperparameter_flags, load_checked, with_auto_config
 from tiered.cli.finetune_options import (
     FinetuneOptions,
     checkpoint_policy,
@@ -141,8 +142,29 @@ def finetune_job(options: FinetuneOptions, out: TextIO | None = None) -> JobResu
     changes nothing in it. Raises ConfigError (a TieredError) naming the path or key on bad input,
     before anything trains. Under torch.distributed each rank trains its slice of the global batch
     and only rank 0 writes to `out`, the trace and the plot ([Note: ranks in finetune]). With
-    `options.checkpoints` the run resumes, saves and exports ([Note: run directory]); the job's
-    CheckpointPolicy (what it saved, where the export went) is in the result."""
+    `options.checkpoints` the run resumes, saves and exports ([Note: run directory]), holding the
+    run folder's lock from first to last ([Note: one run per folder]); the job's CheckpointPolicy
+    (what it saved, where the export went) is in the result."""
+    with _run_lock(options):
+        return _finetune_job(options, out)
+
+
+def _run_lock(o: FinetuneOptions) -> Any:
+    """Rank 0's lock of --out for the job ([Note: one run per folder]), taken before anything
+    looks at the folder; the folder is checked (and created) first. A no-op without --out."""
+    import contextlib
+
+    from tiered.checkpoint.lock import RunLock
+    from tiered.finetune.checkpointing import check_run_folder
+
+    if o.checkpoints is None or _rank_world()[0] != 0:
+        return contextlib.nullcontext()
+    check_run_folder(o.checkpoints.out_dir)
+    o.checkpoints.out_dir.mkdir(exist_ok=True)
+    return RunLock(str(o.checkpoints.out_dir))
+
+
+def _finetune_job(options: FinetuneOptions, out: TextIO | None) -> JobResult:
     import contextlib
     import io
 
@@ -297,11 +319,11 @@ def _job_config(o: FinetuneOptions, rank: int) -> tuple[dict[str, Any], Path | N
     if isinstance(o.config, dict):
         raw = copy.deepcopy(o.config)
     else:
-        if not Path(o.config).is_file():
+        if not os.path.lexists(o.config):
             raise ConfigError(
                 f"--config {o.config}: no such file; pass a DeepSpeed ds_config.json or a tiered config"
             )
-        raw = read_config_file(o.config)
+        raw = read_config_file(o.config, "--config")  # a regular file only ([Note: files a user names])
     for option, path in (("--data", o.data_path), ("--eval-data", o.eval_data)):
         if path is not None and not Path(path).exists():
             raise ConfigError(
@@ -310,9 +332,13 @@ def _job_config(o: FinetuneOptions, rank: int) -> tuple[dict[str, Any], Path | N
             )
     if o.eval_every is not None and o.eval_fraction is None and o.eval_data is None:
         raise ConfigError("--eval-every needs --eval-fraction or --eval-data (what to evaluate on)")
+    if o.eval_every is not None and o.eval_every < 1:
+        raise ConfigError(f"--eval-every must be >= 1 (evaluate every N steps), got {o.eval_every}")
     if o.lora is not None:
         parse_lora_spec(o.lora)  # a malformed spec fails before the model is built
     raw = apply_overrides(raw, lr=o.lr, batch_size=o.batch_size, nvme_path=o.nvme_path)
+    if o.auto_config is not None:  # its syntax checked here, before the model is built
+        raw = with_auto_config(raw, o.auto_config)
     out_dir = o.checkpoints.out_dir if o.checkpoints is not None else None
     raw, trace_file, trace_is_temp = with_trace(raw, o.trace_path, o.plot_path, rank, out_dir)
     raw, hp = hyperparameter_flags(

@@ -4,6 +4,7 @@ it supplies, and the refusals of what nobody supplied, named as a command-line u
 from __future__ import annotations
 
 import copy
+import difflib
 import logging
 from pathlib import Path
 from typing import Any
@@ -15,18 +16,31 @@ log = logging.getLogger(__name__)
 
 
 def with_auto_config(raw: dict[str, Any], spec: str) -> dict[str, Any]:
-    """`raw` with ``tiered.auto_config`` from ``--auto-config key=value,...``."""
+    """`raw` with ``tiered.auto_config`` from ``--auto-config key=value,...``: each key once, at
+    least one (an empty spec would plan for no memory at all)."""
     from tiered.config.auto_request import AUTO_KEYS
 
     auto: dict[str, str] = {}
     for part in filter(None, (x.strip() for x in spec.split(","))):
-        key, eq, value = part.partition("=")
+        key, eq, value = (x.strip() for x in part.partition("="))
         if not eq or key not in AUTO_KEYS:
+            near = difflib.get_close_matches(key, AUTO_KEYS, n=1)
             raise ConfigError(
                 f"--auto-config: cannot read {part!r}; write key=value pairs, keys {', '.join(AUTO_KEYS)} "
-                "(e.g. cpu_mem=64GB,gpu_mem=80GB)"
+                f"(e.g. cpu_mem=64GB,gpu_mem=80GB){f'; did you mean {near[0]}?' if near and eq else ''}"
             )
+        if key in auto:
+            raise ConfigError(
+                f"--auto-config: {key} is given twice ({key}={auto[key]} and {key}={value}); keep one"
+            )
+        if not value:
+            raise ConfigError(f"--auto-config: {key} has no value; write e.g. {key}=64GB")
         auto[key] = value
+    if not auto:
+        raise ConfigError(
+            f"--auto-config: {spec!r} holds no key=value pair; give the memories to plan for, e.g. "
+            "cpu_mem=64GB,gpu_mem=80GB (or leave --auto-config out)"
+        )
     tiered_section = dict(raw.get("tiered") or {})
     tiered_section["auto_config"] = auto
     return {**raw, "tiered": tiered_section}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
@@ -61,6 +62,28 @@ examples:
 sizes: 80GB (1e9), 80GiB (2^30), 1e9 or plain bytes.  counts: 40B, 7.5e9, 350M, 1.5T.
 exit status: 0 a config fits (or no memory was given), 1 nothing fits, 2 bad input.
 """
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (argparse names the flag in its error)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def positive_rate(text: str) -> float:
+    """An argparse type: a finite rate > 0, e.g. 4e14 (a FLOP/s of 0, nan or inf predicts nothing)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a rate such as 4e14, got {text!r}") from None
+    if not math.isfinite(rate) or rate <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite rate > 0, e.g. 4e14, got {text!r}")
+    return rate
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -143,16 +166,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="tokens per optimizer step per rank: counts the compute in the predicted s/step "
         "([Note: step time model]; default: --seq-len x --micro-batch x --accumulation, or not modelled)",
     )
-    p.add_argument("--seq-len", type=int, metavar="T", help="sequence length (with --micro-batch)")
+    p.add_argument("--seq-len", type=positive_int, metavar="T", help="sequence length (with --micro-batch)")
     p.add_argument(
-        "--micro-batch", type=int, default=1, metavar="B", help="sequences per micro-batch (default 1)"
+        "--micro-batch",
+        type=positive_int,
+        default=1,
+        metavar="B",
+        help="sequences per micro-batch (default 1)",
     )
     p.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing: one more forward counted"
     )
     p.add_argument(
         "--flops",
-        type=float,
+        type=positive_rate,
         metavar="RATE",
         help="the compute device's FLOP/s for the compute term, e.g. 4e14 (default: with --model and --seq-len, "
         "one layer of the model timed here ([Note: model compute probe]); else a matmul probe here)",
@@ -194,6 +221,7 @@ def meta_model_from_args(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]
     """The module tree the search plans: the real one on the meta device, or the documented
     stand-in for --params ([Note: shape model for --params])."""
     from tiered.planning.model_shape import parse_count
+    from tiered.planning.model_sizes import MAX_PARAMS
 
     if getattr(args, "lora", None) is not None and args.model is None:
         raise ConfigError("--lora needs --model: the adapters' size depends on the model's layer shapes")
@@ -210,7 +238,7 @@ def meta_model_from_args(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]
     else:
         from tiered.planning.shape_model import shape_model
 
-        total = parse_count(args.params, what="--params")
+        total = parse_count(args.params, what="--params", maximum=MAX_PARAMS)
         big = None if args.largest_layer is None else parse_count(args.largest_layer, what="--largest-layer")
         if big is not None and big > total:
             raise ConfigError(f"--largest-layer ({big:,}) cannot exceed --params ({total:,})")
@@ -264,6 +292,15 @@ def answer(args: argparse.Namespace) -> PlanAnswer:
         "nvme": _size(args.nvme_mem, "--nvme-mem"),
     }
     model, said = meta_model_from_args(args)
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if (
+        args.model is not None
+        and isinstance(max_pos, int)
+        and (getattr(args, "seq_len", None) or 0) > max_pos
+    ):
+        raise ConfigError(  # as tiered finetune refuses it: the model cannot run such sequences
+            f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings {max_pos} ({args.model})"
+        )
     source = (
         f"model {args.model} ({type(model).__name__})"
         if args.model is not None
@@ -271,6 +308,7 @@ def answer(args: argparse.Namespace) -> PlanAnswer:
     )
     shape = shape_of_module(model, source, assumptions=said)
     psi = parse_count(args.params, what="--params") if args.params is not None else shape.total_params
+    _check_all_memory(shape, mem_given, args.world_size, PaperBytes.of(base.cfg).per_param()["param"])
     notes = list(said)
     if args.bandwidth is not None:
         bw, taken = read_bandwidth(args.bandwidth)
@@ -427,6 +465,23 @@ def to_json(a: PlanAnswer) -> dict[str, Any]:
         "config": None if best is None else best.config,
         "message": "fits" if best is not None else "nothing fits",
     }
+
+
+def _check_all_memory(shape: Any, given: dict[str, int | None], world_size: int, param_bytes: int) -> None:
+    """With every tier's memory given, the model's weights alone must fit their sum (per rank:
+    ZeRO-3 shards them over the ranks): else nothing can, and the search is not run
+    ([Note: plausible model sizes])."""
+    from tiered.planning.model_sizes import check_weights_fit
+
+    if any(b is None for b in given.values()):
+        return  # a tier not given is not checked: it may hold anything
+    check_weights_fit(
+        -(-shape.total_params // world_size),
+        param_bytes,
+        sum(b for b in given.values() if b is not None),
+        "--gpu-mem + --cpu-mem + --nvme-mem per rank",
+        shape.source,
+    )
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:

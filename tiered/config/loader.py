@@ -10,7 +10,6 @@ errors that name the keys.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from typing import Any
@@ -25,6 +24,8 @@ from tiered.config.scheduler import normalize_scheduler, scheduler_type
 from tiered.config.schema import SchedulerConfig, TieredConfig
 from tiered.config.sections import parse_aio, parse_optimizer, parse_precision, parse_zero
 from tiered.config.tiers import parse_tiered
+from tiered.config.user_files import check_depth as nested_check
+from tiered.config.user_files import parse_json_text, read_user_file
 from tiered.config.values import AUTO, as_choice, as_count, as_section, is_auto
 from tiered.errors import ConfigError, UnsupportedConfigError
 
@@ -35,39 +36,32 @@ log = logging.getLogger(__name__)
 _COMM_DTYPES = ("fp32", "fp16", "bf16")
 
 
-def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse a JSON config file; a syntax error names the file, line and column."""
+CONFIG_MAX_BYTES = 16 << 20
+"""The largest config file read: DeepSpeed's are a few kilobytes ([Note: files a user names])."""
+
+
+def read_config_file(path: str | os.PathLike[str], what: str = "config file") -> dict[str, Any]:
+    """Parse a JSON config file; a syntax error names the file, line and column. Only a regular
+    file of at most `CONFIG_MAX_BYTES` is read ([Note: files a user names]). `what` names the
+    file in errors as the user gave it (a flag such as "--config")."""
     name = os.fspath(path)
-    try:
-        with open(name, encoding="utf-8") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {name!r} does not exist; pass a JSON file path or a dict") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {name!r} cannot be read: {exc.strerror or exc}") from None
+    where = f"{what} {name!r}"
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         # json.loads keeps the last of two equal keys; a silently dropped setting is worse than an error.
         out: dict[str, Any] = {}
         for key, value in pairs:
             if key in out:
-                raise ConfigError(f"config file {name!r}: key {key!r} appears twice in one object; keep one")
+                raise ConfigError(f"{where}: key {key!r} appears twice in one object; keep one")
             out[key] = value
         return out
 
-    try:
-        data = json.loads(text, object_pairs_hook=no_duplicates)
-    except RecursionError:
-        raise ConfigError(
-            f"config file {name!r} nests objects or lists deeper than Python's JSON parser can read; "
-            f"a config is a few levels deep (at most {MAX_DEPTH}): fix the file"
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"config file {name!r} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
-        ) from None
+    if not os.path.lexists(name):
+        raise ConfigError(f"{where} does not exist; pass a JSON file path or a dict")
+    text = read_user_file(name, what, CONFIG_MAX_BYTES, hint="pass a JSON config file")
+    data = parse_json_text(text, where, max_depth=MAX_DEPTH, object_pairs_hook=no_duplicates)
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {name!r}: the top level must be a JSON object {{...}}")
+        raise ConfigError(f"{where}: the top level must be a JSON object {{...}}")
     return data
 
 
@@ -92,22 +86,8 @@ MAX_DEPTH = 64
 
 
 def check_depth(config: dict[str, Any], source: str = "config") -> None:
-    """ConfigError naming the first path nested deeper than `MAX_DEPTH` (walked without recursion,
-    so that a hostile config meets this error, not a RecursionError in a later reader)."""
-    stack: list[tuple[str, Any, int]] = [("", config, 0)]
-    while stack:
-        path, node, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise ConfigError(
-                f"{source}: {path[:120]!r}... nests deeper than {MAX_DEPTH} levels; a config is a few "
-                "levels deep: fix the structure"
-            )
-        children = (
-            node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-        )
-        for k, v in children:
-            if isinstance(v, dict | list):
-                stack.append((f"{path}.{k}" if path else str(k), v, depth + 1))
+    """ConfigError naming the first path nested deeper than `MAX_DEPTH` ([Note: files a user names])."""
+    nested_check(config, source, MAX_DEPTH)
 
 
 def load_config(

@@ -39,20 +39,18 @@ def meta_causal_lm(folder: str | os.PathLike[str], *, attn_implementation: str =
     model]), on the meta device (no host memory). Eager attention by default: the same math on
     every machine."""
     try:
-        from transformers import AutoConfig
+        import transformers  # noqa: F401 - present, or the error below says how to install it
     except ImportError as exc:
         raise TieredError(
             "from_pretrained needs transformers; install it with pip install 'tiered[hf]'"
         ) from exc
+    from tiered.planning.hf_config import load_hf_config, resolve_model
+
     path = Path(folder)
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"from_pretrained({folder}): no config.json there; pass a Hugging Face model folder"
-        )
-    try:
-        hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"from_pretrained({folder}): config.json cannot be read: {exc}") from None
+    if not path.is_dir():
+        raise ConfigError(f"from_pretrained({folder}): not a folder; pass a Hugging Face model folder")
+    # read and checked as every model folder is ([Note: files a user names], [Note: plausible model sizes])
+    hf = load_hf_config(resolve_model(path, weights=False, flag="from_pretrained"))
     from tiered.planning.text_model import causal_lm_class, freeze_other_towers
 
     cls: Any = causal_lm_class(hf, str(path))  # [Note: wrapped models train their language model]

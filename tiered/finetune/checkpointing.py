@@ -14,7 +14,9 @@ the run that was never stopped. ``--keep-last K`` prunes as [Note: pruning check
 ``--out`` whose ``checkpoints/`` holds anything is refused unless ``--resume`` (continue that run)
 or ``--overwrite`` (delete ``DIR/checkpoints`` and ``DIR/final`` once every other check passed,
 then start afresh): starting afresh beside another run's checkpoints would let a later
-``--resume`` continue the other run. ``--trace``, ``--plot`` and ``--stats-json`` may name files
+``--resume`` continue the other run. A ``checkpoints`` or ``final`` there that is not a folder (a
+file, a FIFO, a dangling link) is refused before the model is built, and a run holds ``DIR`` for
+its whole length ([Note: one run per folder]). ``--trace``, ``--plot`` and ``--stats-json`` may name files
 inside ``DIR``; their folders are created with it.
 
 [Note: pruning checkpoints]
@@ -62,6 +64,7 @@ from typing import Any
 import torch
 
 from tiered.checkpoint.export import TOKENIZER_FILES, write_tokenizer
+from tiered.config.user_files import kind_of
 from tiered.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -132,6 +135,31 @@ def _ignore_stop_signals(signals: tuple[int, ...]) -> None:
         signal.signal(s, signal.SIG_IGN)
 
 
+def check_run_folder(out_dir: Path) -> None:
+    """--out is a folder (or can be made in one that exists), and what the run writes in it
+    (``checkpoints/``, ``final/``) is absent or a folder: refused before the model is built, not
+    when the first save or the export meets a file there ([Note: run directory])."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out {out_dir}: exists and is not a folder")
+    if not out_dir.resolve().parent.is_dir():
+        raise ConfigError(
+            f"--out {out_dir}: folder {out_dir.resolve().parent} does not exist; create it first"
+        )
+    for name, holds in ((CHECKPOINTS, "its checkpoints"), (FINAL, "the trained model")):
+        entry = out_dir / name
+        if entry.is_dir():  # a folder, or a link to one: the run writes into it
+            continue
+        if os.path.lexists(entry):
+            try:
+                kind = kind_of(os.stat(entry).st_mode)
+            except OSError:
+                kind = "a symlink to nothing"
+            raise ConfigError(
+                f"--out {out_dir}: {entry} is {kind}, where the run writes {holds} (a folder): move it "
+                "away, or pass another --out"
+            )
+
+
 @dataclass
 class CheckpointPolicy:
     """Where a run's checkpoints and export go and when it saves ([Note: run directory])."""
@@ -163,12 +191,7 @@ class CheckpointPolicy:
             raise ConfigError(f"--keep-last must be >= 1 (the newest is always kept), got {self.keep_last}")
         if self.merge_lora and not self.lora:
             raise ConfigError("--merge-lora needs --lora (there is no adapter to merge)")
-        if self.out_dir.exists() and not self.out_dir.is_dir():
-            raise ConfigError(f"--out {self.out_dir}: exists and is not a folder")
-        if not self.out_dir.resolve().parent.is_dir():
-            raise ConfigError(
-                f"--out {self.out_dir}: folder {self.out_dir.resolve().parent} does not exist; create it first"
-            )
+        check_run_folder(self.out_dir)
         if self.resume is not None and self.resume != "latest" and not Path(self.resume).exists():
             raise ConfigError(
                 f"--resume {self.resume}: no such checkpoint; pass a checkpoint folder (holding manifest.json), "

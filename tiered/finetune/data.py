@@ -11,12 +11,14 @@ tokens: the corpus is one byte stream and training windows are cut from it anywh
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from tiered.config.user_files import kind_of
 from tiered.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,16 @@ class HFTokenizer:
 
 def tokenizer_for(folder: Path | None, vocab_size: int) -> Tokenizer:
     """The folder's own tokenizer if it has one, else the byte tokenizer ([Note: byte tokenizer])."""
+    if folder is not None:
+        from tiered.checkpoint.export import TOKENIZER_FILES as READ_BY_TRANSFORMERS
+
+        for f in READ_BY_TRANSFORMERS:  # regular files only: a FIFO would hang the tokenizer's read
+            p = folder / f
+            if os.path.lexists(p) and not p.is_file():
+                kind = kind_of(p.stat().st_mode) if p.exists() else "a symlink to nothing"
+                raise ConfigError(
+                    f"--model {folder}: its {f} is {kind}, not a regular file; remove or replace it"
+                )
     if folder is not None and any((folder / f).is_file() for f in TOKENIZER_FILES):
         return HFTokenizer(folder)
     return ByteTokenizer(vocab_size)

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiered.config.user_files import open_regular_file
 from tiered.errors import ConfigError, TieredError
 
 log = logging.getLogger(__name__)
@@ -71,8 +73,11 @@ class Record:
 
 # ---- reading --------------------------------------------------------------------------------
 def _read_text_file(path: Path) -> Iterator[Record]:
+    # a regular file only: a FIFO would block the read, a device never end ([Note: files a user names])
+    fd, _ = open_regular_file(path, "--data", hint=_DATA_HINT)
     try:
-        raw = path.read_bytes()
+        with os.fdopen(fd, "rb") as fh:
+            raw = fh.read()
     except OSError as exc:
         raise ConfigError(f"--data {path}: cannot be read ({exc.strerror or exc})") from None
     nul = raw.find(b"\0")
@@ -263,6 +268,9 @@ def folder_files(path: Path) -> list[Path]:
     return found
 
 
+_DATA_HINT = "pass a text/JSONL/parquet file, a folder of them or a saved Hugging Face dataset"
+
+
 def read_records(path: str | Path, *, text_field: str = "text") -> Iterator[Record]:
     """Every raw record of `path`, in a fixed order ([Note: data formats])."""
     p = Path(path)
@@ -273,11 +281,12 @@ def read_records(path: str | Path, *, text_field: str = "text") -> Iterator[Reco
         )
     if _is_saved_dataset(p):
         yield from _read_rows_table(p, text_field)
-    elif p.is_dir():
+    elif not p.is_dir():
+        os.close(open_regular_file(p, "--data", hint=_DATA_HINT)[0])  # before any reader opens it
+        yield from _read_file(p, text_field)
+    else:
         for f in folder_files(p):
             yield from (_read_rows_table(f, text_field) if f.is_dir() else _read_file(f, text_field))
-    else:
-        yield from _read_file(p, text_field)
 
 
 # ---- tokenizing -----------------------------------------------------------------------------

@@ -42,6 +42,26 @@ def _load_weights(model: torch.nn.Module, files: tuple[Path, ...]) -> None:
     log.info("loaded %d tensors from %s", len(source.file_of), ", ".join(sorted({f.name for f in files})))
 
 
+def _check_host_fits(model: torch.nn.Module, source: ModelSource) -> None:
+    """The model is about to be built in host memory in fp32: its weights alone must fit this
+    machine's memory ([Note: plausible model sizes]), else the build is refused, not run until
+    the allocator or the kernel's OOM killer stops it."""
+    from tiered.device import Device
+    from tiered.planning.model_sizes import check_weights_fit
+
+    total = Device("cpu").mem_info()[1]
+    if total is None:
+        return
+    check_weights_fit(
+        sum(p.numel() for p in model.parameters()),
+        4,
+        total,
+        "this machine's memory: the model is built there in fp32 when the folder has no safetensors "
+        "weights, or with --lora or --compare-torch",
+        f"--model {source.config_path}",
+    )
+
+
 def build_model(
     source: ModelSource, *, seed: int = 0, attn_implementation: str = "eager", meta: bool = False
 ) -> torch.nn.Module:
@@ -55,19 +75,27 @@ def build_model(
     from tiered.planning.text_model import causal_lm_class, freeze_other_towers
 
     config = load_hf_config(source)
+
     cls: Any = causal_lm_class(
         config, str(source.config_path)
     )  # [Note: wrapped models train their language model]
+
+    def build(on: str) -> torch.nn.Module:
+        try:
+            with torch.device(on):
+                built: torch.nn.Module = cls._from_config(
+                    config, attn_implementation=attn_implementation, dtype=torch.float32
+                )
+        except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is the user's to fix
+            raise ConfigError(
+                f"--model {source.config_path}: transformers cannot build a causal LM from it: {exc}"
+            ) from None
+        return built
+
+    if not meta:  # counted on the meta device first: fp32 weights larger than the host are refused
+        _check_host_fits(build("meta"), source)
     torch.manual_seed(seed)
-    try:
-        with torch.device("meta" if meta else "cpu"):
-            model: torch.nn.Module = cls._from_config(
-                config, attn_implementation=attn_implementation, dtype=torch.float32
-            )
-    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is the user's to fix
-        raise ConfigError(
-            f"--model {source.config_path}: transformers cannot build a causal LM from it: {exc}"
-        ) from None
+    model = build("meta" if meta else "cpu")
     model = model.float()
     freeze_other_towers(model)
     from tiered.engine.pretrained import read_generation_config

@@ -5,16 +5,20 @@ means the same model to each (no download: [Note: local models only] in tiered/f
 
 from __future__ import annotations
 
-import json
 import logging
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiered.config.user_files import kind_of, read_user_json, unreadable
 from tiered.errors import ConfigError, TieredError
+from tiered.planning.model_sizes import check_config_sizes
 
 log = logging.getLogger(__name__)
 _said_own_code: set[Path] = set()  # each folder's auto_map warning once per process
+CONFIG_MAX_BYTES = 16 << 20
+"""The largest config.json read (a few kilobytes is usual; a label map may reach a megabyte)."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,8 @@ class ModelSource:
     config_path: Path
     folder: Path | None
     weight_files: tuple[Path, ...]
+    flag: str = "--model"
+    """How the user named it, in every error: the flag, or the Python call."""
 
 
 def _weights_or_none(folder: Path) -> tuple[Path, ...]:
@@ -65,25 +71,47 @@ def _weights_or_none(folder: Path) -> tuple[Path, ...]:
     return ()
 
 
-def resolve_model(path: str | Path, *, weights: bool = True) -> ModelSource:
+def resolve_model(path: str | Path, *, weights: bool = True, flag: str = "--model") -> ModelSource:
     """The config and weights of `path`; with ``weights=False`` (a plan: shapes only) the
-    weights are not looked at."""
+    weights are not looked at. What is not a folder or a regular file is named
+    ([Note: files a user names]); `flag` is how the user named `path`."""
     p = Path(path)
-    if not p.exists():
+    try:
+        st = p.stat()
+    except FileNotFoundError:
         raise ConfigError(
-            f"--model {path}: no such file or folder; pass a local Hugging Face model folder "
+            f"{flag} {path}: no such file or folder; pass a local Hugging Face model folder "
             "(with config.json) or a config.json file"
-        )
-    if p.is_dir():
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: {exc.strerror or exc}; pass a readable model folder") from None
+    if stat.S_ISDIR(st.st_mode):
         cfg = p / "config.json"
-        if not cfg.is_file():
-            raise ConfigError(f"--model {path}: folder has no config.json; pass a Hugging Face model folder")
-        return ModelSource(cfg, p, _weights_or_none(p) if weights else ())
-    return ModelSource(p, None, ())
+        try:
+            mode = cfg.stat().st_mode
+        except FileNotFoundError:
+            raise ConfigError(
+                f"{flag} {path}: folder has no config.json; pass a Hugging Face model folder"
+            ) from None
+        except PermissionError:
+            raise ConfigError(unreadable(cfg, flag)) from None
+        if not stat.S_ISREG(mode):
+            raise ConfigError(
+                f"{flag} {path}: its config.json is {kind_of(mode)}, not a regular file; put the "
+                "model's config.json there"
+            )
+        return ModelSource(cfg, p, _weights_or_none(p) if weights else (), flag)
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(
+            f"{flag} {path}: is {kind_of(st.st_mode)}; pass a local Hugging Face model folder or a config.json file"
+        )
+    return ModelSource(p, None, (), flag)
 
 
 def load_hf_config(source: ModelSource) -> Any:
-    """The transformers config (PretrainedConfig) of `source`."""
+    """The transformers config (PretrainedConfig) of `source`: config.json read as [Note: files
+    a user names] says, its sizes checked ([Note: plausible model sizes]) before transformers
+    sees them, and transformers' own validation errors named with the file and key."""
     try:
         from transformers import AutoConfig
     except ImportError as exc:
@@ -91,40 +119,59 @@ def load_hf_config(source: ModelSource) -> Any:
             "reading a Hugging Face model folder needs transformers; install it with "
             "pip install 'tiered[hf]' (tiered plan: or pass --params instead)"
         ) from exc
-    try:
-        data = json.loads(source.config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--model {source.config_path}: not a readable JSON config ({exc})") from None
+    where = f"{source.flag} {source.config_path}"
+    data = read_user_json(
+        source.config_path,
+        source.flag,
+        CONFIG_MAX_BYTES,
+        hint="pass the model's config.json",
+        not_json="not a readable JSON config",
+    )
     if not isinstance(data, dict) or "model_type" not in data:
-        raise ConfigError(
-            f'--model {source.config_path}: config has no "model_type" key; is it a Hugging Face config.json?'
-        )
+        raise ConfigError(f'{where}: config has no "model_type" key; is it a Hugging Face config.json?')
     model_type = data.pop("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f'{where}: model_type is {model_type!r}; it names a model family, e.g. "llama"')
     auto_map = data.get("auto_map")
     if isinstance(auto_map, dict) and auto_map and source.config_path not in _said_own_code:
         _said_own_code.add(source.config_path)
         log.warning(
-            "--model %s: config.json's auto_map names the folder's own code (%s); tiered never runs a "
+            "%s %s: config.json's auto_map names the folder's own code (%s); tiered never runs a "
             "model folder's code ([Note: local models only]): it builds transformers' own class for "
             "model_type %r, which must have the same parameters (a weight it lacks is an error at load)",
+            source.flag,
             source.config_path,
             ", ".join(sorted(str(v) for v in auto_map.values())),
             model_type,
         )
+    check_config_sizes(data, _config_class(model_type), where)
     try:
-        return AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError, TypeError) as exc:
+        config = AutoConfig.for_model(model_type, **data)
+    except Exception as exc:  # noqa: BLE001 - transformers' validation of the user's file, named
         import transformers
 
-        why = str(exc)
+        why = " ".join(str(exc).split())
         if "Unrecognized model identifier" in why:  # its next sentence lists every model type known
-            why = (
-                f"transformers {transformers.__version__} does not know it (a newer transformers, or a "
-                "model whose code ships with it, which tiered does not run)"
-            )
+            raise ConfigError(
+                f"{where}: unknown or invalid model_type {model_type!r}: transformers "
+                f"{transformers.__version__} does not know it (a newer transformers, or a model whose code "
+                "ships with it, which tiered does not run)"
+            ) from None
         raise ConfigError(
-            f"--model {source.config_path}: unknown or invalid model_type {model_type!r}: {why}"
+            f"{where}: transformers {transformers.__version__} refuses this {model_type} config: {why}; fix "
+            "that key in config.json"
         ) from None
+    return config
+
+
+def _config_class(model_type: str) -> Any:
+    """transformers' config class for `model_type`, without building one (None if unknown)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type]
+    except (KeyError, ValueError):
+        return None
 
 
 def build_meta_model(source: ModelSource) -> Any:
@@ -149,7 +196,7 @@ def build_meta_model(source: ModelSource) -> Any:
             model = cls._from_config(config) if cls is not None else AutoModel.from_config(config)
     except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is the user's to fix
         raise ConfigError(
-            f"--model {source.config_path}: transformers could not build the model from its config: {exc}"
+            f"{source.flag} {source.config_path}: transformers could not build the model from its config: {exc}"
         ) from None
     freeze_other_towers(model)
     return model

@@ -60,10 +60,11 @@ _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]?)
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
-def parse_count(value: int | float | str, *, what: str = "--params") -> int:
+def parse_count(value: int | float | str, *, what: str = "--params", maximum: int | None = None) -> int:
     """A parameter count: 40000000000, 40e9, "40e9", "40B", "7.5B", "350M", "1.5T" (B = billion).
 
-    Raises ConfigError naming `what` and the offending text otherwise.
+    Raises ConfigError naming `what` and the offending text otherwise, or when it exceeds
+    `maximum` (a model's count: [Note: plausible model sizes]).
     """
     if isinstance(value, bool):
         raise ConfigError(f"{what}: expected a parameter count such as 40B or 7.5e9, got {value!r}")
@@ -87,6 +88,11 @@ def parse_count(value: int | float | str, *, what: str = "--params") -> int:
     count = int(round(number * _COUNT_UNITS[unit]))
     if count < 1:
         raise ConfigError(f"{what}: {value!r} rounds to zero parameters")
+    if maximum is not None and count > maximum:
+        raise ConfigError(
+            f"{what}: {value!r} is more than {maximum:.0e} parameters, more than any machine holds "
+            f"({maximum * 2 / 1e15:g} PB in bf16); write the count, e.g. 40B or 7.5e9"
+        )
     return count
 
 

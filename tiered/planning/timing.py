@@ -73,7 +73,6 @@ core's share. A GPU's compute is not affected: its probes are the device's.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -82,7 +81,6 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from tiered.config.schema import TieredConfig
-from tiered.errors import ConfigError
 from tiered.optim.arrivals import overlap_blockers
 
 if TYPE_CHECKING:
@@ -93,26 +91,14 @@ DEFAULT_BANDWIDTH = {"disk_read": 3.0e9, "disk_write": 2.0e9, "h2d": 20e9, "d2h"
 drive, PCIe 4.0 x16 pinned copies, the AVX2 fused Adam on a few cores): printed as assumptions."""
 
 
-def read_bandwidth(path: str | Path) -> tuple[dict[str, float], list[str]]:
+def read_bandwidth(path: str | Path, what: str = "--bandwidth") -> tuple[dict[str, float], list[str]]:
     """Link bandwidths from `tiered bench --json FILE` output; what was taken from where. A
-    ``"compute": {"flops_per_s": F}`` entry, when present, is the FLOP rate ("flops")."""
-    p = Path(path)
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(
-            f"--bandwidth {path}: no such file; write one with tiered bench --json FILE"
-        ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(
-            f"--bandwidth {path}: not a JSON file ({exc}); pass the file tiered bench --json wrote"
-        ) from None
-    methods = doc.get("methods") if isinstance(doc, dict) else None
-    if not isinstance(methods, list) or not all(isinstance(m, dict) for m in methods):
-        raise ConfigError(
-            f'--bandwidth {path}: not tiered bench\'s JSON (no "methods" list of results); pass the file '
-            "tiered bench --json FILE wrote"
-        )
+    ``"compute": {"flops_per_s": F}`` entry, when present, is the FLOP rate ("flops"). `what`
+    names the file in errors as the user gave it."""
+    from tiered.planning.bench_file import read_bench_json
+
+    doc = read_bench_json(path, what)  # [Note: files a user names]; every rate below checked finite > 0
+    methods = doc["methods"]
     bw = dict(DEFAULT_BANDWIDTH)
     said: list[str] = []
     ok = [m for m in methods if m.get("status") == "ok" and m.get("read_gbps") and m.get("write_gbps")]

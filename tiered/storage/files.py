@@ -29,6 +29,7 @@ import stat
 import uuid
 from pathlib import Path
 
+from tiered.config.user_files import kind_of as kind_of  # the words for a file's kind, one copy
 from tiered.errors import StorageIOError
 
 TEMP_MARK = "~tmp-"
@@ -41,22 +42,6 @@ def temp_path(directory: Path, key: str) -> Path:
 
 def is_temp_name(name: str) -> bool:
     return TEMP_MARK in name
-
-
-_KINDS = {
-    stat.S_IFLNK: "a symlink",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFDIR: "a directory",
-    stat.S_IFREG: "a regular file",
-}
-
-
-def kind_of(mode: int) -> str:
-    """What an ``st_mode`` is, in words ("a FIFO")."""
-    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def open_own_file(path: str | os.PathLike[str], flags: int, *, backend: str, mode: int = 0o600) -> int:

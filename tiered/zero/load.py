@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiered.config.user_files import kind_of
 from tiered.errors import CapacityError, WeightsError
 from tiered.zero.conversions import TensorSource, match_files
 
@@ -99,10 +101,25 @@ def quantized_message(method: str) -> str:
     )
 
 
+def _check_regular(paths: Sequence[Path]) -> None:
+    """Every weights file (and the index) that is there is a regular file: a FIFO would block the
+    reader's open for ever, a device never end ([Note: files a user names])."""
+    for p in paths:
+        try:
+            mode = p.stat().st_mode
+        except FileNotFoundError:
+            continue  # a dangling link: the missing-shard error names it
+        if not stat.S_ISREG(mode):
+            raise WeightsError(
+                f"weights file {p} is {kind_of(mode)}, not a regular file; remove it or replace it"
+            )
+
+
 def weight_files(folder: Path) -> tuple[list[Path], Path | None]:
     """The files to read ([Note: streaming load]) and the index they came from (None: no index)."""
     present = sorted(folder.glob("*.safetensors"))
     index = folder / INDEX_NAME
+    _check_regular([*present, *([index] if os.path.lexists(index) else [])])
     if index.is_file():
         try:
             data = json.loads(index.read_text(encoding="utf-8"))
