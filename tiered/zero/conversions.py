@@ -243,6 +243,12 @@ def _check_dtype(
     if dtypes is None or name not in floats:
         return
     dt = dtypes.get(key)
+    if dt is not None and dt not in _QUANT_DTYPES and not dt.is_floating_point:
+        raise WeightsError(  # int64, bool, ...: converting them would train values nobody trained
+            f"weights in {where}: {key} is stored as {dt}, not floating point, but {name} is a floating-point "
+            "parameter: its values would be trained as if they were weights; pass the model's floating-point "
+            "weights (a converted file that stores integers: dequantize it first)"
+        )
     if dt in _QUANT_DTYPES:
         raise WeightsError(
             f"weights in {where}: {key} holds {dt} values for the floating-point parameter {name}: a quantized "
