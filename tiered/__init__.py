@@ -37,6 +37,7 @@ from tiered.errors import (
     TieredError,
     TierTimeoutError,
     UnsupportedConfigError,
+    UnsupportedFeatureError,
     WeightsError,
 )
 from tiered.storage.registry import open_backend, register_backend
@@ -80,6 +81,7 @@ __all__ = [
     "TieredError",
     "TierTimeoutError",
     "UnsupportedConfigError",
+    "UnsupportedFeatureError",
     "WeightsError",
     "from_pretrained",
     "initialize",
