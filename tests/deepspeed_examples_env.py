@@ -32,7 +32,9 @@ WORDS = (
 
 def sentences(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + "." for _ in range(n)]
+    return [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + "." for _ in range(n)
+    ]
 
 
 def write_alpaca(cwd: Path, n: int = 24) -> Path:
@@ -130,7 +132,9 @@ def script_env(script: Path, extra: dict[str, str] | None = None) -> dict[str, s
     """A process environment without launcher variables, the stand-ins first on PYTHONPATH, no
     GPU, Hugging Face offline."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC")}
-    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (*stand_ins(script), ROOT, ROOT / "plugins", ROOT / "tests"))
+    env["PYTHONPATH"] = os.pathsep.join(
+        str(p) for p in (*stand_ins(script), ROOT, ROOT / "plugins", ROOT / "tests")
+    )
     env.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     env.update(extra or {})

@@ -44,7 +44,14 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_script(
-    how: str, script: str, args: list[str], cwd: Path, tag: str, *, flags: list[str] | None = None, extra: Any = None
+    how: str,
+    script: str,
+    args: list[str],
+    cwd: Path,
+    tag: str,
+    *,
+    flags: list[str] | None = None,
+    extra: Any = None,
 ) -> tuple[list[list[float]], Any]:
     losses = cwd / f"losses-{tag}-{how}"
     for old in cwd.glob(losses.name + ".rank*"):
@@ -127,17 +134,23 @@ def test_cifar_zero3_runs_unchanged(workdir: Path) -> None:
     """CIFAR (ZeRO-3, fp32; ``int(os.environ["LOCAL_RANK"])``, ``get_accelerator().set_device``,
     ``torch.distributed.barrier()``, the MoE group splitter not used) trains over the loader
     ``deepspeed.initialize`` returns and runs its test pass."""
-    losses, proc = run_script("tiered", "cifar/cifar10_deepspeed.py", CIFAR, workdir, "cifar", extra=CIFAR_DATA)
+    losses, proc = run_script(
+        "tiered", "cifar/cifar10_deepspeed.py", CIFAR, workdir, "cifar", extra=CIFAR_DATA
+    )
     assert len(losses) == 1 and len(losses[0]) == 8  # 128 images, train_batch_size 16
     trained(losses[0])
-    assert "Finished Training" in proc.stdout and "Accuracy of the network on the 32 test images" in proc.stdout
+    assert (
+        "Finished Training" in proc.stdout and "Accuracy of the network on the 32 test images" in proc.stdout
+    )
 
 
 def test_hello_deepspeed_bert_runs_unchanged(workdir: Path) -> None:
     """HelloDeepSpeed's BERT MLM (ZeRO-1 config, bf16, fire's flags, the WikiText and roberta-base
     folders) trains and saves its checkpoints with the engine's save_checkpoint."""
     ckpt = workdir / "bert"
-    losses, proc = run_script("tiered", "HelloDeepSpeed/train_bert_ds.py", [*BERT, "--checkpoint_dir", str(ckpt)], workdir, "bert")
+    losses, proc = run_script(
+        "tiered", "HelloDeepSpeed/train_bert_ds.py", [*BERT, "--checkpoint_dir", str(ckpt)], workdir, "bert"
+    )
     assert len(losses) == 1 and len(losses[0]) == 6  # steps 1..6 (the script stops at num_iterations)
     trained(losses[0])
     (exp,) = ckpt.iterdir()
@@ -153,7 +166,9 @@ def test_superoffload_finetune_runs_unchanged(workdir: Path) -> None:
     cfg = workdir / "superoffload_zerooffload.json"
     cfg.write_text(json.dumps(SUPEROFFLOAD_CONFIG))
     args = [f"--deepspeed_config={cfg}", *SUPEROFFLOAD, "--output_dir", str(workdir / "so_out")]
-    losses, proc = run_script("tiered", "DeepSpeed-SuperOffload/finetune_zero3.py", args, workdir, "superoffload")
+    losses, proc = run_script(
+        "tiered", "DeepSpeed-SuperOffload/finetune_zero3.py", args, workdir, "superoffload"
+    )
     assert len(losses) == 1 and len(losses[0]) == 6
     trained(losses[0])
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -170,7 +185,9 @@ def test_zenflow_finetune_runs_unchanged(workdir: Path) -> None:
     tokenizer.save_pretrained at the end)."""
     out = workdir / "zf_out"
     args = [f"--deepspeed_config={zenflow_config(workdir)}", *ZENFLOW, "--output_dir", str(out)]
-    losses, proc = run_script("tiered", "DeepSpeed-ZenFlow/finetuning/finetune_llama.py", args, workdir, "zenflow")
+    losses, proc = run_script(
+        "tiered", "DeepSpeed-ZenFlow/finetuning/finetune_llama.py", args, workdir, "zenflow"
+    )
     assert len(losses) == 1 and len(losses[0]) == 12  # 24 records, batch 2
     trained(losses[0])
     assert "Training complete!" in proc.stdout
@@ -194,7 +211,13 @@ def test_cifar_on_two_ranks_through_torchrun(workdir: Path) -> None:
     """``tiered run --num_gpus 2``: two processes through torchrun, each with its --local_rank and
     LOCAL_RANK (the script reads both), training on its half of each batch."""
     run_script(
-        "tiered", "cifar/cifar10_deepspeed.py", CIFAR, workdir, "cifar2", flags=["--num_gpus", "2"], extra=CIFAR_DATA
+        "tiered",
+        "cifar/cifar10_deepspeed.py",
+        CIFAR,
+        workdir,
+        "cifar2",
+        flags=["--num_gpus", "2"],
+        extra=CIFAR_DATA,
     )
     ranks = sorted(workdir.glob("losses-cifar2-tiered.rank*"))
     assert [p.name[-1] for p in ranks] == ["0", "1"]
@@ -205,12 +228,27 @@ def test_cifar_on_two_ranks_through_torchrun(workdir: Path) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the unchanged DCGAN script needs CUDA (torch.cuda.set_device)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the unchanged DCGAN script needs CUDA (torch.cuda.set_device)"
+)
 def test_gan_runs_unchanged_on_cuda(workdir: Path) -> None:
     cfg = env.SCRIPTS / "gan/gan_deepspeed_config.json"
-    args = ["--dataset", "fake", "--deepspeed_config", str(cfg), "--batchSize", "8", "--imageSize", "64", "--workers", "0"]
+    args = [
+        "--dataset",
+        "fake",
+        "--deepspeed_config",
+        str(cfg),
+        "--batchSize",
+        "8",
+        "--imageSize",
+        "64",
+        "--workers",
+        "0",
+    ]
     args += ["--outf", str(workdir / "gan_out"), "--tensorboard_path", str(workdir / "gan_tb")]
-    losses, _ = run_script("tiered", "gan/gan_deepspeed_train.py", args, workdir, "gan", extra={"CUDA_VISIBLE_DEVICES": "0"})
+    losses, _ = run_script(
+        "tiered", "gan/gan_deepspeed_train.py", args, workdir, "gan", extra={"CUDA_VISIBLE_DEVICES": "0"}
+    )
     assert len(losses) == 2  # the discriminator's and the generator's engines
     for per_engine in losses:
         trained(per_engine)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tiered.deepspeed import accelerator, comm, moe, ops, runtime, utils, zero
 from tiered.deepspeed.comm import init_distributed
+from tiered.deepspeed.engine_compat import as_deepspeed_engine
 from tiered.deepspeed.import_alias import install as _install_alias
 from tiered.deepspeed.runtime.activation_checkpointing import checkpointing
 from tiered.deepspeed.runtime.compiler import is_compile_supported
@@ -180,6 +181,7 @@ def initialize(
         **hyperparameters,
     )
     assert isinstance(out, InitializeResult)  # model_parameters is always given
+    as_deepspeed_engine(out[0])
     return out
 
 

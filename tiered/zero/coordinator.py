@@ -184,6 +184,7 @@ class ZeroParameters:
             model,
             [p for rt in self.runtimes for p in rt.params],
             [e.numel for rt in self.runtimes for e in rt.group.entries],
+            [e.shape for rt in self.runtimes for e in rt.group.entries],
         )
         log.info(
             "partitioned %d parameters into %d groups (%d persistent), world_size=%d",

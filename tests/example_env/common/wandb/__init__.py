@@ -6,4 +6,6 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    raise RuntimeError(f"wandb.{name}: the test environment's wandb stand-in is not to be used (run without --use_wandb)")
+    raise RuntimeError(
+        f"wandb.{name}: the test environment's wandb stand-in is not to be used (run without --use_wandb)"
+    )
