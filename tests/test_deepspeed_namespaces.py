@@ -436,7 +436,11 @@ def test_comm_collectives_on_one_process() -> None:
         rs = torch.zeros(4)
         dist.reduce_scatter_tensor(rs, t.clone())
         assert torch.equal(rs, t)
-        assert dist.get_all_ranks_from_group() == [0] and dist.get_global_rank(None, 0) == 0
+        assert (
+            dist.get_all_ranks_from_group(dist.get_world_group()) == [0]
+            and dist.get_global_rank(None, 0) == 0
+        )
+        assert dist.get_all_ranks_from_group() == []  # DeepSpeed's answer for group=None
         assert dist.get_backend() == "gloo" and dist.get_world_group() is not None
         dist.monitored_barrier()
         dist.log_summary()

@@ -273,8 +273,10 @@ def get_world_group() -> Any:
 
 
 def get_all_ranks_from_group(group: Any = None) -> list[int]:
+    """The global ranks of `group`'s members. ``group=None`` gives [], DeepSpeed's answer (it
+    asks torch for each member's global rank, which torch refuses for None)."""
     if group is None:
-        return list(range(dist.get_world_size()))
+        return []
     return list(dist.get_process_group_ranks(group))
 
 
