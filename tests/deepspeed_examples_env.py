@@ -30,6 +30,18 @@ WORDS = (
 ).split()
 
 
+def deepspeed_installed() -> bool:
+    """DeepSpeed's own distribution is installed (``find_spec("deepspeed")`` would also find
+    tiered's alias once tiered.deepspeed is imported)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def sentences(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [

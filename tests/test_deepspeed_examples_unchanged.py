@@ -12,7 +12,6 @@ CUDA lines replaced is examples/deepspeed_examples/ (tests/test_deepspeed_exampl
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import math
 import re
@@ -27,15 +26,6 @@ import torch
 
 README = Path(env.SCRIPTS).parent / "README.md"
 SEED = {"TIERED_EXAMPLE_SEED": "0"}
-
-
-def deepspeed_installed() -> bool:
-    """DeepSpeed's own distribution (``find_spec("deepspeed")`` also finds tiered's alias)."""
-    try:
-        importlib.metadata.distribution("deepspeed")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +259,7 @@ DS_CASES: dict[str, tuple[str, list[str], dict[str, str], float]] = {
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-@pytest.mark.skipif(not deepspeed_installed(), reason="DeepSpeed is not installed")
+@pytest.mark.skipif(not env.deepspeed_installed(), reason="DeepSpeed is not installed")
 @pytest.mark.parametrize("case", sorted(DS_CASES))
 def test_each_unchanged_script_trains_equal_to_deepspeed(workdir: Path, case: str) -> None:
     """The same unchanged script, the same flags and seeds, through `tiered run` and through
