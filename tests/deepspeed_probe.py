@@ -236,6 +236,110 @@ def _leaf(c: Ctx) -> Any:
     return True
 
 
+# ---- the namespaces scripts import (issue 39) ------------------------------------------------
+
+
+def _resolves(c: Ctx, module: str, attr: str) -> Any:
+    """``from deepspeed.X import Y`` in the probing process gives the probed API's Y."""
+    import importlib
+
+    target = c.ds
+    for part in module.split(".")[1:]:
+        target = getattr(target, part)
+    return getattr(importlib.import_module(module), attr) is getattr(target, attr)
+
+
+def _adam_step(c: Ctx, cls: str, **kw: Any) -> Any:
+    """One step of DeepSpeed's Adam class from fixed weights and gradients."""
+    w = nn.Parameter(torch.linspace(-1.0, 1.0, 12))
+    opt = getattr(c.ds.ops.adam, cls)([w], lr=0.1, weight_decay=0.01, **kw)
+    for k in range(2):
+        w.grad = torch.linspace(0.5, -0.5, 12) * (k + 1)
+        opt.step()
+    return w.detach()
+
+
+def _client_cpu_adam_training(c: Ctx) -> Any:
+    torch.manual_seed(3)
+    m = Net()
+    opt = c.ds.ops.adam.DeepSpeedCPUAdam(m.parameters(), lr=0.01, weight_decay=0.01)
+    cfg = {k: v for k, v in CONFIG.items() if k not in ("optimizer", "scheduler")}
+    e, *_ = c.ds.initialize(model=m, optimizer=opt, config=cfg)
+    losses = []
+    for x, y in dataset()[:4]:
+        loss = e(x[None], y[None])
+        e.backward(loss)
+        e.step()
+        losses.append(float(loss))
+    c.seen["cpu_adam_model"] = m
+    return losses
+
+
+def _schedule(c: Ctx, cls: str, steps: int = 6, **kw: Any) -> Any:
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05)
+    sched = getattr(c.ds.runtime.lr_schedules, cls)(opt, **kw)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(steps):
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs + [sched.state_dict()["last_batch_iteration"]]
+
+
+def _activation_checkpoint(c: Ctx, fn: str) -> Any:
+    torch.manual_seed(4)
+    lin = nn.Linear(6, 6)
+    x = torch.randn(3, 6, requires_grad=True)
+    out = getattr(c.ds.checkpointing, fn)(lambda t: torch.tanh(lin(t)), x)
+    out.sum().backward()
+    return [out.detach(), lin.weight.grad, x.grad]
+
+
+def _repeating(c: Ctx) -> Any:
+    it = c.ds.runtime.dataloader.RepeatingLoader([1, 2, 3])
+    return [next(it) for _ in range(7)]
+
+
+def _broadcast(c: Ctx) -> Any:
+    t = torch.arange(4.0)
+    c.ds.comm.broadcast(t, 0)
+    return t
+
+
+def _all_gather(c: Ctx) -> Any:
+    out = [torch.zeros(3)]
+    c.ds.comm.all_gather(out, torch.arange(3.0))
+    return out
+
+
+def _all_gather_object(c: Ctx) -> Any:
+    out: list[Any] = [None]
+    c.ds.comm.all_gather_object(out, {"k": 1})
+    return out
+
+
+def _ds_attrs(c: Ctx) -> Any:
+    return [[p.ds_numel, list(p.ds_shape), hasattr(p, "ds_tensor")] for p in c.model.parameters()]
+
+
+def _state_dict_shapes(c: Ctx) -> Any:
+    return {k: list(v.shape) for k, v in sorted(c.engine.module.state_dict().items())}
+
+
+def _load_missing(c: Ctx) -> Any:
+    return list(c.engine.load_checkpoint(os.path.join(c.workdir, "no-such-checkpoints")))
+
+
+def _refused(c: Ctx, call: Callable[[], Any], words: str) -> Any:
+    """tiered refuses what it does not implement, naming it; DeepSpeed builds it."""
+    try:
+        call()
+    except Exception as e:  # the refusal is the answer
+        if words in str(e) and "Instead:" in str(e):
+            return "refused, naming the alternative"
+        raise
+    return "built"
+
+
 Probe = tuple[str, str, Callable[[Ctx], Any]]
 
 PROBES: list[Probe] = [
@@ -429,6 +533,167 @@ PROBES: list[Probe] = [
     ("moe.utils.split_params_into_different_moe_groups_for_optimizer (no experts)", "runs", _moe_split),
     # tiered has no expert parallelism ([Note: MoE without expert parallelism])
     ("moe.layer.MoE(...)", "differs", _moe_layer),
+    # ---- the namespaces scripts import (issue 39) -----------------------------------------
+    ("from deepspeed import comm", "value", lambda c: _resolves(c, "deepspeed", "comm")),
+    (
+        "import deepspeed.comm as dist: get_rank",
+        "value",
+        lambda c: _resolves(c, "deepspeed.comm", "get_rank"),
+    ),
+    (
+        "from deepspeed.accelerator import get_accelerator",
+        "value",
+        lambda c: _resolves(c, "deepspeed.accelerator", "get_accelerator"),
+    ),
+    (
+        "from deepspeed.ops.adam import DeepSpeedCPUAdam",
+        "value",
+        lambda c: _resolves(c, "deepspeed.ops.adam", "DeepSpeedCPUAdam"),
+    ),
+    (
+        "from deepspeed.ops.adam import FusedAdam",
+        "value",
+        lambda c: _resolves(c, "deepspeed.ops.adam", "FusedAdam"),
+    ),
+    (
+        "from deepspeed.runtime.lr_schedules import WarmupLR",
+        "value",
+        lambda c: _resolves(c, "deepspeed.runtime.lr_schedules", "WarmupLR"),
+    ),
+    (
+        "from deepspeed.runtime.engine import DeepSpeedEngine",
+        "value",
+        lambda c: _resolves(c, "deepspeed.runtime.engine", "DeepSpeedEngine"),
+    ),
+    (
+        "from deepspeed.utils import safe_get_full_fp32_param",
+        "value",
+        lambda c: _resolves(c, "deepspeed.utils", "safe_get_full_fp32_param"),
+    ),
+    (
+        "from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer",
+        "value",
+        lambda c: _resolves(c, "deepspeed.moe.utils", "split_params_into_different_moe_groups_for_optimizer"),
+    ),
+    (
+        "isinstance(engine, DeepSpeedEngine)",
+        "value",
+        lambda c: isinstance(c.engine, c.ds.runtime.engine.DeepSpeedEngine),
+    ),
+    (
+        "deepspeed.DeepSpeedEngine",
+        "value",
+        lambda c: c.ds.DeepSpeedEngine is c.ds.runtime.engine.DeepSpeedEngine,
+    ),
+    ("ops.adam.DeepSpeedCPUAdam: 2 steps", "value", lambda c: _adam_step(c, "DeepSpeedCPUAdam")),
+    (
+        "ops.adam.DeepSpeedCPUAdam(adamw_mode=False): 2 steps",
+        "value",
+        lambda c: _adam_step(c, "DeepSpeedCPUAdam", adamw_mode=False),
+    ),
+    ("initialize(optimizer=DeepSpeedCPUAdam) trains", "value", _client_cpu_adam_training),
+    (
+        "ops.adam.FusedAdam(...) builds",
+        "runs",
+        lambda c: type(c.ds.ops.adam.FusedAdam([nn.Parameter(torch.zeros(2))])).__name__,
+    ),
+    (
+        "runtime.lr_schedules.WarmupLR",
+        "value",
+        lambda c: _schedule(c, "WarmupLR", warmup_max_lr=0.05, warmup_num_steps=4),
+    ),
+    (
+        "runtime.lr_schedules.WarmupLR linear",
+        "value",
+        lambda c: _schedule(c, "WarmupLR", warmup_min_lr=0.01, warmup_num_steps=3, warmup_type="linear"),
+    ),
+    (
+        "runtime.lr_schedules.WarmupDecayLR",
+        "value",
+        lambda c: _schedule(c, "WarmupDecayLR", total_num_steps=5, warmup_max_lr=0.05, warmup_num_steps=2),
+    ),
+    (
+        "runtime.lr_schedules.WarmupCosineLR",
+        "value",
+        lambda c: _schedule(c, "WarmupCosineLR", total_num_steps=5, warmup_num_steps=2),
+    ),
+    (
+        "runtime.zero.partition_parameters.ZeroParamStatus",
+        "value",
+        lambda c: [s.name for s in c.ds.runtime.zero.partition_parameters.ZeroParamStatus],
+    ),
+    (
+        "runtime.zero.GatheredParameters is zero.GatheredParameters",
+        "value",
+        lambda c: c.ds.runtime.zero.GatheredParameters is c.ds.zero.GatheredParameters,
+    ),
+    ("checkpointing.checkpoint", "value", lambda c: _activation_checkpoint(c, "checkpoint")),
+    (
+        "checkpointing.non_reentrant_checkpoint",
+        "value",
+        lambda c: _activation_checkpoint(c, "non_reentrant_checkpoint"),
+    ),
+    ("checkpointing.configure(None)", "runs", lambda c: c.ds.checkpointing.configure(None)),
+    ("checkpointing.is_configured()", "value", lambda c: c.ds.checkpointing.is_configured()),
+    (
+        "runtime.utils.see_memory_usage",
+        "runs",
+        lambda c: c.ds.runtime.utils.see_memory_usage("probe", force=True),
+    ),
+    ("runtime.dataloader.RepeatingLoader", "value", _repeating),
+    (
+        "runtime.compiler.is_compile_supported()",
+        "value",
+        lambda c: c.ds.runtime.compiler.is_compile_supported(),
+    ),
+    ("utils.log_dist", "runs", lambda c: c.ds.utils.log_dist("probe", ranks=[0])),
+    ("utils.logger.info", "runs", lambda c: c.ds.utils.logger.info("probe")),
+    ("comm.broadcast", "value", _broadcast),
+    ("comm.all_gather", "value", _all_gather),
+    ("comm.all_gather_object", "value", _all_gather_object),
+    ("comm.get_all_ranks_from_group()", "value", lambda c: c.ds.comm.get_all_ranks_from_group(None)),
+    ("comm.get_world_group()", "runs", lambda c: c.ds.comm.get_world_group() is not None),
+    (
+        "accelerator.current_device_name()",
+        "value",
+        lambda c: c.ds.accelerator.get_accelerator().current_device_name(),
+    ),
+    (
+        "accelerator.is_bf16_supported()",
+        "runs",
+        lambda c: c.ds.accelerator.get_accelerator().is_bf16_supported(),
+    ),
+    ("accelerator.synchronize()", "runs", lambda c: c.ds.accelerator.get_accelerator().synchronize()),
+    ("accelerator.empty_cache()", "runs", lambda c: c.ds.accelerator.get_accelerator().empty_cache()),
+    (
+        "accelerator.memory_allocated()",
+        "runs",
+        lambda c: c.ds.accelerator.get_accelerator().memory_allocated(),
+    ),
+    ("accelerator.total_memory()", "runs", lambda c: c.ds.accelerator.get_accelerator().total_memory()),
+    (
+        "accelerator.manual_seed_all(0)",
+        "runs",
+        lambda c: c.ds.accelerator.get_accelerator().manual_seed_all(0),
+    ),
+    ("ds_numel, ds_shape, ds_tensor of partitioned parameters", "value", _ds_attrs),
+    ("module.state_dict() under ZeRO-3: placeholders", "value", _state_dict_shapes),
+    ("load_checkpoint(a folder without latest)", "value", _load_missing),
+    # tiered has no inference engine nor pipeline parallelism ([Note: refused DeepSpeed features])
+    (
+        "init_inference(model)",
+        "differs",
+        lambda c: _refused(
+            c, lambda: c.ds.init_inference(nn.Linear(4, 4), dtype=torch.float32), "DeepSpeed-Inference"
+        ),
+    ),
+    (
+        "pipe.PipelineModule(layers, num_stages=1)",
+        "differs",
+        lambda c: _refused(
+            c, lambda: c.ds.pipe.PipelineModule(layers=[nn.Linear(4, 4)], num_stages=1), "pipeline"
+        ),
+    ),
 ]
 
 
@@ -475,6 +740,12 @@ def _deepspeed() -> Any:
     import deepspeed.comm
     import deepspeed.moe.layer
     import deepspeed.moe.utils
+    import deepspeed.ops.adam
+    import deepspeed.runtime.compiler
+    import deepspeed.runtime.dataloader
+    import deepspeed.runtime.lr_schedules
+    import deepspeed.runtime.utils
+    import deepspeed.runtime.zero.partition_parameters
     import deepspeed.utils
 
     return deepspeed

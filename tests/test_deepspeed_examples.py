@@ -6,7 +6,6 @@ a plain PyTorch loop in DeepSpeed's clothes) gives the same per-step losses to 1
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -15,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deepspeed_examples_env import deepspeed_installed
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "deepspeed_examples"
@@ -153,7 +153,7 @@ DS_CASES = {
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+@pytest.mark.skipif(not deepspeed_installed(), reason="DeepSpeed is not installed")
 @pytest.mark.parametrize("name", sorted(DS_CASES))
 def test_each_script_trains_equal_to_deepspeed_itself(tmp_path: Path, name: str) -> None:
     """The same script run on DeepSpeed (CPU accelerator, one rank: DeepSpeed without a launcher

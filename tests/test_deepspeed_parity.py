@@ -5,7 +5,6 @@ its CPU accelerator and world)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ from typing import Any
 
 import deepspeed_probe as probe
 import pytest
+from deepspeed_examples_env import deepspeed_installed
 from engine_support import no_leftover_process_group  # noqa: F401 - the fixture
 from test_deepspeed_surface import same
 
@@ -24,7 +24,7 @@ pytestmark = [
     pytest.mark.deepspeed,
     pytest.mark.slow,
     pytest.mark.usefixtures("no_leftover_process_group"),
-    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed"),
+    pytest.mark.skipif(not deepspeed_installed(), reason="DeepSpeed is not installed"),
 ]
 
 

@@ -54,8 +54,28 @@ def test_model_save_pretrained_names_engine_save_pretrained(opened, tmp_path: Pa
     model, engine, _ = opened
     with pytest.raises(ParameterNotGatheredError, match=r"engine\.save_pretrained\(dir\)"):
         model.save_pretrained(tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.safetensors"))
+
+
+def test_state_dict_is_deepspeeds_placeholders_that_cannot_be_saved(opened, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A module's state_dict() under ZeRO-3 gives what DeepSpeed's gives: every key, each
+    parameter an empty placeholder; writing it (torch.save, safetensors) raises instead of
+    saving empty tensors."""
+    import io
+
+    from safetensors.torch import save_file
+
+    model, _, _ = opened
+    sd = model.state_dict()
+    params = dict(model.named_parameters())
+    assert set(params) <= set(sd)
+    assert all(sd[n].shape == (0,) for n in params)
+    with pytest.raises(ParameterNotGatheredError, match=r"engine\.gathered_parameters"):
+        torch.save(sd, io.BytesIO())
+    with pytest.raises(ParameterNotGatheredError, match=r"engine\.gathered_parameters"):
+        save_file({n: sd[n] for n in params}, str(tmp_path / "sd.safetensors"))
     with pytest.raises(ParameterNotGatheredError):
-        model.state_dict()
+        sd["lm_head.weight"].sum()
 
 
 def test_close_gives_ordinary_parameters_back(tmp_path: Path) -> None:
@@ -94,7 +114,8 @@ def test_every_way_to_the_values_of_a_released_parameter_raises(opened, tmp_path
         "equal": lambda: torch.equal(w.data, torch.zeros(0)),
         "np.asarray(data)": lambda: np.asarray(w.data),
         "np.asarray": lambda: np.asarray(w),
-        "detach": lambda: w.detach(),
+        "detach().sum": lambda: w.detach().sum(),
+        "detach().clone": lambda: w.detach().clone(),
         "init.normal_": lambda: torch.nn.init.normal_(w),
         "deepcopy": lambda: copy.deepcopy(w),
         "deepcopy(model)": lambda: copy.deepcopy(model),

@@ -39,6 +39,7 @@ from tiered.errors import (
     TieredError,
     TierTimeoutError,
     UnsupportedConfigError,
+    UnsupportedFeatureError,
     UsageError,
     WeightsError,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "TieredError",
     "TierTimeoutError",
     "UnsupportedConfigError",
+    "UnsupportedFeatureError",
     "UsageError",
     "WeightsError",
     "from_pretrained",

@@ -20,6 +20,13 @@ class UnsupportedConfigError(ConfigError):
     """A recognised (DeepSpeed) key whose feature tiered does not support."""
 
 
+class UnsupportedFeatureError(UnsupportedConfigError, ImportError):
+    """A DeepSpeed feature tiered deliberately lacks (pipeline, tensor or sequence parallelism,
+    DeepSpeed-Inference), raised where a script imports or first uses it; the message names the
+    feature and what to use instead. An ImportError too, so a script's ``try: from deepspeed.pipe
+    import ... except ImportError`` fallback takes its fallback."""
+
+
 class BackendNotFoundError(TieredError, KeyError):
     """No storage backend is registered under the requested name."""
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import importlib.util
+import importlib.metadata
 import json
 import logging
 import mmap
@@ -411,7 +411,9 @@ def find_fio() -> tuple[FioMethod | None, str]:
 
 def find_deepspeed_aio(block_size: int = MIB, queue_depth: int = 32) -> tuple[DeepSpeedAioMethod | None, str]:
     """DeepSpeed's aio handle if deepspeed imports and its async_io op builds; else why not."""
-    if importlib.util.find_spec("deepspeed") is None:
+    try:  # DeepSpeed's own distribution: `deepspeed` may be tiered's alias in this process
+        importlib.metadata.distribution("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
         return None, "absent (deepspeed not installed)"
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder

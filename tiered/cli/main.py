@@ -29,6 +29,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("backends", "tiered.cli.backends", "list the registered storage backends"),
     ("demo", "tiered.cli.demo", "the main job on its default: plan a 40B model, then a quick bench"),
     ("build-ext", "tiered.cli.build_ext", "build the native Adam kernels once for this environment"),
+    ("run", "tiered.cli.run", "run a DeepSpeed script unchanged on tiered (DeepSpeed's launcher flags)"),
 )
 
 EPILOG = """\
@@ -39,6 +40,7 @@ examples:
   tiered backends
   tiered demo
   tiered build-ext
+  tiered run --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json
 
 Run `tiered COMMAND --help` for the options of one command.
 """

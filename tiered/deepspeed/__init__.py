@@ -6,8 +6,14 @@
 
 `initialize`, `init_distributed`, `add_config_arguments`, `zero` (``Init``,
 ``GatheredParameters``), `comm`, `utils` (the safe getters and setters), `accelerator`
-(``get_accelerator``), `moe` (the group splitter; ``MoE`` refused), none of which needs DeepSpeed
-installed. The table of DeepSpeed's API and tiered's is docs/deepspeed.md.
+(``get_accelerator``), `moe` (the group splitter; ``MoE`` refused), `ops` (``ops.adam``'s
+``DeepSpeedCPUAdam`` and ``FusedAdam``), `runtime` (``DeepSpeedEngine``, the lr schedules,
+``zero``), `checkpointing` (activation checkpointing), none of which needs DeepSpeed installed.
+Importing this module makes ``deepspeed`` and every ``deepspeed.*`` import tiered's in the process
+([Note: deepspeed as an alias of tiered.deepspeed]); `tiered run script.py` runs a DeepSpeed script
+that way with no line changed. Pipeline and tensor parallelism and DeepSpeed-Inference raise
+`UnsupportedFeatureError` where a script reaches them ([Note: refused DeepSpeed features]). The
+table of DeepSpeed's API and tiered's is docs/deepspeed.md.
 """
 
 from __future__ import annotations
@@ -20,8 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiered.deepspeed import accelerator, comm, moe, utils, zero
+from tiered.deepspeed import accelerator, comm, moe, ops, runtime, utils, zero
 from tiered.deepspeed.comm import init_distributed
+from tiered.deepspeed.engine_compat import as_deepspeed_engine
+from tiered.deepspeed.import_alias import install as _install_alias
+from tiered.deepspeed.runtime.activation_checkpointing import checkpointing
+from tiered.deepspeed.runtime.compiler import is_compile_supported
+from tiered.deepspeed.runtime.engine import DeepSpeedEngine
+from tiered.deepspeed.unsupported import FEATURES, refuse, refusing_class
+from tiered.deepspeed.utils import log_dist, logger
 from tiered.engine import Engine, InitializeResult
 from tiered.engine import initialize as _initialize
 from tiered.errors import ConfigError, DistributedSetupError, UnsupportedConfigError
@@ -35,18 +48,64 @@ __git_hash__ = None
 __git_branch__ = None
 
 __all__ = [
+    "DeepSpeedEngine",
     "Engine",
+    "InferenceEngine",
     "InitializeResult",
+    "PipelineEngine",
+    "PipelineModule",
     "__version__",
     "accelerator",
     "add_config_arguments",
+    "checkpointing",
     "comm",
     "init_distributed",
+    "init_inference",
     "initialize",
+    "is_compile_supported",
+    "log_dist",
+    "logger",
     "moe",
+    "ops",
+    "runtime",
+    "tp_model_init",
     "utils",
     "zero",
 ]
+
+# [Note: refused DeepSpeed features]: the classes scripts reach through this module (isinstance
+# works; constructing one raises), and the functions that raise when called.
+PipelineModule = refusing_class("PipelineModule", "pipeline", __name__)
+PipelineEngine = refusing_class("PipelineEngine", "pipeline", __name__)
+InferenceEngine = refusing_class("InferenceEngine", "inference", __name__)
+_REFUSED_MODULES = {
+    "pipe": "pipeline",
+    "inference": "inference",
+    "module_inject": "tensor",
+    "sequence": "sequence",
+}
+assert set(_REFUSED_MODULES.values()) <= set(FEATURES)
+
+
+def init_inference(model: torch.nn.Module | None = None, config: Any = None, **kwargs: Any) -> Any:
+    """DeepSpeed-Inference: refused ([Note: refused DeepSpeed features])."""
+    refuse("inference", "deepspeed.init_inference(...)")
+
+
+def tp_model_init(
+    model: torch.nn.Module | None = None, tp_size: int = 1, dtype: Any = None, **kwargs: Any
+) -> Any:
+    """DeepSpeed's tensor-parallel model init: refused ([Note: refused DeepSpeed features])."""
+    refuse("tensor", "deepspeed.tp_model_init(...)")
+
+
+def __getattr__(name: str) -> Any:
+    """``deepspeed.pipe`` and the other refused features' modules, reached as attributes."""
+    if name in _REFUSED_MODULES:
+        refuse(_REFUSED_MODULES[name], f"deepspeed.{name}")
+    raise AttributeError(
+        f"module {__name__!r} has no attribute {name!r} (docs/deepspeed.md lists what it has)"
+    )
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -122,8 +181,12 @@ def initialize(
         **hyperparameters,
     )
     assert isinstance(out, InitializeResult)  # model_parameters is always given
+    as_deepspeed_engine(out[0])
     return out
 
 
 def _all_trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+_install_alias()  # last: every name above exists when a script's `import deepspeed` reaches it

@@ -35,19 +35,35 @@ __all__ = [
     "ReduceOp",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_object",
     "all_reduce",
+    "all_to_all_single",
     "barrier",
     "broadcast",
+    "broadcast_object_list",
     "destroy_process_group",
+    "gather",
+    "get_all_ranks_from_group",
+    "get_backend",
+    "get_global_rank",
     "get_local_rank",
     "get_rank",
+    "get_world_group",
     "get_world_size",
     "init_distributed",
+    "irecv",
     "is_available",
     "is_initialized",
+    "isend",
+    "log_summary",
+    "monitored_barrier",
     "new_group",
+    "recv",
     "reduce",
+    "reduce_scatter",
     "reduce_scatter_tensor",
+    "scatter",
+    "send",
 ]
 
 
@@ -171,3 +187,102 @@ def new_group(ranks: list[int]) -> Any:
 
 def destroy_process_group(group: Any = None) -> None:
     dist.destroy_process_group(group)
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+    dist.all_gather_object(object_list, obj, group=group)
+
+
+def broadcast_object_list(object_list: list[Any], src: int, group: Any = None, device: Any = None) -> None:
+    dist.broadcast_object_list(object_list, src, group=group, device=device)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    return dist.all_to_all_single(
+        output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    )
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+
+
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    return dist.gather(tensor, gather_list, dst, group=group, async_op=async_op)
+
+
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    return dist.scatter(tensor, scatter_list, src, group=group, async_op=async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+    dist.send(tensor, dst, group=group, tag=tag)
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
+    return int(dist.recv(tensor, src, group=group, tag=tag))
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
+    return dist.isend(tensor, dst, group=group, tag=tag)
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Any:
+    return dist.irecv(tensor, src, group=group, tag=tag)
+
+
+def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+    dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+
+
+def get_backend(group: Any = None) -> str:
+    return str(dist.get_backend(group))
+
+
+def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def get_world_group() -> Any:
+    return dist.group.WORLD
+
+
+def get_all_ranks_from_group(group: Any = None) -> list[int]:
+    """The global ranks of `group`'s members. ``group=None`` gives [], DeepSpeed's answer (it
+    asks torch for each member's global rank, which torch refuses for None)."""
+    if group is None:
+        return []
+    return list(dist.get_process_group_ranks(group))
+
+
+def log_summary(show_straggler: bool = False) -> None:
+    """DeepSpeed's communication-logger summary: tiered keeps no such log (its per-tier traffic is
+    ``engine.stats()``); logged at INFO so the call is not silent."""
+    log.info(
+        "deepspeed.comm.log_summary(): tiered records no communication log; engine.stats() has the traffic"
+    )

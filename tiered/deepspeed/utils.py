@@ -19,6 +19,7 @@ not for every step.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tiered.checkpoint.partition_io import resident, write_partition
+from tiered.deepspeed.runtime.dataloader import RepeatingLoader
 from tiered.deepspeed.zero import engine_of
 from tiered.zero import set_leaf_modules
 
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
     from tiered.engine import Engine
 
 __all__ = [
+    "RepeatingLoader",
+    "log_dist",
+    "logger",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
@@ -47,6 +52,18 @@ __all__ = [
 ]
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+logger = logging.getLogger("DeepSpeed")
+"""DeepSpeed's logger (``from deepspeed.utils import logger``): a standard logger named as DeepSpeed's."""
+
+
+def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
+    """Log `message`, prefixed with the rank, as DeepSpeed's ``log_dist``: on the listed ranks
+    (every rank with ``[-1]``), and always before the process group exists."""
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    wanted = ranks or []
+    if rank == -1 or (wanted and wanted[0] == -1) or rank in wanted:
+        logger.log(level, "[Rank %s] %s", rank, message)
 
 
 def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[Any]) -> list[torch.nn.Module]:

@@ -39,7 +39,10 @@ shard group says it has some) raises `ParameterNotGatheredError` naming the para
 calls that give the values: ``engine.gathered_parameters``, ``engine.save_pretrained``,
 ``engine.close``. Metadata stays readable (shape, dtype, device, ``.grad``, ``numel``), which
 the hooks, autograd and Hugging Face read; ``shape`` and ``numel()`` are the placeholder's (0), as
-under DeepSpeed, and ``ds_numel`` gives the full count as DeepSpeed's does (peft reads it). A property that hands out a tensor of the released
+under DeepSpeed, and ``ds_numel``, ``ds_shape`` and ``ds_tensor`` answer as DeepSpeed's do (peft
+and scripts that count parameters read them). ``detach()`` (what a module's ``state_dict()``
+calls) hands out the empty placeholder, as DeepSpeed's ZeRO-3 ``state_dict()`` does, guarded as
+below, so that saving it raises instead of writing empty tensors. A property that hands out a tensor of the released
 parameter (``.data``, ``.T``, ``.mT``, ``.real``, ...) hands out that empty tensor as a
 `ReleasedData`, which answers the same metadata and raises the same error on every other op
 (``p.data.sum()``, ``.clone()``, ``.numpy()``, ``.copy_()``, ``copy.deepcopy(p)`` and pickling,
@@ -253,6 +256,11 @@ def _not_gathered(name: str, func: Any) -> ParameterNotGatheredError:
     )
 
 
+# What ReleasedData refuses although a parameter answers it: copying and pickling read the values,
+# and a storage pointer is how writers (safetensors, transformers' save_pretrained) reach them.
+_VALUE_READING_METADATA = frozenset({"__deepcopy__", "__reduce_ex__", "untyped_storage", "data_ptr"})
+
+
 class ReleasedData(torch.Tensor):
     """The empty tensor a released parameter's ``.data`` (or ``.T``, ...) hands out: metadata
     reads as the placeholder's, every other op raises. See [Note: partitioned parameters outside
@@ -284,7 +292,7 @@ class ReleasedData(torch.Tensor):
                 if out.device == args[0].device and out.dtype == args[0].dtype:
                     return out  # a move that changes nothing (module.to, accelerate)
                 raise _not_gathered(args[0]._tiered_name, func)
-            if name in _METADATA and name not in ("__deepcopy__", "__reduce_ex__"):
+            if name in _METADATA and name not in _VALUE_READING_METADATA:
                 return func(*args, **(kwargs or {}))
             for a in (*args, *(kwargs or {}).values()):
                 for b in a if isinstance(a, (list, tuple)) else (a,):
@@ -299,10 +307,13 @@ class PartitionedParameter(nn.Parameter):
 
     _names: Mapping[int, str] = {}
     _numel: Mapping[int, int] = {}
+    _shape: Mapping[int, torch.Size] = {}
 
     @classmethod
-    def for_model(cls, names: Mapping[int, str], numel: Mapping[int, int]) -> type[PartitionedParameter]:
-        return type("PartitionedParameter", (cls,), {"_names": names, "_numel": numel})
+    def for_model(
+        cls, names: Mapping[int, str], numel: Mapping[int, int], shape: Mapping[int, torch.Size] | None = None
+    ) -> type[PartitionedParameter]:
+        return type("PartitionedParameter", (cls,), {"_names": names, "_numel": numel, "_shape": shape or {}})
 
     @classmethod
     def __torch_function__(
@@ -317,6 +328,11 @@ class PartitionedParameter(nn.Parameter):
                         cls._check(args[0], func)
                     return ReleasedData.guard(func(*args), cls._names.get(id(args[0]), "?"))
                 return func(*args)
+            if name == "detach" and args and cls._released(args[0]):
+                # a module's state_dict() detaches each parameter: DeepSpeed's ZeRO-3 hands out the
+                # empty placeholders there, so does this, guarded (their values, their storage and
+                # saving them raise)
+                return ReleasedData.guard(func(*args, **(kwargs or {})), cls._names.get(id(args[0]), "?"))
             if name == "to" and args and type(args[0]) is cls:
                 # module.to(device) (accelerate, Trainer) on a released parameter: a move that
                 # changes nothing is allowed; one that would copy its (absent) values is not
@@ -344,6 +360,20 @@ class PartitionedParameter(nn.Parameter):
         ``numel()`` is 0)."""
         return self._numel.get(id(self), 0) or self.numel()
 
+    @property
+    def ds_shape(self) -> torch.Size:
+        """The full shape, also while released (DeepSpeed's attribute)."""
+        return self._shape.get(id(self)) or self.shape
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        """DeepSpeed's handle on this rank's partition, as scripts use it: ``hasattr(p,
+        "ds_tensor")`` says the parameter is partitioned (so ``ds_numel`` counts it) and its
+        numel is the partition's, ceil(ds_numel / world size) as DeepSpeed pads it. A meta
+        tensor: the values live in tiered's tiers (safe_get_local_fp32_param reads them)."""
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return torch.empty(-(-self.ds_numel // world), dtype=self.dtype, device="meta")
+
     @classmethod
     def _released(cls, a: Any) -> bool:
         return type(a) is cls and a.numel() == 0 and cls._numel.get(id(a), 0) > 0
@@ -358,7 +388,12 @@ class HookSet:
     """The handles of every hook installed on a model; `remove()` takes them all off."""
 
     def __init__(
-        self, zp: HookTarget, model: nn.Module, params: list[nn.Parameter], sizes: list[int]
+        self,
+        zp: HookTarget,
+        model: nn.Module,
+        params: list[nn.Parameter],
+        sizes: list[int],
+        shapes: list[tuple[int, ...]] | None = None,
     ) -> None:
         self._handles: list[Any] = []
         for name, module in model.named_modules():
@@ -380,7 +415,9 @@ class HookSet:
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._switched = [p for p in params if type(p) is nn.Parameter]
         cls = PartitionedParameter.for_model(
-            names, {id(p): numel for p, numel in zip(params, sizes, strict=True)}
+            names,
+            {id(p): numel for p, numel in zip(params, sizes, strict=True)},
+            {id(p): torch.Size(s) for p, s in zip(params, shapes or [], strict=False)},
         )
         for p in self._switched:
             p.__class__ = cls  # [Note: partitioned parameters outside forward]

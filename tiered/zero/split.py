@@ -176,13 +176,14 @@ def make_splits(
 
 def params_once(
     groups: Sequence[tuple[Sequence[nn.Parameter], Sequence[ParamEntry]]],
-) -> tuple[list[nn.Parameter], list[int]]:
-    """Every managed parameter once (one in pieces is in several groups) and its whole size."""
-    seen: dict[int, tuple[nn.Parameter, int]] = {}
+) -> tuple[list[nn.Parameter], list[int], list[tuple[int, ...]]]:
+    """Every managed parameter once (one in pieces is in several groups), its whole size and shape."""
+    seen: dict[int, tuple[nn.Parameter, tuple[int, ...]]] = {}
     for params, entries in groups:
         for p, e in zip(params, entries, strict=True):
-            seen.setdefault(id(p), (p, math.prod(e.shape)))
-    return [p for p, _ in seen.values()], [n for _, n in seen.values()]
+            seen.setdefault(id(p), (p, tuple(e.shape)))
+    shapes = [s for _, s in seen.values()]
+    return [p for p, _ in seen.values()], [math.prod(s) for s in shapes], shapes
 
 
 def units_of(n_groups: int, splits: Iterable[SplitParam]) -> list[list[int]]:
