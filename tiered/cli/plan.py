@@ -308,7 +308,7 @@ def answer(args: argparse.Namespace) -> PlanAnswer:
     )
     shape = shape_of_module(model, source, assumptions=said)
     psi = parse_count(args.params, what="--params") if args.params is not None else shape.total_params
-    _check_all_memory(shape, mem_given, args.world_size, PaperBytes.of(base.cfg).per_param()["param"])
+    _check_all_memory(shape, mem_given, args.world_size, int(PaperBytes.of(base.cfg).per_param()["param"]))
     notes = list(said)
     if args.bandwidth is not None:
         bw, taken = read_bandwidth(args.bandwidth)
