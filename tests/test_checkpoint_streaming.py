@@ -91,6 +91,7 @@ def test_a_corrupt_swap_file_fails_the_save_and_latest_stays(tmp_path: Path) -> 
     # sub_group_size above the group's 1M elements: its states stay whole, not tiles
     # ([Note: sub-group pipeline]), so each is a 4 MiB partition in a swap file of its own
     config = ds_config(param="cpu", opt="nvme", nvme_path=str(tmp_path / "nvme"), sub_group_size=1 << 21)
+    config.setdefault("tiered", {})["residency"] = "off"  # the states in their swap files, not kept in cpu
     torch.manual_seed(0)
     model = MLP(hidden=1024)  # a 4 MiB group: its own swap file (objects <= 1 MiB share the slab)
     with tiered.initialize(model, config) as e:

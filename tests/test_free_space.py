@@ -121,7 +121,8 @@ def _fill(path: Path) -> Path:
 def _tier_cfg(spec: dict[str, Any]) -> dict[str, Any]:
     """Optimizer state in a user-declared tier (atomic writes: a temp file per write-back)."""
     cfg = ds_config(param="cpu", opt="cpu")
-    cfg["tiered"] = {"tiers": {"mine": {"backend": spec}}, "optimizer_tier": "mine"}
+    # residency off: each step writes the state back (the subject), not kept in cpu until a flush
+    cfg["tiered"] = {"tiers": {"mine": {"backend": spec}}, "optimizer_tier": "mine", "residency": "off"}
     return cfg
 
 

@@ -468,7 +468,9 @@ class TieredSection:
         '`"auto"`: the faster tiers keep, across steps, the partitions homed below them that their '
         "budgets have room for, chosen by bytes saved per step per byte held, so memory given becomes "
         "fewer bytes moved (a tier without a budget lends what its backend reports free, less a "
-        '10 % / 2 GiB reserve); `"off"`: only DeepSpeed\'s own `offload_param.max_in_cpu` keep. The '
+        '10 % / 2 GiB reserve); `"host"`: only the host-memory tiers keep (the room of a gpu budget beyond '
+        "its need is left to the activations: what `tiered plan` writes where their memory is not known); "
+        '`"off"`: only DeepSpeed\'s own `offload_param.max_in_cpu` keep. The '
         "values trained are the same either way ([Note: residency] in tiered/planning/residency.py)",
         auto="refused",
     )

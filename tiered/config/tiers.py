@@ -217,7 +217,7 @@ def parse_tiered(raw: Any, zero: ZeroConfig, aio: AioConfig) -> tuple[TieredSect
 
 
 NONFINITE_STEPS = ("raise", "skip", "apply")
-RESIDENCY_MODES = ("auto", "off")
+RESIDENCY_MODES = ("auto", "host", "off")
 
 
 def _residency(value: Any) -> str:
@@ -229,7 +229,8 @@ def _residency(value: Any) -> str:
     if value not in RESIDENCY_MODES:
         raise ConfigError(
             f'tiered.residency = {value!r}: expected "auto" (the faster tiers keep what their budgets '
-            'have room for across steps) or "off" (every partition lives in its home between uses)'
+            'have room for across steps), "host" (only host memory does; the GPU\'s room is left to the '
+            'activations) or "off" (every partition lives in its home between uses)'
         )
     return str(value)
 

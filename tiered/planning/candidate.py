@@ -111,6 +111,8 @@ def candidate_config(
         values[KNOB_FIELDS["prefetch_bucket_size"]] = knobs["prefetch_bucket_size"]
     if knobs.get("overlap_step"):  # false is the declared default
         values[KNOB_FIELDS["overlap_step"]] = True
+    if knobs.get("residency") not in (None, "auto"):  # [Note: the live budget searched]
+        values["tiered.residency"] = knobs["residency"]
     if KNOB_FIELDS["max_live_parameters"] in base.written:  # the reuse distance goes with the user's own
         values.pop(_REUSE_DISTANCE, None)
     raw = with_fields(base.raw, {f: v for f, v in values.items() if f not in base.written})

@@ -53,6 +53,10 @@ the base config's) is the only one weighed. The larger budget is weighed only wh
 activations' memory is known (``--activation-mem``, or estimated from ``--seq-len`` and
 ``--micro-batch``): otherwise that room may be theirs (a 36B Llama at 4096 tokens needs ~13 GB
 even checkpointed), and filling it with parameters would trade re-reads for an out-of-memory.
+For the same reason such a config says ``tiered.residency: "host"``: the gpu budget it writes
+(the whole GPU, the activations not being known) holds no more groups persistent than the
+threshold makes ([Note: persistent by room] in tiered/zero/layout.py); the cpu tier still keeps
+what its budget has room for.
 
 [Note: a cpu tier caches up to its budget]
 The tier manager keeps a clean copy in memory of a partition homed on disk (a gradient, an
@@ -340,6 +344,8 @@ def _weigh_at(s: Setup, knobs: dict[str, Any], live: int | None) -> Candidate:
     gpu_budget = None if mem.gpu is None else max(0, mem.gpu - activations_on(mem, s.device_kind, "device"))
     on_host = activations_on(mem, s.device_kind, "host")  # [Note: compute memory on a CPU-only machine]
     knobs = {**knobs, "max_live_parameters": live, "overlap_step": overlap_applies(knobs, base)}
+    if mem.gpu is not None and mem.activations is None and s.device_kind != "cpu":
+        knobs["residency"] = "host"  # [Note: the live budget searched]: the GPU's room may be theirs
     budgets: dict[str, int | None] = {"gpu": gpu_budget, "cpu": mem.cpu, "nvme": mem.nvme}
     config = candidate_config(knobs, base, nvme_path=s.nvme_path, budgets=budgets)
     try:

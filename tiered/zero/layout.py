@@ -64,9 +64,10 @@ class GroupLayout:
 
 def persists_by_room(cfg: TieredConfig) -> bool:
     """Whether the gpu tier's room holds more groups persistent ([Note: persistent by room]):
-    residency on and a gpu budget the user gave (an implicit one would take the activations' room)."""
+    residency "auto" and a gpu budget the user gave (an implicit one would take the activations'
+    room; "host" leaves a given one's room to them too)."""
     gpu = cfg.tiered.tiers.get("gpu")
-    return cfg.tiered.residency != "off" and gpu is not None and gpu.budget_bytes is not None
+    return cfg.tiered.residency == "auto" and gpu is not None and gpu.budget_bytes is not None
 
 
 def plan_layout(

@@ -191,6 +191,7 @@ def test_training_through_a_checksum_tier_detects_a_flipped_optimizer_state(tmp_
             },
             "optimizer_tier": "safe",
             "verify_checksums": False,  # only the layer checks, so the test sees its own error
+            "residency": "off",  # each step reads the state back through the layer, not from memory
         },
     }
 

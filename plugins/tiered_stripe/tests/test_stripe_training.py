@@ -27,6 +27,7 @@ def test_mlp_trains_through_a_stripe_tier_over_two_directories(tmp_path: Path) -
     cfg = ds_config(param="nvme", opt="nvme", nvme_path=str(tmp_path / "nvme"))
     # an odd stripe far below the partition sizes: every partition is cut over both drives
     cfg["tiered"] = {
+        "residency": "off",  # every step through the stripe, nothing kept in cpu memory
         "tiers": {
             "striped": {
                 "backend": {
