@@ -81,6 +81,22 @@ def test_search_keeps_parameters_for_the_backward_when_the_gpu_has_room(tmp_path
     assert tight.peaks["device"] <= 25 * 10**8
 
 
+@pytest.mark.parametrize("gpu", [512 * 2**20, 2**30])
+def test_the_live_budget_goes_down_where_the_default_does_not_fit_the_gpu(gpu: int, tmp_path: Path) -> None:
+    """A 0.55B model on a GPU smaller than its gathered bf16 parameters (the default live budget,
+    1e9, keeps them all): a smaller budget fits and re-reads, not "nothing fits"."""
+    from tiered.planning.shape_model import shape_model
+
+    model, _ = shape_model(550_000_000)
+    result = search(model, Memories(gpu=gpu, cpu=6 * 2**30, nvme=10**11), nvme_path=str(tmp_path))
+    best = result.best
+    assert best is not None, [c.shortfalls for c in result.weighed[:3]]
+    live = best.config["zero_optimization"]["stage3_max_live_parameters"]
+    assert live < 550_000_000 and best.peaks["device"] <= gpu
+    gathered = sum(g.full_numel for g in best.prediction.groups if not g.persistent)  # type: ignore[union-attr]
+    assert best.traffic["host->device"] > 2 * gathered  # what the budget cannot keep is read again
+
+
 def test_a_pinned_live_budget_is_the_only_one_weighed(tmp_path: Path) -> None:
     model = _meta(
         hidden_size=2048,

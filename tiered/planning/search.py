@@ -53,7 +53,9 @@ the base config's) is the only one weighed. The larger budget is weighed only wh
 activations' memory is known (``--activation-mem``, or estimated from ``--seq-len`` and
 ``--micro-batch``): otherwise that room may be theirs (a 36B Llama at 4096 tokens needs ~13 GB
 even checkpointed), and filling it with parameters would trade re-reads for an out-of-memory.
-For the same reason such a config says ``tiered.residency: "host"``: the gpu budget it writes
+Where the default does not fit the GPU, the largest that does is weighed in any case (downward:
+a 0.55B model's default budget, the whole model, is more than a 512 MiB GPU holds, and a
+smaller one re-reads what it cannot keep). For the same reason such a config says ``tiered.residency: "host"``: the gpu budget it writes
 (the whole GPU, the activations not being known) holds no more groups persistent than the
 threshold makes ([Note: persistent by room] in tiered/zero/layout.py); the cpu tier still keeps
 what its budget has room for.
@@ -313,7 +315,7 @@ def _weigh(s: Setup, knobs: dict[str, Any], max_live: int | None) -> Candidate:
     pred = first.prediction
     if pred is None or mem.gpu is None or (ws == 1 and knobs["offload_param"] == "none"):
         return first  # nothing gathered: the parameters are the GPU's own
-    if mem.activations is None:
+    if mem.activations is None and first.fits:
         return first  # the room may be the activations': not filled with parameters unasked
     gpu_budget = max(0, mem.gpu - activations_on(mem, s.device_kind, "device"))
     itemsize = pred.placement.compute_dtype.itemsize
@@ -324,6 +326,8 @@ def _weigh(s: Setup, knobs: dict[str, Any], max_live: int | None) -> Candidate:
     fit = min(total, int(room // per_element))
     if fit * per_element < gather:
         return first  # too little room: the default or nothing
+    if mem.activations is None and fit >= (first.knobs.get("max_live_parameters") or 0):
+        return first  # only downward where the activations' room is not known: below the default
     second = _weigh_at(s, knobs, int(fit))
     # ties (another link bounds the step): fewer bytes moved, the re-reads' PCIe time saved
     return min(
