@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
 from tiered.cli.finetune_config import missing_dirs, remove_empty
 from tiered.cli.plan_compute import compute_rate
+from tiered.cli.plan_inputs import check_all_memory, positive_int, positive_rate
 from tiered.cli.plan_search import (
+    more_memory_json,
     pinned_from_args,
+    render_more_memory,
     render_placements,
     render_search,
     search_json,
@@ -62,28 +64,6 @@ examples:
 sizes: 80GB (1e9), 80GiB (2^30), 1e9 or plain bytes.  counts: 40B, 7.5e9, 350M, 1.5T.
 exit status: 0 a config fits (or no memory was given), 1 nothing fits, 2 bad input.
 """
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1 (argparse names the flag in its error)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
-def positive_rate(text: str) -> float:
-    """An argparse type: a finite rate > 0, e.g. 4e14 (a FLOP/s of 0, nan or inf predicts nothing)."""
-    try:
-        rate = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a rate such as 4e14, got {text!r}") from None
-    if not math.isfinite(rate) or rate <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite rate > 0, e.g. 4e14, got {text!r}")
-    return rate
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -268,12 +248,16 @@ class PlanAnswer:
     """`tiered.planning.search.SearchResult`."""
     notes: list[str]
     options: dict[str, Any]
+    more_memory: list[Any]
+    """`tiered.planning.more_memory.MoreMemory` lines ([Note: what more memory buys])."""
 
 
 def answer(args: argparse.Namespace) -> PlanAnswer:
     """The plan ([Note: config search]): the one path of `tiered plan` and `tiered demo`."""
     from tiered.planning.candidate import plan_base
+    from tiered.planning.gpu_room import ASSUMED_ACTIVATION_SHARE
     from tiered.planning.model_shape import parse_count, shape_of_module
+    from tiered.planning.more_memory import what_more_memory_buys
     from tiered.planning.needs import host_baseline_bytes
     from tiered.planning.search import Memories, search
     from tiered.planning.timing import DEFAULT_BANDWIDTH, read_bandwidth
@@ -308,7 +292,7 @@ def answer(args: argparse.Namespace) -> PlanAnswer:
     )
     shape = shape_of_module(model, source, assumptions=said)
     psi = parse_count(args.params, what="--params") if args.params is not None else shape.total_params
-    _check_all_memory(shape, mem_given, args.world_size, int(PaperBytes.of(base.cfg).per_param()["param"]))
+    check_all_memory(shape, mem_given, args.world_size, int(PaperBytes.of(base.cfg).per_param()["param"]))
     notes = list(said)
     if args.bandwidth is not None:
         bw, taken = read_bandwidth(args.bandwidth)
@@ -327,6 +311,11 @@ def answer(args: argparse.Namespace) -> PlanAnswer:
         f"{kind} process, measured ([Note: one memory model]; --device cuda|cpu)"
     )
     mem = Memories(**mem_given, activations=_activations(args, model, notes))
+    if mem.activations is None and mem.gpu is not None and kind != "cpu":
+        notes.append(
+            f"activations not known: {ASSUMED_ACTIVATION_SHARE:.0%} of the GPU's room beyond the working set "
+            "is left to them ([Note: the GPU's room searched]); --activation-mem or --seq-len sizes them"
+        )
     created = missing_dirs([args.nvme_path])  # reading a candidate creates its nvme_path: a plan leaves none
     try:
         result = search(
@@ -341,6 +330,7 @@ def answer(args: argparse.Namespace) -> PlanAnswer:
             tokens_per_step=tokens,
             checkpointing=bool(getattr(args, "checkpointing", False)),
         )
+        more = what_more_memory_buys(result)  # [Note: what more memory buys]
     finally:
         remove_empty(created)
     paper = PaperBytes.of(base.cfg)
@@ -352,7 +342,7 @@ def answer(args: argparse.Namespace) -> PlanAnswer:
         "device": kind,
         "nvme_path": args.nvme_path,
     }
-    return PlanAnswer(shape, psi, mem, table, paper, result, notes, options)
+    return PlanAnswer(shape, psi, mem, table, paper, result, notes, options, more)
 
 
 def _estimates_activations(args: argparse.Namespace) -> bool:
@@ -446,6 +436,7 @@ def render(a: PlanAnswer, out: TextIO, *, activations_estimated: bool = False) -
             "or --seq-len\n"
         )
     render_placements(a.result, a.notes, out)
+    render_more_memory(a.more_memory, out)
     render_search(a.result, out)
 
 
@@ -460,28 +451,12 @@ def to_json(a: PlanAnswer) -> dict[str, Any]:
         "bytes_per_param": a.paper_bytes.per_param(),
         "strategies": [row.to_json(a.memories.gpu) for row in a.table],
         "search": search_json(a.result),
+        "more_memory": more_memory_json(a.more_memory),
         "assumed": a.notes,
         "recommended": None if best is None else best.knobs,
         "config": None if best is None else best.config,
         "message": "fits" if best is not None else "nothing fits",
     }
-
-
-def _check_all_memory(shape: Any, given: dict[str, int | None], world_size: int, param_bytes: int) -> None:
-    """With every tier's memory given, the model's weights alone must fit their sum (per rank:
-    ZeRO-3 shards them over the ranks): else nothing can, and the search is not run
-    ([Note: plausible model sizes])."""
-    from tiered.planning.model_sizes import check_weights_fit
-
-    if any(b is None for b in given.values()):
-        return  # a tier not given is not checked: it may hold anything
-    check_weights_fit(
-        -(-shape.total_params // world_size),
-        param_bytes,
-        sum(b for b in given.values() if b is not None),
-        "--gpu-mem + --cpu-mem + --nvme-mem per rank",
-        shape.source,
-    )
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:

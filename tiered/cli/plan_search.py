@@ -167,6 +167,45 @@ def render_search(result: Any, out: TextIO) -> None:
     w(json.dumps(c.config, indent=2) + "\n")
 
 
+def render_more_memory(lines: list[Any], out: TextIO) -> None:
+    """[Note: what more memory buys] as text: per larger memory, the fastest config there."""
+    from tiered.units import format_bytes
+
+    if not lines:
+        return
+    w = out.write
+    w("what more memory would buy ([Note: what more memory buys]; the same configs weighed again):\n")
+    for m in lines:
+        label = {"cpu": "host", "gpu": "GPU"}[m.memory]
+        size = format_bytes(m.bytes, binary=True)
+        extra = format_bytes(max(0, m.bytes - m.given_bytes), binary=True)
+        if m.best is None:
+            w(f"  {label} {size} (+{extra}): still nothing fits\n")
+            continue
+        gain = "" if m.saved_seconds is None else f" ({-m.saved_seconds:+.3g} s)"
+        what = (
+            "nothing moved on NVMe (the host memory that needs)"
+            if m.nothing_on_disk
+            else f"optimizer {m.best.knobs['offload_optimizer']}, params {m.best.knobs['offload_param']}"
+        )
+        w(f"  {label} {size} (+{extra}): {m.best.seconds_per_step:.3g} s/step{gain}, {what}\n")
+
+
+def more_memory_json(lines: list[Any]) -> list[dict[str, Any]]:
+    return [
+        {
+            "memory": m.memory,
+            "given_bytes": m.given_bytes,
+            "bytes": m.bytes,
+            "seconds_per_step": None if m.best is None else m.best.seconds_per_step,
+            "saved_seconds_per_step": m.saved_seconds,
+            "nothing_on_disk": m.nothing_on_disk,
+            "knobs": None if m.best is None else m.best.knobs,
+        }
+        for m in lines
+    ]
+
+
 def _knob_text(k: dict[str, Any]) -> str:
     return (
         f"optimizer {k['offload_optimizer']}, params {k['offload_param']}, grads {k['grad_tier']}, "

@@ -28,6 +28,7 @@ KNOB_FIELDS: dict[str, str] = {
     "max_live_parameters": "zero.max_live_parameters_numel",
     "overlap_step": "zero.overlap_step_with_backward",
     "prefetch_bucket_size": "zero.prefetch_bucket_size_numel",
+    "ratio": "zero.offload_optimizer.ratio",
 }
 """Each knob a user may pin (`search.Pinned`, by the names the plan's flags and errors use) and
 the `TieredConfig` field it sets."""
@@ -111,6 +112,10 @@ def candidate_config(
         values[KNOB_FIELDS["prefetch_bucket_size"]] = knobs["prefetch_bucket_size"]
     if knobs.get("overlap_step"):  # false is the declared default
         values[KNOB_FIELDS["overlap_step"]] = True
+    if (
+        opt != "none" and knobs.get("ratio") is not None and knobs["ratio"] < 1
+    ):  # [Note: the GPU's room searched]
+        values[KNOB_FIELDS["ratio"]] = knobs["ratio"]
     if knobs.get("residency") not in (None, "auto"):  # [Note: the live budget searched]
         values["tiered.residency"] = knobs["residency"]
     if KNOB_FIELDS["max_live_parameters"] in base.written:  # the reuse distance goes with the user's own

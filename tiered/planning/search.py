@@ -97,6 +97,7 @@ from tiered.config.fields import declared_key
 from tiered.config.loader import load_config
 from tiered.errors import CapacityError, ConfigError
 from tiered.planning.candidate import KNOB_FIELDS, Base, candidate_config, overlap_applies, plan_base
+from tiered.planning.gpu_room import fill_gpu_room
 from tiered.planning.needs import Prediction, live_extra_bytes, predict
 from tiered.planning.residency import Residency, TierRoom, config_residency
 from tiered.planning.timing import DEFAULT_BANDWIDTH, config_seconds_per_step, training_flops
@@ -413,6 +414,9 @@ def _residency_at(pred: Prediction, cfg: TieredConfig, cpu_budget: int | None, m
 class SearchResult:
     best: Candidate | None
     weighed: tuple[Candidate, ...]
+    setup: Setup | None = None
+    """What every candidate shared (re-weighed at more memory: tiered.planning.more_memory)."""
+    pinned: Pinned = field(default_factory=Pinned)
 
     @property
     def closest(self) -> Candidate | None:
@@ -474,7 +478,10 @@ def search(
     for knobs in knob_grid(pinned, nvme=s.nvme_path is not None):
         knobs["overlap_step"] = pinned.get("overlap_step")
         weighed.append(_weigh(s, knobs, pinned.get("max_live_parameters")))
-    return SearchResult(_fastest(c for c in weighed if c.fits), tuple(weighed))
+    for c in [c for c in SearchResult(None, tuple(weighed)).per_placement() if c.fits]:
+        if (filled := fill_gpu_room(s, c, pinned.get("ratio") is not None, _weigh_at)) is not c:
+            weighed.append(filled)  # [Note: the GPU's room searched]: each placement's fastest, filled
+    return SearchResult(_fastest(c for c in weighed if c.fits), tuple(weighed), s, pinned)
 
 
 def shortfall_text(c: Candidate) -> str:
