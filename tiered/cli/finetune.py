@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from tiered.cli.finetune_config import hyperparameter_flags, load_checked, with_auto_config
+from tiered.cli.finetune_machine import describe_choice, describe_machine, machine_config
 from tiered.cli.finetune_options import (
     FinetuneOptions,
     checkpoint_policy,
@@ -188,7 +189,7 @@ def _finetune_job(options: FinetuneOptions, out: TextIO | None) -> JobResult:
         check_plot_available()
     source = resolve_model(o.model_path)
     policy = _checkpoint_policy(o, source.folder)
-    raw, trace_file, trace_is_temp, hp = _job_config(o, rank)
+    raw, trace_file, trace_is_temp, hp, machine_said = _job_config(o, rank, world)
 
     # streamed into the tiers from the shards ([Note: streaming load]) unless LoRA renames the
     # parameters or --compare-torch needs a real copy: those load the files into the model first
@@ -222,7 +223,11 @@ def _finetune_job(options: FinetuneOptions, out: TextIO | None) -> JobResult:
         gradient_checkpointing=o.gradient_checkpointing,
         reentrant=o.gradient_checkpointing_reentrant,
     )
+    if o.config is None:
+        w(describe_machine(machine_said, o.auto_config))
     cfg, micro, act = load_checked(o, raw, hp, model, hf)
+    if o.config is None:
+        w(describe_choice(cfg))
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     w(
@@ -308,7 +313,9 @@ def _checkpoint_policy(o: FinetuneOptions, model_folder: Path | None) -> Any:
     return checkpoint_policy(o.checkpoints, model_folder=model_folder, lora=o.lora is not None)
 
 
-def _job_config(o: FinetuneOptions, rank: int) -> tuple[dict[str, Any], Path | None, bool, Any]:
+def _job_config(
+    o: FinetuneOptions, rank: int, world: int
+) -> tuple[dict[str, Any], Path | None, bool, Any, tuple[str, ...]]:
     """The raw config with the command line applied (a copy: a dict in `o` is left as it is),
     the trace file (and whether it is temporary) and the caller's hyper-parameters; the input
     paths are checked first."""
@@ -316,7 +323,10 @@ def _job_config(o: FinetuneOptions, rank: int) -> tuple[dict[str, Any], Path | N
     from tiered.finetune import apply_overrides
     from tiered.finetune.lora import parse_lora_spec
 
-    if isinstance(o.config, dict):
+    machine_said: tuple[str, ...] = ()
+    if o.config is None:  # [Note: the machine is the default]
+        raw, machine_said = machine_config(o, world)
+    elif isinstance(o.config, dict):
         raw = copy.deepcopy(o.config)
     else:
         if not os.path.lexists(o.config):
@@ -337,14 +347,14 @@ def _job_config(o: FinetuneOptions, rank: int) -> tuple[dict[str, Any], Path | N
     if o.lora is not None:
         parse_lora_spec(o.lora)  # a malformed spec fails before the model is built
     raw = apply_overrides(raw, lr=o.lr, batch_size=o.batch_size, nvme_path=o.nvme_path)
-    if o.auto_config is not None:  # its syntax checked here, before the model is built
+    if o.auto_config is not None and o.config is not None:  # its syntax checked here, before the model
         raw = with_auto_config(raw, o.auto_config)
     out_dir = o.checkpoints.out_dir if o.checkpoints is not None else None
     raw, trace_file, trace_is_temp = with_trace(raw, o.trace_path, o.plot_path, rank, out_dir)
     raw, hp = hyperparameter_flags(
         raw, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, steps=o.steps
     )
-    return raw, trace_file, trace_is_temp, hp
+    return raw, trace_file, trace_is_temp, hp, machine_said
 
 
 def _compare_with_torch(

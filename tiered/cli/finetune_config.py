@@ -57,7 +57,7 @@ def load_checked(
     from tiered.finetune.activations import check_activations, estimate_activations
     from tiered.finetune.loop import micro_batch_size
 
-    if o.auto_config is not None:
+    if o.auto_config is not None and o.config is not None:  # without one: in the machine's (finetune_machine)
         raw = with_auto_config(raw, o.auto_config)
     from tiered.config.auto_request import CONFIG_SPELLING, has_auto_config
     from tiered.planning.auto import resolve_auto_config
@@ -72,7 +72,9 @@ def load_checked(
                 raw,
                 model,
                 world_size=world,
-                spelled="--auto-config " if o.auto_config is not None else CONFIG_SPELLING,
+                spelled="--auto-config "
+                if o.auto_config is not None or o.config is None
+                else CONFIG_SPELLING,
                 activations=lambda cfg: _activation_estimate(cfg, o, hf),
             )
         cfg = load_config(raw, model=model, hyperparameters=hp)

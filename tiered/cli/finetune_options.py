@@ -35,7 +35,8 @@ class FinetuneOptions:
     measured free memory of the compute device (bytes, what it is) for the activation check."""
 
     model_path: str | Path
-    config: str | Path | dict[str, Any]
+    config: str | Path | dict[str, Any] | None
+    """None: planned from this machine ([Note: the machine is the default])."""
     data_path: str | Path
     seq_len: int = 128
     batch_size: int | None = None
@@ -64,6 +65,8 @@ class FinetuneOptions:
     @property
     def config_name(self) -> str:
         """How the refusals name the config: its file, or "the config" for a dict."""
+        if self.config is None:
+            return "the config planned from this machine"
         return "the config" if isinstance(self.config, dict) else f"--config {self.config}"
 
     @staticmethod

@@ -20,7 +20,11 @@ and optimizer state placed by the config: GPU, pinned CPU or NVMe), fully or wit
 tokenizer files) or a bare config.json: the model is built from the config, nothing is downloaded;
 safetensors weights in the folder are loaded. Without tokenizer files the text is tokenized with
 the built-in byte tokenizer (token id = UTF-8 byte value, 0..255; needs vocab_size >= 256).
---config is a DeepSpeed ds_config.json (used unchanged) or a tiered config. Prints the loss every
+--config is a DeepSpeed ds_config.json (used unchanged) or a tiered config. Without --config the
+run is planned from this machine: its GPU's free memory, the host's available memory less a
+reserve for the system, the free space at --nvme-path (default ./tiered_offload), each overridden by
+--auto-config; the fastest config that fits is trained (one block says what was read and chosen),
+and --lr is required (no learning rate is chosen for you). Prints the loss every
 --log-every steps, tokens/s, and at the end the bytes moved per link, GB/s, stall time and peak
 resident bytes per tier. Ctrl-C stops cleanly after closing the engine (exit status 130); with
 --out it first saves a checkpoint. --out DIR writes checkpoints and, at the end, the trained model
@@ -40,6 +44,7 @@ the compute device's free memory: a batch that cannot fit is refused with the nu
 
 EPILOG = """\
 examples:
+  tiered finetune --model ./my-llama --data train.txt --lr 2e-5 --steps 100
   tiered finetune --model examples/tiny-llama --config examples/ds_config.json \\
       --data examples/corpus.txt --steps 20 --nvme-path /mnt/nvme0/tiered
   tiered finetune --model ./my-llama --config ds_config.json --data train.txt \\
@@ -68,7 +73,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument("--model", required=True, metavar="PATH", help="local HF model folder or config.json")
     p.add_argument(
-        "--config", required=True, metavar="JSON", help="DeepSpeed ds_config.json or tiered config"
+        "--config",
+        metavar="JSON",
+        help="DeepSpeed ds_config.json or tiered config; left out, the run is planned from this machine's "
+        "memories (GPU, host RAM less a reserve, free space at --nvme-path) and --lr is required",
     )
     p.add_argument(
         "--data",

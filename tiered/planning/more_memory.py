@@ -21,14 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiered.planning.gpu_room import fill_gpu_room
-from tiered.planning.gpu_room import fill_gpu_room
 from tiered.planning.search import (
     PLACEMENT_KNOBS,
     Candidate,
     SearchResult,
     _fastest,
     _weigh,
-    _weigh_at,
     _weigh_at,
 )
 
