@@ -21,7 +21,9 @@ def _job(tmp_path: Path) -> list[str]:
             "--nvme-path", str(tmp_path / "offload")]  # fmt: skip
 
 
-def test_no_config_plans_from_the_machine_and_trains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_config_plans_from_the_machine_and_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main([*_job(tmp_path), "--lr", "1e-3"]) == 0, capsys.readouterr()
     out = capsys.readouterr().out
     block = out.split("model: ")[0]

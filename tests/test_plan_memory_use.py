@@ -89,7 +89,9 @@ def test_what_more_host_memory_buys_down_to_nothing_on_nvme(tmp_path: Path) -> N
     assert {m.memory for m in lines} == {"cpu", "gpu"}
 
 
-def test_tiered_plan_prints_what_more_memory_would_buy(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_tiered_plan_prints_what_more_memory_would_buy(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     from tiered.cli.main import main
 
     args = ["plan", "--params", "0.3B", "--gpu-mem", "4GB", "--cpu-mem", "3GB", "--nvme-mem", "1TB"]

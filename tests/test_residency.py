@@ -11,6 +11,7 @@ budget (and equal plain PyTorch AdamW).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +147,15 @@ def test_nvme_bytes_per_step_fall_with_the_cpu_budget_and_nothing_else_changes(t
         assert torch.allclose(t, want[name], rtol=1e-5, atol=1e-7), name
 
 
-def test_residency_off_moves_the_whole_state_whatever_the_budget(tmp_path: Path) -> None:
+def test_residency_off_moves_the_whole_state_whatever_the_budget(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     state, need = _state_and_need(tmp_path)
-    off = _train(_config(tmp_path / "off", cpu_budget=need + state, residency="off"))
+    with caplog.at_level(logging.INFO, logger="tiered.engine.residency"):
+        off = _train(_config(tmp_path / "off", cpu_budget=need + state, residency="off"))
     assert off["nvme"] == 2 * state and off["kept"] == 0
+    said = [r.getMessage() for r in caplog.records if "tiered.residency" in r.getMessage()]
+    assert len(said) == 1 and "'off'" in said[0]  # honoured, and said once
 
 
 def test_a_budget_left_out_lends_the_machine_and_keeps_the_small_state_whole(tmp_path: Path) -> None:
@@ -282,5 +288,6 @@ def test_a_gpu_budget_holds_frozen_groups_persistent_and_cuts_the_copies_to_it_i
         assert r["losses"] == base["losses"]
         for name, t in r["params"].items():
             assert torch.equal(t, base["params"][name]), name
-    off = _gpu_run(need + frozen, residency="off")
-    assert off["persistent_frozen"] == 0 and off["copies"] == pytest.approx(runs[0]["copies"], rel=0.05)
+    for mode in ("off", "host"):  # "host": the room is left to the activations (what a plan writes unknowing)
+        off = _gpu_run(need + frozen, residency=mode)
+        assert off["persistent_frozen"] == 0 and off["copies"] == pytest.approx(runs[0]["copies"], rel=0.05)

@@ -258,7 +258,7 @@ def _build(
             memory,
             world_size=world_size,
         )
-        keep_resident(tm, residency)
+        keep_resident(tm, residency, mode=cfg.tiered.residency)
         floor = bytes_per_step(  # [Note: bytes per step]
             zp.groups,
             plans,

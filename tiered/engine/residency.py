@@ -68,10 +68,18 @@ def plan_engine_residency(
     )
 
 
-def keep_resident(tm: TierManager, residency: Residency) -> None:
+def keep_resident(tm: TierManager, residency: Residency, *, mode: str = "auto") -> None:
     """Tell the manager what each tier keeps ([Note: kept copies]); a frozen parameter, which no
     step ever stages, is read into its tier now (the others arrive there with their first use).
-    Logged once, per tier."""
+    Logged once, per tier; `mode` (``tiered.residency``) other than "auto" once too."""
+    if mode != "auto":
+        log.info(
+            "residency: %r (tiered.residency): %s [Note: residency]",
+            mode,
+            "no tier keeps a copy across steps beyond offload_param.max_in_cpu's parameters"
+            if mode == "off"
+            else "only host memory keeps copies; a gpu budget's room beyond its need is left to the activations",
+        )
     warm: list[TierFuture[None]] = []
     for k in residency.kept:
         part = tm.get(k.name)
