@@ -25,7 +25,9 @@ def _setup(tmp_path: Path) -> tuple[Path, Path, Path]:
     model = write_model(tmp_path / "m")
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"the fast place {i} is small."} for i in range(30)])
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps(ds_config(tmp_path / "nvme")))
+    raw = ds_config(tmp_path / "nvme")
+    raw["tiered"] = {"residency": "off"}  # every step's state through the nvme tier: links to trace
+    cfg.write_text(json.dumps(raw))
     return model, data, cfg
 
 

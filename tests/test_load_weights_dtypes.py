@@ -66,7 +66,7 @@ def test_the_real_model_load_refuses_it_too(tmp_path: Path, capsys: pytest.Captu
     err = capsys.readouterr().err
     assert (
         "tensor model.layers.0.mlp.up_proj.weight in" in err
-        and "is stored as int32, not floating point" in err
+        and "is stored as I32 (int32), not floating point" in err
     )
 
 

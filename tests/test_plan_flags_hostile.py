@@ -45,8 +45,12 @@ MEMORIES = ["--gpu-mem", "8GB", "--cpu-mem", "8GB"]
             "--seq-len 4096 exceeds the model's max_position_embeddings 256",
         ),
         (
-            ["--model", str(TINY), "--largest-layer", "1e12"],
-            "--largest-layer (1,000,000,000,000) cannot exceed",
+            ["--model", str(TINY), "--largest-layer", "1e12"],  # --model counts its own largest module
+            "--largest-layer sizes the --params stand-in's largest module; --model counts its own: drop",
+        ),
+        (
+            ["--params", "1e9", "--largest-layer", "1e12"],
+            "--largest-layer (1,000,000,000,000) cannot exceed --params (1,000,000,000)",
         ),
     ],
     ids=[
@@ -57,7 +61,8 @@ MEMORIES = ["--gpu-mem", "8GB", "--cpu-mem", "8GB"]
         "seq-len-0",
         "micro-batch-0",
         "seq-len-4096",
-        "largest",
+        "largest-with-model",
+        "largest-above-params",
     ],
 )
 def test_a_flag_out_of_range_is_refused_naming_the_flag(

@@ -234,6 +234,9 @@ def _build(
             device_kind="cpu" if tier_is_host(tm, "gpu") else "cuda",
             compute_dtype=placement.compute_dtype,
             peft=is_peft_model(model),
+            needs=needs,
+            memory=memory,
+            world_size=world_size,
         )
         # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
         extra: dict[str, Any] = {} if hyper is None else {"param_hyper": hyper}

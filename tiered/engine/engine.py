@@ -413,6 +413,7 @@ class Engine(DeepSpeedEngineAPI):
         tiers += sum(self.residency.bytes_in(t) for t, m in self._tier_memory.items() if m == "host")
         planned = tiers + int(extra.get("baseline", 0)) + int(extra.get("outside_tiers", 0))
         planned += sum(extra.get("backends", {}).values()) + int(extra.get("imports", 0))
+        planned += int(extra.get("live", 0))  # the live budget's parameters where "gpu" is host memory
         rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
         return {**extra, "tiers": tiers, "planned_peak_bytes": planned, "peak_rss_bytes": rss_kib * 1024}
 

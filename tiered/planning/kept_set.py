@@ -4,6 +4,7 @@ bytes formula of traffic.py and the engine read it)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -53,9 +54,20 @@ class Residency:
     room: Mapping[str, int] = field(default_factory=dict)
     """Per tier, the bytes it had for kept copies."""
 
+    @functools.cached_property
+    def _tier_by_name(self) -> dict[str, str]:
+        return {k.name: k.tier for k in self.kept}
+
+    @functools.cached_property
+    def _bytes_by_group(self) -> dict[tuple[int, str], int]:
+        out: dict[tuple[int, str], int] = {}
+        for k in self.kept:
+            out[(k.group, k.part)] = out.get((k.group, k.part), 0) + k.nbytes
+        return out
+
     def tier_of(self, name: str) -> str | None:
         """The tier that keeps partition `name`, or None."""
-        return next((k.tier for k in self.kept if k.name == name), None)
+        return self._tier_by_name.get(name)
 
     def groups(self, part: str) -> frozenset[int]:
         """The groups whose `part` ("param", "grad", ...) is kept, whole."""
@@ -63,7 +75,7 @@ class Residency:
 
     def kept_bytes(self, group: int, part: str) -> int:
         """Bytes of group `group`'s `part` kept (a state's tiles summed)."""
-        return sum(k.nbytes for k in self.kept if k.group == group and k.part == part)
+        return self._bytes_by_group.get((group, part), 0)  # looked up per group: indexed once
 
     def names(self, kind: str | None = None) -> frozenset[str]:
         return frozenset(k.name for k in self.kept if kind is None or k.kind == kind)

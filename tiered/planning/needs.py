@@ -268,6 +268,10 @@ class HostExtra(TypedDict):
     """tier -> its backend's own host buffers (`backend_host_bytes`)."""
     imports: int
     """Modules the run imports beyond the baseline's (peft: `PEFT_IMPORT_BYTES`)."""
+    live: int
+    """Where the "gpu" tier is host memory (no GPU): the parameters the live budget keeps gathered
+    beyond the largest module's gather, which the gpu tier's need counts ([Note: the live budget
+    searched]); on a GPU they are the device's."""
 
 
 def host_extra(
@@ -278,9 +282,23 @@ def host_extra(
     device_kind: str,
     compute_dtype: torch.dtype,
     peft: bool = False,
+    needs: Mapping[str, TierNeed] | None = None,
+    memory: Mapping[str, str] | None = None,
+    world_size: int = 1,
 ) -> HostExtra:
-    """What `predict` and the engine (``stats()["host_memory"]``) add to the host tiers' need."""
+    """What `predict` and the engine (``stats()["host_memory"]``) add to the host tiers' need;
+    `needs` and `memory` (the tiers') for the live budget's bytes on a machine without a GPU."""
     trainable = [g for g in groups if g.trainable]
+    live = 0
+    if memory is not None and memory.get("gpu") == "host":
+        gathered = sum(
+            g.full_numel for g in groups if not g.persistent and (g.param.home != "gpu" or world_size > 1)
+        )
+        held = min(cfg.zero.max_live_parameters_numel, gathered) * _live_element_bytes(
+            compute_dtype.itemsize, world_size
+        )
+        gather = int(needs["gpu"]["gather"]) if needs is not None and "gpu" in needs else 0
+        live = max(0, int(held) - gather)
     scratch = decode_scratch_numel(
         trainable, plans, optimizer_tile_numel(cfg), FORMATS[cfg.tiered.optimizer_state_format]
     )
@@ -289,6 +307,7 @@ def host_extra(
         outside_tiers=outside_tiers_bytes(groups, scratch, compute_itemsize=compute_dtype.itemsize),
         backends=backend_host_bytes(cfg),
         imports=PEFT_IMPORT_BYTES if peft else 0,
+        live=live,
     )
 
 
@@ -329,6 +348,8 @@ class Prediction:
     residency: Residency = field(default_factory=Residency)
     """What the faster tiers keep across steps within the config's budgets ([Note: residency]):
     inside each tier's budget, beyond its need."""
+    live_bytes: int = 0
+    """`HostExtra.live`: gathered parameters held in host memory beyond the gather (no GPU)."""
 
     @property
     def host_extra_bytes(self) -> int:
@@ -339,6 +360,7 @@ class Prediction:
             + self.outside_tiers_bytes
             + sum(self.backend_bytes.values())
             + self.imports_bytes
+            + self.live_bytes
         )
 
     def tier_bytes(self, memory: str) -> int:
@@ -456,7 +478,17 @@ def predict(
     needs = engine_needs(groups, plans, layout.gpu_need, cfg, dtype)
     memory = {t: tier_memory(cfg, t, gpu_is_host=gpu_is_host) for t in {*cfg.tiered.tiers, *needs}}
     kind = device_kind if device_kind is not None else ("cpu" if gpu_is_host else "cuda")
-    extra = host_extra(groups, plans, cfg, device_kind=kind, compute_dtype=dtype, peft=is_peft_model(model))
+    extra = host_extra(
+        groups,
+        plans,
+        cfg,
+        device_kind=kind,
+        compute_dtype=dtype,
+        peft=is_peft_model(model),
+        needs=needs,
+        memory=memory,
+        world_size=world_size,
+    )
     # [Note: residency]: the budgets the config states (a tier without one lends nothing here; the
     # engine, which knows what its backend reports free, plans with that)
     if rooms is None:
@@ -475,6 +507,7 @@ def predict(
         extra["backends"],
         extra["imports"],
         residency,
+        live_bytes=extra["live"],
     )
 
 

@@ -108,6 +108,8 @@ def plan_residency(
     elements kept (None: none)."""
     if not enabled:
         return _max_in_cpu_only(groups, plans, memory, max_in_cpu_numel, dict(room))
+    if not any(r > 0 for r in room.values()):
+        return Residency((), dict(room))  # no tier has room: nothing to weigh
     a = max(1, int(accumulation))
     fmt = FORMATS[state_format]
     trainable = [g for g in groups if g.trainable]

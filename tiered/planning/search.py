@@ -93,12 +93,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tiered.config.fields import declared_key
 from tiered.config.loader import load_config
 from tiered.errors import CapacityError, ConfigError
 from tiered.planning.candidate import KNOB_FIELDS, Base, candidate_config, overlap_applies, plan_base
 from tiered.planning.gpu_room import fill_gpu_room
 from tiered.planning.needs import Prediction, live_extra_bytes, predict
+from tiered.planning.pinned import NOTHING_PINNED, Pinned, config_name
 from tiered.planning.residency import Residency, TierRoom, config_residency
 from tiered.planning.timing import DEFAULT_BANDWIDTH, config_seconds_per_step, training_flops
 from tiered.units import format_bytes
@@ -153,65 +153,6 @@ def activations_on(mem: Memories, device_kind: str, memory: str) -> int:
     host memory's where the compute runs on the CPU ([Note: compute memory on a CPU-only machine])."""
     where = "host" if device_kind == "cpu" else "device"
     return (mem.activations or 0) if memory == where else 0
-
-
-def flag_name(knob: str) -> str:
-    """`tiered plan`'s flag for `knob` (``--offload-optimizer``)."""
-    return "--" + knob.replace("_", "-")
-
-
-def config_name(knob: str) -> str:
-    """The config key of `knob` (``zero_optimization.offload_optimizer.device``)."""
-    return declared_key(KNOB_FIELDS[knob]).path
-
-
-@dataclass(frozen=True)
-class Pinned:
-    """Knobs the user fixed (absent: searched), and how the user spelled them: `flag_name`
-    (`tiered plan`) or `config_name` (a config's own keys, ``auto_config``)."""
-
-    values: Mapping[str, Any] = field(default_factory=dict)
-    spelled: Mapping[str, str] = field(default_factory=dict)
-    """knob -> its name in errors; `flag_name` where absent."""
-
-    def get(self, name: str) -> Any:
-        return self.values.get(name)
-
-    def name(self, knob: str) -> str:
-        return self.spelled.get(knob) or flag_name(knob)
-
-    def merged(self, other: Pinned) -> Pinned:
-        """Both pins; a knob both fix differently is refused, naming both spellings."""
-        for k, v in other.values.items():
-            if k in self.values and self.values[k] != v:
-                raise ConfigError(
-                    f"contradictory pinned knobs: {self.name(k)} {self.values[k]} but {other.name(k)} {v}"
-                )
-        return Pinned({**self.values, **other.values}, {**self.spelled, **other.spelled})
-
-    def check(self) -> None:
-        """Refuse contradictory pins by name ([Note: config search])."""
-        v, n = self.values, self.name
-        opt, par, grad = v.get("offload_optimizer"), v.get("offload_param"), v.get("grad_tier")
-        problems = []
-        if opt == "none" and grad not in (None, "gpu"):
-            problems.append(
-                f"{n('grad_tier')} {grad} needs the optimizer offloaded, but {n('offload_optimizer')} is none"
-            )
-        if opt == "none" and par not in (None, "none"):
-            problems.append(
-                f"{n('offload_param')} {par} needs the optimizer offloaded, but {n('offload_optimizer')} is none"
-            )
-        if opt not in (None, "none") and grad == "gpu":
-            problems.append(
-                f"{n('grad_tier')} gpu needs the optimizer on the GPU, but {n('offload_optimizer')} is {opt}"
-            )
-        if v.get("max_in_cpu") not in (None, 0) and par not in (None, "nvme"):
-            problems.append(
-                f"{n('max_in_cpu')} keeps NVMe parameters in cpu, but {n('offload_param')} is {par}"
-            )
-        if problems:
-            raise ConfigError("contradictory pinned knobs: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -357,11 +298,22 @@ def _weigh_at(s: Setup, knobs: dict[str, Any], live: int | None) -> Candidate:
         cfg = load_config(config, model=s.model, world_size=s.world_size)
         # without residency: the need first; what the cpu tier keeps is weighed at the budget written
         pred = predict(
-            s.model, cfg, world_size=s.world_size, device_kind=s.device_kind, layouts=s.layouts, rooms={}
+            s.model,
+            cfg,
+            world_size=s.world_size,
+            device_kind=s.device_kind,
+            gpu_is_host=s.device_kind == "cpu",  # [Note: compute memory on a CPU-only machine]
+            layouts=s.layouts,
+            rooms={},
         )
     except (CapacityError, ConfigError) as exc:
         return Candidate(knobs, config, None, {}, refused=str(exc))
-    cpu_budget = None if mem.cpu is None else max(0, mem.cpu - pred.host_extra_bytes - on_host)
+    # the cpu tier's budget: what host memory has left after the rest of the host figure (on a
+    # machine without a GPU the "gpu" tier is host memory too)
+    other_host = sum(
+        int(d["total"]) for t, d in pred.needs.items() if t != "cpu" and pred.memory.get(t) == "host"
+    )
+    cpu_budget = None if mem.cpu is None else max(0, mem.cpu - pred.host_extra_bytes - on_host - other_host)
     peaks = {m: pred.peak_bytes(m) for m in ("device", "host", "disk")}
     peaks["host"] += on_host
     if pred.memory.get("gpu") == "device":  # [Note: the live budget searched]: held beyond the gather
@@ -372,7 +324,11 @@ def _weigh_at(s: Setup, knobs: dict[str, Any], live: int | None) -> Candidate:
             short[memory] = peaks[memory] - have
     knobs["max_in_cpu"] = 0  # nothing on NVMe to keep in cpu
     if knobs["offload_param"] == "nvme":  # [Note: config search]: max_in_cpu from the room left
-        room = None if cpu_budget is None else max(0, cpu_budget - pred.tier_bytes("host"))
+        room = (
+            None
+            if cpu_budget is None
+            else max(0, cpu_budget - (int(pred.needs["cpu"]["total"]) if "cpu" in pred.needs else 0))
+        )
         itemsize = pred.placement.compute_dtype.itemsize
         sized = None if room is None else room // itemsize
         knobs["max_in_cpu"] = s.max_in_cpu if s.max_in_cpu is not None else sized
@@ -386,7 +342,7 @@ def _weigh_at(s: Setup, knobs: dict[str, Any], live: int | None) -> Candidate:
         pred.memory.get(t) == "disk" and d["homes"] for t, d in pred.needs.items()
     ):
         # [Note: a cpu tier caches up to its budget]
-        peaks["host"] = max(peaks["host"], pred.host_extra_bytes + on_host + cpu_budget)
+        peaks["host"] = max(peaks["host"], pred.host_extra_bytes + on_host + other_host + cpu_budget)
     budgets["cpu"] = cpu_budget
     config = candidate_config(knobs, base, nvme_path=s.nvme_path, budgets=budgets)
     knobs["max_live_parameters"] = cfg.zero.max_live_parameters_numel  # the value in force, shown
@@ -451,7 +407,7 @@ def _closest(candidates: Iterable[Candidate]) -> Candidate | None:
 def search(
     model: nn.Module,
     mem: Memories,
-    pinned: Pinned = Pinned(),
+    pinned: Pinned = NOTHING_PINNED,
     *,
     tokens_per_step: int | None = None,
     **setup: Any,

@@ -69,6 +69,11 @@ _QUANT_SUFFIXES = (
     "weight_zero_point",
     "SCB",
 )
+_SAFETENSORS_CODES = {
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}  # fmt: skip
+"""safetensors' names of the integer dtypes, as a file's header spells them."""
 _QUANT_DTYPES = {torch.int8, torch.uint8, torch.int32, torch.int16} | {
     getattr(torch, n)
     for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -135,16 +140,17 @@ def match_files(
     dtypes: Mapping[str, torch.dtype] | None = None,
     listed_in: Callable[[str], str] = no_file,
     at: Callable[[str], str] = no_file,
+    path_of: Callable[[str], str] | None = None,
     model_shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> FileMatch:
     """Each model tensor's `TensorSource` among the file tensors `shapes` (key -> shape), as
     ``from_pretrained`` would load them ([Note: file tensors by transformers' conversions]).
     `where` names the folder in errors, `at(key)` the file of a key (" in model-0001...");
-    `listed_in(key)` says where an index puts a missing key;
+    `listed_in(key)` says where an index puts a missing key, `path_of(key)` the file's path;
     `model_shapes` overrides the model's own shapes (an engine's parameters are placeholders)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     own: dict[str, tuple[int, ...]] = {n: tuple(p.shape) for n, p in params.items()}
-    float_names = {n for n, p in params.items() if p.is_floating_point()}
+    float_dtypes = {n: p.dtype for n, p in params.items() if p.is_floating_point()}
     for n, b in model.named_buffers():
         own.setdefault(n, tuple(b.shape))
     own.update(model_shapes or {})
@@ -191,7 +197,7 @@ def match_files(
                 f"weights in {where}: the model's {name} is given twice, as {k}{at(k)} and, per expert, as {one}{at(one)} "
                 f"(and the others of its kind), which transformers merges into it; keep one of the two layouts"
             )
-        _check_dtype(k, name, dtypes, float_names, where)
+        _check_dtype(k, name, dtypes, float_dtypes, where if path_of is None else path_of(k))
         if shapes[k] != own[name]:
             raise WeightsError(
                 f"tensor {k} has shape {shapes[k]}{at(k) or ' in ' + where}, the model (config.json) expects {own[name]}; "
@@ -201,7 +207,7 @@ def match_files(
     for name, (conv, by_pattern) in merged.items():
         for keys in by_pattern.values():
             for k in keys:
-                _check_dtype(k, name, dtypes, float_names, where)
+                _check_dtype(k, name, dtypes, float_dtypes, where if path_of is None else path_of(k))
         sources[name] = _assemble(name, own[name], conv, by_pattern, shapes, where, listed_in, at)
     return FileMatch(sources, ignored)
 
@@ -238,22 +244,34 @@ def _converter_for(converters: list[Any], pattern: str) -> Any:
 
 
 def _check_dtype(
-    key: str, name: str, dtypes: Mapping[str, torch.dtype] | None, floats: set[str], where: str
+    key: str,
+    name: str,
+    dtypes: Mapping[str, torch.dtype] | None,
+    floats: Mapping[str, torch.dtype],
+    where: str,
 ) -> None:
+    """A floating-point parameter is filled only from a floating-point file tensor: integers or
+    booleans (a quantized checkpoint's packed values, a converted file's) would be trained as if
+    they were weights, and float8 is a quantized checkpoint's. WeightsError naming tensor and file."""
     if dtypes is None or name not in floats:
         return
     dt = dtypes.get(key)
-    if dt is not None and dt not in _QUANT_DTYPES and not dt.is_floating_point:
-        raise WeightsError(  # int64, bool, ...: converting them would train values nobody trained
-            f"weights in {where}: {key} is stored as {dt}, not floating point, but {name} is a floating-point "
-            "parameter: its values would be trained as if they were weights; pass the model's floating-point "
-            "weights (a converted file that stores integers: dequantize it first)"
+    if dt is None:
+        return
+    code = _SAFETENSORS_CODES.get(dt, str(dt).removeprefix("torch."))
+    if not dt.is_floating_point:
+        raise WeightsError(
+            f"tensor {key} in {where} is stored as {code} ({str(dt).removeprefix('torch.')}), not floating point, "
+            f"but the model's {name} is a {str(floats[name]).removeprefix('torch.')} weight: its values would be "
+            "trained as if they were weights; pass the model's floating-point weights (a quantized checkpoint "
+            "stores packed integers and scales: pass the original, unquantized model folder; a converted file "
+            "that stores integers: dequantize it first)"
         )
     if dt in _QUANT_DTYPES:
         raise WeightsError(
-            f"weights in {where}: {key} holds {dt} values for the floating-point parameter {name}: a quantized "
-            "checkpoint (packed integers or float8 with scales), not the weights tiered trains; pass the original "
-            "(unquantized) model folder"
+            f"tensor {key} in {where} holds {dt} values for the floating-point parameter {name}: a quantized "
+            "checkpoint (float8 with scales), not the weights tiered trains; pass the original (unquantized) "
+            "model folder"
         )
 
 

@@ -160,11 +160,11 @@ def _persist_by_room(
         )
         return int(min(z.max_live_parameters_numel, gathered) * itemsize * per_full)
 
-    def fits() -> bool:
+    def slack() -> int:  # the budget's bytes left with the groups persistent so far
         n = need(None)
-        return n.total_bytes + max(0, live_bytes() - n.gather_bytes) <= budget
+        return budget - n.total_bytes - max(0, live_bytes() - n.gather_bytes)
 
-    if not fits():
+    if slack() < 0:
         return  # no room beyond the working set (the budget's own refusal comes after)
     gathered = [i for i, pg in enumerate(planned) if not pg.persistent]
     rereads = {
@@ -183,7 +183,25 @@ def _persist_by_room(
         saved = a * (2 if i in rereads else 1) - (1 if pg.trainable else 0)
         if saved > 0 and pg.leaf is None:
             candidates.append((-saved, -pg.numel, i))
-    for _, _, i in sorted(candidates):
+    order = [i for _, _, i in sorted(candidates)]
+
+    def mark(k: int) -> None:
+        for j, i in enumerate(order):
+            planned[i].persistent = j < k
+
+    # the longest prefix that fits, by bisection (each need() is a pass over the model), then
+    # first fit over the rest: a smaller group still taken after a larger one did not fit
+    lo, hi = 0, len(order)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        mark(mid)
+        lo, hi = (mid, hi) if slack() >= 0 else (lo, mid - 1)
+    mark(lo)
+    failed = planned[order[lo]].numel if lo < len(order) else 0
+    for i in order[lo + 1 :]:
+        if planned[i].numel >= failed:
+            continue  # the bytes a group adds grow with its size: one as large did not fit
         planned[i].persistent = True
-        if not fits():
+        if slack() < 0:
             planned[i].persistent = False
+            failed = planned[i].numel

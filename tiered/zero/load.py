@@ -228,6 +228,7 @@ class WeightSource:
             dtypes=self.dtypes,
             listed_in=lambda key: self._listed_where([key]),
             at=lambda key: f" (in {self.file_of[key].name})" if key in self.file_of else "",
+            path_of=lambda key: str(self.file_of[key]) if key in self.file_of else str(self.folder),
         )
         return found.sources
 
