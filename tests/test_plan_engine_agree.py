@@ -96,18 +96,23 @@ def test_plan_equals_engine_preflight(tmp_path: Path, shape: str, placement: str
     assert pred.residency == kept
     # stats() reports the host peak the plan promised, term by term, beside the process's own
     assert host["planned_peak_bytes"] == pred.peak_bytes("host")
-    assert (host["baseline"], host["outside_tiers"], host["backends"], host["imports"]) == (
+    assert (host["baseline"], host["outside_tiers"], host["backends"], host["imports"], host["live"]) == (
         pred.baseline_bytes,
         pred.outside_tiers_bytes,
         pred.backend_bytes,
         pred.imports_bytes,
+        pred.live_bytes,
     )
     assert pred.imports_bytes == (PEFT_IMPORT_BYTES if lora else 0)  # peft: beyond the baseline
     assert host["tiers"] == pred.tier_bytes("host") and host["peak_rss_bytes"] > host["baseline"] / 2
     # host memory outside the tiers: the backends' own buffers are the ones the engine opened
     assert pred.backend_bytes == held
     assert pred.host_extra_bytes == (
-        pred.baseline_bytes + pred.outside_tiers_bytes + sum(held.values()) + pred.imports_bytes
+        pred.baseline_bytes
+        + pred.outside_tiers_bytes
+        + sum(held.values())
+        + pred.imports_bytes
+        + pred.live_bytes
     )
     # the zoo is not trivial: optimizer state homed off the gpu, a pipeline counted
     opt_tier = "nvme" if placement == "all-nvme" else "cpu"
@@ -162,18 +167,26 @@ def test_search_budgets_the_cpu_tier_from_the_device_kind_and_backend_buffers(tm
         "max_in_cpu": 0,
     }
     mem = Memories(gpu=2**30, cpu=2 * 2**30, nvme=2**30)
-    budgets = {}
+    budgets, others = {}, {}
     for kind in ("cpu", "cuda"):
         c = weigh(model, knobs, mem, nvme_path=str(tmp_path), max_in_cpu=0, device_kind=kind)
         assert c.prediction is not None and c.fits
         pred = c.prediction
         assert pred.backend_bytes == {"nvme": 64 * 2**20}
         budgets[kind] = c.config["tiered"]["tiers"]["cpu"]["budget"]
-        assert budgets[kind] == mem.cpu - pred.baseline_bytes - pred.outside_tiers_bytes - 64 * 2**20
+        # without a GPU the "gpu" tier, and the parameters the live budget keeps gathered there,
+        # are host memory too: the cpu tier has what they leave
+        other = sum(d["total"] for t, d in pred.needs.items() if t != "cpu" and pred.memory[t] == "host")
+        assert (other > 0 and pred.live_bytes > 0) == (kind == "cpu")
+        assert budgets[kind] == (
+            mem.cpu - pred.baseline_bytes - pred.outside_tiers_bytes - 64 * 2**20 - pred.live_bytes - other
+        )
         # homed on NVMe: the cpu tier caches up to its budget ([Note: a cpu tier caches up to its budget])
         assert pred.tier_bytes("host") < budgets[kind]
-        assert c.peaks["host"] == pred.host_extra_bytes + budgets[kind] == mem.cpu
-    assert budgets["cpu"] - budgets["cuda"] == (1062 - 471) * 2**20
+        assert c.peaks["host"] == pred.host_extra_bytes + other + budgets[kind] == mem.cpu
+        others[kind] = other + pred.live_bytes
+    # the baselines' difference, less what the gpu tier takes of host memory without a GPU
+    assert budgets["cpu"] - budgets["cuda"] == (1062 - 471) * 2**20 - others["cpu"]
 
 
 def test_backend_buffers_follow_the_tier_spec(tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ def fill_gpu_room(s: Any, c: Any, ratio_pinned: bool, weigh_at: WeighAt) -> Any:
     # the gpu budget written: the working set and the room used, no more ([Note: persistent by room])
     at = dataclasses.replace(s, mem=dataclasses.replace(s.mem, gpu=c.peaks["device"] + room, activations=0))
     knobs = {k: v for k, v in c.knobs.items() if k not in ("residency", "ratio")}
-    live = c.knobs.get("max_live_parameters")
+    live = c.config["zero_optimization"].get("stage3_max_live_parameters")  # written, or the default
     variants = [c, weigh_at(at, knobs, live)]  # persistent groups by room
     if c.knobs["offload_optimizer"] != "none" and not ratio_pinned:
         shared = _ratio_in_room(at, {**knobs, "residency": "host"}, live, weigh_at)

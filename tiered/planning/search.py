@@ -322,6 +322,10 @@ def _weigh_at(s: Setup, knobs: dict[str, Any], live: int | None) -> Candidate:
     for memory, have in (("device", gpu_budget), ("host", mem.cpu), ("disk", mem.nvme)):
         if have is not None and peaks[memory] > have:
             short[memory] = peaks[memory] - have
+    if gpu_budget is not None and pred.memory.get("gpu") == "host":  # no GPU: the gpu tier's own budget
+        over = int(pred.needs["gpu"]["total"]) + pred.live_bytes - gpu_budget if "gpu" in pred.needs else 0
+        if over > 0:
+            short["device"] = over
     knobs["max_in_cpu"] = 0  # nothing on NVMe to keep in cpu
     if knobs["offload_param"] == "nvme":  # [Note: config search]: max_in_cpu from the room left
         room = (
