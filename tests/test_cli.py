@@ -26,6 +26,7 @@ PLAN_40B = [
 ]
 
 
+@pytest.mark.slow  # the 40B/400B plan: about a minute and a half on two cores
 def test_plan_40b_prints_tables_and_recommendation(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(PLAN_40B) == 0
     out = capsys.readouterr().out
@@ -58,6 +59,7 @@ def test_plan_40b_prints_tables_and_recommendation(capsys: pytest.CaptureFixture
     assert not any(r[0] == "none" and r[-1] == "yes" for r in rows)
 
 
+@pytest.mark.slow  # the 40B/400B plan: about a minute and a half on two cores
 def test_plan_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*PLAN_40B, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -109,6 +111,7 @@ def test_plan_device_sets_the_process_baseline(capsys: pytest.CaptureFixture[str
     assert "process baseline: 1.04 GiB of host memory for a cuda process" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the 40B/400B plan: about a minute and a half on two cores
 def test_plan_paper_vector_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--params", "7.5e9", "--world-size", "64", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -116,6 +119,7 @@ def test_plan_paper_vector_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert got == [120.0, 31.4, 16.6, 1.9]
 
 
+@pytest.mark.slow  # the 40B/400B plan: about a minute and a half on two cores
 def test_plan_nothing_fits_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["plan", "--params", "400B", "--gpu-mem", "8GB", "--cpu-mem", "64GB", "--nvme-mem", "1TB"])
     assert code == 1

@@ -238,6 +238,7 @@ def test_cli_bench_bad_input(
     assert err.startswith("tiered bench: error:") and needle in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow  # the 40B/400B plan: about a minute and a half on two cores
 def test_demo_plan_only_prints_the_40b_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--plan-only"]) == 0
     out = capsys.readouterr().out

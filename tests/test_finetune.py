@@ -356,6 +356,7 @@ def test_examples_missing_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.M
         demo_finetune.examples_dir()
 
 
+@pytest.mark.slow  # the 40B/400B plan: about a minute and a half on two cores
 def test_demo_quick_trains_matches_and_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tiered.cli import demo_finetune
 

@@ -200,6 +200,7 @@ def test_lora_export_is_peft_format_and_merged(
         assert torch.allclose(v, want[k], atol=1e-6), k
 
 
+@pytest.mark.slow  # the 40B/400B plan: about a minute and a half on two cores
 def test_demo_exports_through_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 

@@ -110,6 +110,7 @@ def test_an_out_holding_another_run_is_refused_unless_resume_or_overwrite(
     assert "resumed from" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the 40B/400B plan: about a minute and a half on two cores
 def test_the_demo_does_not_tell_to_load_what_it_removes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -110,6 +110,7 @@ def test_grad_tier_needs_an_offloaded_optimizer(tmp_path):
         tiered.initialize(build(CASES["mlp"]), cfg)
 
 
+@pytest.mark.slow  # the 40B/400B plan: about a minute and a half on two cores
 def test_plan_40b_on_64gb_host_recommends_nvme_gradients(capsys):
     """`tiered plan --params 40e9 --gpu-mem 80GB --cpu-mem 64GB --nvme-mem 4TB` fits only with the
     gradients on NVMe, and its printed config is one the engine accepts (tiered.grad_tier)."""
