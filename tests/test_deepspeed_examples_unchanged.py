@@ -134,6 +134,7 @@ def test_cifar_zero3_runs_unchanged(workdir: Path) -> None:
     )
 
 
+@pytest.mark.slow  # ~10 s or more on two cores: the default run stays under 15 minutes
 def test_hello_deepspeed_bert_runs_unchanged(workdir: Path) -> None:
     """HelloDeepSpeed's BERT MLM (ZeRO-1 config, bf16, fire's flags, the WikiText and roberta-base
     folders) trains and saves its checkpoints with the engine's save_checkpoint."""
@@ -148,6 +149,7 @@ def test_hello_deepspeed_bert_runs_unchanged(workdir: Path) -> None:
     assert "Total number of model parameters" in proc.stderr
 
 
+@pytest.mark.slow  # ~10 s or more on two cores: the default run stays under 15 minutes
 def test_superoffload_finetune_runs_unchanged(workdir: Path) -> None:
     """DeepSpeed-SuperOffload's finetune_zero3.py (DeepSpeedCPUAdam built by the script, `from
     deepspeed import comm as dist`, set_z3 leaf modules unused, activation checkpointing) with its
@@ -169,6 +171,7 @@ def test_superoffload_finetune_runs_unchanged(workdir: Path) -> None:
     assert f"Model size: {size:,} parameters" in proc.stderr, re.findall(r"Model size: .*", proc.stderr)
 
 
+@pytest.mark.slow  # ~10 s or more on two cores: the default run stays under 15 minutes
 def test_zenflow_finetune_runs_unchanged(workdir: Path) -> None:
     """DeepSpeed-ZenFlow's finetune_llama.py (``load_dataset("tatsu-lab/alpaca")`` hard-coded,
     `from deepspeed import comm as dist`, the config's AdamW and clipping, save_checkpoint and
@@ -184,6 +187,7 @@ def test_zenflow_finetune_runs_unchanged(workdir: Path) -> None:
     assert (out / "latest").exists() and (out / "tokenizer_config.json").exists()
 
 
+@pytest.mark.slow  # ~10 s or more on two cores: the default run stays under 15 minutes
 def test_zenflow_config_as_shipped_is_refused_naming_zenflow(workdir: Path) -> None:
     cfg = env.SCRIPTS / "DeepSpeed-ZenFlow/finetuning/zf_config.json"
     proc = env.launch(

@@ -59,6 +59,7 @@ def _run_one_rank(out: Path, argv: list[str], monkeypatch: pytest.MonkeyPatch) -
     assert finetune_dist_driver.finetune(str(out), argv) == 0
 
 
+@pytest.mark.slow  # ~10 s or more on two cores: the default run stays under 15 minutes
 def test_two_gloo_ranks_equal_one_rank_on_the_same_global_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

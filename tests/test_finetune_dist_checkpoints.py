@@ -115,6 +115,7 @@ def _rank_pids(tmp_path: Path, deadline: float) -> list[int]:
     return [int(f.read_text()) for f in files]
 
 
+@pytest.mark.slow  # ~10 s or more on two cores: the default run stays under 15 minutes
 def test_sigterm_to_the_ranks_saves_one_checkpoint_and_leaves_nothing_behind(
     tmp_path: Path, job: list[str]
 ) -> None:

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "headline_replica.py"
 
 
+@pytest.mark.slow  # ~10 s or more on two cores: the default run stays under 15 minutes
 def test_toy_replica_plans_trains_and_reports_plan_against_measured(tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
     argv = [sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--scale", "20000", "--hidden", "128"]

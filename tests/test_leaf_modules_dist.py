@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 from engine_support import REL, assert_losses_close, assert_params_close, build, ds_config, tiered_train
 from leaf_support import CASES, GAS, LEAVES, SWITCH, ddp_reference, rank_batches, run_ranks, switch_batches
 
@@ -93,6 +94,7 @@ def test_moe_with_divergent_routing_in_every_placement(tmp_path: Path) -> None:
     _check(tmp_path, [("moe", p, o) for p, o in ALL])
 
 
+@pytest.mark.slow  # ~10 s or more on two cores: the default run stays under 15 minutes
 def test_branch_accumulation_and_the_model_as_leaf(tmp_path: Path) -> None:
     # one process pair for the three cases (a launch costs seconds)
     jobs = [(name, p, o) for name in ("branch", "aux") for p, o in ALL]
@@ -143,6 +145,7 @@ def _switch(rank: int, jobs: list[tuple[str, str, str | None]], out_dir: str) ->
     return out
 
 
+@pytest.mark.slow  # ~10 s or more on two cores: the default run stays under 15 minutes
 def test_hugging_face_switch_transformer_with_divergent_routing(tmp_path: Path) -> None:
     # an HF MoE whose experts are modules of their own (an nn.ModuleDict): without a leaf the
     # error names the module to declare; declared (the error's advice or the MoE block), exact

@@ -265,6 +265,7 @@ def test_the_search_weighs_the_overlapped_steps_phases_and_the_chained_adam(tmp_
     assert adam > 0 and two.seconds_per_step == pytest.approx(disk + 3e6 / 1e12 / 3, rel=1e-9)
 
 
+@pytest.mark.slow  # ~10 s or more on two cores: the default run stays under 15 minutes
 def test_plan_cli_counts_compute_with_tokens_and_a_flop_rate(capsys: pytest.CaptureFixture[str]) -> None:
     from tiered.cli.main import main
 
@@ -299,6 +300,7 @@ def test_overlap_pinned_on_with_fp16_is_refused_by_name() -> None:
         )
 
 
+@pytest.mark.slow  # ~10 s or more on two cores: the default run stays under 15 minutes
 def test_tiered_plan_estimates_the_activations_from_the_batch_and_leaves_them_the_room(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
