@@ -58,15 +58,20 @@ def _grid_knobs(c: Candidate, result: SearchResult) -> dict[str, Any]:
     return {**knobs, "max_in_cpu": None, "overlap_step": result.pinned.get("overlap_step")}
 
 
+def _reweighed(result: SearchResult, placements: Any = None, **memories: int | None) -> list[Candidate]:
+    """The placement table's configs weighed again at `memories` (only `placements`' where given)."""
+    assert result.setup is not None
+    s = dataclasses.replace(result.setup, mem=dataclasses.replace(result.setup.mem, **memories))
+    live = result.pinned.get("max_live_parameters")
+    rows = [c for c in result.per_placement() if c.prediction is not None]
+    return [_weigh(s, _grid_knobs(c, result), live) for c in rows if placements is None or placements(c)]
+
+
 def _best_at(result: SearchResult, **memories: int | None) -> Candidate | None:
     assert result.setup is not None
-    s = result.setup
-    s = dataclasses.replace(s, mem=dataclasses.replace(s.mem, **memories))
-    live = result.pinned.get("max_live_parameters")
-    weighed = [
-        _weigh(s, _grid_knobs(c, result), live) for c in result.per_placement() if c.prediction is not None
-    ]
+    s = dataclasses.replace(result.setup, mem=dataclasses.replace(result.setup.mem, **memories))
     ratio_pinned = result.pinned.get("ratio") is not None
+    weighed = _reweighed(result, **memories)
     return _fastest(fill_gpu_room(s, c, ratio_pinned, _weigh_at) for c in weighed if c.fits)
 
 
@@ -98,15 +103,7 @@ def what_more_memory_buys(result: SearchResult, steps: tuple[float, ...] = STEPS
 
 def _off_disk(result: SearchResult) -> Candidate | None:
     """The fastest config that moves nothing on NVMe with the host memory unbounded."""
-    assert result.setup is not None
-    s = result.setup
-    s = dataclasses.replace(s, mem=dataclasses.replace(s.mem, cpu=None))
-    live = result.pinned.get("max_live_parameters")
-    weighed = [
-        _weigh(s, _grid_knobs(c, result), live)
-        for c in result.per_placement()
-        if c.prediction is not None and "nvme" not in c.placement
-    ]
+    weighed = _reweighed(result, lambda c: "nvme" not in c.placement, cpu=None)
     return _fastest(
         c for c in weighed if c.fits and not c.traffic.get("disk->host") and not c.traffic.get("host->disk")
     )
