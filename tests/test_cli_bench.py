@@ -217,6 +217,14 @@ def test_cli_bench_json_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert [m["status"] for m in doc["methods"][:2]] == ["ok", "ok"]
     assert {"platform", "cpu_count", "torch"} <= set(doc["machine"])
     assert doc["compute"]["flops_per_s"] > 0  # the FLOP rate tiered plan --bandwidth reads
+    # [Note: host rates measured]: the CPU Adam's and the host copy's rates, read by the plan
+    assert doc["cpu_adam"]["elements_per_s"] > 0 and doc["host_copy"]["gbps"] > 0
+    from tiered.planning.timing import read_bandwidth
+
+    bw, said = read_bandwidth(out_json)
+    assert bw["cpu_adam"] == doc["cpu_adam"]["elements_per_s"]
+    assert bw["host_copy"] == doc["host_copy"]["gbps"] * 1e9
+    assert any(s.startswith("CPU Adam") and "assumed" not in s for s in said)
 
 
 @pytest.mark.parametrize(

@@ -212,6 +212,23 @@ def test_a_step_that_runs_after_backward_adds_its_state_reads() -> None:
     overlapped = seconds_per_step(traffic, 0, bw, compute_flops=2e9)
     alone = seconds_per_step(traffic, 0, bw, compute_flops=2e9, step_disk_reads=10**9)
     assert overlapped == pytest.approx(2.0) and alone == pytest.approx(3.0)
+    # the step's write-backs start while it still reads, on the same drive: in its alone part
+    bw["disk_write"] = 0.5e9
+    writes = {**traffic, "host->disk": 10**9}
+    assert seconds_per_step(writes, 0, bw, compute_flops=2e9) == pytest.approx(3.0)  # hidden by nothing
+    both = seconds_per_step(writes, 0, bw, compute_flops=2e9, step_disk_reads=10**9, step_disk_writes=10**9)
+    assert both == pytest.approx(2.0 + 1.0 + 2.0)
+
+
+def test_the_gpu_tiers_copies_on_a_host_without_gpu_take_the_computes_cores() -> None:
+    """[Note: host rates measured]: where the "gpu" tier is host memory its copies are memcpy on
+    the cores that compute, at the host copy rate; a GPU's copies overlap on their own link."""
+    bw = {**DEFAULT_BANDWIDTH, "flops": 1e9, "host_copy": 1e9}
+    traffic = {"disk->host": 0, "host->disk": 0, "host->device": 0, "device->host": 0}
+    assert seconds_per_step(traffic, 0, bw, compute_flops=2e9, shared_cores=True, host_copies=10**9) == (
+        pytest.approx(3.0)
+    )
+    assert seconds_per_step(traffic, 0, bw, compute_flops=2e9, host_copies=10**9) == pytest.approx(2.0)
 
 
 def test_an_overlapped_step_moves_its_state_only_in_backward() -> None:

@@ -223,6 +223,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         out.write("\n" + gpu.to_markdown())
         doc["gpu_link"] = gpu.to_json()
     doc["compute"] = _compute_rate(out)  # tiered plan --bandwidth reads it ([Note: step time model])
+    doc.update(_host_rates(result.size_bytes, result.rounds, out))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         out.write(f"\nJSON written to {args.json}\n")
@@ -233,6 +234,21 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"tiered bench: failed: {', '.join(failed) or 'no ceiling measured'}", file=sys.stderr)
         return 1
     return 0
+
+
+def _host_rates(size_bytes: int, rounds: int, out: TextIO) -> dict[str, Any]:
+    """The CPU Adam's element rate and the host copy's GB/s ([Note: host rates measured]), for
+    the Adam and the "gpu"-tier copy terms of `tiered plan`'s s/step."""
+    from tiered.bench.host_rates import measure_cpu_adam, measure_host_copy
+
+    adam = measure_cpu_adam(rounds=rounds)
+    copy = measure_host_copy(size_bytes, rounds=rounds)
+    if adam["available"]:
+        out.write(f"CPU Adam: {adam['elements_per_s'] / 1e9:.3f}e9 elements/s ({adam['threads']} threads)\n")
+    else:
+        out.write(f"CPU Adam: not measured ({adam['detail']})\n")
+    out.write(f"host memory copy: {copy['gbps']:.2f} GB/s\n")
+    return {"cpu_adam": adam, "host_copy": copy}
 
 
 def _compute_rate(out: TextIO) -> dict[str, Any]:

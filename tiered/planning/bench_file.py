@@ -22,8 +22,8 @@ BENCH_MAX_BYTES = 64 << 20
 
 
 def read_bench_json(path: str | Path, what: str = "--bandwidth") -> dict[str, Any]:
-    """The bench JSON at `path` (passed as `what`), its "methods", "gpu_link" and "compute"
-    entries checked ([Note: files a user names]); ConfigError naming the field otherwise."""
+    """The bench JSON at `path` (passed as `what`), its "methods", "gpu_link", "compute",
+    "cpu_adam" and "host_copy" entries checked ([Note: files a user names]); ConfigError naming the field otherwise."""
     hint = "pass the file tiered bench --json FILE wrote"
     doc = read_user_json(path, what, BENCH_MAX_BYTES, hint=hint, not_json="not a JSON file")
     where = f"{what} {path}"
@@ -49,12 +49,14 @@ def read_bench_json(path: str | Path, what: str = "--bandwidth") -> dict[str, An
                 if not isinstance(pair, dict) or "pinned" not in pair:
                     raise ConfigError(f'{where}: gpu_link.{key} has no "pinned" rate; {hint}')
                 _rate(pair["pinned"], f"{where}: gpu_link.{key}.pinned")
-    compute = doc.get("compute")
-    if compute is not None:
-        if not isinstance(compute, dict):
-            raise ConfigError(f"{where}: compute is {type(compute).__name__}, not an object; {hint}")
-        if "flops_per_s" in compute:
-            _rate(compute["flops_per_s"], f"{where}: compute.flops_per_s")
+    for entry, key in (("compute", "flops_per_s"), ("cpu_adam", "elements_per_s"), ("host_copy", "gbps")):
+        section = doc.get(entry)
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise ConfigError(f"{where}: {entry} is {type(section).__name__}, not an object; {hint}")
+        if key in section:
+            _rate(section[key], f"{where}: {entry}.{key}")
     return doc
 
 
@@ -67,7 +69,7 @@ def _rate(value: Any, where: str) -> float:
         or value <= 0
     ):
         raise ConfigError(
-            f"{where} is {value!r}; a measured rate is a finite number > 0 (GB/s or FLOP/s): re-run tiered "
+            f"{where} is {value!r}; a measured rate is a finite number > 0 (GB/s, FLOP/s or elements/s): re-run tiered "
             "bench --json or fix the file"
         )
     return float(value)

@@ -73,6 +73,7 @@ core's share. A GPU's compute is not affected: its probes are the device's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -123,6 +124,16 @@ def read_bandwidth(path: str | Path, what: str = "--bandwidth") -> tuple[dict[st
         said.append(f"host<->device {_gbps(bw['h2d'])} / {_gbps(bw['d2h'])} (pinned, {path})")
     else:
         said.append(f"host<->device: not in {path}; assumed {_gbps(bw['h2d'])}")
+    adam = doc.get("cpu_adam")  # [Note: host rates measured]
+    if isinstance(adam, dict) and "elements_per_s" in adam:  # checked by read_bench_json
+        bw["cpu_adam"] = float(adam["elements_per_s"])
+        said.append(f"CPU Adam {bw['cpu_adam'] / 1e9:.3f}e9 elements/s ({path})")
+    else:
+        said.append(f"CPU Adam: not in {path}; assumed {bw['cpu_adam'] / 1e9:.1f}e9 elements/s")
+    copy = doc.get("host_copy")
+    if isinstance(copy, dict) and "gbps" in copy:
+        bw["host_copy"] = float(copy["gbps"]) * 1e9
+        said.append(f"host memory copy {_gbps(bw['host_copy'])} ({path})")
     compute = doc.get("compute")
     if isinstance(compute, dict) and isinstance(compute.get("flops_per_s"), (int, float)):
         bw["flops"] = float(compute["flops_per_s"])
@@ -206,6 +217,8 @@ def seconds_per_step(
     compute_flops: float = 0.0,
     shared_cores: bool = False,
     step_disk_reads: int = 0,
+    step_disk_writes: int = 0,
+    host_copies: int = 0,
     state_in_backward: bool = False,
     forward_fraction: float = 1 / 3,
     gather_disk_reads: int = 0,
@@ -215,18 +228,25 @@ def seconds_per_step(
     compute bound the step; with `shared_cores` (no GPU) the Adam adds to the compute.
     `step_disk_reads`: bytes the optimizer step reads from disk after backward has ended (its
     state, when the step is neither overlapped with backward nor ``pipeline_read``): that
-    read, or the Adam if slower, then runs alone and adds to the rest. `state_in_backward`:
+    read, with `step_disk_writes` (the state's and parameters' write-backs, which the pipeline
+    starts while it still reads, on the same drive), or the Adam if slower, then runs alone and
+    adds to the rest. `host_copies`: with `shared_cores`, the bytes copied into and out of the
+    "gpu" tier, host memory there: memcpy on the cores that compute, at ``bw["host_copy"]``
+    ([Note: host rates measured]), added to the compute. `state_in_backward`:
     the step is overlapped with backward, so its state moves start with backward's first
     gradients ([Note: the overlapped step's two phases]); `forward_fraction` of the compute is
     the forward's, `gather_disk_reads` of the disk reads the parameter gathers'.
     `adam_in_io_chain`: ``buffer_count`` 1, each tile's Adam between its read and its write."""
     adam = adam_elements / bw["cpu_adam"]
     compute = compute_flops / bw["flops"] if compute_flops and bw.get("flops") else 0.0
+    if shared_cores and host_copies:
+        compute += host_copies / bw.get("host_copy", bw["h2d"])
     chained = adam if adam_in_io_chain else 0.0
-    tail = max(step_disk_reads / bw["disk_read"], adam) if step_disk_reads else 0.0
-    disk = (traffic["disk->host"] - step_disk_reads) / bw["disk_read"] + traffic["host->disk"] / bw[
-        "disk_write"
-    ]
+    step_disk = step_disk_reads / bw["disk_read"] + step_disk_writes / bw["disk_write"]
+    tail = max(step_disk, adam) if step_disk_reads else 0.0
+    disk = (traffic["disk->host"] - step_disk_reads) / bw["disk_read"] + (
+        traffic["host->disk"] - step_disk_writes
+    ) / bw["disk_write"]
     memory_links = max(traffic["host->device"] / bw["h2d"], traffic["device->host"] / bw["d2h"])
     io = max(disk, memory_links)
     if tail:
@@ -288,10 +308,19 @@ def config_seconds_per_step(
     from tiered.planning.traffic import config_bytes_per_step
 
     traffic = config_bytes_per_step(pred, cfg)
-    state_reads = config_bytes_per_step(pred, cfg, gathers=False)["disk->host"]
+    step_only = config_bytes_per_step(pred, cfg, backward=False)
+    state_reads = step_only["disk->host"]
     trainable = [g for g in pred.groups if g.trainable]
     adam = sum(g.shard_numel for g, p in zip(trainable, pred.plans, strict=True) if p.side == "cpu")
-    step_reads = state_reads if step_runs_alone(cfg) else 0
+    alone = step_runs_alone(cfg)
+    step_reads = state_reads if alone else 0
+    copies = 0
+    if shared_cores and pred.memory.get("gpu") == "host":
+        # the same moves with the "gpu" tier counted as a device: its copies ([Note: host rates measured])
+        as_device = config_bytes_per_step(
+            dataclasses.replace(pred, memory={**pred.memory, "gpu": "device"}), cfg
+        )
+        copies = as_device["host->device"] + as_device["device->host"]
     seconds = seconds_per_step(
         traffic,
         adam,
@@ -299,6 +328,8 @@ def config_seconds_per_step(
         compute_flops=compute_flops,
         shared_cores=shared_cores,
         step_disk_reads=step_reads,
+        step_disk_writes=step_only["host->disk"] if alone else 0,
+        host_copies=copies,
         state_in_backward=state_moves_in_backward(cfg),
         forward_fraction=forward_fraction(
             checkpointing=checkpointing, accumulation=int(cfg.gradient_accumulation_steps)

@@ -88,7 +88,7 @@ def bytes_per_step(
     grads_from_memory: bool = False,
     max_live_numel: int | None = None,
     max_reuse_numel: int | None = None,
-    gathers: bool = True,
+    backward: bool = True,
     master_prefetch_groups: int = 0,
 ) -> dict[str, int]:
     """The floor of [Note: bytes per step] per link; `memory` maps tier -> "device"/"host"/"disk";
@@ -96,8 +96,9 @@ def bytes_per_step(
     step consumes each gradient from memory (`tiered.optim.arrivals.grads_consumed_from_memory`);
     `max_live_numel` / `max_reuse_numel`: ``stage3_max_live_parameters`` /
     ``stage3_max_reuse_distance``, which decide the backward's re-reads (None: unbounded);
-    `gathers` False leaves out the parameter gathers (what the optimizer step alone moves:
-    [Note: step time model]); `master_prefetch_groups`: the first groups whose fp32 master the
+    `backward` False leaves out what the forward and backward move (the parameter gathers and
+    the gradients' hand-off to their home): what the optimizer step alone moves ([Note: step
+    time model]); `master_prefetch_groups`: the first groups whose fp32 master the
     step may take from the copy still gathered (`masters_prefetch_groups`)."""
     fmt = FORMATS[state_format]
     p = torch.empty(0, dtype=compute_dtype).element_size()
@@ -131,7 +132,7 @@ def bytes_per_step(
         else:
             out[f"{s}->{d}"] += n
 
-    for g in groups if gathers else ():
+    for g in groups if backward else ():
         home = g.param.home
         if home != "gpu" and (not g.persistent or g.trainable):
             reads = 1 if g.persistent else a * (2 if g.index in reread else 1)
@@ -142,7 +143,7 @@ def bytes_per_step(
         grad_home = g.grad.home
         if (grads_from_memory or g.index in kept_grads) and memory.get(grad_home) == "disk":
             grad_home = "cpu"  # kept there, dirty (and dropped after the step): never on disk
-        if grad_home != "gpu":
+        if grad_home != "gpu" and backward:
             if memory.get(grad_home) == "disk":
                 move("gpu", "cpu", a * n * 4)
                 move("cpu", grad_home, a * n * 4)
@@ -221,7 +222,7 @@ def masters_live_into_step(
 
 
 def config_bytes_per_step(
-    pred: Prediction, cfg: TieredConfig, *, residency: Residency | None = None, gathers: bool = True
+    pred: Prediction, cfg: TieredConfig, *, residency: Residency | None = None, backward: bool = True
 ) -> dict[str, int]:
     """`bytes_per_step` of a predicted config, every setting read from `cfg` (the plan's and
     the benchmarks' one call); `residency` the kept set (default: the prediction's own)."""
@@ -238,7 +239,7 @@ def config_bytes_per_step(
         grads_from_memory=grads_consumed_from_memory(cfg),
         max_live_numel=cfg.zero.max_live_parameters_numel,
         max_reuse_numel=cfg.zero.max_reuse_distance_numel,
-        gathers=gathers,
+        backward=backward,
         master_prefetch_groups=masters_prefetch_groups(cfg, len(pred.plans)),
     )
 
