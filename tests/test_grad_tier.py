@@ -176,3 +176,43 @@ def test_overlapped_step_consumes_gradients_from_memory(tmp_path, name):
         assert torch.equal(state[k], t), k
     assert_losses_close(losses, ref_losses)
     assert_params_close(state, ref_state, rel=1e-5)
+
+
+@pytest.mark.parametrize(("grad_tier", "gas"), [("nvme", 1), ("nvme", 2), ("cpu", 1)])
+def test_a_gpu_stepped_groups_gradient_stays_on_the_gpu(tmp_path, grad_tier, gas):
+    """[Note: a GPU-stepped gradient stays on the GPU]: with ``offload_optimizer.ratio`` 0.5 the
+    groups the GPU kernel steps home their gradients in "gpu" (whatever ``tiered.grad_tier``
+    says for the others), so nothing of theirs moves below it; the engine's measured links equal
+    its formula (which moves a gradient from its home), and training still equals torch AdamW."""
+    from tiered.planning.traffic import measured_per_step
+
+    case = CASES["llama"]
+    batches = make_batches(case, steps=3, micro=4, gas=gas)
+    ref_losses, ref_state = reference_train(build(case), case, batches, lr=1e-3, gas=gas)
+    cfg = ds_config(param="cpu", opt="nvme", nvme_path=str(tmp_path / "n"), gas=gas, ratio=0.5)
+    cfg["tiered"] = {"grad_tier": grad_tier, "residency": "off"}
+    with tiered.initialize(build(case), cfg) as engine:
+        losses = []
+        for i, b in enumerate(batches):
+            if i == gas:  # after the first step: its links are the window's start
+                engine.optimizer.wait_writes()
+                first = engine.tm.stats()["links"]
+            loss = case.loss(engine(**b))
+            losses.append(float(loss.detach()))
+            engine.backward(loss)
+            engine.step()
+        engine.optimizer.wait_writes()
+        trainable = [g for g in engine.zero.groups if g.trainable]
+        sides = [og.plan.side for og in engine.optimizer.groups]
+        assert "gpu" in sides and "cpu" in sides, sides
+        for g, side in zip(trainable, sides, strict=True):
+            assert g.grad.home == ("gpu" if side == "gpu" else grad_tier), (g.name, side, g.grad.home)
+        links = engine.tm.stats()["links"]
+        window = {k: {"bytes": v["bytes"] - first.get(k, {"bytes": 0})["bytes"]} for k, v in links.items()}
+        steps = len(batches) // gas - 1
+        measured = measured_per_step(window, engine._tier_memory, steps)
+        formula = engine.stats()["bytes_per_step"]["formula"]
+        assert measured == pytest.approx(formula), (measured, formula)
+        state = {k: v.detach().float().clone() for k, v in engine.zero.gather_full_state_dict().items()}
+    assert_losses_close(losses, ref_losses)
+    assert_params_close(state, ref_state, rel=1e-5)

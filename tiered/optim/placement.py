@@ -5,7 +5,9 @@ initialize, and the staging bytes that choice costs (what the engine's capacity 
 [Note: twin-flow ratio]
 ``offload_optimizer.ratio`` splits the groups between the CPU kernel and the GPU kernel: the
 ``round(ratio * n)`` largest groups (ties by execution order) run on the CPU (their state on the
-optimizer tier), the rest keep their state in "gpu" and run ``tiered_ext.gpu_adam_step`` there.
+optimizer tier), the rest keep their state in "gpu" and run ``tiered_ext.gpu_adam_step`` there,
+their gradients homed there too ([Note: a GPU-stepped gradient stays on the GPU] in
+tiered/shards.py; the choice itself is `tiered.shards.cpu_stepped`, which the ZeRO scheduler reads).
 (DeepSpeed's Twin-Flow assigns the *last* fraction by index; by size is what bounds GPU memory.)
 
 [Note: fp32 master is the parameter]
@@ -27,7 +29,7 @@ import torch
 
 from tiered.config.schema import TieredConfig
 from tiered.optim.state_format import FORMATS, StateFormat
-from tiered.shards import ShardGroup
+from tiered.shards import ShardGroup, cpu_stepped
 
 if TYPE_CHECKING:
     from tiered.tiers import Partition, TierManager
@@ -136,14 +138,10 @@ def plan_optimizer_placement(
 ) -> list[GroupPlan]:
     """Where each trainable group's step runs and its state lives (CPU or GPU kernel, which
     tiers). See [Note: twin-flow ratio] and [Note: max_in_cpu]."""
-    n = len(groups)
     if optimizer_tier == "gpu":
         cpu_side: set[int] = set()
     else:
-        ratio = float(cfg.zero.offload_optimizer.ratio)
-        n_cpu = n if ratio >= 1.0 else int(round(ratio * n))
-        by_size = sorted(range(n), key=lambda i: (-groups[i].shard_numel, i))
-        cpu_side = set(by_size[:n_cpu])
+        cpu_side = set(cpu_stepped([g.shard_numel for g in groups], float(cfg.zero.offload_optimizer.ratio)))
     plans = []
     for i, g in enumerate(groups):
         home = g.param.home

@@ -462,6 +462,7 @@ def predict(
         world_size,
         placement.param_tier,
         placement.grad_tier,
+        float(z.offload_optimizer.ratio),  # [Note: a GPU-stepped gradient stays on the GPU]
         # [Note: persistent by room]: what the gpu budget's room holds persistent depends on these
         persists_by_room(cfg),
         int(cfg.gradient_accumulation_steps),
@@ -568,7 +569,8 @@ def _planned_groups(
         shard = layout.shard_numel(i)
         name = group_name(i)
         param = _SizedPartition(f"{name}.param", placement.param_tier, shard * itemsize)
-        grad = _SizedPartition(f"{name}.grad", placement.grad_tier, shard * 4) if pg.trainable else None
+        home = layout.grad_homes[i]  # [Note: a GPU-stepped gradient stays on the GPU]
+        grad = _SizedPartition(f"{name}.grad", home, shard * 4) if home is not None else None
         groups.append(
             ShardGroup(
                 i,

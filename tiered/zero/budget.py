@@ -142,7 +142,7 @@ def check_gather_budgets(
     param_itemsize: int,
     world_size: int,
     param_tier: str,
-    grad_tier: str,
+    grad_homes: Sequence[str | None],
     needs_fetch: bool,
     joint_numel: Sequence[int] = (),
 ) -> GpuGatherNeed:
@@ -170,7 +170,7 @@ def check_gather_budgets(
         )
     elt, ws = param_itemsize, world_size
     home = sum(s.full_numel // ws for s in sizes) * elt if param_tier == "gpu" else 0
-    home += sum(s.full_numel // ws for s in sizes) * 4 if grad_tier == "gpu" else 0
+    home += sum(s.full_numel // ws for s, h in zip(sizes, grad_homes, strict=True) if h == "gpu") * 4
     persistent = largest = 0
     if needs_fetch:
         persistent = int(sum(s.full_numel for s in sizes if s.persistent) * elt * per_full)

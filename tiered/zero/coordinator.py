@@ -118,7 +118,7 @@ class ZeroParameters:
             planned,
             tm,
             param_tier=param_tier,
-            grad_tier=grad_tier,
+            grad_homes=layout.grad_homes,
             compute_dtype=compute_dtype,
             world_size=ws,
             rank=self.rank,

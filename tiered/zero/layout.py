@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tiered.shards import padded_numel
+from tiered.shards import grad_homes, padded_numel
 from tiered.zero.budget import GpuGatherNeed, PlannedSize, check_gather_budgets
 from tiered.zero.leaf import LeafSet, find_leaf_modules
 from tiered.zero.plan import PlannedGroup
@@ -56,6 +56,8 @@ class GroupLayout:
     gpu_need: GpuGatherNeed
     """Bytes the schedule holds in "gpu" at its peak ([Note: the live budget])."""
     world_size: int
+    grad_homes: list[str | None]
+    """Per group, its gradient's home (None: frozen): [Note: a GPU-stepped gradient stays on the GPU]."""
 
     def shard_numel(self, i: int) -> int:
         """Elements of group `i`'s shard on each rank (its full buffer padded, then split)."""
@@ -111,6 +113,12 @@ def plan_layout(
     for mid, leaf in leaves.by_module.items():  # entering a leaf gathers its whole subtree
         modules.groups[mid] = leaf.groups
     ws = world_size
+    homes = grad_homes(
+        [padded_numel(pg.numel, ws, ALIGNMENT_NUMEL) // ws for pg in planned],
+        [pg.trainable for pg in planned],
+        grad_tier,
+        float(z.offload_optimizer.ratio),
+    )
     module_groups = [(modules.names[mid], idxs) for mid, idxs in modules.groups.items()]
     itemsize = torch.empty(0, dtype=compute_dtype).element_size()
     joints = [  # the whole buffer a parameter in pieces is put together in ([Note: fused parameters in pieces])
@@ -132,14 +140,16 @@ def plan_layout(
             param_itemsize=itemsize,
             world_size=ws,
             param_tier=param_tier,
-            grad_tier=grad_tier,
+            grad_homes=homes,
             needs_fetch=ws > 1 or param_tier != "gpu",
         )
 
     if persist_by_room and gpu_budget_bytes is not None and (ws > 1 or param_tier != "gpu"):
         _persist_by_room(planned, need, gpu_budget_bytes, z, itemsize, ws, accumulation)
     gpu_need = need(gpu_budget_bytes)
-    return GroupLayout(planned, list(leaf_names), managed, pieces, modules, leaves, gpu_need, world_size)
+    return GroupLayout(
+        planned, list(leaf_names), managed, pieces, modules, leaves, gpu_need, world_size, homes
+    )
 
 
 def _persist_by_room(

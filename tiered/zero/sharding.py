@@ -9,7 +9,7 @@ layout is [Note: flat shard groups] (tiered/shards.py), the grouping [Note: grou
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -108,7 +108,7 @@ def write_group_partitions(
     tm: TierManager,
     *,
     param_tier: str,
-    grad_tier: str,
+    grad_homes: Sequence[str | None],
     compute_dtype: torch.dtype,
     world_size: int,
     rank: int,
@@ -167,7 +167,8 @@ def write_group_partitions(
             else shard32
         )
         ppart = tm.create(f"{name}.param", shard, compute_dtype, param_tier, init=src.to(compute_dtype))
-        gpart = tm.create(f"{name}.grad", shard, torch.float32, grad_tier) if pg.trainable else None
+        grad_home = grad_homes[i]  # [Note: a GPU-stepped gradient stays on the GPU]
+        gpart = tm.create(f"{name}.grad", shard, torch.float32, grad_home) if grad_home is not None else None
         del shard32
         g = ShardGroup(i, name, tuple(entries), full, shard, rank * shard, ppart, gpart, pg.persistent)
         params = [p for _, p in pg.params]
