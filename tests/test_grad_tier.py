@@ -178,19 +178,35 @@ def test_overlapped_step_consumes_gradients_from_memory(tmp_path, name):
     assert_params_close(state, ref_state, rel=1e-5)
 
 
-@pytest.mark.parametrize(("grad_tier", "gas"), [("nvme", 1), ("nvme", 2), ("cpu", 1)])
-def test_a_gpu_stepped_groups_gradient_stays_on_the_gpu(tmp_path, grad_tier, gas):
+@pytest.mark.parametrize(
+    ("grad_tier", "gas", "overlap", "home"),
+    [
+        ("nvme", 1, False, "gpu"),
+        ("nvme", 2, True, "gpu"),
+        ("nvme", 1, True, "nvme"),
+        ("cpu", 1, False, "cpu"),
+    ],
+    ids=["nvme", "nvme-accumulated-overlapped", "nvme-consumed-from-memory", "cpu"],
+)
+def test_a_gpu_stepped_groups_gradient_stays_on_the_gpu_where_it_would_cross_storage(
+    tmp_path, grad_tier, gas, overlap, home
+):
     """[Note: a GPU-stepped gradient stays on the GPU]: with ``offload_optimizer.ratio`` 0.5 the
-    groups the GPU kernel steps home their gradients in "gpu" (whatever ``tiered.grad_tier``
-    says for the others), so nothing of theirs moves below it; the engine's measured links equal
-    its formula (which moves a gradient from its home), and training still equals torch AdamW."""
+    groups the GPU kernel steps home their gradients in "gpu" where ``tiered.grad_tier`` is nvme
+    and the gradient is not consumed from memory (no overlapped step, or accumulation), and in
+    ``tiered.grad_tier`` otherwise; the engine's measured links equal its formula (which moves
+    a gradient from its home), and training still equals torch AdamW."""
+    import copy
+
+    from tiered.config.loader import load_config
+    from tiered.planning.needs import predict
     from tiered.planning.traffic import measured_per_step
 
     case = CASES["llama"]
     batches = make_batches(case, steps=3, micro=4, gas=gas)
     ref_losses, ref_state = reference_train(build(case), case, batches, lr=1e-3, gas=gas)
     cfg = ds_config(param="cpu", opt="nvme", nvme_path=str(tmp_path / "n"), gas=gas, ratio=0.5)
-    cfg["tiered"] = {"grad_tier": grad_tier, "residency": "off"}
+    cfg["tiered"] = {"grad_tier": grad_tier, "residency": "off", "overlap_step_with_backward": overlap}
     with tiered.initialize(build(case), cfg) as engine:
         losses = []
         for i, b in enumerate(batches):
@@ -206,13 +222,16 @@ def test_a_gpu_stepped_groups_gradient_stays_on_the_gpu(tmp_path, grad_tier, gas
         sides = [og.plan.side for og in engine.optimizer.groups]
         assert "gpu" in sides and "cpu" in sides, sides
         for g, side in zip(trainable, sides, strict=True):
-            assert g.grad.home == ("gpu" if side == "gpu" else grad_tier), (g.name, side, g.grad.home)
+            assert g.grad.home == (home if side == "gpu" else grad_tier), (g.name, side, g.grad.home)
         links = engine.tm.stats()["links"]
         window = {k: {"bytes": v["bytes"] - first.get(k, {"bytes": 0})["bytes"]} for k, v in links.items()}
         steps = len(batches) // gas - 1
         measured = measured_per_step(window, engine._tier_memory, steps)
         formula = engine.stats()["bytes_per_step"]["formula"]
         assert measured == pytest.approx(formula), (measured, formula)
+        # the plan's memory model homes them alike: its needs are the engine's
+        pred = predict(build(case), load_config(copy.deepcopy(cfg)), gpu_is_host=True)
+        assert pred.needs == engine.capacity
         state = {k: v.detach().float().clone() for k, v in engine.zero.gather_full_state_dict().items()}
     assert_losses_close(losses, ref_losses)
     assert_params_close(state, ref_state, rel=1e-5)

@@ -115,7 +115,7 @@ def cpu_stepped(shard_numels: Sequence[int], ratio: float) -> frozenset[int]:
     ([Note: twin-flow ratio] in tiered/optim/placement.py); the others step on the GPU. Here,
     below the ZeRO scheduler and the optimizer, because both need it: the scheduler homes the
     GPU-stepped groups' gradients before the optimizer exists ([Note: a GPU-stepped gradient
-    stays on the GPU])."""
+    stays on the GPU] in tiered/optim/placement.py)."""
     n = len(shard_numels)
     n_cpu = n if ratio >= 1.0 else int(round(ratio * n))
     by_size = sorted(range(n), key=lambda i: (-shard_numels[i], i))
@@ -123,20 +123,16 @@ def cpu_stepped(shard_numels: Sequence[int], ratio: float) -> frozenset[int]:
 
 
 def grad_homes(
-    shard_numels: Sequence[int], trainable: Sequence[bool], grad_tier: str, ratio: float
+    shard_numels: Sequence[int],
+    trainable: Sequence[bool],
+    grad_tier: str,
+    ratio: float,
+    gpu_stepped_tier: str | None = None,
 ) -> list[str | None]:
-    """Per group, the home of its fp32 gradient: None for a frozen group, "gpu" for one the GPU
-    kernel steps, else `grad_tier` (``tiered.grad_tier``, "cpu" by default with the optimizer
-    offloaded).
-
-    [Note: a GPU-stepped gradient stays on the GPU]
-    A group the GPU kernel steps (``offload_optimizer.ratio`` below 1) reads its gradient in
-    "gpu", where backward produced it. Homed in ``tiered.grad_tier`` like the others it would go
-    down at each flush and come back up for the step: over PCIe with the tier "cpu", and through
-    NVMe too with ``"nvme"`` (the 40B plan at 512 GB of host memory moved 40.6 GB a step that way,
-    every byte of it these gradients). Homed in "gpu" it moves nothing; the gpu tier holds 4 B
-    per element of those groups more, which the capacity check, the plan's needs and the GPU
-    room's ratio all count, since they read the homes the groups have."""
+    """Per group, the home of its fp32 gradient: None for a frozen group, `gpu_stepped_tier`
+    (default `grad_tier`) for one the GPU kernel steps, else `grad_tier` (``tiered.grad_tier``,
+    "cpu" by default with the optimizer offloaded). [Note: a GPU-stepped gradient stays on the
+    GPU] is in tiered/optim/placement.py, which chooses `gpu_stepped_tier`."""
     trainable_numels = [n for n, t in zip(shard_numels, trainable, strict=True) if t]
     on_cpu = cpu_stepped(trainable_numels, ratio)
     out: list[str | None] = []
@@ -145,7 +141,7 @@ def grad_homes(
         if not t:
             out.append(None)
             continue
-        out.append(grad_tier if grad_tier == "gpu" or j in on_cpu else "gpu")
+        out.append(grad_tier if j in on_cpu else (gpu_stepped_tier or grad_tier))
         j += 1
     return out
 

@@ -31,7 +31,7 @@ from tiered.engine.residency import keep_resident, plan_engine_residency
 from tiered.errors import CapacityError, ConfigError, DistributedSetupError
 from tiered.optim.arrivals import grads_consumed_from_memory
 from tiered.optim.offload import OffloadedAdam
-from tiered.optim.placement import plan_optimizer_placement, tier_is_host
+from tiered.optim.placement import gpu_stepped_grad_tier, plan_optimizer_placement, tier_is_host
 from tiered.optim.schedulers import build_scheduler
 from tiered.planning.needs import host_extra, is_peft_model, tier_memory
 from tiered.planning.traffic import bytes_per_step, masters_prefetch_groups
@@ -219,6 +219,9 @@ def _build(
             compute_dtype=placement.compute_dtype,
             process_group=process_group,
             weights=load_plan,
+            gpu_stepped_grad_tier=gpu_stepped_grad_tier(
+                cfg, placement.grad_tier, not tm.tier(placement.grad_tier).backend.capabilities.memory_like
+            ),
         )
         trainable = [g for g in zp.groups if g.trainable]  # frozen groups are never stepped
         plans = plan_optimizer_placement(

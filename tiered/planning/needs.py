@@ -463,6 +463,7 @@ def predict(
         placement.param_tier,
         placement.grad_tier,
         float(z.offload_optimizer.ratio),  # [Note: a GPU-stepped gradient stays on the GPU]
+        _gpu_stepped_grad_tier(cfg, placement),
         # [Note: persistent by room]: what the gpu budget's room holds persistent depends on these
         persists_by_room(cfg),
         int(cfg.gradient_accumulation_steps),
@@ -558,6 +559,7 @@ def _planned_groups(
         grad_tier=placement.grad_tier,
         persist_by_room=persists_by_room(cfg),
         accumulation=int(cfg.gradient_accumulation_steps),
+        gpu_stepped_grad_tier=_gpu_stepped_grad_tier(cfg, placement),
     )
     itemsize = torch.empty(0, dtype=dtype).element_size()
     groups: list[ShardGroup] = []
@@ -585,6 +587,15 @@ def _planned_groups(
             )
         )
     return layout, groups
+
+
+def _gpu_stepped_grad_tier(cfg: TieredConfig, placement: Placement) -> str:
+    """[Note: a GPU-stepped gradient stays on the GPU], as the engine asks it (a storage tier is
+    one whose memory kind is "disk")."""
+    from tiered.optim.placement import gpu_stepped_grad_tier
+
+    storage = tier_memory(cfg, placement.grad_tier, gpu_is_host=False) == "disk"
+    return gpu_stepped_grad_tier(cfg, placement.grad_tier, storage)
 
 
 def _as_partition(p: _SizedPartition) -> Partition:

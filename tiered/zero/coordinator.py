@@ -65,6 +65,7 @@ class ZeroParameters:
         compute_dtype: torch.dtype,
         process_group: ProcessGroup | None = None,
         weights: LoadPlan | None = None,
+        gpu_stepped_grad_tier: str | None = None,
     ) -> None:
         z = cfg.zero
         self.model = model
@@ -103,6 +104,7 @@ class ZeroParameters:
             grad_tier=grad_tier,
             persist_by_room=persists_by_room(cfg),
             accumulation=int(cfg.gradient_accumulation_steps),
+            gpu_stepped_grad_tier=gpu_stepped_grad_tier,
         )
         planned = layout.planned
         needs_fetch = ws > 1 or param_tier != "gpu"

@@ -83,11 +83,14 @@ def plan_layout(
     grad_tier: str,
     persist_by_room: bool = False,
     accumulation: int = 1,
+    gpu_stepped_grad_tier: str | None = None,
 ) -> GroupLayout:
     """Plan `model`'s groups under `z` and check they can be gathered (CapacityError / ConfigError
     before any partition is written). See [Note: group planning], [Note: the live budget]; with
     `persist_by_room` (a gpu budget the user gave, residency on) the budget's room holds more
-    groups persistent ([Note: persistent by room]), `accumulation` micro-batches a step."""
+    groups persistent ([Note: persistent by room]), `accumulation` micro-batches a step;
+    `gpu_stepped_grad_tier` the gradients' home of the groups the GPU kernel steps (default
+    `grad_tier`: [Note: a GPU-stepped gradient stays on the GPU] in tiered/optim/placement.py)."""
     leaf_names = find_leaf_modules(model, z.leaf_module)  # [Note: leaf modules]
     planned = plan_model_groups(
         model,
@@ -118,6 +121,7 @@ def plan_layout(
         [pg.trainable for pg in planned],
         grad_tier,
         float(z.offload_optimizer.ratio),
+        gpu_stepped_grad_tier,
     )
     module_groups = [(modules.names[mid], idxs) for mid, idxs in modules.groups.items()]
     itemsize = torch.empty(0, dtype=compute_dtype).element_size()
