@@ -1,0 +1,93 @@
+"""The end of an engine's work: the optimizer's write-backs waited for (a full disk said as
+such), and the parts closed in order at `Engine.close`."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tiered.engine.persistence import refuse_use_while_empty
+from tiered.errors import StorageIOError
+
+if TYPE_CHECKING:
+    import torch
+
+    from tiered.engine.parts import EngineParts
+    from tiered.engine.persistence import EnginePersistence
+    from tiered.optim.offload import OffloadedAdam
+
+log = logging.getLogger(__name__)
+
+
+def _is_enospc(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        e = e.__cause__
+    return False
+
+
+def wait_writes(optimizer: OffloadedAdam, what: str) -> None:
+    """The optimizer's write-backs in flight end; a full disk among their errors gets the way
+    out said ([Note: a failed write-back is retried by flush]); `what` is the call to repeat."""
+    try:
+        optimizer.wait_writes()
+    except OSError as e:
+        if not _is_enospc(e):
+            raise
+        raise StorageIOError(
+            errno.ENOSPC,
+            f"{e}. The disk is full; nothing is lost: the updated values stay in memory. Free "
+            f"space there, call engine.flush() (it writes them home), then call {what} again",
+        ) from e
+
+
+@dataclass(frozen=True)
+class Closed:
+    """How `close_parts` went: whether the weights came back, and the errors to raise now that
+    everything is closed."""
+
+    restored: bool
+    flush_error: Exception | None
+    close_error: Exception | None
+
+    def finish(self, module: torch.nn.Module) -> None:
+        if not self.restored:
+            refuse_use_while_empty(module)
+        if self.flush_error is not None:  # raised once the engine is closed all the same
+            raise self.flush_error from self.close_error
+        if self.close_error is not None:
+            raise self.close_error
+
+
+def close_parts(parts: EngineParts, persistence: EnginePersistence, *, restore_weights: bool) -> Closed:
+    """The optimizer (its write-backs), the persistent tiers flushed, the hooks removed, the
+    weights given back (`restore_weights`, [Note: restore at close group by group]), the trace
+    written, the tier manager closed: each step runs whatever the one before raised."""
+    restored = False
+    flushed = False
+    flush_error: Exception | None = None
+    close_error: Exception | None = None
+    try:
+        parts.optimizer.close()
+        flush_error = persistence.flush_persistent_tiers()
+        flushed = True
+    finally:
+        try:
+            parts.zero.remove_hooks()
+            if restore_weights and flushed:
+                restored = persistence.restore_weights(flushed=flush_error is None)
+        finally:
+            trace_path = parts.config.tiered.trace_path
+            if trace_path:
+                try:
+                    parts.tm.write_trace(trace_path)
+                except Exception:
+                    log.exception("could not write the trace to %s", trace_path)
+            try:
+                parts.tm.close()
+            except Exception as e:  # noqa: BLE001 - a backend that would not close: raised by finish, once the weights are back
+                close_error = e
+    return Closed(restored, flush_error, close_error)

@@ -1,0 +1,106 @@
+"""What one engine is made of: `EngineParts`, built whole by `tiered.engine.build` before the
+`Engine` exists and never changed after, and `EngineHooks`, what a caller outside the engine adds
+to its steps, checkpoints and close (tiered.deepspeed's client optimizer and scheduler)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, TypeVar, overload
+
+if TYPE_CHECKING:
+    import torch
+
+    from tiered.config.schema import TieredConfig
+    from tiered.optim.offload import OffloadedAdam
+    from tiered.optim.schedulers import LRSchedule
+    from tiered.planning.homes import Placement
+    from tiered.planning.needs import TierNeed
+    from tiered.planning.residency import Residency
+    from tiered.tiers import TierManager
+    from tiered.zero import ZeroParameters
+
+
+class EngineHooks(Protocol):
+    """Called by the engine for a caller that drives part of the training from outside it: the
+    lr (a client scheduler), state the checkpoint carries (its position), and something to undo
+    at close. `tiered.deepspeed.client.ClientSide` is the one implementation."""
+
+    def after_applied_step(self, next_lrs: list[float]) -> None:
+        """An optimizer step was applied; `next_lrs` is the lr of each param group for the next."""
+
+    def training_state(self) -> dict[str, Any]:
+        """Saved in the checkpoint's training state, beside the engine's counters."""
+        ...
+
+    def apply_training_state(self, state: dict[str, Any], *, lr_scheduler: bool) -> None:
+        """A checkpoint's training state is loaded (`lr_scheduler` False: keep the schedule's)."""
+
+    def closed(self) -> None:
+        """The engine closed."""
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """Everything an `Engine` runs over, each piece owned by the object named here (the engine
+    owns only its per-step state, `tiered.engine.step_state`). Built by
+    `tiered.engine.build.build_parts`; the engine closes the tier manager, the ZeRO-3 hooks and
+    the optimizer."""
+
+    module: torch.nn.Module
+    config: TieredConfig
+    tm: TierManager
+    zero: ZeroParameters
+    optimizer: OffloadedAdam
+    placement: Placement
+    process_group: Any
+    world_size: int
+    rank: int
+    scheduler: LRSchedule
+    """The base lr of each optimizer step, by the number of steps taken ([Note: scheduler step
+    indexing]): a client's lr source, else the config's scheduler section, else the constant lr."""
+    config_schedule: bool
+    """`scheduler` is the config's scheduler section (it then moves with Adam's step count:
+    [Note: checkpoint keywords])."""
+    lr_scales: tuple[float, ...]
+    """Each param group's lr as a multiple of the base lr (one group: ``(1.0,)``)."""
+    capacity: dict[str, TierNeed]
+    """[Note: capacity check before training]'s need per tier."""
+    host_memory: Mapping[str, Any]
+    """`tiered.planning.needs.HostExtra`: the host bytes beyond the tiers the plan counts."""
+    traffic_floor: dict[str, int]
+    """[Note: bytes per step]'s floor per link for this run (tiered/planning/traffic.py)."""
+    tier_memory: dict[str, str]
+    """What each tier takes its bytes from ("device", "host" or "disk"), for the stats."""
+    residency: Residency
+    """What the faster tiers keep across steps ([Note: residency] in tiered/planning/residency.py)."""
+    tokenizer_source: str | None = None
+    """The folder the weights came from (from_pretrained, initialize(weights=...)): the tokenizer
+    files `save_pretrained` copies by default."""
+    hooks: EngineHooks | None = None
+
+
+T = TypeVar("T")
+
+
+class Part(Generic[T]):
+    """An engine attribute that is one of its `EngineParts`, by the same name: read-only, since
+    the parts are fixed when the engine is built (``engine.zero`` is ``engine.parts.zero``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Part[T]: ...
+
+    @overload
+    def __get__(self, obj: object, owner: type) -> T: ...
+
+    def __get__(self, obj: object, owner: type) -> Part[T] | T:
+        if obj is None:
+            return self
+        value: T = getattr(obj.parts, self._name)  # type: ignore[attr-defined]
+        return value
+
+    def __set__(self, obj: object, value: T) -> NoReturn:
+        raise AttributeError(f"{self._name} is one of the engine's parts, fixed when it was built")
