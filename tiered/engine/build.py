@@ -25,7 +25,7 @@ from tiered.engine.capacity import check_capacity, preflight
 from tiered.engine.distributed import ensure_process_group
 from tiered.engine.engine import Engine
 from tiered.engine.host_memory import fix_mmap_threshold
-from tiered.engine.managed import check_not_managed, mark_managed
+from tiered.engine.lifetime import check_not_managed, mark_managed
 from tiered.engine.parts import EngineHooks, EngineParts
 from tiered.engine.residency import keep_resident, plan_engine_residency
 from tiered.errors import CapacityError, ConfigError, DistributedSetupError

@@ -24,14 +24,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiered.engine.inputs import cast_floating, check_inputs, check_loss, input_dtype_error
-from tiered.engine.lifetime import close_parts, wait_writes
-from tiered.engine.managed import unmark_managed
+from tiered.engine.lifetime import close_parts, unmark_managed, wait_writes
 from tiered.engine.nonfinite import NonFiniteGuard
-from tiered.engine.parts import Part
+from tiered.engine.parts import Part, bytes_per_step_stats, host_memory_stats
 from tiered.engine.persistence import EnginePersistence
 from tiered.engine.progress import report_step
 from tiered.engine.signals import unwatch as unwatch_sigterm
-from tiered.engine.stats import bytes_per_step_stats, host_memory_stats
 from tiered.engine.step_state import StepState, StepTimes
 from tiered.engine.zero_grad import redirect_zero_grad
 from tiered.optim.arrivals import grads_consumed_from_memory, overlap_step_applies

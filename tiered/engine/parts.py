@@ -1,6 +1,8 @@
 """What one engine is made of: `EngineParts`, built whole by `tiered.engine.build` before the
 `Engine` exists and never changed after, and `EngineHooks`, what a caller outside the engine adds
-to its steps, checkpoints and close (tiered.deepspeed's client optimizer and scheduler)."""
+to its steps, checkpoints and close (tiered.deepspeed's client optimizer and scheduler); and what
+the memory model promised of the parts next to what the run measured (`Engine.stats()`'s host
+peak, [Note: one memory model], and bytes moved per step, [Note: bytes per step])."""
 
 from __future__ import annotations
 
@@ -78,6 +80,37 @@ class EngineParts:
     """The folder the weights came from (from_pretrained, initialize(weights=...)): the tokenizer
     files `save_pretrained` copies by default."""
     hooks: EngineHooks | None = None
+
+
+def host_memory_stats(parts: EngineParts) -> dict[str, Any]:
+    """The host peak the memory model promises for this run (the host tiers' need, the process
+    baseline, the transients outside the tiers, the backends' buffers, the imports beyond the
+    baseline), next to the process's peak RSS so far (``ru_maxrss``)."""
+    import resource
+
+    extra = parts.host_memory
+    tiers = sum(int(d["total"]) for t, d in parts.capacity.items() if parts.tier_memory.get(t) == "host")
+    # the copies the host tiers keep across steps, inside their budgets ([Note: residency])
+    tiers += sum(parts.residency.bytes_in(t) for t, m in parts.tier_memory.items() if m == "host")
+    planned = tiers + int(extra.get("baseline", 0)) + int(extra.get("outside_tiers", 0))
+    planned += sum(extra.get("backends", {}).values()) + int(extra.get("imports", 0))
+    planned += int(extra.get("live", 0))  # the live budget's parameters where "gpu" is host memory
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {**extra, "tiers": tiers, "planned_peak_bytes": planned, "peak_rss_bytes": rss_kib * 1024}
+
+
+def bytes_per_step_stats(parts: EngineParts, steps: int) -> dict[str, Any]:
+    """The floor of [Note: bytes per step] next to what the tier manager moved per step so far
+    (every link's bytes since initialize, over the `steps` optimizer steps taken; the first step
+    includes the moves of initialize's writes and the first gather)."""
+    from tiered.planning.traffic import measured_per_step
+
+    links = parts.tm.stats().get("links", {})
+    return {
+        "formula": dict(parts.traffic_floor),
+        "measured": measured_per_step(links, parts.tier_memory, steps) if steps else None,
+        "steps": steps,
+    }
 
 
 T = TypeVar("T")
