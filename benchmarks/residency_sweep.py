@@ -114,7 +114,7 @@ def train(cfg: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
         e.optimizer.wait_writes()
         links = e.tm.stats()["links"]
         window = {k: {"bytes": v["bytes"] - first.get(k, {"bytes": 0})["bytes"]} for k, v in links.items()}
-        measured = measured_per_step(window, e._tier_memory, steps - warmup)
+        measured = measured_per_step(window, e.parts.tier_memory, steps - warmup)
         s = e.stats()
     return {
         "step_s": statistics.median(times[warmup:]),

@@ -127,6 +127,12 @@ BAD_IMPORTS = [
     ("layers", "storage/base.py", "import tiered.tiers.stats", "tiered.storage.base -> tiered.tiers.stats"),
     ("layers", "zero/comm.py", "from tiered.optim import clip", "tiered.zero.comm -> tiered.optim"),
     ("no-plugins", "tiers/stats.py", "import tiered_nvme", "tiered.tiers.stats -> tiered_nvme"),
+    (
+        "core-without-compat",
+        "engine/engine.py",
+        "import tiered.deepspeed.facade",
+        "tiered.engine.engine -> tiered.deepspeed.facade",
+    ),
     ("no-cycles", "device.py", "import tiered.storage.pool", "No cycles are allowed in tiered."),
     (
         "no-cycles",

@@ -74,7 +74,7 @@ def _floor_and_measured(
             engine.zero.wait_prefetches()
             snaps.append(engine.tm.stats()["links"])
         stats = engine.stats()["bytes_per_step"]
-        memory = engine._tier_memory
+        memory = engine.parts.tier_memory
     assert stats["steps"] == 3 and stats["measured"] is not None
     last = {k: {"bytes": v["bytes"] - snaps[0].get(k, {"bytes": 0})["bytes"]} for k, v in snaps[2].items()}
     floor = stats["formula"]

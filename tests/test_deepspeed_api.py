@@ -11,7 +11,7 @@ from engine_support import MLP, ds_config, no_leftover_process_group  # noqa: F4
 
 import tiered
 import tiered.deepspeed as deepspeed
-from tiered.engine.client import offloaded_adam_takes_param_hyper
+from tiered.deepspeed.client import offloaded_adam_takes_param_hyper
 from tiered.errors import ConfigError, DistributedSetupError, UnsupportedConfigError
 
 pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
@@ -254,7 +254,7 @@ def test_a_client_optimizer_overrides_the_optimizer_section(caplog: pytest.LogCa
     ref, model = MLP(), MLP()
     model.load_state_dict(ref.state_dict())
     ref_losses = torch_run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0), None, 3)
-    with caplog.at_level("WARNING", logger="tiered.engine.client"):
+    with caplog.at_level("WARNING", logger="tiered.deepspeed.client"):
         engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0),
@@ -317,7 +317,7 @@ def test_checkpoint_resume_with_a_client_scheduler_is_bit_exact(tmp_path: Any) -
 
 
 def test_a_schedule_that_moves_groups_apart_is_refused() -> None:
-    from tiered.engine.facade import ClientLR
+    from tiered.deepspeed.facade import ClientLR
 
     groups = [{"lr": 1e-3}, {"lr": 2e-3}]
     lr = ClientLR(groups, [1.0, 2.0])

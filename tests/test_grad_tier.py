@@ -226,7 +226,7 @@ def test_a_gpu_stepped_groups_gradient_stays_on_the_gpu_where_it_would_cross_sto
         links = engine.tm.stats()["links"]
         window = {k: {"bytes": v["bytes"] - first.get(k, {"bytes": 0})["bytes"]} for k, v in links.items()}
         steps = len(batches) // gas - 1
-        measured = measured_per_step(window, engine._tier_memory, steps)
+        measured = measured_per_step(window, engine.parts.tier_memory, steps)
         formula = engine.stats()["bytes_per_step"]["formula"]
         assert measured == pytest.approx(formula), (measured, formula)
         # the plan's memory model homes them alike: its needs are the engine's

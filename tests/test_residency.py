@@ -86,7 +86,7 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
                 first = engine.tm.stats()["links"]
         links = engine.tm.stats()["links"]
         window = {k: {"bytes": v["bytes"] - first.get(k, {"bytes": 0})["bytes"]} for k, v in links.items()}
-        measured = measured_per_step(window, engine._tier_memory, STEPS - 1)
+        measured = measured_per_step(window, engine.parts.tier_memory, STEPS - 1)
         stats = engine.stats()
         not_kept = [p.nbytes for p in engine.tm.partitions() if p.home == "nvme" and not p.is_kept("cpu")]
         params = {k: v.clone() for k, v in engine.zero.gather_full_state_dict().items()}

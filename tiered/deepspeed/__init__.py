@@ -4,7 +4,8 @@
     engine, optimizer, loader, lr_scheduler = deepspeed.initialize(
         model=model, model_parameters=groups, config="ds_config.json")
 
-`initialize`, `init_distributed`, `add_config_arguments`, `zero` (``Init``,
+`initialize` (its engine is a `DeepSpeedEngine`, DeepSpeed's engine API as an adapter around
+tiered's `Engine`), `init_distributed`, `add_config_arguments`, `zero` (``Init``,
 ``GatheredParameters``), `comm`, `utils` (the safe getters and setters), `accelerator`
 (``get_accelerator``), `moe` (the group splitter; ``MoE`` refused), `ops` (``ops.adam``'s
 ``DeepSpeedCPUAdam`` and ``FusedAdam``), `runtime` (``DeepSpeedEngine``, the lr schedules,
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tiered.deepspeed import accelerator, comm, moe, ops, runtime, utils, zero
+from tiered.deepspeed.client import InitializeResult, initialize_with_client
 from tiered.deepspeed.comm import init_distributed
 from tiered.deepspeed.engine_compat import as_deepspeed_engine
 from tiered.deepspeed.import_alias import install as _install_alias
@@ -35,8 +37,7 @@ from tiered.deepspeed.runtime.compiler import is_compile_supported
 from tiered.deepspeed.runtime.engine import DeepSpeedEngine
 from tiered.deepspeed.unsupported import FEATURES, refuse, refusing_class
 from tiered.deepspeed.utils import log_dist, logger
-from tiered.engine import Engine, InitializeResult
-from tiered.engine import initialize as _initialize
+from tiered.engine import Engine
 from tiered.errors import ConfigError, DistributedSetupError, UnsupportedConfigError
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ def initialize(
             )
     else:
         init_distributed(dist_backend, distributed_port=distributed_port)
-    out = _initialize(
+    out = initialize_with_client(
         model,
         config,
         model_parameters=model_parameters if model_parameters is not None else _all_trainable(model),
@@ -180,8 +181,7 @@ def initialize(
         collate_fn=collate_fn,
         **hyperparameters,
     )
-    assert isinstance(out, InitializeResult)  # model_parameters is always given
-    as_deepspeed_engine(out[0])
+    as_deepspeed_engine(out.engine)
     return out
 
 

@@ -9,7 +9,8 @@ scripts written for it test that (``if load_path is None: start fresh``). So the
 ``tiered.deepspeed.initialize`` returns does the same in that one case, warning as DeepSpeed does
 and naming the newest complete checkpoint when there is one; an explicit tag that does not exist,
 a ``latest`` naming an incomplete checkpoint, a corrupt or mismatched checkpoint still raise (in
-DeepSpeed too, or worse). tiered.initialize's engine is left as it is.
+DeepSpeed too, or worse). tiered.initialize's engines (its `Engine`, and the `DeepSpeedEngine` it
+returns given DeepSpeed's keywords) are left as they are.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import types
 from typing import Any
 
 from tiered.checkpoint.directory import find_latest_valid, read_latest
-from tiered.engine import Engine
+from tiered.deepspeed.engine_api import DeepSpeedEngine
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ __all__ = ["as_deepspeed_engine"]
 
 
 def _load_checkpoint(
-    self: Engine, load_dir: str | os.PathLike[str], tag: str | None = None, **kwargs: Any
+    self: DeepSpeedEngine, load_dir: str | os.PathLike[str], tag: str | None = None, **kwargs: Any
 ) -> Any:
     if tag is None and (not os.path.isdir(load_dir) or read_latest(os.fspath(load_dir)) is None):
         newest = find_latest_valid(os.fspath(load_dir), verify=False) if os.path.isdir(load_dir) else None
@@ -39,10 +40,11 @@ def _load_checkpoint(
             f"; the newest complete checkpoint there is {newest!r}" if newest else "",
         )
         return None, None
-    return Engine.load_checkpoint(self, load_dir, tag, **kwargs)
+    return DeepSpeedEngine.load_checkpoint(self, load_dir, tag, **kwargs)
 
 
-def as_deepspeed_engine(engine: Engine) -> Engine:
-    """`engine`, its answers made DeepSpeed's where the Note says."""
+def as_deepspeed_engine(engine: DeepSpeedEngine) -> DeepSpeedEngine:
+    """`engine` (the adapter around tiered's `Engine`), its answers made DeepSpeed's where the
+    Note says; the `Engine` inside it keeps tiered's."""
     engine.load_checkpoint = types.MethodType(_load_checkpoint, engine)  # type: ignore[method-assign]
     return engine

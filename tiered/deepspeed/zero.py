@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiered.engine.build import managed_models
+from tiered.engine.lifetime import managed_models
 from tiered.errors import ConfigError, ModelNotInitializedError, UnsupportedConfigError, UsageError
 from tiered.zero import set_leaf_modules
 

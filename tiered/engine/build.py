@@ -1,79 +1,342 @@
-"""Building an engine's parts from a resolved config: tiers, placement, the capacity check.
+"""Building an engine: its run (the resolved config and this process's place among the ranks),
+its tiers and placement, every other part (`EngineParts`), then the `Engine` over them.
 
-[Note: capacity check before training]
-Every byte the engine will ever hold in a tier is known once the shard groups exist, so a budget
-that cannot work is reported at `initialize`, never mid-step. Per tier the need is
-
-    homes        sum of nbytes of the partitions whose home is the tier (params, fp32 grads,
-                 fp32 master/exp_avg/exp_avg_sq: the specs `OffloadedAdam` creates them from,
-                 `tiered.optim.placement.state_partition_specs`, so an fp32 master that *is* the
-                 parameter is not counted twice), all resident for the whole run when the tier
-                 is memory-like
-    + gather     "gpu" only, when params live elsewhere: the largest module's non-persistent
-                 groups gathered at once (full_numel x param bytes; x (1 + 1/world) with world > 1:
-                 shard + full buffer) + every persistent group (resident for the whole run); the
-                 ZeRO-3 scheduler computes these once, when it plans the groups
-                 (`tiered.zero.budget.check_gather_budgets`, its `ZeroParameters.gpu_need`)
-    + pipeline   the optimizer's staging buffers (`tiered.optim.placement.pipeline_bytes`):
-                 buffer_count x the largest tile's states (3 x 4 B x at most sub_group_size
-                 elements) + buffer_count x the largest groups' whole gradient and parameter
-                 (4 B + param bytes) x shard_numel, of the bytes not at home in that tier
-
-and a budget below it raises CapacityError with the numbers and what to change. The pre-flight
-(`tiered.engine.preflight`) adds to the gpu tier's what a ``stage3_max_live_parameters`` the
-config sets keeps gathered beyond the largest module's gather, as the plan's GPU peak does
-(`tiered.planning.needs.live_budget_shortfall`, [Note: the live budget searched]), and lists that
-shortfall with the tiers' own. Beyond that the check is a lower bound: prefetching more than one
-group is backpressured by the tier manager, never required.
-
-A tier without a budget is checked against its backend's free space *now*, when the parameter
-and gradient partitions exist already and hold their space: what it must still have free is the
-partitions not yet created (the optimizer state), each as the backend stores it
-(`StorageBackend.stored_bytes`: a file takes whole filesystem blocks), plus the buffers a memory
-tier allocates later (gather, persistent, pipeline). Tiers on one filesystem are summed against
-its one free count. In-place (swap) files never grow after their first write, so a disk that
-passes this check holds the run; a tier with atomic writes (a user-declared one) needs room for
-the temp copy of each write in flight on top.
+`initialize` is the whole of it for ``tiered.initialize(model, config)``; tiered.deepspeed's
+initialize calls the same steps with what DeepSpeed's keywords add between them (a client
+optimizer's config section, per-parameter hyper-parameters, an lr source, `EngineHooks`). Each
+part exists before the engine's constructor: nothing is attached to an engine afterwards.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
+from tiered.config.loader import config_for_training, read_config_file
 from tiered.config.schema import TieredConfig
-from tiered.errors import AlreadyManagedError, CapacityError, ConfigError
+from tiered.engine import signals
+from tiered.engine.capacity import check_capacity, preflight
+from tiered.engine.distributed import ensure_process_group
+from tiered.engine.engine import Engine
+from tiered.engine.host_memory import fix_mmap_threshold
+from tiered.engine.lifetime import check_not_managed, mark_managed
+from tiered.engine.parts import EngineHooks, EngineParts
+from tiered.engine.residency import keep_resident, plan_engine_residency
+from tiered.errors import CapacityError, ConfigError, DistributedSetupError
+from tiered.optim.arrivals import grads_consumed_from_memory
+from tiered.optim.offload import OffloadedAdam
+from tiered.optim.placement import gpu_stepped_grad_tier, plan_optimizer_placement, tier_is_host
+from tiered.optim.schedulers import ConstantLR, LRSchedule, build_scheduler
 from tiered.planning.homes import Placement
 from tiered.planning.homes import choose_placement as _choose_placement
-from tiered.planning.needs import TierNeed, capacity_needs, engine_needs
+from tiered.planning.needs import engine_needs, host_extra, is_peft_model, tier_memory
+from tiered.planning.traffic import bytes_per_step, masters_prefetch_groups
 from tiered.units import format_bytes
-
-__all__ = [
-    "Placement",
-    "build_tier_manager",
-    "capacity_needs",
-    "check_capacity",
-    "check_not_managed",
-    "choose_placement",
-    "engine_needs",
-    "mark_managed",
-    "tier_order",
-    "unmark_managed",
-]
+from tiered.zero import ZeroParameters
 
 if TYPE_CHECKING:
+    from tiered.optim.hyper import ParamHyper
     from tiered.storage.base import StorageBackend
     from tiered.tiers import Tier, TierManager
 
+__all__ = [
+    "Config",
+    "ClientInputs",
+    "Placement",
+    "Run",
+    "build_parts",
+    "build_tier_manager",
+    "check_model",
+    "check_process_group",
+    "choose_placement",
+    "initialize",
+    "open_engine",
+    "resolve_run",
+    "tier_order",
+]
+
 log = logging.getLogger(__name__)
 
+Config = dict[str, Any] | str | os.PathLike[str] | TieredConfig
+
+
+def initialize(
+    model: torch.nn.Module,
+    config: Config,
+    *,
+    process_group: Any = None,
+    weights: str | os.PathLike[str] | None = None,
+    init_missing: bool = False,
+    **hyperparameters: Any,
+) -> Engine:
+    """Partition `model` into shard groups over the configured tiers and return the Engine.
+
+    `config` is tiered's JSON or an unchanged DeepSpeed JSON (dict or path), or a resolved
+    TieredConfig. Under torch.distributed (torchrun) the data-parallel group is the default
+    group unless `process_group` is given; with WORLD_SIZE > 1 in the environment and no group,
+    the default group is set up from torchrun's variables (see [Note: process group from
+    torchrun]). Every budget is checked before training starts
+    (see [Note: capacity check before training]). `hyperparameters` (lr=, betas=, eps=,
+    weight_decay=, warmup_steps=, total_steps=, micro_batch_size=, gradient_accumulation_steps=,
+    max_grad_norm=, mixed_precision=) fill the config's "auto" as Hugging Face's Trainer does; a
+    hyper-parameter neither gives is a ConfigError (see tiered.config.hyper).
+
+    `weights`: a Hugging Face model folder whose safetensors shards are streamed into the
+    partitions instead of the model's own values (build `model` on the meta device so it is never
+    on the host); `init_missing=True` initialises parameters the files do not cover instead of
+    refusing. See [Note: streaming load] and `tiered.from_pretrained`.
+
+    DeepSpeed's keywords (model_parameters=, optimizer=, lr_scheduler=, training_data=) are
+    ``tiered.initialize``'s and tiered.deepspeed's, which build through this module.
+    """
+    check_model(model)
+    check_process_group(process_group)
+    run = resolve_run(model, config, process_group, **hyperparameters)
+    return open_engine(build_parts(model, run, weights=weights, init_missing=init_missing))
+
+
+def check_model(model: torch.nn.Module) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"tiered.initialize(model, config): model must be a torch.nn.Module, got {type(model).__name__}"
+        )
+    check_not_managed(model)
+
+
+def check_process_group(process_group: Any) -> None:
+    """Under torchrun a process group exists before anything is built ([Note: process group from
+    torchrun]): never one replica per process."""
+    if process_group is None:
+        ensure_process_group()
+    distributed = dist.is_available() and dist.is_initialized()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not distributed:
+        raise DistributedSetupError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} (a torchrun launch) but torch.distributed is not "
+            "initialised: every process would train its own replica. Call "
+            "torch.distributed.init_process_group() before tiered.initialize (tiered.deepspeed.initialize "
+            "does it for you, as DeepSpeed does)"
+        )
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one engine trains with: the resolved config and this process's data-parallel group."""
+
+    config: TieredConfig
+    process_group: Any
+    world_size: int
+    rank: int
+
+
+def resolve_run(model: torch.nn.Module, config: Config, process_group: Any, **hyperparameters: Any) -> Run:
+    """The model checked, the config read and resolved for it ("auto" values, [Note: auto
+    config], `hyperparameters`), before anything is built."""
+    distributed = dist.is_available() and dist.is_initialized()
+    world_size = dist.get_world_size(process_group) if distributed else 1
+    rank = dist.get_rank(process_group) if distributed else 0
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(
+            f"tiered.initialize: {type(model).__name__} has no parameters; there is nothing to train "
+            "(pass the model whose weights should learn)"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            f"tiered.initialize: every parameter of {type(model).__name__} is frozen (requires_grad=False); "
+            "there is nothing to train: unfreeze some parameters (or add LoRA adapters)"
+        )
+    if not isinstance(config, (dict, TieredConfig)):  # a path: read here, so auto_config can be resolved
+        config = read_config_file(config)
+    from tiered.config.auto_request import has_auto_config
+    from tiered.planning.auto import resolve_auto_config
+
+    if has_auto_config(config):  # [Note: auto config]
+        assert isinstance(config, dict)
+        config = resolve_auto_config(config, model, world_size=world_size)
+    cfg = config_for_training(config, model=model, world_size=world_size, **hyperparameters)
+    _check_state_format(cfg)
+    return Run(cfg, process_group, world_size, rank)
+
+
+def _check_state_format(cfg: TieredConfig) -> None:
+    """tiered.optimizer_state_format against the optimizer, before anything is built (an unknown
+    name, or a compressed format with a non-Adam optimizer, refused by name; [Note: compressed
+    optimizer state])."""
+    from tiered.optim.state_format import state_format
+
+    state_format(cfg.tiered.optimizer_state_format, optimizer=cfg.optimizer.type)
+
+
+@dataclass(frozen=True)
+class ClientInputs:
+    """What a caller driving the optimizer from outside adds to the parts (tiered.deepspeed's
+    client optimizer, param groups and scheduler); the defaults are ``tiered.initialize``'s."""
+
+    param_hyper: Mapping[str, ParamHyper] | None = None
+    """Per-parameter hyper-parameters where a param group differs ([Note: param groups as
+    per-parameter hyper-parameters])."""
+    lr_scales: tuple[float, ...] = (1.0,)
+    lr_source: LRSchedule | None = None
+    """Drives the lr instead of the config's scheduler section."""
+    hooks: EngineHooks | None = None
+
+
+def build_parts(
+    model: torch.nn.Module,
+    run: Run,
+    *,
+    weights: str | os.PathLike[str] | None = None,
+    init_missing: bool = False,
+    client: ClientInputs | None = None,
+) -> EngineParts:
+    """Tiers, the ZeRO-3 partitions, the optimizer and every check, for `run`: the engine's parts
+    (a failure closes what was opened)."""
+    client = client if client is not None else ClientInputs()
+    cfg, world_size, rank = run.config, run.world_size, run.rank
+    load_plan = None
+    if weights is not None:  # names, shapes and coverage, before any tier exists
+        from tiered.zero.load import WeightSource
+
+        load_plan = WeightSource(weights).plan(model, init_missing=init_missing)
+    elif init_missing:
+        raise ConfigError("tiered.initialize: init_missing=True needs weights=<model folder>")
+    placement = choose_placement(cfg)
+    schedule: LRSchedule
+    if client.lr_source is not None:
+        schedule = client.lr_source
+    elif cfg.scheduler is not None:
+        schedule = build_scheduler(cfg.scheduler, base_lr=cfg.optimizer.lr)
+    else:
+        schedule = ConstantLR(cfg.optimizer.lr)
+    fix_mmap_threshold(cfg.tiered.host_mmap_threshold)  # [Note: host allocations and glibc's heap]
+    tm = build_tier_manager(cfg, rank=rank, world_size=world_size)
+    zp = None
+    try:
+        preflight(model, cfg, tm, world_size=world_size)  # every budget shortfall at once, before any write
+        zp = ZeroParameters(
+            model,
+            tm,
+            cfg,
+            param_tier=placement.param_tier,
+            grad_tier=placement.grad_tier,
+            compute_dtype=placement.compute_dtype,
+            process_group=run.process_group,
+            weights=load_plan,
+            gpu_stepped_grad_tier=gpu_stepped_grad_tier(
+                cfg, placement.grad_tier, not tm.tier(placement.grad_tier).backend.capabilities.memory_like
+            ),
+        )
+        trainable = [g for g in zp.groups if g.trainable]  # frozen groups are never stepped
+        gpu_is_host = tier_is_host(tm, "gpu")
+        plans = plan_optimizer_placement(trainable, cfg, placement.optimizer_tier, gpu_is_host=gpu_is_host)
+        needs = engine_needs(zp.groups, plans, zp.gpu_need, cfg, placement.compute_dtype)
+        check_capacity(tm, needs)
+        memory = {t: tier_memory(cfg, t, gpu_is_host=gpu_is_host) for t in tm.tier_names}
+        host = host_extra(  # [Note: one memory model]: what stats()["host_memory"] reports
+            zp.groups,
+            plans,
+            cfg,
+            device_kind="cpu" if gpu_is_host else "cuda",
+            compute_dtype=placement.compute_dtype,
+            peft=is_peft_model(model),
+            needs=needs,
+            memory=memory,
+            world_size=world_size,
+        )
+        # param_hyper only when a group differs: [Note: param groups as per-parameter hyper-parameters]
+        extra: dict[str, Any] = (
+            {} if client.param_hyper is None else {"param_hyper": dict(client.param_hyper)}
+        )
+        optimizer = OffloadedAdam(
+            tm,
+            trainable,
+            cfg,
+            zp.initial_fp32_shard,
+            optimizer_tier=placement.optimizer_tier,
+            compute_dtype=placement.compute_dtype,
+            plans=plans,
+            **extra,
+            grads_received=zp,
+        )
+        # [Note: residency]: what the faster tiers keep across steps, now that every partition exists
+        residency = plan_engine_residency(
+            tm,
+            zp.groups,
+            plans,
+            cfg,
+            {t: int(d["total"]) for t, d in needs.items()},
+            memory,
+            world_size=world_size,
+        )
+        keep_resident(tm, residency, mode=cfg.tiered.residency)
+        floor = bytes_per_step(  # [Note: bytes per step]
+            zp.groups,
+            plans,
+            memory,
+            compute_dtype=placement.compute_dtype,
+            accumulation=cfg.gradient_accumulation_steps,
+            residency=residency,
+            state_format=cfg.tiered.optimizer_state_format,
+            grads_from_memory=grads_consumed_from_memory(cfg),
+            max_live_numel=cfg.zero.max_live_parameters_numel,
+            max_reuse_numel=cfg.zero.max_reuse_distance_numel,
+            master_prefetch_groups=masters_prefetch_groups(cfg, len(plans)),
+        )
+    except BaseException:
+        if zp is not None:
+            zp.remove_hooks()
+        try:
+            tm.close()
+        except Exception as e:  # noqa: BLE001 - the set-up error is the one to report
+            log.warning("closing the tiers after a failed set-up: %s", e)
+        raise
+    log.info(
+        "tiered engine: %d groups, params in %s, grads in %s, optimizer in %s, %s, world %d",
+        len(zp.groups),
+        placement.param_tier,
+        placement.grad_tier,
+        placement.optimizer_tier,
+        placement.compute_dtype,
+        world_size,
+    )
+    return EngineParts(
+        module=model,
+        config=cfg,
+        tm=tm,
+        zero=zp,
+        optimizer=optimizer,
+        placement=placement,
+        process_group=run.process_group,
+        world_size=world_size,
+        rank=rank,
+        scheduler=schedule,
+        config_schedule=client.lr_source is None and cfg.scheduler is not None,
+        lr_scales=client.lr_scales,
+        capacity=needs,
+        host_memory=host,
+        traffic_floor=floor,
+        tier_memory=memory,
+        residency=residency,
+        # its tokenizer files go into engine.save_pretrained's export
+        tokenizer_source=None if weights is None else os.fspath(weights),
+        hooks=client.hooks,
+    )
+
+
+def open_engine(parts: EngineParts) -> Engine:
+    """The engine over `parts`, marked as its module's manager and closed by SIGTERM."""
+    engine = Engine(parts)
+    mark_managed(parts.module, engine)
+    signals.watch(engine)  # [Note: SIGTERM from a library]
+    return engine
+
+
 _ORDER = ("gpu", "cpu", "nvme")
-_DEVICE_TIER = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}
 
 
 def choose_placement(cfg: TieredConfig) -> Placement:
@@ -81,50 +344,6 @@ def choose_placement(cfg: TieredConfig) -> Placement:
     placement = _choose_placement(cfg)
     log.info("tiers used: %s", placement.describe(cfg))
     return placement
-
-
-_MANAGED_ATTR = "_tiered_engine"
-
-
-def check_not_managed(model: torch.nn.Module) -> None:
-    """AlreadyManagedError when an open engine already manages `model`: two engines over one
-    module would share its hooks and parameters, and the second would silently train nothing."""
-    ref = model.__dict__.get(_MANAGED_ATTR)
-    first = ref() if ref is not None else None
-    if first is not None and not getattr(first, "_closed", True):
-        raise AlreadyManagedError(
-            f"tiered.initialize: module {type(model).__name__} is already managed by engine "
-            f"{first!r} (id {id(first):#x}); use that engine, or call its close() first"
-        )
-
-
-_MANAGED_MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-"""Every model marked managed (weakly): the module-level DeepSpeed API finds a parameter's engine."""
-
-
-def mark_managed(model: torch.nn.Module, engine: object) -> None:
-    model.__dict__[_MANAGED_ATTR] = weakref.ref(engine)
-    _MANAGED_MODELS.add(model)
-
-
-def managed_models() -> list[tuple[torch.nn.Module, object]]:
-    """(model, its open engine) for every model an engine manages now."""
-    out = []
-    for model in list(_MANAGED_MODELS):
-        ref = model.__dict__.get(_MANAGED_ATTR)
-        engine = ref() if ref is not None else None
-        if engine is not None and not getattr(engine, "_closed", True):
-            out.append((model, engine))
-    return out
-
-
-def unmark_managed(model: torch.nn.Module, engine: object) -> None:
-    """`engine` closed: the module is an ordinary one again. The marker goes, so that nothing
-    of tiered's is left on it (a weak reference would break ``torch.save(model)`` and
-    ``copy.deepcopy``); a marker of a later engine stays."""
-    ref = model.__dict__.get(_MANAGED_ATTR)
-    if ref is not None and ref() in (engine, None):
-        del model.__dict__[_MANAGED_ATTR]
 
 
 def tier_order(names: Sequence[str]) -> list[str]:
@@ -252,101 +471,3 @@ def _close_backends(backends: Sequence[tuple[str, StorageBackend]], timeout_s: f
     t = threading.Thread(target=lambda: asyncio.run(close_them()), name="tiered-setup-close", daemon=True)
     t.start()
     t.join(timeout=1.05 * timeout_s + 0.5)  # close_all bounds itself; this only covers a blocked loop
-
-
-def check_budgets(
-    tm: TierManager, needs: dict[str, TierNeed], *, fitting: str = "", more: Sequence[str] = ()
-) -> None:
-    """Every tier with a budget below its need, and the shortfalls in `more` found by the caller
-    (the live budget's), in one CapacityError (each with the keys that fix it, then `fitting`: a
-    config that fits, from the planner). See [Note: capacity check before training]."""
-    over = [
-        _over_budget(name, tm.tier(name).budget_bytes or 0, d)
-        for name, d in needs.items()
-        if name in tm.tier_names
-        and tm.tier(name).budget_bytes is not None
-        and d["total"] > (tm.tier(name).budget_bytes or 0)
-    ]
-    over += more
-    if over:
-        raise CapacityError("; ".join(over) + (f". {fitting}" if fitting else ""))
-
-
-def check_capacity(tm: TierManager, needs: dict[str, TierNeed]) -> None:
-    """Raise CapacityError, before any training, when a budget, or the free space of a tier
-    without one, is below what the run needs. See [Note: capacity check before training]."""
-    free_space: dict[object, list[tuple[str, int]]] = {}
-    for name, d in needs.items():
-        tier = tm.tier(name)
-        if tier.budget_bytes is None:
-            free_space.setdefault(_space_of(tier), []).append((name, _still_needed(tier, d)))
-            continue
-        if d["total"] > tier.budget_bytes:
-            raise CapacityError(_over_budget(name, tier.budget_bytes, d))
-    for tiers in free_space.values():
-        _check_free_space(tm, tiers)
-
-
-def _still_needed(tier: Tier, d: TierNeed) -> int:
-    """Bytes of free space the run takes from now on in a tier without a budget: the partitions
-    not created yet, as the backend stores them, and the buffers memory tiers allocate later.
-    The partitions written already (the parameters) hold their space: counting them again would
-    refuse runs that fit."""
-    b = tier.backend
-    extra = d["gather"] + d["persistent"] + d["pipeline"]
-    return sum(b.stored_bytes(n) for n in d["to_write"]) + extra
-
-
-def _space_of(tier: Tier) -> object:
-    """Tiers whose files share one filesystem share its free bytes: they are checked together."""
-    directory = getattr(tier.backend, "directory", None)
-    if directory is not None:
-        try:
-            return ("dev", os.stat(directory).st_dev)
-        except OSError:
-            pass
-    return ("tier", tier.name)
-
-
-def _check_free_space(tm: TierManager, tiers: list[tuple[str, int]]) -> None:
-    first = tm.tier(tiers[0][0])
-    try:
-        free = first.backend.capacity().free_bytes
-    except Exception:  # noqa: BLE001 - a backend that cannot tell: nothing to check
-        free = None
-    need = sum(n for _, n in tiers)
-    if free is None or need <= free:
-        return
-    names = " + ".join(f"{n} bytes in tier {t!r}" for t, n in tiers)
-    directory = getattr(first.backend, "directory", None)
-    where = f" of {str(directory)!r}" if directory is not None else ""
-    hint = (
-        "free space there or point nvme_path at a larger disk"
-        if directory is not None
-        else f"set tiered.tiers.{tiers[0][0]}.budget or free space"
-    )
-    raise CapacityError(
-        f"not enough free space{where} (tier {tiers[0][0]!r}, backend {first.backend.name!r}): the run "
-        f"still writes {need} bytes ({format_bytes(need, binary=True)}: {names}; the partitions already "
-        f"written are not counted again), only {free} bytes ({format_bytes(free, binary=True)}) are "
-        f"free; {hint} (at least {need - free} more bytes)"
-    )
-
-
-def _over_budget(name: str, budget: int, d: TierNeed) -> str:
-    parts = [f"{format_bytes(d['homes'], binary=True)} of partitions homed there"]
-    if d["gather"]:
-        parts.append(f"{format_bytes(d['gather'], binary=True)} to gather module {d['module']}")
-    if d["persistent"]:
-        parts.append(f"persistent {format_bytes(d['persistent'], binary=True)}")
-    if d["pipeline"]:
-        parts.append(f"{format_bytes(d['pipeline'], binary=True)} of optimizer pipeline buffers")
-    hint = {
-        "gpu": "raise tiered.tiers.gpu.budget, lower sub_group_size, or offload params/optimizer",
-        "cpu": "raise tiered.tiers.cpu.budget, lower sub_group_size or offload_optimizer.buffer_count,"
-        " or offload to nvme",
-    }.get(name, f"raise tiered.tiers.{name}.budget or free space there")
-    return (
-        f"{name} budget {format_bytes(budget, binary=True)} < {format_bytes(d['total'], binary=True)} needed "
-        f"({' + '.join(parts)}); {hint}"
-    )

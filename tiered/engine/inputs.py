@@ -1,7 +1,8 @@
 """`fp16.auto_cast`: cast the floating-point inputs of the model's forward to fp16, as DeepSpeed's
 engine does (`_cast_inputs_half`: tensors, and tensors inside lists, tuples and dicts; integer
 tensors such as token ids are left alone); the clear error for inputs in the wrong dtype; and
-the inputs refused before the forward runs (an empty batch, a tensor on the meta device)."""
+the inputs refused before the forward runs (an empty batch, a tensor on the meta device), and a
+loss `backward` cannot take."""
 
 from __future__ import annotations
 
@@ -93,3 +94,14 @@ def input_dtype_error(
         f"{type(module).__name__}.forward: input {name!r}{more} is {dtype}, but the model runs in "
         f"{compute_dtype}{enabled}: {fix} (torch said: {exc})"
     )
+
+
+def check_loss(loss: Any) -> None:
+    """What `Engine.backward` takes: a scalar tensor that requires grad."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(
+            "engine.backward(loss): loss must be a scalar tensor (e.g. out.loss or out.mean()), "
+            f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+        )
+    if not loss.requires_grad:
+        raise ValueError("engine.backward(loss): loss does not require grad; was it computed by engine(...)?")

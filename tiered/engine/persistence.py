@@ -1,11 +1,11 @@
 """What outlives a step: checkpoints, the Hugging Face export, gathered access to full values,
 and the weights given back at close, over one engine's partitions.
 
-Lifetime: the engine's. `EnginePersistence` holds no state of its own, only the engine's
-collaborators (config, tier manager, zero partitions, optimizer, placement, module, process
-group), so `Engine` keeps its counters and its checks (a closed engine, a step in flight, an
-accumulation window) and hands the I/O here: the checkpoint layout is [Note: checkpoint layout]
-in tiered/checkpoint/engine_state.py.
+Lifetime: the engine's. `EnginePersistence` holds no state of its own, only the engine's parts
+(config, tier manager, zero partitions, optimizer, placement, module, process group), so
+`Engine` keeps its counters and its checks (a closed engine, a step in flight, an accumulation
+window) and hands the I/O here: the checkpoint layout is [Note: checkpoint layout] in
+tiered/checkpoint/engine_state.py.
 """
 
 from __future__ import annotations
@@ -29,12 +29,9 @@ from tiered.zero.full_params import (
 
 if TYPE_CHECKING:
     from tiered.checkpoint.engine_state import Collective, GroupState
-    from tiered.config.schema import TieredConfig
-    from tiered.engine.build import Placement
-    from tiered.engine.ds_checkpoint import LoadScope
-    from tiered.optim.offload import OffloadedAdam
-    from tiered.tiers import TierManager
-    from tiered.zero import ZeroParameters
+    from tiered.checkpoint.keywords import LoadScope
+    from tiered.engine.parts import EngineParts
+    from tiered.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
     from tiered.zero.group import GroupRuntime
 
 log = logging.getLogger(__name__)
@@ -48,28 +45,17 @@ for _name, _fmt in FORMATS.items():
 class EnginePersistence:
     """Checkpoint save/load, export and gathered parameters of one engine (see the module)."""
 
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        cfg: TieredConfig,
-        tm: TierManager,
-        zp: ZeroParameters,
-        optimizer: OffloadedAdam,
-        placement: Placement,
-        *,
-        rank: int,
-        world_size: int,
-        process_group: Any,
-    ) -> None:
-        self._module = module
-        self._config = cfg
-        self._tm = tm
-        self._zero = zp
-        self._optimizer = optimizer
-        self._placement = placement
-        self._rank = rank
-        self._world_size = world_size
-        self._process_group = process_group
+    def __init__(self, parts: EngineParts) -> None:
+        self._module = parts.module
+        self._config = parts.config
+        self._tm = parts.tm
+        self._zero = parts.zero
+        self._optimizer = parts.optimizer
+        self._placement = parts.placement
+        self._rank = parts.rank
+        self._world_size = parts.world_size
+        self._process_group = parts.process_group
+        self._hooks = parts.hooks
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def groups(self) -> list[GroupState]:
@@ -83,6 +69,33 @@ class EnginePersistence:
 
         return Collective(self._rank, self._world_size, self._process_group)
 
+    def training_state(
+        self, counters: dict[str, int], loss_scaler: StaticLossScaler | DynamicLossScaler
+    ) -> dict[str, Any]:
+        """The manifest's training section: the engine's `counters`, the optimizer's step counts,
+        the loss scale and what the engine's hooks keep (a client scheduler's position)."""
+        hooks = self._hooks
+        return {
+            **counters,
+            # every group steps together: one bias-correction count; the lr schedule's position
+            "optimizer_step": self._optimizer.step_count,
+            "param_steps": self._optimizer.param_step_counts(),  # a parameter without grad is not stepped
+            "scheduler": None if self._config.scheduler is None else self._config.scheduler.type,
+            "loss_scaler": loss_scaler.state_dict(),
+            **({} if hooks is None else hooks.training_state()),
+        }
+
+    def restore_training(
+        self, training: dict[str, Any], loss_scaler: StaticLossScaler | DynamicLossScaler, scope: LoadScope
+    ) -> None:
+        """A loaded training section, the engine's counters aside (`scope`: [Note: checkpoint
+        keywords])."""
+        if scope.optimizer_steps:
+            self._optimizer.load_step_counts(training["optimizer_step"], training.get("param_steps"))
+        loss_scaler.load_state_dict(training["loss_scaler"])
+        if self._hooks is not None:
+            self._hooks.apply_training_state(training, lr_scheduler=scope.lr_scheduler)
+
     def save(
         self,
         save_dir: str | os.PathLike[str],
@@ -95,8 +108,8 @@ class EnginePersistence:
     ) -> str:
         """`Engine.save_checkpoint`'s writing: `training` is the engine's counters."""
         from tiered.checkpoint.engine_state import check_json, parameter_specs, save_engine_state
+        from tiered.checkpoint.keywords import split_client_state
         from tiered.config.dump import dump_config
-        from tiered.engine.ds_checkpoint import split_client_state
 
         json_state, tensors = split_client_state(client_state)
         check_json(json_state)
@@ -137,8 +150,8 @@ class EnginePersistence:
             parameter_specs,
             read_rank_tensors,
         )
+        from tiered.checkpoint.keywords import join_client_state, tensor_names
         from tiered.config.dump import dump_config
-        from tiered.engine.ds_checkpoint import join_client_state, tensor_names
         from tiered.optim.state_format import check_state_format_loads
 
         self._optimizer.wait_writes()

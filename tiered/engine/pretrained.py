@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from tiered.config.schema import TieredConfig
+from tiered.engine.build import initialize
 from tiered.engine.engine import Engine
 from tiered.errors import ConfigError, TieredError
 
@@ -74,19 +75,11 @@ def from_pretrained(
 ) -> Engine:
     """Build `folder`'s causal LM on the meta device and stream its weights into the tiers;
     the engine (`engine.module` is the model). Arguments as `tiered.initialize`."""
-    from tiered.engine import initialize
-
     model = meta_causal_lm(folder, attn_implementation=attn_implementation)
-    # DeepSpeed's client keywords named here: given in `hyperparameters` they are a TypeError
-    # (a second value), never an `InitializeResult` returned as an Engine
     return initialize(
         model,
         config,
         process_group=process_group,
-        model_parameters=None,
-        optimizer=None,
-        lr_scheduler=None,
-        training_data=None,
         weights=folder,
         init_missing=init_missing,
         **hyperparameters,

@@ -16,8 +16,9 @@ from typing import Any
 log = logging.getLogger("tiered.engine")
 
 
-def report_step(engine: Any) -> None:
-    """Called by Engine.step after each optimizer step; logs at the configured cadence."""
+def report_step(engine: Any, last_step: dict[str, float]) -> None:
+    """Called by Engine.step after each optimizer step (`last_step`: its seconds per phase); logs
+    at the configured cadence."""
     cfg = engine.config
     if engine.global_steps % max(1, int(cfg.steps_per_print)) != 0:
         return
@@ -31,11 +32,10 @@ def report_step(engine: Any) -> None:
         engine.skipped_steps,
     )
     if cfg.wall_clock_breakdown:
-        last = getattr(engine, "_last_step", {})
         log.info(
             "step %d time: forward %.4f s, backward %.4f s, step %.4f s",
             engine.global_steps,
-            last.get("forward_s", 0.0),
-            last.get("backward_s", 0.0),
-            last.get("step_s", 0.0),
+            last_step.get("forward_s", 0.0),
+            last_step.get("backward_s", 0.0),
+            last_step.get("step_s", 0.0),
         )

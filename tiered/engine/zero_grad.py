@@ -1,4 +1,5 @@
-"""The model's and the client optimizer's own ``zero_grad`` / ``step``, redirected to the engine.
+"""The model's own ``zero_grad``, redirected to the engine (and, through `shadow`, a client
+optimizer's ``zero_grad`` / ``step``: tiered/deepspeed/client.py).
 
 [Note: zero_grad of the model]
 Under tiered a parameter's ``.grad`` stays None: its gradient is accumulated in its shard group's
@@ -9,9 +10,10 @@ loss through the discriminator) would stay accumulated and leak into the next st
 wrong training. So for the engine's lifetime the managed model's ``zero_grad`` is the engine's
 (``engine.zero_grad()``); a submodule holding trainable parameters refuses ``zero_grad`` (its
 gradients share shard groups with the rest: tiered cannot drop part of them), naming the call to
-make. A client optimizer passed to initialize is replaced by the engine's: its ``zero_grad`` is
-the engine's and its ``step`` is the facade's (a no-op after ``engine.step()``, an error
-otherwise), so a script still holding it cannot step nothing. All of it is undone at close.
+make. A client optimizer passed to tiered.deepspeed's initialize is replaced by the engine's: its
+``zero_grad`` is the engine's and its ``step`` is the facade's (a no-op after ``engine.step()``,
+an error otherwise), so a script still holding it cannot step nothing. All of it is undone at
+close.
 """
 
 from __future__ import annotations
@@ -26,15 +28,13 @@ import torch
 class _Engine(Protocol):
     """What the redirect needs of the engine (typed here: engine.py imports this module)."""
 
-    client: Any
-
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
 _MISSING = object()
 
 
-def _shadow(obj: Any, name: str, fn: Callable[..., Any], undo: list[Callable[[], None]]) -> None:
+def shadow(obj: Any, name: str, fn: Callable[..., Any], undo: list[Callable[[], None]]) -> None:
     """Set `obj.name` on the instance (over its class's method); `undo` restores what was there."""
     before = obj.__dict__.get(name, _MISSING)
     obj.__dict__[name] = fn
@@ -49,9 +49,7 @@ def _shadow(obj: Any, name: str, fn: Callable[..., Any], undo: list[Callable[[],
     undo.append(restore)
 
 
-def redirect_zero_grad(
-    module: torch.nn.Module, engine: _Engine, client_optimizer: Any = None
-) -> Callable[[], None]:
+def redirect_zero_grad(module: torch.nn.Module, engine: _Engine) -> Callable[[], None]:
     """See [Note: zero_grad of the model]; returns the undo."""
     ref = weakref.ref(engine)
     undo: list[Callable[[], None]] = []
@@ -61,7 +59,7 @@ def redirect_zero_grad(
         if e is not None:
             e.zero_grad(set_to_none)
 
-    _shadow(module, "zero_grad", engine_zero_grad, undo)
+    shadow(module, "zero_grad", engine_zero_grad, undo)
     for name, sub in module.named_modules():
         if sub is module or not any(p.requires_grad for p in sub.parameters(recurse=True)):
             continue
@@ -73,16 +71,7 @@ def redirect_zero_grad(
                 "engine.zero_grad() (or the whole model's zero_grad()) to drop all of them"
             )
 
-        _shadow(sub, "zero_grad", refuse, undo)
-    if client_optimizer is not None:
-
-        def optimizer_step(closure: Any = None) -> None:
-            e = ref()
-            if e is not None and e.client is not None:
-                e.client.facade.step(closure)
-
-        _shadow(client_optimizer, "zero_grad", engine_zero_grad, undo)
-        _shadow(client_optimizer, "step", optimizer_step, undo)
+        shadow(sub, "zero_grad", refuse, undo)
 
     def undo_all() -> None:
         for f in reversed(undo):

@@ -8,9 +8,10 @@
 [Note: where tiered plugs into the Trainer]
 The places transformers' DeepSpeed integration plugs in, taken over one by one (`TieredTrainerMixin`):
 
-- ``create_optimizer`` builds the engine with ``tiered.initialize``, the config's "auto" filled
-  from TrainingArguments exactly as ``HfTrainerDeepSpeedConfig.trainer_config_process`` /
-  ``trainer_config_finalize`` do (lr, betas, eps, weight decay, warmup and total steps, micro
+- ``create_optimizer`` builds the engine as ``tiered.deepspeed`` does (``initialize_with_client``
+  with the Trainer's param groups: a `DeepSpeedEngine` and its optimizer facade), the config's
+  "auto" filled from TrainingArguments exactly as ``HfTrainerDeepSpeedConfig.trainer_config_process``
+  / ``trainer_config_finalize`` do (lr, betas, eps, weight decay, warmup and total steps, micro
   batch, accumulation, clipping, fp16/bf16: tiered.initialize's hyper-parameter keywords, whose
   mismatch rule is HF's: a config value that contradicts the Trainer's is refused, naming both).
   As in HF: with an ``optimizer`` section the model's trainable parameters go in one group; without
@@ -43,7 +44,8 @@ import torch
 
 from tiered.config.loader import read_config_file
 from tiered.config.schema import TieredConfig
-from tiered.engine import Engine, initialize
+from tiered.deepspeed.client import initialize_with_client
+from tiered.deepspeed.engine_api import DeepSpeedEngine
 from tiered.errors import CheckpointNotFoundError, ConfigError, UnsupportedConfigError
 
 log = logging.getLogger(__name__)
@@ -113,7 +115,7 @@ class TieredTrainerMixin:
 
     def __init__(self, *args: Any, tiered_config: Any, **kwargs: Any) -> None:
         self.tiered_config = tiered_config
-        self.engine: Engine | None = None
+        self.engine: DeepSpeedEngine | None = None
         self._tiered_max_steps: int | None = None
         super().__init__(*args, **kwargs)
 
@@ -160,7 +162,9 @@ class TieredTrainerMixin:
                 {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0},
             ]
             groups = [g for g in groups if g["params"]]
-        engine, facade, _, _ = initialize(self.model, self.tiered_config, model_parameters=groups, **hp)
+        engine, facade, _, _ = initialize_with_client(
+            self.model, self.tiered_config, model_parameters=groups, **hp
+        )
         self.engine = engine
         self.optimizer = facade
         return facade

@@ -67,3 +67,12 @@ def all_reduce_max_(t: torch.Tensor, process_group: ProcessGroup | None) -> None
     dev = t.to(torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(dev, op=dist.ReduceOp.MAX, group=process_group)
     t.copy_(dev.cpu())
+
+
+def any_rank(flag: bool, world_size: int, process_group: ProcessGroup | None) -> bool:
+    """Whether `flag` holds on some rank (one small MAX all-reduce; `flag` itself on one rank)."""
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    all_reduce_max_(t, process_group)
+    return bool(t.item() > 0)

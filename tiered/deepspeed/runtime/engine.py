@@ -3,10 +3,6 @@ returns here (for ``isinstance`` checks and type hints in ported code)."""
 
 from __future__ import annotations
 
-from tiered.engine import Engine
-
-DeepSpeedEngine = Engine
-"""tiered's engine: what ``deepspeed.initialize`` returns first. Build one with initialize, not by
-calling the class with DeepSpeed's constructor arguments."""
+from tiered.deepspeed.engine_api import DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine"]

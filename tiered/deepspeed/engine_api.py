@@ -1,8 +1,10 @@
-"""The rest of DeepSpeed's engine API, for ported scripts: `Engine` inherits `DeepSpeedEngineAPI`.
+"""DeepSpeed's engine API for ported scripts: `DeepSpeedEngine`, an adapter around tiered's
+`Engine` (`tiered.deepspeed.client.initialize_with_client` builds it).
 
 Each method keeps DeepSpeed's meaning (deepspeed/runtime/engine.py); where tiered differs it
-says so. The mixin reads only the engine's public state (its config, module, counters and
-partitions); the lr plumbing of client optimizers and schedulers is [Note: the optimizer facade].
+says so. The adapter reads only the engine's public state (its config, module, counters and
+partitions) and holds what DeepSpeed's keywords made (`ClientSide`); the lr plumbing of client
+optimizers and schedulers is [Note: the optimizer facade].
 
 [Note: the engine as a module]
 DeepSpeed's engine is an ``nn.Module`` wrapping the model as its submodule ``module``: its
@@ -22,16 +24,17 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from tiered.deepspeed.facade import ConfigLRScheduler
+from tiered.engine import Engine
 from tiered.errors import UnsupportedConfigError
 
 if TYPE_CHECKING:
     from tiered.config.schema import OptimizerOffloadConfig, ParamOffloadConfig, TieredConfig
-    from tiered.engine.build import Placement
-    from tiered.engine.client import ClientSide
+    from tiered.planning.homes import Placement
     from tiered.zero import ZeroParameters
 
 _PREFIX = "module."
@@ -48,40 +51,168 @@ class Monitor:
         return None
 
 
-class DeepSpeedEngineAPI:
-    """Mixed into `Engine`; uses its public config, module, zero partitions and counters."""
+class ClientView(Protocol):
+    """What the adapter reads of DeepSpeed's keywords as initialize made them
+    (`tiered.deepspeed.client.ClientSide`)."""
 
-    config: TieredConfig
-    zero: ZeroParameters
-    gas: int
-    rank: int
-    world_size: int
-    global_steps: int
-    last_grad_norm: float | None
-    client: ClientSide | None
+    @property
+    def lr_scheduler(self) -> Any: ...
+
+    @property
+    def training_dataloader(self) -> Any: ...
+
+    @property
+    def lr_scales(self) -> tuple[float, ...]: ...
+
+    @property
+    def optimizer_name(self) -> str | None: ...
+
+
+class DeepSpeedEngine:
+    """DeepSpeed's engine over tiered's: the training loop and checkpoints are the `Engine`'s
+    (`engine`), the rest of DeepSpeed's engine API is here, and an attribute neither has is the
+    model's ([Note: the engine as a module])."""
+
     monitor: Monitor = Monitor()
 
-    if TYPE_CHECKING:  # Engine's own
+    def __init__(self, engine: Engine, client: ClientView) -> None:
+        self.engine = engine
+        self.client = client
+        """DeepSpeed's keywords made into the facade, client scheduler and loader."""
+        cfg = engine.config
+        self.lr_scheduler: Any = (
+            client.lr_scheduler
+            if client.lr_scheduler is not None
+            else ConfigLRScheduler(cfg.scheduler.type, engine.get_lr, lambda: engine.optimizer.step_count)
+            if cfg.scheduler is not None
+            else None
+        )
+        """DeepSpeed's ``engine.lr_scheduler``: the client's, else a view of the config's schedule."""
 
-        @property
-        def module(self) -> torch.nn.Module: ...
+    # ---- the engine's training loop and checkpoints ------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine.forward(*args, **kwargs)
 
-        def gathered_parameters(
-            self, params_or_module: Any, modify: bool = False
-        ) -> AbstractContextManager[None]: ...
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine.forward(*args, **kwargs)
 
-        def save_pretrained(
-            self, save_directory: str | os.PathLike[str], dtype: torch.dtype = ...
-        ) -> str: ...
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        self.engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
-        placement: Placement
+    def step(self) -> None:
+        self.engine.step()
 
-    def train(self, mode: bool = True) -> Any:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad(set_to_none)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_gradient_accumulation_boundary()
+
+    def was_step_applied(self) -> bool:
+        return self.engine.was_step_applied()
+
+    def get_lr(self) -> list[float]:
+        return self.engine.get_lr()
+
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> str:
+        return self.engine.save_checkpoint(
+            save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str, Any]:
+        return self.engine.load_checkpoint(
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+            custom_load_fn,
+        )
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike[str],
+        dtype: torch.dtype = torch.bfloat16,
+        max_shard_size: int | str = "5GB",
+        tokenizer: Any = None,
+    ) -> str:
+        return self.engine.save_pretrained(save_directory, dtype, max_shard_size, tokenizer)
+
+    def gathered_parameters(
+        self, params_or_module: Any, modify: bool = False
+    ) -> AbstractContextManager[None]:
+        cm: AbstractContextManager[None] = self.engine.gathered_parameters(params_or_module, modify)
+        return cm
+
+    def close(self, restore_weights: bool = True) -> None:
+        self.engine.close(restore_weights)
+
+    def __enter__(self) -> DeepSpeedEngine:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.engine.__exit__(exc_type, *exc)
+
+    # ---- the engine's state, as DeepSpeed names it ---------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def config(self) -> TieredConfig:
+        return self.engine.config
+
+    @property
+    def placement(self) -> Placement:
+        return self.engine.placement
+
+    @property
+    def zero(self) -> ZeroParameters:
+        return self.engine.zero
+
+    @property
+    def gas(self) -> int:
+        return self.engine.gas
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        return self.engine.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
         """The module's train mode (dropout on), as ``nn.Module.train``; returns the engine."""
         self.module.train(mode)
         return self
 
-    def eval(self) -> Any:
+    def eval(self) -> DeepSpeedEngine:
         self.module.eval()
         return self
 
@@ -102,7 +233,7 @@ class DeepSpeedEngineAPI:
     @property
     def global_rank(self) -> int:
         """This process's rank in the data-parallel group (one group: the global rank)."""
-        return self.rank
+        return self.engine.rank
 
     @property
     def global_samples(self) -> int:
@@ -113,7 +244,7 @@ class DeepSpeedEngineAPI:
     @property
     def training_dataloader(self) -> Any:
         """The loader initialize built from `training_data` (None without one)."""
-        return None if self.client is None else self.client.training_dataloader
+        return self.client.training_dataloader
 
     @property
     def is_compiled(self) -> bool:
@@ -202,7 +333,7 @@ class DeepSpeedEngineAPI:
     def optimizer_name(self) -> str:
         """The client optimizer's class name, else the config's optimizer type (lower case, as
         DeepSpeed's config reports it)."""
-        if self.client is not None and self.client.optimizer_name is not None:
+        if self.client.optimizer_name is not None:
             return self.client.optimizer_name
         return self.config.optimizer.type.lower()
 
@@ -212,14 +343,14 @@ class DeepSpeedEngineAPI:
     def get_mom(self) -> list[tuple[float, float]]:
         """Adam's betas of each param group (DeepSpeed: ``betas`` for Adam-like optimizers)."""
         betas = (float(self.config.optimizer.betas[0]), float(self.config.optimizer.betas[1]))
-        groups = 1 if self.client is None else len(self.client.lr_scales)
+        groups = len(self.client.lr_scales)
         return [betas] * groups
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (inf after an fp16
         overflow). None before the first step, and where nothing needed it: tiered computes
         the norm only for gradient_clipping > 0 or fp16 (DeepSpeed always does)."""
-        norm = self.last_grad_norm
+        norm = self.engine.last_grad_norm
         return None if norm is None or norm != norm else norm
 
     # ---- exports ---------------------------------------------------------------------------------
@@ -247,7 +378,7 @@ class DeepSpeedEngineAPI:
         # DeepSpeed's file holds the model's own dtype (fp32 for an fp32 run), gathered
         sd = {n: t.clone() for n, t in self.module_state_dict(exclude_frozen_parameters).items()}
         path = os.path.join(os.fspath(save_dir), save_filename)
-        if self.rank == 0:
+        if self.engine.rank == 0:
             os.makedirs(os.fspath(save_dir), exist_ok=True)
             if save_filename.endswith(".safetensors"):
                 from safetensors.torch import save_file
@@ -339,14 +470,15 @@ class DeepSpeedEngineAPI:
     if not TYPE_CHECKING:  # (mypy would take every misspelt attribute for the model's)
 
         def __getattr__(self, name: str) -> Any:
-            """An attribute the engine lacks is the model's, as on DeepSpeed's engine (public names
-            only: the engine's own state never falls through to the model)."""
+            """An attribute the adapter lacks is the engine's, else the model's, as on DeepSpeed's
+            engine (public names only: neither's private state falls through)."""
             if name.startswith("_"):
                 raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-            module = self.__dict__.get("_module")
-            if module is not None:
-                try:
-                    return getattr(module, name)
-                except AttributeError:
-                    pass
+            engine = self.__dict__.get("engine")
+            if engine is not None:
+                for owner in (engine, engine.module):
+                    try:
+                        return getattr(owner, name)
+                    except AttributeError:
+                        pass
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")

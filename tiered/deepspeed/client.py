@@ -1,7 +1,7 @@
 """What `initialize` does with DeepSpeed's keywords: model_parameters, a client optimizer and lr
-scheduler, training_data. Everything here is built before the engine and handed to its
-constructor as one `ClientSide` (nothing is written into an engine afterwards). See [Note: param
-groups as per-parameter hyper-parameters] and [Note: the optimizer facade]."""
+scheduler, training_data. Everything here is built before the engine and handed to its parts as
+one `ClientSide` (its `EngineHooks`: nothing is written into an engine afterwards). See [Note:
+param groups as per-parameter hyper-parameters] and [Note: the optimizer facade]."""
 
 from __future__ import annotations
 
@@ -10,15 +10,28 @@ import inspect
 import logging
 import os
 import warnings
-from dataclasses import dataclass
-from typing import Any
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
 
 from tiered.config.schema import TieredConfig
-from tiered.engine.facade import ClientLR, TieredOptimizer
-from tiered.engine.param_groups import client_optimizer_groups, param_hyper_of, resolve_model_parameters
+from tiered.deepspeed.engine_api import DeepSpeedEngine
+from tiered.deepspeed.facade import ClientLR, TieredOptimizer
+from tiered.deepspeed.param_groups import client_optimizer_groups, param_hyper_of, resolve_model_parameters
+from tiered.engine.build import (
+    ClientInputs,
+    Config,
+    build_parts,
+    check_model,
+    check_process_group,
+    open_engine,
+    resolve_run,
+)
+from tiered.engine.zero_grad import shadow
 from tiered.errors import ConfigError, UnsupportedConfigError
 from tiered.optim.hyper import ParamHyper
 
@@ -49,9 +62,10 @@ class ClientRequest:
 
 @dataclass(frozen=True)
 class ClientSide:
-    """What the engine gets of a DeepSpeed-style call, at construction: the optimizer facade, each
+    """What the engine gets of a DeepSpeed-style call, in its parts: the optimizer facade, each
     param group's lr scale, the client's lr scheduler (stepped after every applied step) and the
-    lr source it drives (None: the config's schedule drives), and initialize's data loader."""
+    lr source it drives (None: the config's schedule drives), and initialize's data loader. It is
+    the engine's `EngineHooks` (tiered/engine/parts.py)."""
 
     facade: TieredOptimizer
     lr_scales: tuple[float, ...]
@@ -61,6 +75,8 @@ class ClientSide:
     client_optimizer: Any = None
     """The optimizer the script passed (its zero_grad and step now reach the engine: [Note:
     zero_grad of the model]), None without one."""
+    _undo: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False)
+    """Restores the client optimizer's own zero_grad and step at close."""
 
     @property
     def optimizer_name(self) -> str | None:
@@ -87,6 +103,30 @@ class ClientSide:
         if self.lr_scheduler is None:
             for g, lr in zip(self.facade.param_groups, lrs, strict=True):
                 g["lr"] = lr
+
+    def redirect_client_optimizer(self) -> None:
+        """The client optimizer's zero_grad and step are the facade's while the engine is open
+        ([Note: zero_grad of the model])."""
+        if self.client_optimizer is None:
+            return
+        ref = weakref.ref(self.facade)
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            facade = ref()
+            if facade is not None:
+                facade.zero_grad(set_to_none)
+
+        def step(closure: Any = None) -> None:
+            facade = ref()
+            if facade is not None:
+                facade.step(closure)
+
+        shadow(self.client_optimizer, "zero_grad", zero_grad, self._undo)
+        shadow(self.client_optimizer, "step", step, self._undo)
+
+    def closed(self) -> None:
+        while self._undo:
+            self._undo.pop()()
 
     def training_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
@@ -265,3 +305,49 @@ def dataloader(
     return DataLoader(
         data, batch_size=micro, sampler=sampler, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last
     )
+
+
+class InitializeResult(NamedTuple):
+    """DeepSpeed's ``(engine, optimizer, training_dataloader, lr_scheduler)``, typed."""
+
+    engine: DeepSpeedEngine
+    optimizer: TieredOptimizer
+    training_dataloader: DataLoader[Any] | None
+    lr_scheduler: Any
+    """The client's scheduler, else the config section's (`ConfigLRScheduler`), else None."""
+
+
+def initialize_with_client(
+    model: torch.nn.Module,
+    config: Config,
+    *,
+    process_group: Any = None,
+    model_parameters: Any = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    training_data: Any = None,
+    collate_fn: Any = None,
+    weights: str | os.PathLike[str] | None = None,
+    init_missing: bool = False,
+    **hyperparameters: Any,
+) -> InitializeResult:
+    """``tiered.initialize`` with DeepSpeed's keywords (`model_parameters`: parameters or
+    param-group dicts; `optimizer`: a client torch Adam/AdamW or DeepSpeed Adam, translated to
+    tiered's offloaded Adam; `lr_scheduler`: a client scheduler driving the lr; `training_data`):
+    DeepSpeed's ``(engine, optimizer, dataloader, lr_scheduler)`` over a `DeepSpeedEngine`
+    ([Note: the optimizer facade]). The rest as `tiered.engine.initialize`, whose steps it runs
+    with the client's parts between them."""
+    check_model(model)
+    check_process_group(process_group)
+    req = ClientRequest(model_parameters, optimizer, lr_scheduler, training_data, collate_fn)
+    config = prepare(model, config, req)
+    run = resolve_run(model, config, process_group, **hyperparameters)
+    hyper, lr_scales = param_hyper(run.config, req)
+    side = client_side(run.config, model, req, lr_scales, world_size=run.world_size, rank=run.rank)
+    inputs = ClientInputs(param_hyper=hyper, lr_scales=side.lr_scales, lr_source=side.lr_source, hooks=side)
+    engine = open_engine(build_parts(model, run, weights=weights, init_missing=init_missing, client=inputs))
+    side.redirect_client_optimizer()  # [Note: zero_grad of the model]
+    side.facade.attach(engine)
+    side.show_lrs(engine.get_lr())  # the first step's, as DeepSpeed's scheduler sets at its start
+    adapter = DeepSpeedEngine(engine, side)
+    return InitializeResult(adapter, side.facade, side.training_dataloader, adapter.lr_scheduler)

@@ -1,5 +1,5 @@
-"""DeepSpeed's checkpoint keywords on tiered's checkpoints: what a save or load of
-``engine.save_checkpoint`` / ``engine.load_checkpoint`` includes, and client_state tensors.
+"""The keywords of ``engine.save_checkpoint`` / ``engine.load_checkpoint`` (DeepSpeed's names and
+meanings): what a load restores (`LoadScope`), and the tensors of a client_state.
 
 [Note: checkpoint keywords]
 ``save_checkpoint(..., exclude_frozen_parameters=True)`` leaves out the shard groups of frozen

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tiered.engine import Engine
 
 
 class TieredOptimizer(torch.optim.Optimizer):
@@ -31,11 +34,11 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
         super().__init__(groups, defaults)
-        self.engine: Any = None
-        """The Engine (typed loosely: engine.py imports this module's users)."""
+        self.engine: Engine | None = None
+        """The engine it stands for, from `attach` on."""
         self._steps_seen = 0
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: Engine) -> None:
         self.engine = engine
         self._steps_seen = engine.global_steps
 
