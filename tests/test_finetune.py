@@ -17,11 +17,10 @@ from engine_support import REL
 
 import tiered
 from tiered.cli.main import main
-from tiered.config import load_config
+from tiered.config import apply_overrides, load_config
 from tiered.errors import ConfigError, TieredError
 from tiered.finetune import (
     TrainOptions,
-    apply_overrides,
     batches,
     build_model,
     max_rel_diff,
@@ -262,6 +261,9 @@ def test_run_directly_raises_tiered_error(files: dict[str, Path]) -> None:
 
 
 def test_apply_overrides() -> None:
+    import tiered.finetune
+
+    assert tiered.finetune.apply_overrides is apply_overrides  # the old import path still works
     base = {
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 4,

@@ -320,7 +320,7 @@ def _job_config(
     the trace file (and whether it is temporary) and the caller's hyper-parameters; the input
     paths are checked first."""
     from tiered.config.loader import read_config_file
-    from tiered.finetune import apply_overrides
+    from tiered.config.overrides import apply_overrides
     from tiered.finetune.lora import parse_lora_spec
 
     machine_said: tuple[str, ...] = ()

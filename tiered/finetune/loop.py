@@ -1,4 +1,4 @@
-"""The fine-tuning loop through the engine, its config overrides, and the plain-PyTorch reference.
+"""The fine-tuning loop through the engine and the plain-PyTorch reference.
 
 [Note: what a step is]
 `steps` counts optimizer steps. With gradient_accumulation_steps = G one step is G micro-batches,
@@ -11,7 +11,6 @@ clipping and lr schedule: on fp32 the two must agree to rounding.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
@@ -85,45 +84,6 @@ class TrainResult:
             "eval_losses": [{"step": st, "loss": v} for st, v in self.eval_losses],
             "engine": self.stats,
         }
-
-
-def apply_overrides(
-    config: dict[str, Any],
-    *,
-    lr: float | None = None,
-    batch_size: int | None = None,
-    nvme_path: str | None = None,
-) -> dict[str, Any]:
-    """A copy of a (DeepSpeed or tiered) config dict with the command line's overrides applied."""
-    cfg = copy.deepcopy(config)
-    if lr is not None:
-        if not lr > 0:
-            raise ConfigError(f"--lr must be > 0, got {lr}")
-        opt = cfg.setdefault("optimizer", {"type": "AdamW"})
-        if not isinstance(opt, dict):
-            raise ConfigError('optimizer must be a JSON object with "type" and "params"')
-        params = opt.setdefault("params", {})
-        if not isinstance(params, dict):
-            raise ConfigError("optimizer.params must be a JSON object")
-        params["lr"] = lr
-    if batch_size is not None:
-        if batch_size < 1:
-            raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
-        cfg["train_micro_batch_size_per_gpu"] = batch_size
-        # Keep DeepSpeed's identity train = micro * gas * world true: rederive it from gas.
-        if "train_batch_size" in cfg:
-            gas = cfg.get("gradient_accumulation_steps")
-            if isinstance(gas, int) and not isinstance(gas, bool):
-                cfg["train_batch_size"] = batch_size * gas
-            else:
-                del cfg["train_batch_size"]
-    if nvme_path is not None:
-        zero = cfg.get("zero_optimization")
-        for key in ("offload_param", "offload_optimizer"):
-            sec = zero.get(key) if isinstance(zero, dict) else None
-            if isinstance(sec, dict) and sec.get("device") == "nvme":
-                sec["nvme_path"] = nvme_path
-    return cfg
 
 
 def micro_batch_size(cfg: TieredConfig, override: int | None) -> int:
