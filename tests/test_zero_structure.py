@@ -80,3 +80,16 @@ def test_the_schedule_counters_have_one_writer() -> None:
         counters["fetches"] = 1  # type: ignore[index]
     counters.count_fetch(prefetched=False, cached=False)
     assert counters["fetches"] == counters["misses"] == 1 and counters.as_dict()["prefetch_hits"] == 0
+
+
+def test_one_autograd_function_runs_a_callback_in_backward() -> None:
+    """The module-output re-gather and the leaf-input flush use one `CallInBackward`
+    (tiered/zero/hooks.py); hooks.py and leaf.py once each had their own copy of it."""
+    import ast
+
+    found = []
+    for path in sorted((Path(tiered.__file__).parent / "zero").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(ast.unparse(b).endswith("Function") for b in node.bases):
+                found.append(f"{path.name}:{node.name}")
+    assert found == ["hooks.py:CallInBackward"]

@@ -28,9 +28,9 @@ from tiered.zero import comm, grad_norm
 from tiered.zero.budget import GpuGatherNeed, LiveBudget
 from tiered.zero.counters import ScheduleCounters
 from tiered.zero.group import GradSummary, GroupContext, GroupRuntime
-from tiered.zero.hooks import HookSet
+from tiered.zero.hooks import CallInBackward, HookSet
 from tiered.zero.layout import persists_by_room, plan_layout
-from tiered.zero.leaf import LeafBoundary, local_context
+from tiered.zero.leaf import local_context
 from tiered.zero.order import CollectiveOrder, masks_over_ranks, union_over_ranks
 from tiered.zero.passes import BackwardHolds, PassState
 from tiered.zero.plan import check_no_meta_mix
@@ -462,11 +462,11 @@ class ZeroParameters:
         return cb
 
     def _leaf_boundary(self, module: nn.Module) -> Callable[..., tuple[torch.Tensor, ...]] | None:
-        """For a leaf: wraps its inputs in `LeafBoundary` (see [Note: leaf modules]); else None."""
+        """For a leaf: wraps its inputs in `CallInBackward`, flushing it (see [Note: leaf modules]); else None."""
         mid = id(module)
         if mid not in self._leaves.by_module:
             return None
-        return lambda *ts: LeafBoundary.apply(lambda: self._flush_leaf(mid), *ts)
+        return lambda *ts: CallInBackward.apply(lambda: self._flush_leaf(mid), *ts)
 
     def _gather_external(self, p: nn.Parameter) -> None:
         """A parameter used by an op while not gathered. See [Note: saved tensors and external parameters]."""
