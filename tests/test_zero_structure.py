@@ -90,6 +90,8 @@ def test_one_autograd_function_runs_a_callback_in_backward() -> None:
     found = []
     for path in sorted((Path(tiered.__file__).parent / "zero").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and any(ast.unparse(b).endswith("Function") for b in node.bases):
+            if isinstance(node, ast.ClassDef) and any(
+                ast.unparse(b).endswith("Function") for b in node.bases
+            ):
                 found.append(f"{path.name}:{node.name}")
     assert found == ["hooks.py:CallInBackward"]
