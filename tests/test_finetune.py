@@ -145,7 +145,7 @@ def test_train_equals_plain_pytorch_adamw_with_nvme_offload(
 
 def test_finetune_job_compare_reports_match(files: dict[str, Path]) -> None:
     from tiered.cli.finetune import finetune_job
-    from tiered.cli.finetune_options import FinetuneOptions
+    from tiered.cli.finetune.options import FinetuneOptions
 
     out = io.StringIO()
     job = finetune_job(

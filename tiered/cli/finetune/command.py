@@ -1,7 +1,7 @@
-"""`tiered finetune`: fine-tune a local Hugging Face causal LM with ZeRO-3 offload.
+"""`tiered finetune`'s job: the options applied, the model trained, the progress and the tier
+stats printed, the stats JSON written.
 
-The work is in `tiered.finetune` (model, data, loop); this module parses options, prints the
-progress and the tier stats, and writes the stats JSON. `finetune_job` is shared with the demo.
+The work is in `tiered.finetune` (model, data, loop); `finetune_job` is shared with the demo.
 """
 
 from __future__ import annotations
@@ -17,16 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from tiered.cli.finetune_config import hyperparameter_flags, load_checked, with_auto_config
-from tiered.cli.finetune_machine import describe_choice, describe_machine, machine_config
-from tiered.cli.finetune_options import (
+from tiered.cli.finetune.config import hyperparameter_flags, load_checked, with_auto_config
+from tiered.cli.finetune.machine import describe_choice, describe_machine, machine_config
+from tiered.cli.finetune.options import (
     FinetuneOptions,
     checkpoint_policy,
     clear_for_overwrite,
     report_checkpoints,
 )
-from tiered.cli.finetune_parser import add_parser as add_parser  # the command table's entry
-from tiered.cli.finetune_trace import check_plot_available, inside, report_trace, with_trace
+from tiered.cli.finetune.trace import check_plot_available, inside, report_trace, with_trace
 from tiered.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ import difflib
 import logging
 from typing import Any
 
-from tiered.cli.finetune_options import FinetuneOptions
+from tiered.cli.finetune.options import FinetuneOptions
 from tiered.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def load_checked(
     from tiered.finetune.activations import check_activations, estimate_activations
     from tiered.finetune.loop import micro_batch_size
 
-    if o.auto_config is not None and o.config is not None:  # without one: in the machine's (finetune_machine)
+    if o.auto_config is not None and o.config is not None:  # without one: in the machine's (machine.py)
         raw = with_auto_config(raw, o.auto_config)
     from tiered.config.auto_request import CONFIG_SPELLING, has_auto_config
     from tiered.planning.auto import resolve_auto_config
