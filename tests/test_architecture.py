@@ -182,6 +182,14 @@ def test_version_has_one_source() -> None:
     assert project["version"] not in init, "tiered/__init__.py repeats the version: read it from metadata"
 
 
+def test_license_is_an_spdx_string() -> None:
+    """project.license as a table ({ text = ... }) made setuptools warn on every install (deprecated
+    by PEP 639); the SPDX string form needs setuptools >= 77 to build."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in pyproject["build-system"]["requires"]
+
+
 DOC = ROOT / "docs" / "architecture.md"
 NOTE = re.compile(r"\[Note: ([^\]\n]+)\]")  # a name wrapped over two lines is not seen
 SOURCE_ROOTS = ("tiered", "tiered_ext", "plugins", "tests", "benchmarks")

@@ -119,7 +119,7 @@ def test_finetune_refuses_a_config_trace_path_in_a_missing_folder_before_buildin
     from test_finetune import ds_config as ft_config
 
     from tiered.cli.finetune import finetune_job
-    from tiered.cli.finetune_options import FinetuneOptions
+    from tiered.cli.finetune.options import FinetuneOptions
 
     model = tmp_path / "model"
     model.mkdir()

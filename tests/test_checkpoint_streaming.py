@@ -136,3 +136,44 @@ def test_chunks_smaller_than_the_pieces_reshard_bit_exactly(
     for kind in ("param", "master", "exp_avg", "exp_avg_sq"):
         a, b = read_parameters(tmp_path / "a", kind=kind), read_parameters(tmp_path / "b", kind=kind)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), kind
+
+
+@pytest.mark.parametrize("write", [True, False])
+def test_o_direct_refused_per_call_goes_buffered_for_reads_and_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: bool
+) -> None:
+    """A filesystem that takes O_DIRECT at open but refuses a call with EINVAL: the chunk copy
+    drops O_DIRECT for that fd and moves the unpadded bytes (one fallback for both directions)."""
+    import errno
+    import os
+
+    from tiered.checkpoint.pipeline import ALIGN, pread_exact, pwrite_all
+
+    name = "pwritev" if write else "preadv"
+    real, calls = getattr(os, name), []
+
+    def refuse_once(fd: int, bufs: list[memoryview], offset: int) -> int:
+        calls.append(sum(len(b) for b in bufs))
+        if len(calls) == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return int(real(fd, bufs, offset))
+
+    length = ALIGN + 100  # not a whole block: padded while O_DIRECT is on
+    path = tmp_path / "f"
+    want = bytes(range(256)) * (length // 256) + bytes(length % 256)
+    if not write:
+        path.write_bytes(want)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    buf = torch.zeros(2 * ALIGN, dtype=torch.uint8)
+    if write:
+        buf[:length] = torch.frombuffer(bytearray(want), dtype=torch.uint8)
+    monkeypatch.setattr(os, name, refuse_once)
+    try:
+        if write:
+            assert pwrite_all(fd, buf, 0, length, direct=True) is False
+        else:
+            pread_exact(fd, buf, 0, length, direct=True, what="test read")
+    finally:
+        os.close(fd)
+    assert calls[0] == 2 * ALIGN and calls[1] == length  # padded, then the true length
+    assert path.read_bytes() == want and bytes(buf[:length].numpy()) == want

@@ -192,7 +192,7 @@ def test_warmup_steps_without_a_scheduler_warns(caplog: pytest.LogCaptureFixture
 def _finetune(config: dict, **kw: object) -> str:
     pytest.importorskip("transformers")
     from tiered.cli.finetune import finetune_job
-    from tiered.cli.finetune_options import FinetuneOptions
+    from tiered.cli.finetune.options import FinetuneOptions
 
     out = io.StringIO()
     finetune_job(

@@ -36,6 +36,23 @@ def test_close_removes_the_offload_swap_files(tmp_path: Path) -> None:
     assert list(nvme.iterdir()) == [], "engine.close() left swap files on nvme_path"
 
 
+def test_parsing_creates_no_folder_and_the_engine_creates_it_once_opened(tmp_path: Path) -> None:
+    """[Note: config parsing is pure]: reading a config that names nvme paths two levels deep
+    writes nothing (parsing made them, so a refused or merely weighed config left folders behind);
+    the engine's nvme tiers create them when they open."""
+    params, opt = tmp_path / "a" / "params", tmp_path / "b" / "opt"
+    raw = ds_config(param="nvme", opt="nvme", nvme_path=str(params), mkdir=False)
+    raw["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(opt)
+    cfg = load_config(raw, model=MLP())
+    assert list(tmp_path.iterdir()) == [], "parsing the config wrote to disk"
+    assert cfg.tiered.tiers["nvme"].backend["create"] is True
+    torch.manual_seed(0)
+    with tiered.initialize(MLP(), raw) as engine:
+        _train(engine, 1)
+        assert params.is_dir() and opt.is_dir()
+    assert list(params.iterdir()) == [] and list(opt.iterdir()) == []
+
+
 def test_tier_manager_close_keeps_a_user_declared_tier_and_drops_the_swap_tier(tmp_path: Path) -> None:
     # Through the TierManager the engine builds: (engine.initialize does not yet route state to a
     # custom tier named by tiered.optimizer_tier, so the manager is driven directly.)

@@ -17,11 +17,10 @@ from engine_support import REL
 
 import tiered
 from tiered.cli.main import main
-from tiered.config import load_config
+from tiered.config import apply_overrides, load_config
 from tiered.errors import ConfigError, TieredError
 from tiered.finetune import (
     TrainOptions,
-    apply_overrides,
     batches,
     build_model,
     max_rel_diff,
@@ -119,9 +118,7 @@ def test_train_equals_plain_pytorch_adamw_with_nvme_offload(
         model,
         cfg,
         batches(ids, 16, 2, seed=7),
-        TrainOptions(steps=3),
-        keep_state=True,
-        on_log=lambda s: lrs.append(s.lr),
+        TrainOptions(steps=3, keep_state=True, on_log=lambda s: lrs.append(s.lr)),
     )
     want_losses, want = reference_train(ref_model, cfg, batches(ids, 16, 2, seed=7), 3)
     assert result.steps_done == 3 and not result.interrupted
@@ -146,7 +143,7 @@ def test_train_equals_plain_pytorch_adamw_with_nvme_offload(
 
 def test_finetune_job_compare_reports_match(files: dict[str, Path]) -> None:
     from tiered.cli.finetune import finetune_job
-    from tiered.cli.finetune_options import FinetuneOptions
+    from tiered.cli.finetune.options import FinetuneOptions
 
     out = io.StringIO()
     job = finetune_job(
@@ -261,7 +258,26 @@ def test_run_directly_raises_tiered_error(files: dict[str, Path]) -> None:
         finetune.run(args, io.StringIO())
 
 
+def test_train_takes_one_options_value_and_the_old_keywords() -> None:
+    """train() had 13 parameters; what a run is told is now one TrainOptions (the keywords
+    callers wrote before still work: tests below pass on_log= and keep_state= that way)."""
+    import dataclasses
+    import inspect
+
+    named = [p for p in inspect.signature(train).parameters.values() if p.kind != p.VAR_KEYWORD]
+    assert [p.name for p in named] == ["model", "config", "stream", "opts"]
+    opts = TrainOptions(steps=2, keep_state=True)
+    assert dataclasses.replace(opts, log_every=2) == TrainOptions(steps=2, log_every=2, keep_state=True)
+    with pytest.raises(ConfigError, match="--eval-every must be >= 1"):
+        TrainOptions(steps=2, eval_data=lambda: [], eval_every=0)
+    with pytest.raises(TypeError, match="no_such"):
+        train(None, {}, iter(()), opts, no_such=1)  # type: ignore[arg-type]
+
+
 def test_apply_overrides() -> None:
+    import tiered.finetune
+
+    assert tiered.finetune.apply_overrides is apply_overrides  # the old import path still works
     base = {
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 4,

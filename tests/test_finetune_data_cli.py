@@ -201,7 +201,7 @@ def test_activation_check_uses_the_free_memory(files: dict[str, Path], tmp_path:
     import io
 
     from tiered.cli.finetune import finetune_job
-    from tiered.cli.finetune_options import FinetuneOptions
+    from tiered.cli.finetune.options import FinetuneOptions
 
     kw: dict[str, Any] = {
         "model_path": files["model"],

@@ -155,7 +155,7 @@ def test_tier_table_says_the_gpu_tier_is_host_memory_without_a_gpu() -> None:
 
 def test_finetune_job_takes_frozen_options_and_leaves_them_alone(tmp_path: Path) -> None:
     from tiered.cli.finetune import finetune_job
-    from tiered.cli.finetune_options import CheckpointOptions, FinetuneOptions
+    from tiered.cli.finetune.options import CheckpointOptions, FinetuneOptions
 
     job = _job(tmp_path)
     config = json.loads((tmp_path / "ds.json").read_text())

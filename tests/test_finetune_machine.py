@@ -32,6 +32,10 @@ def test_no_config_plans_from_the_machine_and_trains(
         assert f"\n  {memory}" in block, block
     assert "kept for the system" in block and "the fastest predicted config of those that fit" in block
     assert "step     2/2" in out and "lr 0.001" in out
+    # the chosen config puts nothing on NVMe here (a tiny model): no empty --nvme-path folder is
+    # left behind by the candidates the planner weighed ([Note: config parsing is pure])
+    assert "nvme" not in block.split("chosen: ")[1].split("\n")[0], block
+    assert not (tmp_path / "offload").exists()
 
 
 def test_no_config_needs_a_learning_rate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,6 +51,7 @@ def test_the_users_memories_are_taken_over_the_machines(
     captured = capsys.readouterr()
     assert "--auto-config cpu_mem=40MB (taken over the machine's figures)" in captured.out
     assert "nothing fits the memory given (--auto-config cpu_mem 38.15 MiB" in captured.err
+    assert not (tmp_path / "offload").exists(), "a refused config left its --nvme-path folder"
 
 
 def test_the_machines_memories_per_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

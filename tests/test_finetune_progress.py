@@ -11,7 +11,7 @@ import pytest
 from finetune_support import ds_config, write_jsonl, write_model
 
 from tiered.cli.finetune import finetune_job
-from tiered.cli.finetune_options import FinetuneOptions
+from tiered.cli.finetune.options import FinetuneOptions
 from tiered.finetune.loop import StepLog
 from tiered.finetune.progress import BarProgress, LineProgress, make_progress
 

@@ -15,7 +15,7 @@ from finetune_support import ds_config, write_jsonl, write_model
 from torch import nn
 
 from tiered.cli.finetune import finetune_job
-from tiered.cli.finetune_options import FinetuneOptions
+from tiered.cli.finetune.options import FinetuneOptions
 from tiered.cli.main import main
 from tiered.finetune.trace import ComputeTracer, traced_blocks
 from tiered.tiers.trace import TraceRecorder

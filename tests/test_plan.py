@@ -245,8 +245,9 @@ def test_prefetch_layers_is_written_as_the_prefetch_bucket(
 def test_a_plan_leaves_no_folder_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Reading a candidate with an NVMe placement creates its nvme_path (as the engine's config
-    does); `tiered plan` (and the demo's 40B verdict) removed none of it: ./tiered_offload stayed."""
+    """Reading a candidate with an NVMe placement once created its nvme_path, and `tiered plan`
+    (and the demo's 40B verdict) left ./tiered_offload behind; parsing now creates nothing
+    ([Note: config parsing is pure])."""
     from tiered.cli.main import main
 
     monkeypatch.chdir(tmp_path)

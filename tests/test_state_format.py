@@ -276,3 +276,16 @@ def test_checkpoint_formats_convert_only_where_exact() -> None:
             check_checkpoint_format(saved, running, path="ck")
     with pytest.raises(CheckpointMismatchError, match=r"format 'fp16' is unknown"):
         check_checkpoint_format("fp16", "fp32", path="ck")
+
+
+def test_codecs_share_the_argument_checks_and_the_layout_of_fixed_width_elements() -> None:
+    """encode / decode (checks, the default noise) and the sizes of a fixed-width codec are
+    written once, on MomentCodec; each codec writes only its coding (each once repeated them)."""
+    from tiered.optim.state_codecs import Bf16StochasticCodec, BlockLogCodec, Fp32Codec
+
+    for cls in (Fp32Codec, Bf16StochasticCodec, BlockLogCodec):
+        assert {"encode", "decode", "storage"}.isdisjoint(vars(cls)), cls.__name__
+    assert "encoded_bytes" not in vars(Fp32Codec) and "encoded_bytes" not in vars(Bf16StochasticCodec)
+    assert Fp32Codec().storage(3) == (3, torch.float32) and Bf16StochasticCodec().encoded_bytes(3) == 6
+    with pytest.raises(ValueError, match="bf16 encode"):
+        Bf16StochasticCodec().encode(torch.zeros(4), torch.zeros(7, dtype=torch.uint8))

@@ -44,3 +44,54 @@ def test_zero_modules_stay_under_500_lines() -> None:
     zero = Path(tiered.__file__).parent / "zero"
     long = {p.name: n for p in zero.glob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert long == {}
+
+
+def test_the_schedule_counters_have_one_writer() -> None:
+    """[Note: one writer of the schedule counters]: no module but tiered/zero/counters.py writes a
+    counter by its name (``c["fetches"] += 1``, under any alias) or reaches into its counts; the
+    coordinator, the group runtime and the saved-tensor hooks once each did, one count from two files."""
+    import ast
+
+    from tiered.zero.counters import COUNTERS, ScheduleCounters
+
+    root = Path(tiered.__file__).parent
+    owner = root / "zero" / "counters.py"
+    writes = []
+    for path in sorted(root.rglob("*.py")):
+        if path == owner:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (
+                [node.target]
+                if isinstance(node, ast.AugAssign | ast.AnnAssign)
+                else node.targets
+                if isinstance(node, ast.Assign | ast.Delete)
+                else []
+            )
+            for t in targets:
+                key = t.slice if isinstance(t, ast.Subscript) else None
+                if isinstance(key, ast.Constant) and key.value in COUNTERS:
+                    writes.append(f"{path.relative_to(root)}:{node.lineno}")
+            if isinstance(node, ast.Attribute) and node.attr == "_counts":
+                writes.append(f"{path.relative_to(root)}:{node.lineno} (._counts)")
+    assert writes == [], f"schedule counters written outside tiered/zero/counters.py: {writes}"
+    counters = ScheduleCounters()
+    with pytest.raises(TypeError):
+        counters["fetches"] = 1  # type: ignore[index]
+    counters.count_fetch(prefetched=False, cached=False)
+    assert counters["fetches"] == counters["misses"] == 1 and counters.as_dict()["prefetch_hits"] == 0
+
+
+def test_one_autograd_function_runs_a_callback_in_backward() -> None:
+    """The module-output re-gather and the leaf-input flush use one `CallInBackward`
+    (tiered/zero/hooks.py); hooks.py and leaf.py once each had their own copy of it."""
+    import ast
+
+    found = []
+    for path in sorted((Path(tiered.__file__).parent / "zero").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                ast.unparse(b).endswith("Function") for b in node.bases
+            ):
+                found.append(f"{path.name}:{node.name}")
+    assert found == ["hooks.py:CallInBackward"]

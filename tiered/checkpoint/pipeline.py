@@ -55,30 +55,42 @@ def open_direct(path: str, flags: int, mode: int = 0o600) -> tuple[int, bool]:
     return os.open(path, flags, mode), False
 
 
-def _drop_direct(fd: int) -> None:
-    """Some filesystems take O_DIRECT at open and refuse it per call: go buffered for this fd."""
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+def _all_bytes(
+    fd: int, buf: torch.Tensor, offset: int, length: int, want: int, *, direct: bool, write: bool, what: str
+) -> bool:
+    """Move buf[:want] to or from file offset `offset` until `length` bytes are read, or all `want`
+    (the padded length, with O_DIRECT) are written; whether O_DIRECT is still in effect.
+
+    Some filesystems take O_DIRECT at open and refuse it per call (EINVAL): then this fd goes
+    buffered, the rest unpadded, and the call is retried. The one place that fallback is written,
+    for reads and writes alike."""
+    call = os.pwritev if write else os.preadv
+    mv = buf[:want].numpy().data.cast("B")
+    done = 0
+    while done < (want if write else length):
+        try:
+            n = call(fd, [mv[done:want]], offset + done)
+        except OSError as e:
+            if not (direct and e.errno == errno.EINVAL):
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+            direct, want = False, length
+            mv = buf[:want].numpy().data.cast("B")
+            continue
+        if n == 0:
+            verb = "took no more bytes" if write else "ended"
+            raise OSError(
+                errno.EIO, f"{what}: file {verb} after {offset + done} bytes, {length - done} short"
+            )
+        done += n
+    return direct
 
 
 def pread_exact(fd: int, buf: torch.Tensor, offset: int, length: int, *, direct: bool, what: str) -> None:
     """Fill buf[:length] from file offset `offset`; with O_DIRECT the read asks for the padded
     length and the end of the file cuts it short, as the nvme backend's reads do."""
     want = align_up(length, ALIGN) if direct else length
-    mv = buf[:want].numpy().data.cast("B")
-    done = 0
-    while done < length:
-        try:
-            n = os.preadv(fd, [mv[done:want]], offset + done)
-        except OSError as e:
-            if not (direct and e.errno == errno.EINVAL):
-                raise
-            _drop_direct(fd)
-            direct, want = False, length
-            mv = buf[:want].numpy().data.cast("B")
-            continue
-        if n == 0:
-            raise OSError(errno.EIO, f"{what}: file ended after {offset + done} bytes, {length - done} short")
-        done += n
+    _all_bytes(fd, buf, offset, length, want, direct=direct, write=False, what=what)
 
 
 def pwrite_all(fd: int, buf: torch.Tensor, offset: int, length: int, *, direct: bool) -> bool:
@@ -88,18 +100,7 @@ def pwrite_all(fd: int, buf: torch.Tensor, offset: int, length: int, *, direct: 
     if direct and length % ALIGN:
         want = align_up(length, ALIGN)
         buf[length:want].zero_()
-    mv = buf[:want].numpy().data.cast("B")
-    done = 0
-    while done < want:
-        try:
-            done += os.pwritev(fd, [mv[done:]], offset + done)
-        except OSError as e:
-            if not (direct and e.errno == errno.EINVAL):
-                raise
-            _drop_direct(fd)
-            direct, want = False, length
-            mv = buf[:want].numpy().data.cast("B")
-    return direct
+    return _all_bytes(fd, buf, offset, length, want, direct=direct, write=True, what="checkpoint write")
 
 
 class ChunkPipeline:

@@ -86,7 +86,7 @@ def run_demo(
     `run_dir` is the fine-tuning's --out (default: a folder inside that temporary one, removed
     with it, and then no line to load the model is printed); `overwrite`: --overwrite."""
     from tiered.cli.finetune import finetune_job
-    from tiered.cli.finetune_options import CheckpointOptions, FinetuneOptions
+    from tiered.cli.finetune.options import CheckpointOptions, FinetuneOptions
 
     out = out or sys.stdout
     w = out.write

@@ -14,7 +14,6 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
-from tiered.cli.finetune_config import missing_dirs, remove_empty
 from tiered.cli.plan_compute import compute_rate
 from tiered.cli.plan_inputs import check_all_memory, positive_int, positive_rate
 from tiered.cli.plan_search import (
@@ -316,23 +315,19 @@ def answer(args: argparse.Namespace) -> PlanAnswer:
             f"activations not known: {ASSUMED_ACTIVATION_SHARE:.0%} of the GPU's room beyond the working set "
             "is left to them ([Note: the GPU's room searched]); --activation-mem or --seq-len sizes them"
         )
-    created = missing_dirs([args.nvme_path])  # reading a candidate creates its nvme_path: a plan leaves none
-    try:
-        result = search(
-            model,
-            mem,
-            pinned_from_args(args, largest_module=shape.largest_layer_params),
-            base=base,
-            nvme_path=args.nvme_path,
-            world_size=args.world_size,
-            bandwidth=bw,
-            device_kind=kind,
-            tokens_per_step=tokens,
-            checkpointing=bool(getattr(args, "checkpointing", False)),
-        )
-        more = what_more_memory_buys(result)  # [Note: what more memory buys]
-    finally:
-        remove_empty(created)
+    result = search(
+        model,
+        mem,
+        pinned_from_args(args, largest_module=shape.largest_layer_params),
+        base=base,
+        nvme_path=args.nvme_path,
+        world_size=args.world_size,
+        bandwidth=bw,
+        device_kind=kind,
+        tokens_per_step=tokens,
+        checkpointing=bool(getattr(args, "checkpointing", False)),
+    )
+    more = what_more_memory_buys(result)  # [Note: what more memory buys]
     paper = PaperBytes.of(base.cfg)
     table = zero_table(psi, args.world_size, paper, trainable=shape.trainable_params)
     options = {

@@ -5,6 +5,14 @@ in keys.py); "auto" sizes are resolved from the model ([Note: auto from the mode
 hyper-parameters come from the caller or stay unset ([Note: caller-supplied hyper-parameters]
 in hyper.py): tiered never invents one. Consistency is checked the way DeepSpeed checks it, with
 errors that name the keys.
+
+[Note: config parsing is pure]
+Parsing reads the config and checks it, and writes nothing: no folder, no file. A path the run
+will write (``nvme_path``) is checked as far as it can be without creating it (a directory, or
+creatable under a writable one), and the backend that opens it creates it, once
+(``"create": true`` in the nvme tier derived from it, tiered/config/tiers.py). So a config may be
+parsed as often as a caller likes (the planner parses every candidate it weighs), and one that is
+refused, or that puts nothing on NVMe, leaves nothing behind to clean up.
 """
 
 from __future__ import annotations

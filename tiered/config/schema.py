@@ -41,7 +41,9 @@ class ParamOffloadConfig:
         "none", f"{_OP}.device", "none / cpu / nvme: where 16-bit parameter partitions live"
     )
     nvme_path: str | None = key(
-        None, f"{_OP}.nvme_path", "directory of the nvme tier (created; must be writable)"
+        None,
+        f"{_OP}.nvme_path",
+        "directory of the nvme tier (created when the engine opens it; must be writable)",
     )
     pin_memory: bool = key(True, f"{_OP}.pin_memory", "false makes the cpu tier pageable")
     buffer_count: int = key(

@@ -75,28 +75,34 @@ def _flag(section: dict[str, Any], prefix: str, key: str, default: bool) -> bool
 
 
 def check_nvme_path(value: Any, path: str) -> str:
-    """Validate an nvme_path: created if missing (as DeepSpeed's swapper makedirs its folder),
-    and it must then be a writable directory. Errors name the key and the path."""
+    """Validate an nvme_path without touching the disk: an existing path must be a writable
+    directory, a missing one must be creatable (its nearest existing ancestor a directory this user
+    can write). Errors name the key and the path.
+
+    Parsing creates nothing ([Note: config parsing is pure]): the nvme backend creates the folder
+    when it opens it (the derived tier's ``"create": true``, tiered/config/tiers.py), as DeepSpeed's
+    swapper makedirs its folder, so a config that is refused, or only weighed by the planner, or
+    puts nothing on NVMe, leaves no folder behind."""
     text = as_str(value, path)
-    target = os.path.expanduser(text)
-    if os.path.exists(target) and not os.path.isdir(target):
+    target = os.path.abspath(os.path.expanduser(text))
+    if os.path.lexists(target) and not os.path.isdir(target):
         raise ConfigError(f"{path} = {text!r} is not a directory; point it at a directory on an NVMe drive")
-    try:
-        os.makedirs(target, exist_ok=True)
-    except OSError as exc:
+    existing = target
+    while not os.path.lexists(existing):  # the folder the backend's mkdir will create under
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
         raise ConfigError(
-            f"{path} = {text!r}: cannot create the directory ({exc.strerror or exc}); "
+            f"{path} = {text!r}: cannot create the directory ({existing} is not a directory); "
             "point it at a directory on a local NVMe drive that you can write"
-        ) from None
-    if not os.access(target, os.W_OK | os.X_OK):
-        if os.statvfs(target).f_flag & os.ST_RDONLY:  # not a mode: no chmod would help
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        if os.statvfs(existing).f_flag & os.ST_RDONLY:  # not a mode: no chmod would help
             raise ConfigError(
                 f"{path} = {text!r} is on a read-only filesystem; remount it read-write or point it "
                 "at a directory on a writable drive"
             )
-        raise ConfigError(
-            f"{path} = {text!r} is not writable by this user; fix its permissions or choose another"
-        )
+        what = "is not writable" if existing == target else f"cannot be created: {existing} is not writable"
+        raise ConfigError(f"{path} = {text!r} {what} by this user; fix its permissions or choose another")
     return text
 
 

@@ -6,7 +6,8 @@ Whatever the user writes, the resolved config has a "gpu" tier ({"type": "gpu"})
 pin_memory false), each with budget None (= what the backend reports free).
 An "nvme" tier is derived when an offload device is "nvme":
 ``{"type": "nvme", "path": <nvme_path>, "block_size": aio.block_size, "queue_depth":
-aio.queue_depth, "thread_count": aio.thread_count, "atomic": false, "fsync": false, "swap": true}``
+aio.queue_depth, "thread_count": aio.thread_count, "atomic": false, "fsync": false, "swap": true,
+"create": true}``
 (plus ``"use_gds": true`` when set): offload swap files are overwritten in place and never synced, as
 DeepSpeed's swapper does (the nvme backend's [Note: nvme scratch mode]), and live in a per-process
 directory under nvme_path that closing the engine deletes, a crashed run's being reclaimed by the
@@ -70,6 +71,9 @@ def _derived_tiers(
             "atomic": False,
             "fsync": False,
             "swap": True,
+            # the folder is made when the backend opens it, not while the config is parsed
+            # ([Note: config parsing is pure] in loader.py)
+            "create": True,
         }
         if aio.use_gds:
             spec["use_gds"] = True

@@ -5,13 +5,13 @@ Layer: above the engine, below the CLI (`tiered finetune`, the demo)."""
 
 from __future__ import annotations
 
+from tiered.config.overrides import apply_overrides  # where it lived before config/ had it
 from tiered.finetune.data import ByteTokenizer, batches, load_tokens, tokenizer_for
 from tiered.finetune.data_sources import Document, load_documents
 from tiered.finetune.loop import (
     StepLog,
     TrainOptions,
     TrainResult,
-    apply_overrides,
     eval_loss,
     max_rel_diff,
     reference_train,

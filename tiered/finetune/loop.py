@@ -1,4 +1,4 @@
-"""The fine-tuning loop through the engine, its config overrides, and the plain-PyTorch reference.
+"""The fine-tuning loop through the engine and the plain-PyTorch reference.
 
 [Note: what a step is]
 `steps` counts optimizer steps. With gradient_accumulation_steps = G one step is G micro-batches,
@@ -11,7 +11,7 @@ clipping and lr schedule: on fp32 the two must agree to rounding.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 import math
 import os
@@ -31,20 +31,6 @@ Batch = dict[str, Any]
 
 
 @dataclass(frozen=True)
-class TrainOptions:
-    """How long and how to report; see [Note: what a step is]."""
-
-    steps: int
-    log_every: int = 1
-
-    def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
-        if self.log_every < 1:
-            raise ConfigError(f"--log-every must be >= 1, got {self.log_every}")
-
-
-@dataclass(frozen=True)
 class StepLog:
     step: int
     loss: float
@@ -53,6 +39,45 @@ class StepLog:
     elapsed_s: float
     link_gbps: dict[str, float] = field(default_factory=dict)
     """Per link (source->destination), GB/s since the previous log; only with `link_rates`."""
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """How long, what to report and keep, and what to resume from: everything `train` is told
+    besides the model, the config and the data ([Note: what a step is]). One value rather than a
+    dozen keywords, so a caller states a run in one place and the loop reads one object."""
+
+    steps: int
+    log_every: int = 1
+    on_log: Callable[[StepLog], None] | None = field(default=None, compare=False)
+    """Called every `log_every` steps and after the last."""
+    keep_state: bool = False
+    """Gather the consolidated fp32 parameters into `TrainResult.state`."""
+    eval_data: Callable[[], Iterable[Batch]] | None = field(default=None, compare=False)
+    """A fresh iterable of eval batches per call: the eval loss is taken every `eval_every`
+    steps and after the last step (`eval_loss`)."""
+    eval_every: int = 0
+    on_eval: Callable[[int, float], None] | None = field(default=None, compare=False)
+    """Called with (step, eval loss) after each evaluation."""
+    link_rates: bool = False
+    """Fill StepLog.link_gbps (it reads engine.stats() at every log, so it is off unless a
+    progress bar shows it)."""
+    trace_compute: bool = False
+    """Add module compute and step spans to the engine's trace when the config records one
+    (tiered.trace_path; [Note: compute spans])."""
+    weights: str | os.PathLike[str] | None = None
+    """Stream the weights from this folder at initialize ([Note: streaming load])."""
+    checkpoints: Any = field(default=None, compare=False)
+    """A tiered.finetune.checkpointing.CheckpointPolicy: resumes, saves and exports
+    ([Note: run directory]); a stop it asks for ends the loop as an interrupt does."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
+        if self.log_every < 1:
+            raise ConfigError(f"--log-every must be >= 1, got {self.log_every}")
+        if self.eval_data is not None and self.eval_every < 1:
+            raise ConfigError(f"--eval-every must be >= 1, got {self.eval_every}")
 
 
 @dataclass(frozen=True)
@@ -87,45 +112,6 @@ class TrainResult:
         }
 
 
-def apply_overrides(
-    config: dict[str, Any],
-    *,
-    lr: float | None = None,
-    batch_size: int | None = None,
-    nvme_path: str | None = None,
-) -> dict[str, Any]:
-    """A copy of a (DeepSpeed or tiered) config dict with the command line's overrides applied."""
-    cfg = copy.deepcopy(config)
-    if lr is not None:
-        if not lr > 0:
-            raise ConfigError(f"--lr must be > 0, got {lr}")
-        opt = cfg.setdefault("optimizer", {"type": "AdamW"})
-        if not isinstance(opt, dict):
-            raise ConfigError('optimizer must be a JSON object with "type" and "params"')
-        params = opt.setdefault("params", {})
-        if not isinstance(params, dict):
-            raise ConfigError("optimizer.params must be a JSON object")
-        params["lr"] = lr
-    if batch_size is not None:
-        if batch_size < 1:
-            raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
-        cfg["train_micro_batch_size_per_gpu"] = batch_size
-        # Keep DeepSpeed's identity train = micro * gas * world true: rederive it from gas.
-        if "train_batch_size" in cfg:
-            gas = cfg.get("gradient_accumulation_steps")
-            if isinstance(gas, int) and not isinstance(gas, bool):
-                cfg["train_batch_size"] = batch_size * gas
-            else:
-                del cfg["train_batch_size"]
-    if nvme_path is not None:
-        zero = cfg.get("zero_optimization")
-        for key in ("offload_param", "offload_optimizer"):
-            sec = zero.get(key) if isinstance(zero, dict) else None
-            if isinstance(sec, dict) and sec.get("device") == "nvme":
-                sec["nvme_path"] = nvme_path
-    return cfg
-
-
 def micro_batch_size(cfg: TieredConfig, override: int | None) -> int:
     if override is not None:
         return override
@@ -156,41 +142,28 @@ def train(
     config: TieredConfig | dict[str, Any],
     stream: Iterator[Batch],
     opts: TrainOptions,
-    *,
-    on_log: Callable[[StepLog], None] | None = None,
-    keep_state: bool = False,
-    eval_data: Callable[[], Iterable[Batch]] | None = None,
-    eval_every: int = 0,
-    on_eval: Callable[[int, float], None] | None = None,
-    link_rates: bool = False,
-    trace_compute: bool = False,
-    weights: str | os.PathLike[str] | None = None,
-    checkpoints: Any = None,
+    **options: Any,
 ) -> TrainResult:
-    """Fine-tune `model` for opts.steps optimizer steps through tiered's engine.
+    """Fine-tune `model` for opts.steps optimizer steps through tiered's engine, as `opts` says.
 
     A KeyboardInterrupt (Ctrl-C) between or inside steps ends the loop cleanly: the engine is
     closed (its writes finished, its loop thread stopped) and the result says `interrupted`,
-    with the steps done so far. `keep_state` gathers the consolidated fp32 parameters. With
-    `eval_data` (a fresh iterable of eval batches per call) the eval loss is taken every
-    `eval_every` steps and after the last step (`eval_loss`). `link_rates` fills StepLog.link_gbps
-    (it reads engine.stats() at every log, so it is off unless a progress bar shows it).
-    `trace_compute` adds module compute and step spans to the engine's trace when the config
-    records one (tiered.trace_path; [Note: compute spans]). Under torch.distributed the logged
-    loss is the mean over ranks and tokens count the global batch ([Note: ranks in finetune]).
-    `checkpoints` (a tiered.finetune.checkpointing.CheckpointPolicy) resumes, saves and exports
-    ([Note: run directory]); a stop it asks for ends the loop as an interrupt does."""
-    if eval_data is not None and eval_every < 1:
-        raise ConfigError(f"--eval-every must be >= 1, got {eval_every}")
+    with the steps done so far. Under torch.distributed the logged loss is the mean over ranks
+    and tokens count the global batch ([Note: ranks in finetune]). `options`: fields of
+    `TrainOptions` given as keywords (``keep_state=True``), over those of `opts`, as callers
+    wrote them before the options were one value."""
+    if options:
+        opts = dataclasses.replace(opts, **options)
+    on_log, eval_data, on_eval, checkpoints = opts.on_log, opts.eval_data, opts.on_eval, opts.checkpoints
     import tiered
 
     t0 = time.perf_counter()
-    engine = tiered.initialize(model, config, weights=weights)  # weights: [Note: streaming load]
+    engine = tiered.initialize(model, config, weights=opts.weights)  # weights: [Note: streaming load]
     init_s = time.perf_counter() - t0
     gas = engine.gas
     world = int(engine.world_size)
     tracer = None
-    if trace_compute and engine.tm.tracing:
+    if opts.trace_compute and engine.tm.tracing:
         from tiered.finetune.trace import ComputeTracer
 
         tracer = ComputeTracer(model, engine.tm)
@@ -245,10 +218,10 @@ def train(
                             lr,
                             tokens / train_s if train_s > 0 else 0.0,
                             train_s,
-                            rates() if link_rates else {},
+                            rates() if opts.link_rates else {},
                         )
                     )
-                if eval_data is not None and (step % eval_every == 0 or step == opts.steps):
+                if eval_data is not None and (step % opts.eval_every == 0 or step == opts.steps):
                     evals.append((step, eval_loss(model, engine, eval_data())))
                     if on_eval is not None:
                         on_eval(*evals[-1])
@@ -264,7 +237,7 @@ def train(
         if tracer is not None:
             tracer.remove()
         stats = engine.stats()
-        if keep_state and not interrupted:
+        if opts.keep_state and not interrupted:
             state = {k: v.detach().float().clone() for k, v in engine.state_dict_fp32().items()}
         if checkpoints is not None and not interrupted:
             checkpoints.export(engine, model)

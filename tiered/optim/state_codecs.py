@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -64,6 +65,12 @@ def _flat_f32(x: torch.Tensor, what: str) -> torch.Tensor:
     return x
 
 
+def _passes(numel: int) -> Iterator[tuple[int, int]]:
+    """[start, stop) of each pass of `CHUNK` elements over a tile ([Note: codec speed])."""
+    for a in range(0, numel, CHUNK):
+        yield a, min(numel, a + CHUNK)
+
+
 def _grid(levels: int, steps: int) -> torch.Tensor:
     """2**((c - levels) / steps) for the codes c = 1..levels (code 0: 0.0), in fp32, computed by the
     same fp32 ops the codes were defined with, each in the body of one vectorised kernel call
@@ -87,13 +94,21 @@ class MomentCodec(abc.ABC):
     decode on their own from the bytes `piece_bytes` names (a checkpoint load decodes a tile
     chunk by chunk, [Note: compressed optimizer state])."""
 
-    @abc.abstractmethod
+    element: torch.dtype | None = None
+    """The dtype a fixed-width codec stores each element as (its encoding is those elements'
+    bytes, addressed by element in a checkpoint); None for a layout of its own (blocks)."""
+
     def encoded_bytes(self, numel: int) -> int:
         """Bytes of the encoding of `numel` elements."""
+        if self.element is None:
+            raise NotImplementedError(f"{type(self).__name__} has no fixed element: define encoded_bytes")
+        return numel * self.element.itemsize
 
     def storage(self, numel: int) -> tuple[int, torch.dtype]:
         """(numel, dtype) of the partition holding the encoding of `numel` elements: the codec's
         own element type where it has one (so a checkpoint addresses it by element), else bytes."""
+        if self.element is not None:
+            return numel, self.element
         return self.encoded_bytes(numel), torch.uint8
 
     def decoded_numel(self, nbytes: int) -> int:
@@ -109,7 +124,8 @@ class MomentCodec(abc.ABC):
         per = self.encoded_bytes(1)
         return [(per * start, per * (stop - start))]
 
-    @abc.abstractmethod
+    # encode and decode check their arguments and default the noise here, once for every codec;
+    # each codec writes only its coding, `_encode_checked` / `_decode_checked`.
     def encode(
         self,
         x: torch.Tensor,
@@ -122,11 +138,27 @@ class MomentCodec(abc.ABC):
         rounding with `noise` (default RoundingNoise(): key 0, offset 0). `native`: None, the
         native kernel when it is built, else the torch ops; False, the torch ops; True, the
         native kernel (RuntimeError when it is not built). Both give the same bits."""
+        self._check(x, out, "encode")
+        self._encode_checked(x, out, noise if noise is not None else RoundingNoise(), native)
 
-    @abc.abstractmethod
     def decode(self, buf: torch.Tensor, out: torch.Tensor, *, native: bool | None = None) -> None:
         """Write the values `buf` encodes into flat fp32 `out` (deterministic: no randomness);
         `native` as for encode."""
+        self._check(out, buf, "decode")
+        self._decode_checked(buf, out, native)
+
+    def _encode_checked(
+        self, x: torch.Tensor, out: torch.Tensor, noise: RoundingNoise, native: bool | None
+    ) -> None:
+        """`encode` on checked arguments; by default the elements cast to `element` (exact for fp32)."""
+        assert self.element is not None, f"{type(self).__name__} must define _encode_checked"
+        out.view(self.element).copy_(x)
+
+    def _decode_checked(self, buf: torch.Tensor, out: torch.Tensor, native: bool | None) -> None:
+        """`decode` on checked arguments; by default the stored elements widened to fp32 (a
+        shift per element for bf16: torch's copy is as fast as a kernel)."""
+        assert self.element is not None, f"{type(self).__name__} must define _decode_checked"
+        out.copy_(buf.view(self.element))
 
     @abc.abstractmethod
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,27 +179,7 @@ class Fp32Codec(MomentCodec):
 
     name = "fp32"
     lossless = True
-
-    def encoded_bytes(self, numel: int) -> int:
-        return 4 * numel
-
-    def storage(self, numel: int) -> tuple[int, torch.dtype]:
-        return numel, torch.float32
-
-    def encode(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        noise: RoundingNoise | None = None,
-        *,
-        native: bool | None = None,
-    ) -> None:
-        self._check(x, out, "encode")
-        out.view(torch.float32).copy_(x)
-
-    def decode(self, buf: torch.Tensor, out: torch.Tensor, *, native: bool | None = None) -> None:
-        self._check(out, buf, "decode")
-        out.copy_(buf.view(torch.float32))
+    element = torch.float32
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)
@@ -180,23 +192,11 @@ class Bf16StochasticCodec(MomentCodec):
     rounded to nearest (an inf stays inf, a NaN a NaN)."""
 
     name = "bf16"
+    element = torch.bfloat16
 
-    def encoded_bytes(self, numel: int) -> int:
-        return 2 * numel
-
-    def storage(self, numel: int) -> tuple[int, torch.dtype]:
-        return numel, torch.bfloat16
-
-    def encode(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        noise: RoundingNoise | None = None,
-        *,
-        native: bool | None = None,
+    def _encode_checked(
+        self, x: torch.Tensor, out: torch.Tensor, noise: RoundingNoise, native: bool | None
     ) -> None:
-        self._check(x, out, "encode")
-        noise = noise if noise is not None else RoundingNoise()
         dst = out.view(torch.int16)
         if x.numel() == 0:
             return
@@ -204,8 +204,8 @@ class Bf16StochasticCodec(MomentCodec):
         if mod is not None:
             odd = bool(mod.bf16_encode(x, dst, _i64(noise.key), noise.offset))
         else:
-            for a in range(0, x.numel(), CHUNK):  # [Note: codec speed]
-                self._encode(x[a : a + CHUNK], dst[a : a + CHUNK], noise.at(a))
+            for a, b in _passes(x.numel()):  # [Note: codec speed]
+                self._encode(x[a:b], dst[a:b], noise.at(a))
             odd = not float(x.abs().amax()) <= _BF16_SAFE  # one reduction; NaN fails it too
         if odd:
             # non-finite values, and the largest finite ones (rounding up may reach inf): nearest
@@ -218,10 +218,6 @@ class Bf16StochasticCodec(MomentCodec):
         words = noise_words(noise, x.numel()).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
         words.add_(x.view(torch.int32)).bitwise_right_shift_(16)
         dst.copy_(words)  # int32 -> int16 keeps the low half
-
-    def decode(self, buf: torch.Tensor, out: torch.Tensor, *, native: bool | None = None) -> None:
-        self._check(out, buf, "decode")
-        out.copy_(buf.view(torch.bfloat16))  # a shift per element: torch's copy is as fast as a kernel
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         # below one ulp: 2^(floor(log2|x|) - 7) <= 2^-7 |x|; fp32 subnormals keep a fixed ulp
@@ -290,16 +286,9 @@ class BlockLogCodec(MomentCodec):
             y = torch.nn.functional.pad(y, (0, nb * BLOCK - x.numel()))
         return y.view(nb, BLOCK)
 
-    def encode(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        noise: RoundingNoise | None = None,
-        *,
-        native: bool | None = None,
+    def _encode_checked(
+        self, x: torch.Tensor, out: torch.Tensor, noise: RoundingNoise, native: bool | None
     ) -> None:
-        self._check(x, out, "encode")
-        noise = noise if noise is not None else RoundingNoise()
         n = x.numel()
         scales, codes = self._split(out, n)
         mod = use_native(native)
@@ -307,8 +296,7 @@ class BlockLogCodec(MomentCodec):
             mod.log_encode(x, scales, codes, self.grid, self.levels, self.steps, self.signed, self.sqrt_domain,
                            _i64(noise.key), noise.offset)  # fmt: skip
             return
-        for a in range(0, n, CHUNK):  # [Note: codec speed]
-            b = min(n, a + CHUNK)
+        for a, b in _passes(n):  # [Note: codec speed]
             self._encode(x[a:b], scales[a // BLOCK : math.ceil(b / BLOCK)], codes[a:b], noise.at(a))
 
     def _encode(
@@ -370,8 +358,7 @@ class BlockLogCodec(MomentCodec):
         """Each code's level as a fraction of its block's maximum (code 0: 0.0), a table look-up."""
         return self.grid.index_select(0, code.view(-1)).view(code.shape)
 
-    def decode(self, buf: torch.Tensor, out: torch.Tensor, *, native: bool | None = None) -> None:
-        self._check(out, buf, "decode")
+    def _decode_checked(self, buf: torch.Tensor, out: torch.Tensor, native: bool | None) -> None:
         n = out.numel()
         scales, codes = self._split(buf, n)
         mod = use_native(native)
@@ -379,8 +366,7 @@ class BlockLogCodec(MomentCodec):
             table = self.signed_grid if self.signed else self.grid
             mod.log_decode(scales, codes, out, table, self.signed, self.sqrt_domain)
             return
-        for a in range(0, n, CHUNK):  # [Note: codec speed]
-            b = min(n, a + CHUNK)
+        for a, b in _passes(n):  # [Note: codec speed]
             self._decode(scales[a // BLOCK : math.ceil(b / BLOCK)], codes[a:b], out[a:b])
 
     def _decode(self, scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:

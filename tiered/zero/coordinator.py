@@ -26,10 +26,11 @@ from tiered.errors import CapacityError, ConfigError, ShapeMutationError
 from tiered.shards import ShardGroup
 from tiered.zero import comm, grad_norm
 from tiered.zero.budget import GpuGatherNeed, LiveBudget
-from tiered.zero.group import COUNTERS, GradSummary, GroupContext, GroupRuntime
-from tiered.zero.hooks import HookSet
+from tiered.zero.counters import ScheduleCounters
+from tiered.zero.group import GradSummary, GroupContext, GroupRuntime
+from tiered.zero.hooks import CallInBackward, HookSet
 from tiered.zero.layout import persists_by_room, plan_layout
-from tiered.zero.leaf import LeafBoundary, local_context
+from tiered.zero.leaf import local_context
 from tiered.zero.order import CollectiveOrder, masks_over_ranks, union_over_ranks
 from tiered.zero.passes import BackwardHolds, PassState
 from tiered.zero.plan import check_no_meta_mix
@@ -90,7 +91,7 @@ class ZeroParameters:
         self.busy = False
         """Set while the coordinator moves parameters itself (ExternalParamMode stands aside)."""
         placeholder = torch.empty(0, dtype=compute_dtype, device=self.device)
-        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.counters = ScheduleCounters()  # [Note: one writer of the schedule counters]
 
         ws = self.world_size
         is_meta = check_no_meta_mix(model)
@@ -220,7 +221,7 @@ class ZeroParameters:
 
     def stats(self) -> dict[str, Any]:
         return {
-            **self.counters,
+            **self.counters.as_dict(),
             **self.trace.stats(),
             "groups": len(self.groups),
             "persistent_groups": sum(g.persistent for g in self.groups),
@@ -463,15 +464,15 @@ class ZeroParameters:
         return cb
 
     def _leaf_boundary(self, module: nn.Module) -> Callable[..., tuple[torch.Tensor, ...]] | None:
-        """For a leaf: wraps its inputs in `LeafBoundary` (see [Note: leaf modules]); else None."""
+        """For a leaf: wraps its inputs in `CallInBackward`, flushing it (see [Note: leaf modules]); else None."""
         mid = id(module)
         if mid not in self._leaves.by_module:
             return None
-        return lambda *ts: LeafBoundary.apply(lambda: self._flush_leaf(mid), *ts)
+        return lambda *ts: CallInBackward.apply(lambda: self._flush_leaf(mid), *ts)
 
     def _gather_external(self, p: nn.Parameter) -> None:
         """A parameter used by an op while not gathered. See [Note: saved tensors and external parameters]."""
-        self.counters["external_gathers"] += 1
+        self.counters.count_external_gather()
         mod = self._fw_stack[-1] if self._fw_stack else None
         for i in self.groups_of_param(p):
             if mod is None:  # outside any module: held until the pass ends
@@ -489,7 +490,7 @@ class ZeroParameters:
         def hook(grad: torch.Tensor) -> None:
             for rt in rts:
                 if rt.full is None:
-                    self.counters["backward_on_demand"] += 1
+                    self.counters.count_backward_on_demand()
                     self._bw.gather(rt.index)
 
         return hook

@@ -56,6 +56,7 @@ from tiered.errors import ShapeMutationError
 from tiered.shards import ShardGroup
 from tiered.zero import comm
 from tiered.zero.budget import LiveBudget
+from tiered.zero.counters import ScheduleCounters
 from tiered.zero.grad_home import GradKeeper, StagedGradHome, is_staged
 from tiered.zero.leaf import passed_over
 from tiered.zero.order import GATHER, REDUCE, CollectiveOrder
@@ -65,20 +66,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from tiered.tiers import Partition, TierFuture, TierManager
-
-
-COUNTERS = (
-    "fetches",
-    "prefetch_hits",
-    "cache_hits",
-    "misses",
-    "prefetches",
-    "evictions",
-    "external_gathers",
-    "backward_on_demand",
-    "grad_flushes",
-    "saved_refs",
-)
 
 
 @dataclass(frozen=True)
@@ -98,8 +85,8 @@ class GroupContext:
 
     tm: TierManager
     budget: LiveBudget
-    counters: dict[str, int]
-    """Schedule counters (fetches, prefetch_hits, evictions, grad_flushes, ...), by name."""
+    counters: ScheduleCounters
+    """Schedule counters (fetches, prefetch_hits, evictions, grad_flushes, ...), their one writer."""
     device: torch.device
     compute_dtype: torch.dtype
     placeholder: torch.Tensor
@@ -236,14 +223,8 @@ class GroupRuntime:
             if not g.param.is_resident(g.param.home):  # newer bytes elsewhere: bring them home
                 ctx.tm.flush(g.param).result()
             return self.home_view(g.param)
-        c = ctx.counters
-        c["fetches"] += 1
-        if self.inflight is not None:
-            c["prefetch_hits"] += 1
-        elif g.param.is_resident("gpu"):
-            c["cache_hits"] += 1
-        else:
-            c["misses"] += 1
+        prefetched = self.inflight is not None
+        ctx.counters.count_fetch(prefetched=prefetched, cached=not prefetched and g.param.is_resident("gpu"))
         fut = ctx.tm.fetch(g.param, "gpu")
         self.inflight = fut  # the manager may not have started it yet: not "absent" for settle_live
         if self.counted_live:
@@ -340,7 +321,7 @@ class GroupRuntime:
                 return False
             ctx.budget.add(self.index)
         self.inflight = ctx.tm.prefetch(self.group.param, "gpu")
-        ctx.counters["prefetches"] += 1
+        ctx.counters.count_prefetch()
         return True
 
     def forget_prefetch(self) -> None:
@@ -356,7 +337,7 @@ class GroupRuntime:
         # (a shard homed in "gpu", world_size > 1, stays: only the gathered full buffer goes)
         if self.evicting is None and self.group.param.home != "gpu" and self.group.param.is_resident("gpu"):
             self.evicting = self.ctx.tm.evict(self.group.param, "gpu")
-            self.ctx.counters["evictions"] += 1
+            self.ctx.counters.count_eviction()
         if wait:
             self.wait_evicted()
 
@@ -431,7 +412,7 @@ class GroupRuntime:
                 self._probe([shard], t)  # this rank's shard; the engine ORs the ranks
                 self._home_written(g.grad, for_step=True)
         self.drop_param_grads()
-        ctx.counters["grad_flushes"] += 1
+        ctx.counters.count_grad_flush()
 
     def _probe(self, incoming: list[torch.Tensor], home: torch.Tensor) -> None:
         """Record whether this flush's values are finite, without a sync: a sum is finite iff

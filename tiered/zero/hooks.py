@@ -4,7 +4,7 @@
 Every hook here forwards to one method of its `HookTarget` (the coordinator, `ZeroParameters`);
 no state lives here. Per module:
 a forward pre-hook gathers the module's groups; a forward post-hook (``always_call``) releases
-them and wraps the grad-requiring tensors of its output in `_PreBackward`, whose backward runs
+them and wraps the grad-requiring tensors of its output in `CallInBackward`, whose backward runs
 before the module's backward: the moment to gather them again (DeepSpeed's
 PreBackwardFunction pattern). In backward a group is released when all its gradients have
 arrived (see [Note: gradient flush]); frozen groups after a short delay. Inputs are NOT wrapped
@@ -21,7 +21,7 @@ Autograd saves tensors for backward that are *views* of a gathered buffer (``wei
 release, unaccounted and possibly reused. During the engine's forward a
 ``saved_tensors_hooks`` pair replaces any saved tensor whose bytes lie in a gathered buffer by
 a reference (group, offset, shape, stride); unpacking re-gathers the group if needed and
-rebuilds the view. So backward is correct even where no `_PreBackward` fired (a module whose
+rebuilds the view. So backward is correct even where no `CallInBackward` fired (a module whose
 output we could not traverse), and released memory is really released.
 A `TorchFunctionMode`, also active only during the engine's forward, sees a managed parameter
 that is not gathered being used by an op (``F.linear(x, self.other.weight)``, a tied weight used
@@ -96,7 +96,12 @@ class HookTarget(Protocol):
     def _on_grad_ready(self, p: nn.Parameter) -> None: ...
 
 
-class _PreBackward(torch.autograd.Function):
+class CallInBackward(torch.autograd.Function):
+    """Identity on `tensors`; its backward calls `cb` once the gradients of all of them are
+    computed, then passes them on. The one autograd function the engine adds: around a module's
+    outputs its backward runs before the module's (re-gather, [Note: hooks that only dispatch]),
+    around a leaf's inputs after the leaf's subtree's (flush, [Note: leaf modules])."""
+
     @staticmethod
     def forward(ctx: Any, cb: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.cb = cb
@@ -446,7 +451,7 @@ class HookSet:
                 if not torch.is_grad_enabled():
                     return None
                 cb = zp._backward_enter_cb(module)
-                return map_tensors(output, lambda ts: list(_PreBackward.apply(cb, *ts)), name)
+                return map_tensors(output, lambda ts: list(CallInBackward.apply(cb, *ts)), name)
 
         return post
 

@@ -20,8 +20,9 @@ post-backward, whatever its children do. tiered takes both halves:
   descendants then find them gathered (a pin, no collective), whichever of them run.
 - Backward: the leaf's output boundary gathers them all again; the descendants' gradients are
   recorded but no group of the leaf is flushed when "complete" (which depends on the routing).
-  The leaf's *input* boundary (`LeafBoundary`, an identity autograd function around the inputs
-  that require grad, run when the gradients of all of them are computed, i.e. when the subtree's
+  The leaf's *input* boundary (`CallInBackward` of tiered/zero/hooks.py, an identity autograd
+  function around the inputs that require grad, run when the gradients of all of them are
+  computed, i.e. when the subtree's
   backward is done: FSDP2's RegisterPostBackwardFunction, DeepSpeed's full backward hook on the
   leaf) flushes every group the leaf owns, in index order, on every rank: a parameter no token
   reached reduces zeros, and the OR-ed "received" mask keeps it from being stepped unless some
@@ -61,7 +62,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from tiered.errors import ConfigError
@@ -204,21 +204,6 @@ class Leaf:
     """The trainable groups planned for it (flushed at its boundary), sorted."""
     open: bool = False
     """Its backward started and its boundary has not flushed yet."""
-
-
-class LeafBoundary(torch.autograd.Function):
-    """Identity on a leaf's inputs; its backward (all input gradients computed: the subtree's
-    backward is done) calls `cb`. See [Note: leaf modules]."""
-
-    @staticmethod
-    def forward(ctx: Any, cb: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.cb = cb
-        return tuple(t.detach() for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.cb()
-        return (None, *grads)
 
 
 class LeafSet:

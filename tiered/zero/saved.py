@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from tiered.zero.budget import LiveBudget
+from tiered.zero.counters import ScheduleCounters
 from tiered.zero.group import GroupRuntime
 from tiered.zero.split import SplitParam
 
@@ -56,7 +57,7 @@ class SavedTensorRefs:
         runtimes: Sequence[GroupRuntime],
         managed: Mapping[int, tuple[int, int]],
         budget: LiveBudget,
-        counters: dict[str, int],
+        counters: ScheduleCounters,
         device: torch.device,
         regather: Callable[[int], None],
         splits: Mapping[int, SplitParam],
@@ -79,7 +80,7 @@ class SavedTensorRefs:
         for pid, sp in self._splits.items():  # a view of a parameter put together from its pieces
             b = sp.buffer
             if b is not None and b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
-                self._counters["saved_refs"] += 1
+                self._counters.count_saved_ref()
                 return WholeRef(pid, (t.storage_offset() - b.storage_offset(), tuple(t.shape), t.stride()))
         for i in self._budget.gathered:  # few groups are gathered at once; scan those
             f = self._runtimes[i].full
@@ -90,7 +91,7 @@ class SavedTensorRefs:
                 base <= ptr < base + f.numel() * f.element_size()
                 and f.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
             ):
-                self._counters["saved_refs"] += 1
+                self._counters.count_saved_ref()
                 return (i, t.storage_offset() - f.storage_offset(), tuple(t.shape), t.stride())
         return t
 
@@ -101,7 +102,7 @@ class SavedTensorRefs:
             sp = self._splits[obj.param]
             for i in sp.groups:
                 if self._runtimes[i].full is None:
-                    self._counters["backward_on_demand"] += 1
+                    self._counters.count_backward_on_demand()
                     self._regather(i)
             b = sp.buffer
             assert b is not None
@@ -112,7 +113,7 @@ class SavedTensorRefs:
         i = obj[0]
         rt = self._runtimes[i]
         if rt.full is None:
-            self._counters["backward_on_demand"] += 1
+            self._counters.count_backward_on_demand()
             self._regather(i)
         full = rt.full
         assert full is not None

@@ -1,11 +1,11 @@
 """`tiered finetune`'s command line: its help text and options (the option groups are in
-tiered/cli/finetune_options.py); `tiered.cli.finetune` runs what they ask."""
+tiered/cli/finetune/options.py); `tiered.cli.finetune` runs what they ask."""
 
 from __future__ import annotations
 
 import argparse
 
-from tiered.cli.finetune_options import (
+from tiered.cli.finetune.options import (
     add_checkpoint_arguments,
     add_data_arguments,
     add_model_arguments,

@@ -1,6 +1,6 @@
 """The option groups of `tiered finetune` (data, model, checkpoints, trace and plot) and the
-frozen objects they build (`FinetuneOptions`, `CheckpointOptions`); tiered/cli/finetune.py wires
-them into the command."""
+frozen objects they build (`FinetuneOptions`, `CheckpointOptions`); tiered/cli/finetune/command.py
+wires them into the command."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""`tiered finetune`: fine-tune a local Hugging Face causal LM with ZeRO-3 offload.
+"""`tiered finetune`'s job: the options applied, the model trained, the progress and the tier
+stats printed, the stats JSON written.
 
-The work is in `tiered.finetune` (model, data, loop); this module parses options, prints the
-progress and the tier stats, and writes the stats JSON. `finetune_job` is shared with the demo.
+The work is in `tiered.finetune` (model, data, loop); `finetune_job` is shared with the demo.
 """
 
 from __future__ import annotations
@@ -17,16 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from tiered.cli.finetune_config import hyperparameter_flags, load_checked, with_auto_config
-from tiered.cli.finetune_machine import describe_choice, describe_machine, machine_config
-from tiered.cli.finetune_options import (
+from tiered.cli.finetune.config import hyperparameter_flags, load_checked, with_auto_config
+from tiered.cli.finetune.machine import describe_choice, describe_machine, machine_config
+from tiered.cli.finetune.options import (
     FinetuneOptions,
     checkpoint_policy,
     clear_for_overwrite,
     report_checkpoints,
 )
-from tiered.cli.finetune_parser import add_parser as add_parser  # the command table's entry
-from tiered.cli.finetune_trace import check_plot_available, inside, report_trace, with_trace
+from tiered.cli.finetune.trace import check_plot_available, inside, report_trace, with_trace
 from tiered.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -265,16 +264,19 @@ def _finetune_job(options: FinetuneOptions, out: TextIO | None) -> JobResult:
                 model,
                 cfg,
                 _rank_stream(data.train, micro, o.seed, rank, world),
-                TrainOptions(steps=o.steps, log_every=o.log_every),
-                on_log=progress.step,
-                keep_state=o.compare_torch,
-                eval_data=(lambda: eval_batches(held, micro)) if held is not None else None,
-                eval_every=o.eval_every or o.steps,
-                on_eval=lambda st, loss: progress.eval(st, loss, eval_rows),
-                link_rates=isinstance(progress, BarProgress),
-                trace_compute=trace_file is not None,
-                weights=streamed,
-                checkpoints=policy,
+                TrainOptions(
+                    steps=o.steps,
+                    log_every=o.log_every,
+                    on_log=progress.step,
+                    keep_state=o.compare_torch,
+                    eval_data=(lambda: eval_batches(held, micro)) if held is not None else None,
+                    eval_every=o.eval_every or o.steps,
+                    on_eval=lambda st, loss: progress.eval(st, loss, eval_rows),
+                    link_rates=isinstance(progress, BarProgress),
+                    trace_compute=trace_file is not None,
+                    weights=streamed,
+                    checkpoints=policy,
+                ),
             )
     finally:
         progress.close()
@@ -320,7 +322,7 @@ def _job_config(
     the trace file (and whether it is temporary) and the caller's hyper-parameters; the input
     paths are checked first."""
     from tiered.config.loader import read_config_file
-    from tiered.finetune import apply_overrides
+    from tiered.config.overrides import apply_overrides
     from tiered.finetune.lora import parse_lora_spec
 
     machine_said: tuple[str, ...] = ()

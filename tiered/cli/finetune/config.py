@@ -6,10 +6,9 @@ from __future__ import annotations
 import copy
 import difflib
 import logging
-from pathlib import Path
 from typing import Any
 
-from tiered.cli.finetune_options import FinetuneOptions
+from tiered.cli.finetune.options import FinetuneOptions
 from tiered.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -50,53 +49,46 @@ def load_checked(
     o: FinetuneOptions, raw: dict[str, Any], hp: Any, model: Any, hf: Any
 ) -> tuple[Any, int, Any]:
     """(config, micro-batch, activation estimate), refused before anything is printed as if it
-    were chosen; validating the config creates nvme_path (as DeepSpeed does): a refusal undoes that."""
+    were chosen (and before anything is written: [Note: config parsing is pure])."""
     import torch
 
     from tiered.config.loader import load_config
     from tiered.finetune.activations import check_activations, estimate_activations
     from tiered.finetune.loop import micro_batch_size
 
-    if o.auto_config is not None and o.config is not None:  # without one: in the machine's (finetune_machine)
+    if o.auto_config is not None and o.config is not None:  # without one: in the machine's (machine.py)
         raw = with_auto_config(raw, o.auto_config)
     from tiered.config.auto_request import CONFIG_SPELLING, has_auto_config
     from tiered.planning.auto import resolve_auto_config
 
-    new_dirs = _missing_dirs(raw)
-    try:
-        if has_auto_config(raw):  # [Note: auto config]: chosen over the model being trained
-            import torch.distributed as dist
+    if has_auto_config(raw):  # [Note: auto config]: chosen over the model being trained
+        import torch.distributed as dist
 
-            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-            raw = resolve_auto_config(
-                raw,
-                model,
-                world_size=world,
-                spelled="--auto-config "
-                if o.auto_config is not None or o.config is None
-                else CONFIG_SPELLING,
-                activations=lambda cfg: _activation_estimate(cfg, o, hf),
-            )
-        cfg = load_config(raw, model=model, hyperparameters=hp)
-        check_complete_for_cli(cfg.unset, o.config_name)
-        micro = micro_batch_size(cfg, o.batch_size)
-        if o.compare_torch and cfg.precision.dtype != torch.float32:
-            raise ConfigError(
-                f"--compare-torch compares fp32 runs only, but {o.config_name} enables bf16/fp16; drop "
-                "--compare-torch or the bf16/fp16 section"
-            )
-        act = estimate_activations(
-            hf,
-            batch=micro,
-            seq_len=o.seq_len,
-            dtype=cfg.precision.dtype,
-            checkpointing=o.gradient_checkpointing,
-            compute_on_cpu=not torch.cuda.is_available(),
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        raw = resolve_auto_config(
+            raw,
+            model,
+            world_size=world,
+            spelled="--auto-config " if o.auto_config is not None or o.config is None else CONFIG_SPELLING,
+            activations=lambda cfg: _activation_estimate(cfg, o, hf),
         )
-        check_activations(act, torch.device("cuda" if torch.cuda.is_available() else "cpu"), o.free_memory)
-    except BaseException:
-        remove_empty(new_dirs)
-        raise
+    cfg = load_config(raw, model=model, hyperparameters=hp)
+    check_complete_for_cli(cfg.unset, o.config_name)
+    micro = micro_batch_size(cfg, o.batch_size)
+    if o.compare_torch and cfg.precision.dtype != torch.float32:
+        raise ConfigError(
+            f"--compare-torch compares fp32 runs only, but {o.config_name} enables bf16/fp16; drop "
+            "--compare-torch or the bf16/fp16 section"
+        )
+    act = estimate_activations(
+        hf,
+        batch=micro,
+        seq_len=o.seq_len,
+        dtype=cfg.precision.dtype,
+        checkpointing=o.gradient_checkpointing,
+        compute_on_cpu=not torch.cuda.is_available(),
+    )
+    check_activations(act, torch.device("cuda" if torch.cuda.is_available() else "cpu"), o.free_memory)
     return cfg, micro, act
 
 
@@ -121,38 +113,6 @@ def _activation_estimate(cfg: Any, o: FinetuneOptions, hf: Any) -> int:
     )
     log.info("tiered.auto_config: activation_mem from the estimate: %s", est.describe())
     return int(est.total_bytes)
-
-
-def _missing_dirs(raw: dict[str, Any]) -> list[Path]:
-    """The offload folders of `raw` (nvme_path) and their ancestors that do not exist yet, deepest first."""
-    zero = raw.get("zero_optimization")
-    paths = []
-    for key in ("offload_param", "offload_optimizer"):
-        sec = zero.get(key) if isinstance(zero, dict) else None
-        path = sec.get("nvme_path") if isinstance(sec, dict) else None
-        if isinstance(path, str):
-            paths.append(path)
-    return missing_dirs(paths)
-
-
-def missing_dirs(paths: list[str]) -> list[Path]:
-    """`paths` and their ancestors that do not exist yet, deepest first: what validating a config
-    naming them as nvme_path creates (as DeepSpeed does), for `remove_empty` to undo."""
-    found: list[Path] = []
-    for path in paths:
-        p = Path(path).expanduser().absolute()
-        while not p.exists() and p not in found:
-            found.append(p)
-            p = p.parent
-    return sorted(found, key=lambda q: len(q.parts), reverse=True)
-
-
-def remove_empty(dirs: list[Path]) -> None:
-    for d in dirs:
-        try:
-            d.rmdir()  # only if empty: never removes what someone else put there
-        except OSError:
-            pass
 
 
 # The flag that supplies each hyper-parameter keyword (for "tiered never invents" errors).

@@ -17,7 +17,7 @@ def machine_config(o: Any, world_size: int) -> tuple[dict[str, Any], tuple[str, 
     was read. The learning rate is never chosen for the user: ``--lr`` is required."""
     import torch
 
-    from tiered.cli.finetune_config import with_auto_config
+    from tiered.cli.finetune.config import with_auto_config
     from tiered.engine.residency import local_ranks
     from tiered.planning.machine import machine_memories
 
