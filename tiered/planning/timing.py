@@ -29,9 +29,13 @@ is max(compute, I/O, CPU Adam); on a machine without a GPU the CPU Adam runs on 
 as the compute, so there it adds to the compute instead of overlapping it (max(compute + Adam,
 I/O)). With the step overlapped with backward (``tiered.overlap_step_with_backward``) the
 state's I/O cannot start before backward: [Note: the overlapped step's two phases]. Otherwise
-the step starts after backward and first reads its state from disk: those reads (or the Adam,
-if slower) run alone, after the compute, and add to it: max(compute, the other I/O) + max(state
-reads, Adam). What is not counted: the first group's fetch before the forward can start, the
+the step starts after backward and first reads its state from disk: those reads, with the
+write-backs the pipeline starts while it still reads (one drive does both; measured on
+benchmarks/residency_sweep.py, 2026-12-08: 0.59 s of read waits for 0.33 GB read and 0.33 GB
+written in the step), or the Adam if slower, run alone after the compute and add to it:
+max(compute, the other I/O) + max(state reads + writes, Adam). On a host without a GPU the
+"gpu" tier is host memory: its copies are memcpy on the cores that compute, at the host copy rate
+`tiered bench` measures, and add to the compute ([Note: host rates measured]). What is not counted: the first group's fetch before the forward can start, the
 last writes' wait, and with the matmul probe, the compute's own inefficiency at small shapes
 (attention, norms and the loss are not in 6 x params x tokens, and run below one large matmul's
 rate; the model probe measures them): benchmarks/RESULTS.md
