@@ -1,16 +1,14 @@
 """ZeroParameters: the per-model coordinator of every partitioned parameter.
 
-It builds the flat shard groups (tiered/zero/sharding.py, see [Note: flat shard groups]), holds
-one `GroupRuntime` per group (tiered/zero/group.py: each group's own gather, release, prefetch,
-eviction and gradient flush), the `LiveBudget` they share (tiered/zero/budget.py) and the
-recorded `Trace`; it installs the hooks (tiered/zero/hooks.py, see [Note: hooks that only
-dispatch]) and keeps what spans groups: the module -> group maps, the forward stack and the
-groups held for backward, the groups sealed for an overlapped step, the counters. Which group
-next is the trace's business (see [Note: trace and re-synchronisation]).
-
-The modules import one way: shards < budget < group < saved, leaf < order < group, hooks < passes <
-coordinator; plan, meta, schedule, comm and sharding import none of the run-time objects. Leaf
-modules (what a leaf gathers and flushes) are [Note: leaf modules] in tiered/zero/leaf.py.
+It builds the flat shard groups (sharding.py, [Note: flat shard groups]), holds one `GroupRuntime`
+per group (group.py: its gather, release, prefetch, eviction and gradient flush), their shared
+`LiveBudget` (budget.py) and the recorded `Trace`; it installs the hooks (hooks.py,
+[Note: hooks that only dispatch]) and keeps what spans groups: the module -> group maps, the
+forward stack, the groups held for backward or sealed for an overlapped step, the counters. Which
+group next is the trace's business ([Note: trace and re-synchronisation]). The modules import one
+way: shards < budget < group < saved, leaf < order < group, hooks < passes < coordinator; plan,
+meta, schedule, comm and sharding import none of the run-time objects. What a leaf gathers and
+flushes is [Note: leaf modules] in leaf.py.
 """
 
 from __future__ import annotations
