@@ -55,6 +55,13 @@ def test_quiet_prints_nothing() -> None:
     assert out.getvalue() == ""
 
 
+def _default_sigint() -> None:
+    # A child of a non-interactive shell's background job inherits SIGINT ignored, and Python
+    # keeps an ignored SIGINT ignored: the interrupt these tests send would never arrive (a CI
+    # started as `bash .ci/run &` saw the bench run on and the replay exit 0). As tests/test_signals.py.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")])
@@ -105,7 +112,9 @@ def test_sigint_during_bandwidth_rounds_removes_the_files(tmp_path: Path) -> Non
         "nvme",
         "--quiet",
     ]
-    proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint
+    )
     rc = _interrupt_when(proc, tmp_path)
     err = proc.stderr.read().decode() if proc.stderr else ""
     assert rc == 130, err
@@ -122,7 +131,9 @@ def test_sigint_during_the_training_replay_removes_the_swap_files(tmp_path: Path
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
     argv = [sys.executable, "-m", "tiered.cli.main", "bench", "--training", "--model", str(TINY)]
     argv += ["--config", str(tmp_path / "ds.json"), "--steps", "100000", "--quiet"]
-    proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint
+    )
     rc = _interrupt_when(proc, offload)
     err = proc.stderr.read().decode() if proc.stderr else ""
     assert rc == 130, err
