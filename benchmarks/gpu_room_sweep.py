@@ -21,7 +21,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -64,22 +63,9 @@ def config(gpu_budget: int | None) -> dict[str, Any]:
 def run(gpu_budget: int | None, steps: int, warmup: int) -> dict[str, Any]:
     import tiered
 
-    times, losses = [], []
     with tiered.initialize(frozen_model(), config(gpu_budget)) as e:
-        for i, x in enumerate(rs.batches(steps)):
-            if i == warmup:
-                e.optimizer.wait_writes()
-                e.zero.wait_prefetches()
-                first = e.tm.stats()["links"].get("cpu->gpu", {"bytes": 0})["bytes"]
-            t0 = time.perf_counter()
-            out = e(input_ids=x, labels=x)
-            e.backward(out.loss)
-            e.step()
-            times.append(time.perf_counter() - t0)
-            losses.append(float(out.loss.detach()))
-        e.optimizer.wait_writes()
-        e.zero.wait_prefetches()
-        copies = (e.tm.stats()["links"]["cpu->gpu"]["bytes"] - first) / (steps - warmup)
+        times, losses, window = rs.timed_steps(e, steps, warmup)
+        copies = window["cpu->gpu"]["bytes"] / (steps - warmup)
         groups = e.zero.groups
         return {
             "step_s": statistics.median(times[warmup:]),

@@ -95,25 +95,40 @@ def state_and_need(base: Path) -> tuple[int, int]:
         return state, int(e.capacity["cpu"]["total"])
 
 
+def timed_steps(
+    e: Any, steps: int, warmup: int
+) -> tuple[list[float], list[float], dict[str, dict[str, float]]]:
+    """`steps` steps of `e` on `batches`: each step's seconds, each loss, and the tier manager's
+    link bytes over the steps after the first `warmup` (writes and prefetches settled at both
+    ends, so a window holds exactly its steps' moves)."""
+
+    def settled_links() -> dict[str, Any]:
+        e.optimizer.wait_writes()
+        e.zero.wait_prefetches()
+        return e.tm.stats()["links"]
+
+    times, losses = [], []
+    first: dict[str, Any] = {}
+    for i, x in enumerate(batches(steps)):
+        if i == warmup:
+            first = settled_links()
+        t0 = time.perf_counter()
+        out = e(input_ids=x, labels=x)
+        e.backward(out.loss)
+        e.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(out.loss.detach()))
+    links = settled_links()
+    window = {k: {"bytes": v["bytes"] - first.get(k, {"bytes": 0})["bytes"]} for k, v in links.items()}
+    return times, losses, window
+
+
 def train(cfg: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     import tiered
     from tiered.planning.traffic import measured_per_step
 
-    times, losses = [], []
     with tiered.initialize(build_model(), cfg) as e:
-        for i, x in enumerate(batches(steps)):
-            if i == warmup:
-                e.optimizer.wait_writes()
-                first = e.tm.stats()["links"]
-            t0 = time.perf_counter()
-            out = e(input_ids=x, labels=x)
-            e.backward(out.loss)
-            e.step()
-            times.append(time.perf_counter() - t0)
-            losses.append(float(out.loss.detach()))
-        e.optimizer.wait_writes()
-        links = e.tm.stats()["links"]
-        window = {k: {"bytes": v["bytes"] - first.get(k, {"bytes": 0})["bytes"]} for k, v in links.items()}
+        times, losses, window = timed_steps(e, steps, warmup)
         measured = measured_per_step(window, e.parts.tier_memory, steps - warmup)
         s = e.stats()
     return {

@@ -451,6 +451,7 @@ def predict(
     gpu_spec = cfg.tiered.tiers.get("gpu")
     gpu_budget = gpu_spec.budget_bytes if gpu_spec is not None else None
     z = cfg.zero
+    gpu_stepped = _gpu_stepped_grad_tier(cfg, placement)
     key = (
         z.sub_group_size_numel,
         z.param_persistence_threshold_numel,
@@ -462,8 +463,10 @@ def predict(
         world_size,
         placement.param_tier,
         placement.grad_tier,
-        float(z.offload_optimizer.ratio),  # [Note: a GPU-stepped gradient stays on the GPU]
-        _gpu_stepped_grad_tier(cfg, placement),
+        gpu_stepped,
+        # [Note: a GPU-stepped gradient stays on the GPU]: the ratio decides the layout only where
+        # those gradients are homed apart (the GPU room's search weighs many ratios: one layout)
+        float(z.offload_optimizer.ratio) if gpu_stepped != placement.grad_tier else None,
         # [Note: persistent by room]: what the gpu budget's room holds persistent depends on these
         persists_by_room(cfg),
         int(cfg.gradient_accumulation_steps),
